@@ -1,0 +1,120 @@
+"""Every wire name of the protocol, in one place.
+
+The v0 names come from heptamini's wire protocol (``shared/HEPTAMINI_V0.md``); the
+governor's extensions are marked as such. Clients key on these strings, so a value here
+never changes once released: add a new member rather than rename one.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+PROTOCOL_VERSION = 0
+UNKNOWN_JOB = "J_?"
+
+
+class Verb(StrEnum):
+    SHARE = "share"  # client: upload a manifest or a chunk
+    PING = "ping"  # client: health probe
+    CLARIFY = "clarify"  # server: an answer that keeps the exchange going (ok, need, yield)
+    CONFIRM = "confirm"  # server: a closing answer (ok to a ping, done, abort)
+
+
+CLIENT_VERBS = frozenset({Verb.SHARE, Verb.PING})
+
+
+class Status(StrEnum):
+    OK = "ok"
+    NEED = "need"
+    YIELD = "yield"
+    DONE = "done"
+    ABORT = "abort"
+
+
+class NeedCode(StrEnum):
+    # A line that is not a JSON object (the bad-line classifier's verdicts).
+    HTTP_REQUEST = "http_request"
+    HTML_DOCUMENT = "html_document"
+    XML_DOCUMENT = "xml_document"
+    BINARY_GIF = "binary_gif"
+    JSON_ARRAY = "json_array"
+    JSON_MALFORMED = "json_malformed"
+    NOT_JSON = "not_json"
+    # A JSON object that breaks an envelope rule.
+    ENVELOPE_INVALID = "envelope_invalid"
+    # Upload problems, answered with clarify/need; the connection stays open.
+    MANIFEST_INVALID = "manifest_invalid"
+    MANIFEST_MISSING = "manifest_missing"
+    CHUNK_MISSING = "chunk_missing"
+    PAYLOAD_ID_MISMATCH = "payload_id_mismatch"
+    CHUNK_EXPECTED_INDEX = "chunk_expected_index"
+    CHUNK_B64_INVALID = "chunk_b64_invalid"
+    CHUNK_TOO_LARGE = "chunk_too_large"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    CHUNK_HASH_MISMATCH = "chunk_hash_mismatch"
+    PAYLOAD_SIZE_MISMATCH = "payload_size_mismatch"
+    PAYLOAD_HASH_MISMATCH = "payload_hash_mismatch"
+    # Extension: a payload_chunk object of the wrong shape (missing or mistyped field).
+    CHUNK_INVALID = "chunk_invalid"
+    # Extension: the chunk's offset is not the number of bytes received so far.
+    CHUNK_OFFSET_MISMATCH = "chunk_offset_mismatch"
+    # Extension: a frame for a job that is running now.
+    JOB_RUNNING = "job_running"
+    # Admission.
+    SERVER_BUSY = "server_busy"  # yield: every execution slot is taken
+    DRAINING = "draining"  # extension, yield: the daemon is shutting down
+    # Outcomes of an admitted job.
+    BACKEND_ERROR = "backend_error"
+    TTL_EXPIRED = "ttl_expired"  # extension: ttl_ms ran out while the job ran
+    SHUTDOWN = "shutdown"  # extension: still running when the drain grace period ended
+    # Connection-fatal: answered with confirm/abort, then the connection is closed.
+    LINE_TOO_LARGE = "line_too_large"
+    IDLE_TIMEOUT = "idle_timeout"
+    TOO_MANY_JOBS = "too_many_jobs"
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # extension
+
+
+class ErrorCode(StrEnum):
+    BAD_FRAME = "bad_frame"
+    BAD_ENVELOPE = "bad_envelope"
+    NEED_MANIFEST_FIX = "need_manifest_fix"
+    NEED_MORE = "need_more"
+    BUSY = "busy"
+    BACKEND_ERROR = "backend_error"
+    TIMEOUT = "timeout"
+    QUOTA = "quota"
+    CONFLICT = "conflict"  # extension: JOB_RUNNING
+    UNAVAILABLE = "unavailable"  # extension: DRAINING, SHUTDOWN
+
+
+class Receipt(StrEnum):
+    """Receipt kinds. The first six are the core receipts carried by every reply."""
+
+    HEALTH = "server.health"
+    INFLIGHT = "backend.inflight"
+    CAP = "backend.cap"
+    EXECUTED_TOTAL = "server.executed_total"
+    YIELDED_TOTAL = "server.yielded_total"
+    BYTES_IN = "cdr.bytes_in"
+    # Extensions.
+    INFLIGHT_PEAK = "backend.inflight_peak"  # highest inflight since start
+    DRAINING = "server.draining"  # 1 while shutting down
+    CONNECTIONS = "server.connections"
+    RETRY_HINT_MS = "conn.retry_hint_ms"  # on a yield: the hint, as heptamini sends it
+    PAYLOAD_HELD = "conn.payload_held"  # on a yield: 1 if resending the final chunk will do
+    BACKEND_MS = "cdr.backend.ms"  # on a terminal frame: time the job held its slot
+
+
+CORE_RECEIPTS = (
+    Receipt.HEALTH,
+    Receipt.INFLIGHT,
+    Receipt.CAP,
+    Receipt.EXECUTED_TOTAL,
+    Receipt.YIELDED_TOTAL,
+    Receipt.BYTES_IN,
+)
+
+# Fields only a server may set; a request carrying any of them breaks the envelope.
+SERVER_ONLY_FIELDS = frozenset(
+    {"status", "need_code", "error_code", "retry_hint_ms", "receipts", "detail", "result"}
+)

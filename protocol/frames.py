@@ -1,0 +1,273 @@
+"""The v0 envelope: requests in, replies out, and the classifier for lines that are no frame.
+
+A request line becomes a :class:`Request` through :func:`decode_request`, which applies every
+envelope rule and raises :class:`BadLine` or :class:`EnvelopeInvalid` otherwise. Manifest and
+chunk objects are checked by :mod:`protocol.upload`, since their problems get upload codes.
+Replies are :class:`Reply` values, written by :func:`encode_reply` and read back by clients
+with :func:`decode_reply`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .codes import (
+    CLIENT_VERBS,
+    PROTOCOL_VERSION,
+    SERVER_ONLY_FIELDS,
+    UNKNOWN_JOB,
+    NeedCode,
+    Status,
+    Verb,
+)
+from .errors import BadLine, EnvelopeInvalid, RemoteProtocolError, ReplyInvalid
+
+U64_MAX = 2**64 - 1
+MAX_ID_CHARS = 256  # job and payload ids are echoed in every reply, so they are bounded
+
+_REQUEST_FIELDS = frozenset(
+    {"v", "verb", "job", "seq", "ttl_ms", "payload_manifest", "payload_chunk"}
+)
+
+JSONObject = Mapping[str, Any]
+
+
+def is_uint(value: object, maximum: int = U64_MAX) -> bool:
+    """A JSON integer in ``[0, maximum]`` (booleans are not integers on the wire)."""
+    return type(value) is int and 0 <= value <= maximum
+
+
+def is_id(value: object) -> bool:
+    return type(value) is str and 0 < len(value) <= MAX_ID_CHARS
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A client frame that passed every envelope rule."""
+
+    verb: Verb
+    job: str
+    seq: int
+    ttl_ms: int = 0
+    manifest: JSONObject | None = None  # checked by protocol.upload
+    chunk: JSONObject | None = None  # checked by protocol.upload
+
+
+def decode_request(line: bytes) -> Request:
+    """Parse one line (without its newline) into a :class:`Request`."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise BadLine(*classify_bad_line(line)) from None
+    if type(obj) is not dict:
+        if type(obj) is list:
+            raise BadLine(NeedCode.JSON_ARRAY, "a JSON array; send one JSON object per line")
+        raise BadLine(NeedCode.NOT_JSON, "a JSON value that is not an object")
+    return _check_envelope(obj)
+
+
+def _check_envelope(obj: dict[str, Any]) -> Request:
+    job = obj.get("job")
+    seq = obj.get("seq")
+    # The frame's own job and seq, when valid, so that the reply to a bad frame can name them.
+    ctx_job = job if is_id(job) else None
+    ctx_seq = seq if is_uint(seq) and seq >= 1 else None
+
+    def invalid(detail: str) -> EnvelopeInvalid:
+        return EnvelopeInvalid(detail, job=ctx_job, seq=ctx_seq)
+
+    unknown = obj.keys() - _REQUEST_FIELDS
+    if unknown:
+        server_only = sorted(unknown & SERVER_ONLY_FIELDS)
+        if server_only:
+            raise invalid(f"a request must not set the server field {server_only[0]!r}")
+        raise invalid(f"unknown field {sorted(unknown)[0]!r}")
+    if obj.get("v") != PROTOCOL_VERSION or type(obj.get("v")) is not int:
+        raise invalid(f"'v' must be {PROTOCOL_VERSION}")
+    verb = obj.get("verb")
+    if type(verb) is not str or verb not in CLIENT_VERBS:
+        raise invalid(f"'verb' must be one of {sorted(map(str, CLIENT_VERBS))}")
+    if ctx_job is None:
+        raise invalid(f"'job' must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    if ctx_seq is None:
+        raise invalid("'seq' must be an integer >= 1")
+    ttl_ms = obj.get("ttl_ms", 0)
+    if not is_uint(ttl_ms):
+        raise invalid("'ttl_ms' must be a non-negative integer")
+    manifest = obj.get("payload_manifest")
+    chunk = obj.get("payload_chunk")
+    if manifest is not None and chunk is not None:
+        raise invalid("'payload_manifest' and 'payload_chunk' are exclusive")
+    if verb == Verb.PING:
+        if manifest is not None or chunk is not None:
+            raise invalid("a ping carries no payload")
+    elif manifest is None and chunk is None:
+        raise invalid("a share carries 'payload_manifest' or 'payload_chunk'")
+    for name, value in (("payload_manifest", manifest), ("payload_chunk", chunk)):
+        if value is not None and type(value) is not dict:
+            raise invalid(f"{name!r} must be an object")
+    return Request(Verb(verb), ctx_job, ctx_seq, ttl_ms, manifest, chunk)
+
+
+_HTTP_METHODS = tuple(
+    m.encode() + b" "
+    for m in ("GET", "POST", "PUT", "HEAD", "DELETE", "OPTIONS", "PATCH", "CONNECT", "TRACE", "PRI")
+)
+
+
+def classify_bad_line(line: bytes) -> tuple[NeedCode, str]:
+    """What a line that is not a JSON object looks like, as a need code and a hint."""
+    text = line.strip()
+    if text.startswith(_HTTP_METHODS) or text.startswith(b"HTTP/"):
+        return NeedCode.HTTP_REQUEST, "looks like HTTP; this port speaks newline-delimited JSON"
+    if text.startswith((b"GIF87a", b"GIF89a")):
+        return NeedCode.BINARY_GIF, "looks like a GIF image; this port speaks newline-delimited JSON"
+    lowered = text[:16].lower()
+    if lowered.startswith((b"<!doctype", b"<html")):
+        return NeedCode.HTML_DOCUMENT, "looks like HTML; this port speaks newline-delimited JSON"
+    if lowered.startswith((b"<?xml", b"<rss", b"<feed")):
+        return NeedCode.XML_DOCUMENT, "looks like XML; this port speaks newline-delimited JSON"
+    if text.startswith(b"["):
+        return NeedCode.JSON_ARRAY, "a JSON array; send one JSON object per line"
+    if text.startswith(b"{"):
+        return NeedCode.JSON_MALFORMED, "starts like a JSON object but does not parse"
+    return NeedCode.NOT_JSON, "not JSON; this port speaks newline-delimited JSON"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A server frame."""
+
+    verb: Verb
+    job: str
+    seq: int
+    status: Status
+    ttl_ms: int = 0
+    need_code: str | None = None
+    error_code: str | None = None
+    retry_hint_ms: int | None = None
+    detail: str | None = None  # extension: a human-readable reason
+    receipts: tuple[tuple[str, int], ...] = ()
+    result: JSONObject | None = None  # extension: what a finished job produced
+
+    @property
+    def terminal(self) -> bool:
+        """Done or abort: the job is over, and no further frame will name it."""
+        return self.status in (Status.DONE, Status.ABORT)
+
+    def receipt(self, kind: str) -> int | None:
+        for k, value in self.receipts:
+            if k == kind:
+                return value
+        return None
+
+
+def encode_reply(reply: Reply) -> bytes:
+    frame: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "verb": reply.verb,
+        "job": reply.job,
+        "seq": reply.seq,
+        "ttl_ms": reply.ttl_ms,
+        "status": reply.status,
+    }
+    if reply.need_code is not None:
+        frame["need_code"] = reply.need_code
+    if reply.retry_hint_ms is not None:
+        frame["retry_hint_ms"] = reply.retry_hint_ms
+    if reply.error_code is not None:
+        frame["error_code"] = reply.error_code
+    if reply.detail is not None:
+        frame["detail"] = reply.detail
+    if reply.receipts:
+        frame["receipts"] = [{"kind": k, "value_u64": v} for k, v in reply.receipts]
+    if reply.result is not None:
+        frame["result"] = reply.result
+    return orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def error_reply(
+    exc: RemoteProtocolError,
+    job: str,
+    seq: int,
+    ttl_ms: int = 0,
+    receipts: Iterable[tuple[str, int]] = (),
+) -> Reply:
+    """The one reply a remote protocol error calls for; ``seq`` is the reply's own."""
+    return Reply(
+        verb=exc.verb,
+        job=job,
+        seq=min(seq, U64_MAX),
+        status=exc.status,
+        ttl_ms=ttl_ms,
+        need_code=exc.need_code,
+        error_code=exc.error_code,
+        detail=exc.detail,
+        receipts=tuple(receipts),
+    )
+
+
+def decode_reply(line: bytes) -> Reply:
+    """Parse a server frame; raises :class:`ReplyInvalid` for anything else."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise ReplyInvalid(f"reply is not JSON: {exc}") from None
+    if type(obj) is not dict:
+        raise ReplyInvalid("reply is not a JSON object")
+    try:
+        receipts = tuple((r["kind"], r["value_u64"]) for r in obj.get("receipts") or ())
+        reply = Reply(
+            verb=Verb(obj["verb"]),
+            job=obj["job"],
+            seq=obj["seq"],
+            status=Status(obj["status"]),
+            ttl_ms=obj.get("ttl_ms", 0),
+            need_code=obj.get("need_code"),
+            error_code=obj.get("error_code"),
+            retry_hint_ms=obj.get("retry_hint_ms"),
+            detail=obj.get("detail"),
+            receipts=receipts,
+            result=obj.get("result"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ReplyInvalid(f"reply breaks the envelope: {exc!r}") from None
+    if obj.get("v") != PROTOCOL_VERSION or not is_id(reply.job) or not is_uint(reply.seq):
+        raise ReplyInvalid("reply breaks the envelope: v, job or seq")
+    return reply
+
+
+def encode_request(
+    verb: Verb,
+    job: str,
+    seq: int,
+    *,
+    ttl_ms: int = 0,
+    manifest: JSONObject | None = None,
+    chunk: JSONObject | None = None,
+) -> bytes:
+    """A client frame, newline included. Does not validate: servers do."""
+    frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "verb": verb, "job": job, "seq": seq}
+    frame["ttl_ms"] = ttl_ms
+    if manifest is not None:
+        frame["payload_manifest"] = manifest
+    if chunk is not None:
+        frame["payload_chunk"] = chunk
+    return orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE)
+
+
+__all__ = [
+    "UNKNOWN_JOB",
+    "Reply",
+    "Request",
+    "classify_bad_line",
+    "decode_reply",
+    "decode_request",
+    "encode_reply",
+    "encode_request",
+    "error_reply",
+]
