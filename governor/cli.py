@@ -1,0 +1,114 @@
+"""``governor serve``: flags map 1:1 onto :class:`governor.config.Config` fields."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import resource
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .config import Config, ConfigError
+from .server import Server
+
+log = logging.getLogger("governor")
+
+_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="governor", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"governor {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the governor daemon. Flags override the --config file's keys.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("--config", type=Path, help="TOML file with the same keys as these flags")
+    for f in dataclasses.fields(Config):
+        serve.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_TYPES[str(f.type)],
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{f.metadata['help']} (default: {f.default})",
+        )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(Config)
+        if getattr(args, f.name) is not None
+    }
+    if args.config is not None:
+        return Config.load(args.config, overrides)
+    return Config.from_mapping(overrides, source="flags")
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            log.warning(
+                "open-file limit %d is below max_connections + 64; raise it (ulimit -n)", new
+            )
+
+
+async def serve(config: Config) -> int:
+    server = Server(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if not stop.is_set():
+            log.info("%s: draining (a second signal forces exit)", signal.Signals(signum).name)
+            stop.set()
+        else:
+            log.warning("%s again: aborting running jobs now", signal.Signals(signum).name)
+            server.force()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await stop.wait()
+        aborted = await server.drain()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+    log.info("stopped (%d job(s) aborted at shutdown)", aborted)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"governor: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    _raise_fd_limit(config.max_connections + 64)
+    import uvloop
+
+    try:
+        return uvloop.run(serve(config))
+    except OSError as exc:  # the listen address is taken or not ours
+        log.error("cannot serve: %s", exc)
+        return 1

@@ -1,0 +1,130 @@
+"""The daemon's one typed configuration: defaults, then a TOML file, then command-line flags.
+
+Every field is a TOML key of the same name and a flag with dashes for underscores
+(``max_inflight`` is ``--max-inflight``); its help text lives beside it, once, and feeds both
+``governor serve --help`` and the README's configuration reference (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
+
+RUNNERS = ("stub",)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be served; the message says which key and why."""
+
+
+def parse_address(text: str, *, what: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts; port 0 asks for any free port."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{what} {text!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _opt(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    listen: str = _opt("127.0.0.1:7777", "TCP address to serve the protocol on, HOST:PORT; port 0 picks a free port.")
+    max_inflight: int = _opt(4, "Hard cap on jobs executing at once, across all connections.")
+    runner: str = _opt("stub", "Which runner executes admitted jobs: stub.")
+    stub_ms: int = _opt(1000, "Stub runner: how long each job takes, in milliseconds.")
+    stub_fail_rate: float = _opt(0.0, "Stub runner: share of jobs that fail with backend_error, 0 to 1.")
+    idle_timeout: float = _opt(60.0, "Seconds without a frame (and with no job running) before a connection is closed.")
+    max_line_bytes: int = _opt(262144, "Longest accepted line; a longer one closes the connection.")
+    max_jobs_per_conn: int = _opt(64, "Jobs a connection may have open at once (uploading, held after a yield, or running).")
+    max_connections: int = _opt(1024, "Connections served at once; one more gets an abort frame and is closed.")
+    max_payload_bytes: int = _opt(DEFAULT_MAX_PAYLOAD_BYTES, "Largest payload a manifest may declare.")
+    max_conn_buffer_bytes: int = _opt(64 * 1024 * 1024, "Payload bytes one connection may have buffered (uploads in progress and held payloads).")
+    max_buffer_bytes: int = _opt(1024 * 1024 * 1024, "Payload bytes all connections together may have buffered.")
+    held_payloads_per_conn: int = _opt(8, "Payloads a connection may have held after a yield, awaiting the client's retry.")
+    shutdown_grace: float = _opt(30.0, "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted.")
+    metrics_listen: str | None = _opt(None, "HOST:PORT for the HTTP /metrics endpoint; unset: no metrics listener.")
+    log_level: str = _opt("info", "debug, info, warning or error.")
+
+    def __post_init__(self) -> None:
+        parse_address(self.listen, what="listen")
+        if self.metrics_listen is not None:
+            parse_address(self.metrics_listen, what="metrics_listen")
+        for name in (
+            "max_inflight",
+            "max_line_bytes",
+            "max_jobs_per_conn",
+            "max_connections",
+            "max_payload_bytes",
+            "max_conn_buffer_bytes",
+            "max_buffer_bytes",
+            "held_payloads_per_conn",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        for name in ("stub_ms", "idle_timeout", "shutdown_grace"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative")
+        if self.idle_timeout == 0:
+            raise ConfigError("idle_timeout must be positive")
+        if not 0.0 <= self.stub_fail_rate <= 1.0:
+            raise ConfigError("stub_fail_rate must be within [0, 1]")
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_address(self.listen)
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        return None if self.metrics_listen is None else parse_address(self.metrics_listen)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> Config:
+        """Build from TOML-like values, checking every key and type."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(f"{source}: unknown key {key!r}")
+            kwargs[key] = _coerce(key, value, fields[key].type, source)
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: Path, overrides: Mapping[str, Any] = {}) -> Config:
+        """The TOML file at ``path``, with ``overrides`` (from flags) on top."""
+        try:
+            with path.open("rb") as f:
+                values = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+        return cls.from_mapping({**values, **overrides}, source=str(path))
+
+
+def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
+    kinds = {"int": int, "float": float, "str": str, "str | None": str}
+    want = kinds[str(annotation)]
+    if want is float and type(value) is int:
+        return float(value)
+    if type(value) is not want:
+        raise ConfigError(f"{source}: {key} must be of type {want.__name__}")
+    return value
+
+
+FIELDS = dataclasses.fields(Config)

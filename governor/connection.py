@@ -1,0 +1,477 @@
+"""One client connection: bytes in, frames through the codec, replies out.
+
+The protocol handling is synchronous inside ``data_received``: a line is decoded, its upload
+advanced and, when a payload completes, admission decided, all before the next line is
+looked at. Only execution is asynchronous: an admitted job runs in a task owned by this
+connection (and tracked by the server), so a connection's running job never blocks its other
+frames, pings included.
+
+Every admitted job ends with exactly one terminal frame (``confirm done`` or ``confirm
+abort``) unless the client is gone, and its slot is released in ``finally`` on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from protocol.codes import UNKNOWN_JOB, ErrorCode, NeedCode, Receipt, Status, Verb
+from protocol.errors import (
+    EnvelopeInvalid,
+    LineTooLong,
+    ManifestInvalid,
+    RemoteProtocolError,
+    UploadNeed,
+)
+from protocol.frames import Reply, Request, decode_request, encode_reply, error_reply
+from protocol.lines import LineReader
+from protocol.upload import Upload
+
+from .ledger import Refusal, Slot
+from .runners import Job, RunnerError, Token
+
+if TYPE_CHECKING:
+    from .server import Server
+
+log = logging.getLogger("governor.connection")
+
+
+@dataclass(slots=True, eq=False)
+class JobState:
+    """What a connection holds for one job id."""
+
+    upload: Upload
+    reserved: int = 0  # payload bytes reserved against the buffer budgets
+    held: bool = False  # a verified payload kept after a yield, for the client's retry
+    # Set on admission:
+    request: Request | None = None  # the final chunk's frame; the terminal reply answers it
+    slot: Slot | None = None
+    task: asyncio.Task[None] | None = None
+    terminal_sent: bool = False
+    outcome: str = "cancelled"  # "done", or the need_code of its abort, or "client_gone"
+
+
+class GovernorProtocol(asyncio.Protocol):
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.config = server.config
+        self.ledger = server.ledger
+        self.transport: asyncio.Transport | None = None
+        self.reader = LineReader(self.config.max_line_bytes)
+        self.jobs: dict[str, JobState] = {}
+        self.held_count = 0
+        self.buffered = 0  # payload bytes reserved by this connection
+        # Replies to a bad line name the last valid frame's job and seq.
+        self.last_job = UNKNOWN_JOB
+        self.last_seq = 0
+        self.last_ttl_ms = 0
+        self.closed = False
+        self._loop = asyncio.get_running_loop()
+        self._last_active = self._loop.time()
+        self._idle_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def running(self) -> int:
+        return sum(1 for s in self.jobs.values() if s.task is not None)
+
+    # asyncio.Protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        if not self.server.accept_connection(self):
+            self._fatal(
+                NeedCode.TOO_MANY_CONNECTIONS,
+                ErrorCode.QUOTA,
+                f"the server is at its limit of {self.config.max_connections} connections",
+            )
+            return
+        self._idle_timer = self._loop.call_at(
+            self._last_active + self.config.idle_timeout, self._check_idle
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        # The client is gone: stop its work now; each job's task frees its slot on the way out.
+        for job, state in list(self.jobs.items()):
+            if state.task is None:
+                self._forget(job)
+            else:
+                state.terminal_sent = True  # nobody left to tell
+                state.outcome = "client_gone"
+                state.task.cancel()
+        self.server.connection_closed(self)
+
+    def pause_writing(self) -> None:
+        # The client is not reading its replies: stop reading its requests until it does.
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        try:
+            while not self.closed and (line := self.reader.next_line()) is not None:
+                self._last_active = self._loop.time()
+                if line.strip():
+                    self._handle_line(line)
+        except LineTooLong as exc:
+            self._fatal(exc.need_code, exc.error_code, exc.detail)
+
+    def eof_received(self) -> bool:
+        # The client half-closed: keep the connection open to send what it is owed.
+        return True
+
+    # Frames ----------------------------------------------------------------------------
+
+    def _handle_line(self, line: bytes) -> None:
+        try:
+            req = decode_request(line)
+        except EnvelopeInvalid as exc:
+            self.server.bad_frames[exc.need_code] += 1
+            job = exc.job or self.last_job
+            seq = (exc.seq if exc.seq is not None else self.last_seq) + 1
+            self._send(error_reply(exc, job, seq, self.last_ttl_ms, self._receipts()))
+            return
+        except RemoteProtocolError as exc:
+            self.server.bad_frames[exc.need_code] += 1
+            self._send(
+                error_reply(exc, self.last_job, self.last_seq + 1, self.last_ttl_ms, self._receipts())
+            )
+            return
+        self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
+        if req.verb == Verb.PING:
+            self._send(self._reply(req, Verb.CONFIRM, Status.OK, extra=self.server.ping_receipts()))
+            return
+        state = self.jobs.get(req.job)
+        if state is not None and state.task is not None:
+            self._send(
+                self._reply(
+                    req,
+                    Verb.CLARIFY,
+                    Status.NEED,
+                    need_code=NeedCode.JOB_RUNNING,
+                    error_code=ErrorCode.CONFLICT,
+                    detail=f"job {req.job!r} is running; use another job id",
+                )
+            )
+        elif req.manifest is not None:
+            self._on_manifest(req, state)
+        else:
+            self._on_chunk(req, state)
+
+    def _on_manifest(self, req: Request, state: JobState | None) -> None:
+        assert req.manifest is not None
+        if state is None:
+            if len(self.jobs) >= self.config.max_jobs_per_conn:
+                self._fatal(
+                    NeedCode.TOO_MANY_JOBS,
+                    ErrorCode.QUOTA,
+                    f"more than {self.config.max_jobs_per_conn} jobs open on one connection",
+                    job=req.job,
+                    seq=req.seq + 1,
+                )
+                return
+            state = self.jobs[req.job] = JobState(Upload(self.config.max_payload_bytes))
+        elif state.held:  # a new manifest replaces the payload held for a retry
+            state.held = False
+            self.held_count -= 1
+        try:
+            manifest = state.upload.apply_manifest(req.manifest)
+            self._unreserve(state)
+            self._reserve(state, manifest.total_bytes)
+        except UploadNeed as exc:
+            self._forget(req.job)
+            self._send(self._error(req, exc))
+            return
+        self._send(self._reply(req, Verb.CLARIFY, Status.OK))
+
+    def _on_chunk(self, req: Request, state: JobState | None) -> None:
+        assert req.chunk is not None
+        if state is None:
+            missing = UploadNeed(NeedCode.MANIFEST_MISSING, "send 'payload_manifest' first")
+            self._send(self._error(req, missing))
+            return
+        upload = state.upload
+        if state.held and upload.is_final_chunk_again(req.chunk):
+            # A retry after a yield: the payload was kept, so admission is tried again.
+            self._admit(req, state, upload.payload, returning=True)
+            return
+        try:
+            payload = upload.apply_chunk(req.chunk)
+        except UploadNeed as exc:
+            self._send(self._error(req, exc))
+            return
+        if payload is None:
+            self._send(self._reply(req, Verb.CLARIFY, Status.OK))
+        else:
+            self._admit(req, state, payload, returning=False)
+
+    # Admission and execution ---------------------------------------------------------
+
+    def _admit(self, req: Request, state: JobState, payload: bytes, *, returning: bool) -> None:
+        decision = self.ledger.admit(returning=returning)
+        if isinstance(decision, Refusal):
+            held = self._hold(state)
+            if held:
+                detail = "no execution slot free; resend the final chunk after retry_hint_ms"
+            else:
+                self._forget(req.job)
+                detail = "no execution slot free, and the payload was not kept; resend it"
+            self._send(
+                self._reply(
+                    req,
+                    Verb.CLARIFY,
+                    Status.YIELD,
+                    seq=req.seq + 2,
+                    need_code=decision.need_code,
+                    error_code=(
+                        ErrorCode.BUSY
+                        if decision.need_code == NeedCode.SERVER_BUSY
+                        else ErrorCode.UNAVAILABLE
+                    ),
+                    retry_hint_ms=decision.retry_hint_ms,
+                    detail=detail,
+                    extra=(
+                        (Receipt.RETRY_HINT_MS, decision.retry_hint_ms),
+                        (Receipt.PAYLOAD_HELD, int(held)),
+                    ),
+                )
+            )
+            return
+        if state.held:
+            state.held = False
+            self.held_count -= 1
+        manifest = state.upload.manifest
+        assert manifest is not None
+        state.request = req
+        state.slot = decision
+        job = Job(req.job, payload, manifest.content_type)
+        state.task = self.server.spawn(self._run(state, decision, job))
+
+    def _hold(self, state: JobState) -> bool:
+        """Keep a refused payload for the client's retry, within this connection's bound."""
+        if not state.held and self.held_count < self.config.held_payloads_per_conn:
+            state.held = True
+            self.held_count += 1
+        return state.held
+
+    async def _run(self, state: JobState, slot: Slot, job: Job) -> None:
+        req = state.request
+        assert req is not None
+        completed = False
+        try:
+            try:
+                async with asyncio.timeout(req.ttl_ms / 1000 if req.ttl_ms else None):
+                    result = await self._execute(job)
+            except TimeoutError:
+                self._terminal(
+                    state,
+                    need_code=NeedCode.TTL_EXPIRED,
+                    error_code=ErrorCode.TIMEOUT,
+                    detail=f"ttl_ms of {req.ttl_ms} ran out",
+                )
+            except RunnerError as exc:
+                completed = True
+                self._terminal(
+                    state, need_code=exc.code, error_code=ErrorCode.BACKEND_ERROR, detail=exc.detail
+                )
+            except Exception:
+                log.exception("runner failed on job %r", job.id)
+                self._terminal(
+                    state,
+                    need_code=NeedCode.BACKEND_ERROR,
+                    error_code=ErrorCode.BACKEND_ERROR,
+                    detail="the runner failed unexpectedly",
+                )
+            else:
+                completed = True
+                self._terminal(state, result=result)
+        finally:
+            slot.release(completed=completed)
+            if self.jobs.get(job.id) is state:
+                self._forget(job.id)
+            self.server.job_finished(state.outcome)
+
+    async def _execute(self, job: Job) -> dict[str, Any]:
+        parts: list[str] = []
+        async for event in self.server.runner.run(job):
+            if isinstance(event, Token):
+                parts.append(event.text)
+            else:
+                result = dict(event.result)
+                if parts:
+                    result.setdefault("text", "".join(parts))
+                return result
+        raise RunnerError("the runner ended the job without finishing it")
+
+    def _terminal(
+        self,
+        state: JobState,
+        *,
+        need_code: NeedCode | None = None,
+        error_code: ErrorCode | None = None,
+        detail: str | None = None,
+        result: dict[str, Any] | None = None,
+    ) -> None:
+        """The job's one terminal frame: done without a ``need_code``, abort with one."""
+        if state.terminal_sent or state.request is None or state.slot is None:
+            return
+        state.terminal_sent = True
+        state.outcome = need_code or "done"
+        held_ms = round((self.ledger.clock() - state.slot.started) * 1000)
+        self._send(
+            self._reply(
+                state.request,
+                Verb.CONFIRM,
+                Status.DONE if need_code is None else Status.ABORT,
+                seq=state.request.seq + 2,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+                result=result,
+                extra=((Receipt.BACKEND_MS, held_ms),),
+            )
+        )
+
+    def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
+        """Send each running job its terminal abort now, then cancel it."""
+        for state in list(self.jobs.values()):
+            if state.task is not None:
+                self._terminal(state, need_code=need_code, error_code=error_code, detail=detail)
+                state.task.cancel()
+
+    # Connection-level ----------------------------------------------------------------
+
+    def _check_idle(self) -> None:
+        if self.closed:
+            return
+        now = self._loop.time()
+        deadline = self._last_active + self.config.idle_timeout
+        if now >= deadline and not self.running:
+            self._fatal(
+                NeedCode.IDLE_TIMEOUT,
+                ErrorCode.TIMEOUT,
+                f"no frame for {self.config.idle_timeout:g} s",
+            )
+            return
+        next_check = deadline if deadline > now else now + self.config.idle_timeout
+        self._idle_timer = self._loop.call_at(next_check, self._check_idle)
+
+    def _fatal(
+        self,
+        need_code: NeedCode,
+        error_code: ErrorCode,
+        detail: str,
+        *,
+        job: str | None = None,
+        seq: int | None = None,
+    ) -> None:
+        """One abort frame for the connection, one for each running job, then close."""
+        if self.closed:
+            return
+        self._send(
+            Reply(
+                Verb.CONFIRM,
+                job or self.last_job,
+                seq if seq is not None else self.last_seq + 1,
+                Status.ABORT,
+                ttl_ms=self.last_ttl_ms,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+                receipts=self._receipts(),
+            )
+        )
+        self.abort_running(need_code, error_code, "the connection is closing: " + detail)
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    # Helpers ---------------------------------------------------------------------------
+
+    def _send(self, reply: Reply) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(encode_reply(reply))
+
+    def _receipts(self, bytes_in: int = 0) -> tuple[tuple[str, int], ...]:
+        ledger = self.ledger
+        return (
+            (Receipt.HEALTH, int(ledger.ready)),
+            (Receipt.INFLIGHT, ledger.inflight),
+            (Receipt.CAP, ledger.cap),
+            (Receipt.EXECUTED_TOTAL, ledger.executed_total),
+            (Receipt.YIELDED_TOTAL, ledger.yielded_total),
+            (Receipt.BYTES_IN, bytes_in),
+        )
+
+    def _reply(
+        self,
+        req: Request,
+        verb: Verb,
+        status: Status,
+        *,
+        seq: int | None = None,
+        need_code: str | None = None,
+        error_code: str | None = None,
+        retry_hint_ms: int | None = None,
+        detail: str | None = None,
+        result: dict[str, Any] | None = None,
+        extra: Iterable[tuple[str, int]] = (),
+    ) -> Reply:
+        """A reply to ``req``; ``cdr.bytes_in`` is its job's payload bytes received so far."""
+        state = self.jobs.get(req.job)
+        bytes_in = state.upload.bytes_received if state is not None else 0
+        return Reply(
+            verb,
+            req.job,
+            req.seq + 1 if seq is None else seq,
+            status,
+            ttl_ms=req.ttl_ms,
+            need_code=need_code,
+            error_code=error_code,
+            retry_hint_ms=retry_hint_ms,
+            detail=detail,
+            receipts=(*self._receipts(bytes_in), *extra),
+            result=result,
+        )
+
+    def _error(self, req: Request, exc: RemoteProtocolError) -> Reply:
+        state = self.jobs.get(req.job)
+        bytes_in = state.upload.bytes_received if state is not None else 0
+        return error_reply(exc, req.job, req.seq + 1, req.ttl_ms, self._receipts(bytes_in))
+
+    def _reserve(self, state: JobState, nbytes: int) -> None:
+        if self.buffered + nbytes > self.config.max_conn_buffer_bytes:
+            raise ManifestInvalid(
+                f"this connection already buffers {self.buffered} payload bytes; "
+                f"its limit is {self.config.max_conn_buffer_bytes}"
+            )
+        if not self.server.reserve_buffer(nbytes):
+            raise ManifestInvalid("the server's payload buffers are full; retry later")
+        state.reserved = nbytes
+        self.buffered += nbytes
+
+    def _unreserve(self, state: JobState) -> None:
+        if state.reserved:
+            self.server.release_buffer(state.reserved)
+            self.buffered -= state.reserved
+            state.reserved = 0
+
+    def _forget(self, job: str) -> None:
+        state = self.jobs.pop(job, None)
+        if state is not None:
+            if state.held:
+                self.held_count -= 1
+            self._unreserve(state)

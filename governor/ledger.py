@@ -1,0 +1,176 @@
+"""The admission ledger: a hard cap on concurrent execution, and the retry hint.
+
+:meth:`SlotLedger.admit` is the whole admission decision. It is synchronous, so nothing can
+run between checking for a free slot and taking it: with asyncio, inflight can never exceed
+the cap. It returns a :class:`Slot` (a token released exactly once, in ``finally``) or a
+:class:`Refusal` carrying the ``retry_hint_ms`` to send with the ``yield``.
+
+The retry hint
+--------------
+Nothing is queued on the server, but the ledger remembers when it told each yielded client
+to come back (its *promise*), so that the clients it turned away are spread over the coming
+slot releases instead of all returning at the same instant.
+
+* ``S`` is the expected service time: an exponentially weighted mean of the observed times
+  of completed jobs (``alpha`` = 0.2), starting from the runner's own estimate.
+* Each running job ``i`` is expected to end at ``e_i = max(start_i + S, now + floor)``; the
+  ``floor`` (``min_hint_ms``) covers jobs already running longer than expected. Sorted, the
+  ``e_i`` are the next ``n`` releases, and each slot then frees every ``S`` seconds, so the
+  ``k``-th release from now is ``e[k mod n] + (k div n) * S``.
+* ``P`` is the number of promises still outstanding (a promise lapses ``grace`` after its
+  time, ``grace = max(S/4, 20 ms)``, covering the client's jitter).
+* A new yield is promised release number ``P``:  ``hint = e[P mod n] + (P div n) * S - now``,
+  clamped to ``[min_hint_ms, max_hint_ms]``.
+* A client that comes back (it resends the final chunk of the payload it was refused) is
+  taking up its promise: on admission the earliest promise is consumed; refused again, it is
+  sent to the earliest release ``e[0]`` rather than to the back of the line.
+
+With one client per cap-slot release, a slot is retaken almost as soon as it frees, and most
+retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures both).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.codes import NeedCode
+
+Clock = Callable[[], float]
+
+EWMA_ALPHA = 0.2
+MAX_PROMISES = 65536  # bounds the ledger's memory whatever the number of refused clients
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """No slot now: answer ``yield`` with this code and hint."""
+
+    need_code: NeedCode
+    retry_hint_ms: int
+
+
+class Slot:
+    """One taken execution slot. :meth:`release` gives it back; calling it again does nothing."""
+
+    __slots__ = ("_ledger", "started", "_released")
+
+    def __init__(self, ledger: SlotLedger, started: float) -> None:
+        self._ledger = ledger
+        self.started = started
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self, *, completed: bool) -> float:
+        """Free the slot; ``completed`` jobs feed the service-time estimate.
+
+        Returns the seconds the slot was held.
+        """
+        if self._released:
+            return 0.0
+        self._released = True
+        return self._ledger._release(self, completed)
+
+
+class SlotLedger:
+    def __init__(
+        self,
+        cap: int,
+        *,
+        expected_service_s: float = 1.0,
+        min_hint_ms: int = 5,
+        max_hint_ms: int = 60_000,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if cap < 1:
+            raise ValueError("cap must be at least 1")
+        self.cap = cap
+        self.min_hint_ms = min_hint_ms
+        self.max_hint_ms = max_hint_ms
+        self.clock = clock
+        self.service_s = expected_service_s
+        self.executed_total = 0  # admissions
+        self.yielded_total = 0
+        self.peak_inflight = 0
+        self.draining = False
+        self._running: dict[Slot, None] = {}  # insertion-ordered set
+        self._promises: deque[tuple[float, float]] = deque()  # (time, lapses at)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._running)
+
+    @property
+    def saturated(self) -> bool:
+        return len(self._running) >= self.cap
+
+    @property
+    def ready(self) -> bool:
+        """Would a job be admitted now? (``server.health`` 1.)"""
+        return not self.draining and not self.saturated
+
+    def admit(self, *, returning: bool = False) -> Slot | Refusal:
+        """Take a slot, or say why not and when to come back.
+
+        ``returning`` marks a client retrying a payload it was refused before.
+        """
+        now = self.clock()
+        if self.draining:
+            self.yielded_total += 1
+            return Refusal(NeedCode.DRAINING, self.max_hint_ms)
+        if len(self._running) < self.cap:
+            slot = Slot(self, now)
+            self._running[slot] = None
+            self.executed_total += 1
+            if len(self._running) > self.peak_inflight:
+                self.peak_inflight = len(self._running)
+            if returning:
+                self._lapse(now)
+                if self._promises:
+                    self._promises.popleft()
+            return slot
+        self.yielded_total += 1
+        return Refusal(NeedCode.SERVER_BUSY, self._promise(now, returning))
+
+    def _release(self, slot: Slot, completed: bool) -> float:
+        del self._running[slot]
+        held = self.clock() - slot.started
+        if completed:
+            self.service_s += EWMA_ALPHA * (held - self.service_s)
+        return held
+
+    def _lapse(self, now: float) -> None:
+        promises = self._promises
+        while promises and promises[0][1] < now:
+            promises.popleft()
+
+    def _promise(self, now: float, returning: bool) -> int:
+        self._lapse(now)
+        promises = self._promises
+        if returning and promises:
+            promises.popleft()  # the client's own earlier promise, now due
+            at = self._release_time(now, 0)
+        else:
+            at = self._release_time(now, len(promises))
+        hint_ms = min(max(math.ceil((at - now) * 1000), self.min_hint_ms), self.max_hint_ms)
+        at = now + hint_ms / 1000
+        entry = (at, at + max(self.service_s / 4, 0.02))
+        if returning:
+            promises.appendleft(entry)
+        elif len(promises) < MAX_PROMISES:
+            promises.append(entry)
+        return hint_ms
+
+    def _release_time(self, now: float, k: int) -> float:
+        """When the ``k``-th slot release from now is expected (``k`` = 0: the next one)."""
+        s = self.service_s
+        floor = now + self.min_hint_ms / 1000
+        ends = sorted(max(slot.started + s, floor) for slot in self._running)
+        rounds, i = divmod(k, len(ends))
+        return ends[i] + rounds * s

@@ -1,0 +1,45 @@
+"""A runner that only takes time: for tests, load tests and trying the protocol out."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import AsyncIterator
+
+from .base import Finished, Job, RunEvent, RunnerError
+
+
+class StubRunner:
+    """Holds each job for ``delay_s``, then finishes it, or fails it with ``fail_rate``."""
+
+    name = "stub"
+
+    def __init__(self, delay_s: float, *, fail_rate: float = 0.0, seed: int | None = None) -> None:
+        if delay_s < 0 or not 0.0 <= fail_rate <= 1.0:
+            raise ValueError("delay_s must be >= 0 and fail_rate within [0, 1]")
+        self.delay_s = delay_s
+        self.fail_rate = fail_rate
+        self._random = random.Random(seed)
+
+    @property
+    def expected_service_s(self) -> float:
+        return self.delay_s
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def run(self, job: Job) -> AsyncIterator[RunEvent]:
+        await asyncio.sleep(self.delay_s)
+        if self._random.random() < self.fail_rate:
+            raise RunnerError("stub runner: injected failure")
+        yield Finished(
+            {
+                "runner": self.name,
+                "bytes": len(job.payload),
+                "sha256": hashlib.sha256(job.payload).hexdigest(),
+            }
+        )

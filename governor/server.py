@@ -1,0 +1,181 @@
+"""The daemon's lifecycle: start, serve, drain, stop.
+
+:class:`Server` owns the listening socket, the set of connections, every job task and the
+slot ledger. ``drain`` is the graceful half of shutdown: admission closes (new payloads get
+``yield`` with ``draining``), the listener stops, running jobs get ``shutdown_grace`` seconds to
+finish, and any still running then get a ``confirm abort`` with ``shutdown`` before their
+connections close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+from protocol.codes import ErrorCode, NeedCode, Receipt
+
+from .config import Config
+from .connection import GovernorProtocol
+from .ledger import SlotLedger
+from .metrics import MetricsEndpoint
+from .runners import Runner, StubRunner
+
+log = logging.getLogger("governor")
+
+LISTEN_BACKLOG = 4096  # a burst of connects must not be refused before the governor can answer
+
+
+def build_runner(config: Config) -> Runner:
+    if config.runner == "stub":
+        return StubRunner(config.stub_ms / 1000, fail_rate=config.stub_fail_rate)
+    raise ValueError(f"unknown runner {config.runner!r}")
+
+
+class Server:
+    def __init__(self, config: Config, runner: Runner | None = None) -> None:
+        self.config = config
+        self.runner = runner if runner is not None else build_runner(config)
+        self.ledger = SlotLedger(
+            config.max_inflight, expected_service_s=self.runner.expected_service_s
+        )
+        self.connections: set[GovernorProtocol] = set()
+        self.outcomes: collections.Counter[str] = collections.Counter()  # job ends, by code
+        self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
+        self.buffered_bytes = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._listener: asyncio.Server | None = None
+        self._metrics: MetricsEndpoint | None = None
+        self._jobs_done = asyncio.Event()
+        self._force = asyncio.Event()
+        self._jobs_done.set()
+
+    # Lifecycle -----------------------------------------------------------------------
+
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Start the runner, then listen (on ``sock`` if given, else on ``config.listen``)."""
+        await self.runner.start()
+        loop = asyncio.get_running_loop()
+        if sock is not None:
+            self._listener = await loop.create_server(
+                lambda: GovernorProtocol(self), sock=sock, backlog=LISTEN_BACKLOG
+            )
+        else:
+            host, port = self.config.listen_address
+            self._listener = await loop.create_server(
+                lambda: GovernorProtocol(self),
+                host=host,
+                port=port,
+                backlog=LISTEN_BACKLOG,
+                reuse_address=True,
+            )
+        host, port = self.address
+        log.info(
+            "governor listening on %s:%d (max_inflight=%d, runner=%s)",
+            host,
+            port,
+            self.ledger.cap,
+            self.runner.name,
+        )
+        if self.config.metrics_address is not None:
+            self._metrics = MetricsEndpoint(self)
+            await self._metrics.start(*self.config.metrics_address)
+            mhost, mport = self._metrics.address
+            log.info("metrics on http://%s:%d/metrics", mhost, mport)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._listener is not None and self._listener.sockets
+        host, port = self._listener.sockets[0].getsockname()[:2]
+        return host, port
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        return None if self._metrics is None else self._metrics.address
+
+    async def drain(self, grace: float | None = None) -> int:
+        """Stop admitting and accepting, wait for running jobs, then stop.
+
+        Returns how many jobs were still running at the deadline (and were aborted).
+        """
+        grace = self.config.shutdown_grace if grace is None else grace
+        self.ledger.draining = True
+        if self._listener is not None:
+            self._listener.close()
+        if self.ledger.inflight:
+            log.info("draining: %d job(s) running, %g s to finish", self.ledger.inflight, grace)
+            waits = [asyncio.ensure_future(e.wait()) for e in (self._jobs_done, self._force)]
+            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        aborted = self.ledger.inflight
+        if aborted:
+            log.warning("aborting %d job(s) still running at the end of the grace period", aborted)
+            for conn in list(self.connections):
+                conn.abort_running(
+                    NeedCode.SHUTDOWN,
+                    ErrorCode.UNAVAILABLE,
+                    "the governor is shutting down and the job did not finish in time",
+                )
+        await self.close()
+        return aborted
+
+    def force(self) -> None:
+        """Cut a drain's grace period short (a second signal)."""
+        self._force.set()
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self.connections):
+            conn.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._metrics is not None:
+            await self._metrics.close()
+        await self.runner.close()
+
+    # Called by connections -----------------------------------------------------------
+
+    def accept_connection(self, conn: GovernorProtocol) -> bool:
+        if len(self.connections) >= self.config.max_connections:
+            return False
+        self.connections.add(conn)
+        return True
+
+    def connection_closed(self, conn: GovernorProtocol) -> None:
+        self.connections.discard(conn)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run a job's coroutine as a task the server owns."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._jobs_done.clear()
+        return task
+
+    def job_finished(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        if self.ledger.inflight == 0:
+            self._jobs_done.set()
+
+    def reserve_buffer(self, nbytes: int) -> bool:
+        if self.buffered_bytes + nbytes > self.config.max_buffer_bytes:
+            return False
+        self.buffered_bytes += nbytes
+        return True
+
+    def release_buffer(self, nbytes: int) -> None:
+        self.buffered_bytes -= nbytes
+
+    def ping_receipts(self) -> tuple[tuple[str, int], ...]:
+        return (
+            (Receipt.INFLIGHT_PEAK, self.ledger.peak_inflight),
+            (Receipt.DRAINING, int(self.ledger.draining)),
+            (Receipt.CONNECTIONS, len(self.connections)),
+        )
