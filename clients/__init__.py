@@ -1,0 +1,21 @@
+"""Clients for the governor: an asyncio library and the ``governor-cli`` command."""
+
+from .client import (
+    NO_RETRY,
+    ClientError,
+    ConnectionLost,
+    GovernorClient,
+    RetryPolicy,
+    UploadResult,
+    connect,
+)
+
+__all__ = [
+    "NO_RETRY",
+    "ClientError",
+    "ConnectionLost",
+    "GovernorClient",
+    "RetryPolicy",
+    "UploadResult",
+    "connect",
+]

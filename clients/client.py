@@ -1,0 +1,245 @@
+"""An asyncio client for the governor (and for heptamini's daemon: it speaks plain v0).
+
+One :class:`GovernorClient` is one connection. Several operations may run on it at once: a
+reader task routes each reply to the operation waiting on its job id.
+
+On ``yield`` :meth:`GovernorClient.upload` sleeps for the server's ``retry_hint_ms`` (plus
+jitter, so that refused clients do not come back in lockstep) and resends the final chunk,
+which the governor kept; a bounded :class:`RetryPolicy` says how many attempts in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from types import TracebackType
+
+from protocol.codes import Receipt, Status, Verb
+from protocol.errors import ReplyInvalid
+from protocol.frames import Reply, decode_reply, encode_request
+from protocol.upload import split_payload
+
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+
+
+class ClientError(Exception):
+    """The exchange with the server broke off."""
+
+
+class ConnectionLost(ClientError):
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """How an upload answers ``yield``.
+
+    ``max_attempts`` counts admission attempts in all: 1 never retries. With ``honor_hint``
+    the client sleeps ``retry_hint_ms * (1 + uniform(0, jitter))``, at most ``max_sleep_s``;
+    without it, it retries at once (the naive client that load tests compare against).
+    """
+
+    max_attempts: int = 10
+    honor_hint: bool = True
+    jitter: float = 0.1
+    max_sleep_s: float = 5.0
+
+    def delay_s(self, hint_ms: int | None, rng: random.Random) -> float:
+        if not self.honor_hint:
+            return 0.0
+        base = (hint_ms or 50) / 1000
+        return min(base * (1 + rng.uniform(0, self.jitter)), self.max_sleep_s)
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+@dataclass(slots=True)
+class UploadResult:
+    """How an upload ended: ``reply`` is the last frame (terminal, ``yield`` or ``need``)."""
+
+    reply: Reply
+    attempts: int  # admission attempts made
+    yields: list[Reply]
+    started: float  # time.monotonic() when the first frame was sent
+    admitted_at: float | None  # ... when the attempt that ran was sent (None: it never ran)
+    finished: float
+
+    @property
+    def status(self) -> Status:
+        return self.reply.status
+
+    @property
+    def done(self) -> bool:
+        return self.reply.status == Status.DONE
+
+
+class GovernorClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._inbox: dict[str, asyncio.Queue[Reply | ClientError]] = {}
+        self._jobs = itertools.count(1)
+        self._rng = random.Random()
+        self._closed: ClientError | None = None
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_replies())
+
+    @classmethod
+    async def connect(cls, host: str, port: int, *, timeout: float = 10.0) -> GovernorClient:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port, limit=MAX_REPLY_BYTES)
+        return cls(reader, writer)
+
+    async def __aenter__(self) -> GovernorClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._reader_task.cancel()
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass
+
+    # Operations ------------------------------------------------------------------------
+
+    async def ping(self, *, timeout: float = 10.0) -> Reply:
+        job = f"J_ping{next(self._jobs)}"
+        async with self._expecting(job) as inbox, asyncio.timeout(timeout):
+            self._write(encode_request(Verb.PING, job, 1))
+            return await self._next(inbox)
+
+    async def upload(
+        self,
+        payload: bytes,
+        *,
+        job: str | None = None,
+        chunk_bytes: int = 8192,
+        content_type: str = "application/octet-stream",
+        ttl_ms: int = 0,
+        retry: RetryPolicy = RetryPolicy(),
+        timeout: float | None = None,
+    ) -> UploadResult:
+        """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield."""
+        job = job or f"J_{next(self._jobs)}"
+        prepared = split_payload(payload, chunk_bytes=chunk_bytes, content_type=content_type)
+        seq = itertools.count(1)
+
+        def frames(whole: bool) -> bytes:
+            """The whole upload, pipelined, or only its final chunk again."""
+            if not whole:
+                chunk = prepared.chunks[-1]
+                return encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunk)
+            parts = [encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, manifest=prepared.manifest)]
+            parts += [
+                encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=c)
+                for c in prepared.chunks
+            ]
+            return b"".join(parts)
+
+        started = time.monotonic()
+        yields: list[Reply] = []
+        admitted_at: float | None = None
+        attempts = 0
+        whole = True
+        async with self._expecting(job) as inbox, asyncio.timeout(timeout):
+            while True:
+                attempts += 1
+                sent_at = time.monotonic()
+                self._write(frames(whole))
+                # Whole: a reply per frame, the last one for the final chunk; else just that one.
+                for _ in range(len(prepared.chunks) if whole else 0):
+                    reply = await self._next(inbox)
+                    if reply.status != Status.OK:
+                        break
+                else:
+                    reply = await self._next(inbox)
+                if reply.receipt(Receipt.BACKEND_MS) is not None:  # the job ran
+                    admitted_at = sent_at
+                if reply.status != Status.YIELD:
+                    break
+                yields.append(reply)
+                if attempts >= retry.max_attempts:
+                    break
+                await asyncio.sleep(retry.delay_s(reply.retry_hint_ms, self._rng))
+                whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
+        return UploadResult(reply, attempts, yields, started, admitted_at, time.monotonic())
+
+    # Plumbing --------------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        if self._closed is not None:
+            raise self._closed
+        self._writer.write(data)
+
+    def _expecting(self, job: str) -> _Expecting:
+        return _Expecting(self, job)
+
+    async def _next(self, inbox: asyncio.Queue[Reply | ClientError]) -> Reply:
+        item = await inbox.get()
+        if isinstance(item, ClientError):
+            raise item
+        return item
+
+    async def _read_replies(self) -> None:
+        error: ClientError = ConnectionLost("the server closed the connection")
+        try:
+            while True:
+                line = await self._reader.readline()
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    reply = decode_reply(line)
+                except ReplyInvalid as exc:
+                    error = ClientError(f"unreadable reply: {exc}")
+                    break
+                inbox = self._inbox.get(reply.job)
+                if inbox is not None:
+                    inbox.put_nowait(reply)
+                elif reply.status == Status.ABORT:
+                    # A connection-level abort (too many connections, idle timeout, ...)
+                    # names no job of ours: every waiting operation gets it.
+                    for waiting in self._inbox.values():
+                        waiting.put_nowait(reply)
+        except (OSError, asyncio.LimitOverrunError, ValueError) as exc:
+            error = ConnectionLost(f"connection lost: {exc!r}")
+        self._closed = error
+        for inbox in self._inbox.values():
+            inbox.put_nowait(error)
+
+
+class _Expecting:
+    """Registers a job's inbox for the length of one operation."""
+
+    def __init__(self, client: GovernorClient, job: str) -> None:
+        self.client = client
+        self.job = job
+
+    async def __aenter__(self) -> asyncio.Queue[Reply | ClientError]:
+        if self.job in self.client._inbox:
+            raise ValueError(f"job {self.job!r} is already in progress on this connection")
+        inbox: asyncio.Queue[Reply | ClientError] = asyncio.Queue()
+        if self.client._closed is not None:
+            inbox.put_nowait(self.client._closed)
+        self.client._inbox[self.job] = inbox
+        return inbox
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        del self.client._inbox[self.job]
+
+
+async def connect(address: str, *, timeout: float = 10.0) -> GovernorClient:
+    """Connect to ``HOST:PORT``."""
+    host, _, port = address.rpartition(":")
+    return await GovernorClient.connect(host.strip("[]"), int(port), timeout=timeout)
