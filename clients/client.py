@@ -11,6 +11,7 @@ which the governor kept; a bounded :class:`RetryPolicy` says how many attempts i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
@@ -107,10 +108,8 @@ class GovernorClient:
     async def close(self) -> None:
         self._reader_task.cancel()
         self._writer.close()
-        try:
+        with contextlib.suppress(OSError):
             await self._writer.wait_closed()
-        except OSError:
-            pass
 
     # Operations ------------------------------------------------------------------------
 
@@ -141,7 +140,11 @@ class GovernorClient:
             if not whole:
                 chunk = prepared.chunks[-1]
                 return encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunk)
-            parts = [encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, manifest=prepared.manifest)]
+            parts = [
+                encode_request(
+                    Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, manifest=prepared.manifest
+                )
+            ]
             parts += [
                 encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=c)
                 for c in prepared.chunks

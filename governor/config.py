@@ -40,21 +40,46 @@ def _opt(default: Any, help: str) -> Any:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    listen: str = _opt("127.0.0.1:7777", "TCP address to serve the protocol on, HOST:PORT; port 0 picks a free port.")
+    listen: str = _opt(
+        "127.0.0.1:7777",
+        "TCP address to serve the protocol on, HOST:PORT; port 0 picks a free port.",
+    )
     max_inflight: int = _opt(4, "Hard cap on jobs executing at once, across all connections.")
     runner: str = _opt("stub", "Which runner executes admitted jobs: stub.")
     stub_ms: int = _opt(1000, "Stub runner: how long each job takes, in milliseconds.")
-    stub_fail_rate: float = _opt(0.0, "Stub runner: share of jobs that fail with backend_error, 0 to 1.")
-    idle_timeout: float = _opt(60.0, "Seconds without a frame (and with no job running) before a connection is closed.")
+    stub_fail_rate: float = _opt(
+        0.0, "Stub runner: share of jobs that fail with backend_error, 0 to 1."
+    )
+    idle_timeout: float = _opt(
+        60.0, "Seconds without a frame (and with no job running) before a connection is closed."
+    )
     max_line_bytes: int = _opt(262144, "Longest accepted line; a longer one closes the connection.")
-    max_jobs_per_conn: int = _opt(64, "Jobs a connection may have open at once (uploading, held after a yield, or running).")
-    max_connections: int = _opt(1024, "Connections served at once; one more gets an abort frame and is closed.")
-    max_payload_bytes: int = _opt(DEFAULT_MAX_PAYLOAD_BYTES, "Largest payload a manifest may declare.")
-    max_conn_buffer_bytes: int = _opt(64 * 1024 * 1024, "Payload bytes one connection may have buffered (uploads in progress and held payloads).")
-    max_buffer_bytes: int = _opt(1024 * 1024 * 1024, "Payload bytes all connections together may have buffered.")
-    held_payloads_per_conn: int = _opt(8, "Payloads a connection may have held after a yield, awaiting the client's retry.")
-    shutdown_grace: float = _opt(30.0, "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted.")
-    metrics_listen: str | None = _opt(None, "HOST:PORT for the HTTP /metrics endpoint; unset: no metrics listener.")
+    max_jobs_per_conn: int = _opt(
+        64, "Jobs a connection may have open at once (uploading, held after a yield, or running)."
+    )
+    max_connections: int = _opt(
+        1024, "Connections served at once; one more gets an abort frame and is closed."
+    )
+    max_payload_bytes: int = _opt(
+        DEFAULT_MAX_PAYLOAD_BYTES, "Largest payload a manifest may declare."
+    )
+    max_conn_buffer_bytes: int = _opt(
+        64 * 1024 * 1024,
+        "Payload bytes one connection may have buffered (uploads in progress and held payloads).",
+    )
+    max_buffer_bytes: int = _opt(
+        1024 * 1024 * 1024, "Payload bytes all connections together may have buffered."
+    )
+    held_payloads_per_conn: int = _opt(
+        8, "Payloads a connection may have held after a yield, awaiting the client's retry."
+    )
+    shutdown_grace: float = _opt(
+        30.0,
+        "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted.",
+    )
+    metrics_listen: str | None = _opt(
+        None, "HOST:PORT for the HTTP /metrics endpoint; unset: no metrics listener."
+    )
     log_level: str = _opt("info", "debug, info, warning or error.")
 
     def __post_init__(self) -> None:

@@ -127,8 +127,10 @@ class GovernorProtocol(asyncio.Protocol):
             self._fatal(exc.need_code, exc.error_code, exc.detail)
 
     def eof_received(self) -> bool:
-        # The client half-closed: keep the connection open to send what it is owed.
-        return True
+        # EOF is the client leaving: a half-close cannot be told apart from a close, and work
+        # must not run on for a client that is gone. Returning False closes the transport,
+        # and connection_lost cancels what runs.
+        return False
 
     # Frames ----------------------------------------------------------------------------
 
@@ -144,7 +146,9 @@ class GovernorProtocol(asyncio.Protocol):
         except RemoteProtocolError as exc:
             self.server.bad_frames[exc.need_code] += 1
             self._send(
-                error_reply(exc, self.last_job, self.last_seq + 1, self.last_ttl_ms, self._receipts())
+                error_reply(
+                    exc, self.last_job, self.last_seq + 1, self.last_ttl_ms, self._receipts()
+                )
             )
             return
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms

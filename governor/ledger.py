@@ -56,7 +56,7 @@ class Refusal:
 class Slot:
     """One taken execution slot. :meth:`release` gives it back; calling it again does nothing."""
 
-    __slots__ = ("_ledger", "started", "_released")
+    __slots__ = ("_ledger", "_released", "started")
 
     def __init__(self, ledger: SlotLedger, started: float) -> None:
         self._ledger = ledger
@@ -158,7 +158,9 @@ class SlotLedger:
             at = self._release_time(now, 0)
         else:
             at = self._release_time(now, len(promises))
-        hint_ms = min(max(math.ceil((at - now) * 1000), self.min_hint_ms), self.max_hint_ms)
+        # (less a nanosecond, so that float noise does not round 600 ms up to 601)
+        hint_ms = math.ceil((at - now) * 1000 - 1e-6)
+        hint_ms = min(max(hint_ms, self.min_hint_ms), self.max_hint_ms)
         at = now + hint_ms / 1000
         entry = (at, at + max(self.service_s / 4, 0.02))
         if returning:

@@ -32,13 +32,17 @@ class GovernorCollector(Collector):
         server, ledger = self.server, self.server.ledger
         yield GaugeMetricFamily("governor_inflight", "Jobs executing now.", value=ledger.inflight)
         yield GaugeMetricFamily(
-            "governor_inflight_cap", "The hard cap on executing jobs (max_inflight).", value=ledger.cap
+            "governor_inflight_cap",
+            "The hard cap on executing jobs (max_inflight).",
+            value=ledger.cap,
         )
         yield GaugeMetricFamily(
             "governor_inflight_peak", "Highest inflight since start.", value=ledger.peak_inflight
         )
         yield GaugeMetricFamily(
-            "governor_health", "1 when a job would be admitted now, else 0.", value=int(ledger.ready)
+            "governor_health",
+            "1 when a job would be admitted now, else 0.",
+            value=int(ledger.ready),
         )
         yield GaugeMetricFamily(
             "governor_draining", "1 while shutting down.", value=int(ledger.draining)
@@ -60,7 +64,9 @@ class GovernorCollector(Collector):
             "governor_executed", "Jobs admitted to execute.", value=ledger.executed_total
         )
         yield CounterMetricFamily(
-            "governor_yielded", "Admission attempts answered with yield.", value=ledger.yielded_total
+            "governor_yielded",
+            "Admission attempts answered with yield.",
+            value=ledger.yielded_total,
         )
         outcomes = CounterMetricFamily(
             "governor_jobs_finished", "Admitted jobs that ended, by outcome.", labels=["outcome"]
@@ -91,7 +97,8 @@ class MetricsEndpoint:
 
     @property
     def address(self) -> tuple[str, int]:
-        assert self._server is not None and self._server.sockets
+        assert self._server is not None
+        assert self._server.sockets
         host, port = self._server.sockets[0].getsockname()[:2]
         return host, port
 

@@ -88,7 +88,8 @@ class Server:
 
     @property
     def address(self) -> tuple[str, int]:
-        assert self._listener is not None and self._listener.sockets
+        assert self._listener is not None
+        assert self._listener.sockets
         host, port = self._listener.sockets[0].getsockname()[:2]
         return host, port
 

@@ -75,7 +75,7 @@ def _check_envelope(obj: dict[str, Any]) -> Request:
     seq = obj.get("seq")
     # The frame's own job and seq, when valid, so that the reply to a bad frame can name them.
     ctx_job = job if is_id(job) else None
-    ctx_seq = seq if is_uint(seq) and seq >= 1 else None
+    ctx_seq = seq if type(seq) is int and 1 <= seq <= U64_MAX else None
 
     def invalid(detail: str) -> EnvelopeInvalid:
         return EnvelopeInvalid(detail, job=ctx_job, seq=ctx_seq)
@@ -125,7 +125,10 @@ def classify_bad_line(line: bytes) -> tuple[NeedCode, str]:
     if text.startswith(_HTTP_METHODS) or text.startswith(b"HTTP/"):
         return NeedCode.HTTP_REQUEST, "looks like HTTP; this port speaks newline-delimited JSON"
     if text.startswith((b"GIF87a", b"GIF89a")):
-        return NeedCode.BINARY_GIF, "looks like a GIF image; this port speaks newline-delimited JSON"
+        return (
+            NeedCode.BINARY_GIF,
+            "looks like a GIF image; this port speaks newline-delimited JSON",
+        )
     lowered = text[:16].lower()
     if lowered.startswith((b"<!doctype", b"<html")):
         return NeedCode.HTML_DOCUMENT, "looks like HTML; this port speaks newline-delimited JSON"

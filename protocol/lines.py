@@ -17,7 +17,7 @@ class LineReader:
     newline, so feeding a long line a byte at a time stays linear.
     """
 
-    __slots__ = ("max_line_bytes", "_buf", "_start", "_scanned", "_broken")
+    __slots__ = ("_broken", "_buf", "_scanned", "_start", "max_line_bytes")
 
     def __init__(self, max_line_bytes: int) -> None:
         if max_line_bytes < 1:

@@ -16,7 +16,7 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .codes import NeedCode
 from .errors import ManifestInvalid, UploadNeed
@@ -74,11 +74,14 @@ class Manifest:
         if total > chunk_bytes * chunks:
             raise ManifestInvalid("'total_bytes' does not fit in 'chunks' of 'chunk_bytes'")
         if total > max_payload_bytes:
-            raise ManifestInvalid(f"payload of {total} bytes is over the cap of {max_payload_bytes}")
+            raise ManifestInvalid(
+                f"payload of {total} bytes is over the cap of {max_payload_bytes}"
+            )
         digest = obj.get("sha256")
         if type(digest) is not str or not _SHA256_HEX.fullmatch(digest):
             raise ManifestInvalid("'sha256' must be the payload's sha256 as 64 hex digits")
-        return cls(payload_id, content_type, total, chunk_bytes, chunks, digest.lower())
+        # (cast: is_id/is_uint checked these, but bool checks do not narrow the type.)
+        return cls(cast(str, payload_id), content_type, total, chunk_bytes, chunks, digest.lower())
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +109,10 @@ class Chunk:
             raise UploadNeed(NeedCode.CHUNK_INVALID, "'sha256' must be a hex string")
         if type(data) is not str:
             raise UploadNeed(NeedCode.CHUNK_B64_INVALID, "'bytes_b64' must be a base64 string")
-        return cls(payload_id, index, offset, digest, data)
+        return cls(cast(str, payload_id), cast(int, index), offset, digest, data)
 
     def decode(self, limit: int) -> bytes:
-        """The chunk's bytes, checked against its sha256 and against ``limit``."""
+        """The chunk's bytes, refused when not base64 or longer than ``limit``."""
         if len(self.bytes_b64) > 4 * ((limit + 2) // 3):
             # Too long to decode to at most `limit` bytes: refuse before decoding it.
             raise UploadNeed(NeedCode.CHUNK_TOO_LARGE, f"chunk {self.index} is over {limit} bytes")
@@ -136,7 +139,7 @@ class Upload:
     last chunk, which is how a client retries admission after a ``yield``.
     """
 
-    __slots__ = ("max_payload_bytes", "manifest", "_parts", "_received", "_hash", "_final")
+    __slots__ = ("_final", "_hash", "_parts", "_received", "manifest", "max_payload_bytes")
 
     def __init__(self, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
         self.max_payload_bytes = max_payload_bytes

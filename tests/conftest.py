@@ -1,0 +1,197 @@
+"""Shared fixtures: an in-process server on a port-0 socket, a raw frame client, a daemon process.
+
+Async tests run on both uvloop (what the daemon uses) and the standard asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+import uvloop
+
+from governor.config import Config
+from governor.runners import Runner
+from governor.server import Server
+
+LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``condition`` on the event loop until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+ServerFactory = Callable[..., Awaitable[Server]]
+
+
+@pytest.fixture
+async def make_server() -> AsyncIterator[ServerFactory]:
+    """``await make_server(runner=None, **config)``: a started server on 127.0.0.1:0."""
+    servers: list[Server] = []
+
+    async def factory(runner: Runner | None = None, **config: Any) -> Server:
+        config.setdefault("stub_ms", 50)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        server = Server(Config(listen="127.0.0.1:0", **config), runner)
+        await server.start(sock=sock)
+        servers.append(server)
+        return server
+
+    yield factory
+    for server in servers:
+        await server.close()
+
+
+class RawConn:
+    """A bare TCP connection speaking frames as dicts, for exact protocol tests."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, server: Server) -> RawConn:
+        host, port = server.address
+        reader, writer = await asyncio.open_connection(host, port, limit=2**24)
+        return cls(reader, writer)
+
+    def send_raw(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    def send(self, frame: Mapping[str, Any]) -> None:
+        self.writer.write(orjson.dumps(frame) + b"\n")
+
+    async def recv(self, timeout: float = 5.0) -> dict[str, Any]:
+        line = await asyncio.wait_for(self.reader.readline(), timeout)
+        assert line.endswith(b"\n"), f"connection closed instead of a reply: {line!r}"
+        frame: dict[str, Any] = orjson.loads(line)
+        return frame
+
+    async def recv_eof(self, timeout: float = 5.0) -> None:
+        """Assert that the server closes the connection (with nothing more to read)."""
+        rest = await asyncio.wait_for(self.reader.read(), timeout)
+        assert rest == b"", f"expected the connection to close, got {rest!r}"
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+def receipt(frame: Mapping[str, Any], kind: str) -> int | None:
+    for r in frame.get("receipts", ()):
+        if r["kind"] == kind:
+            value: int = r["value_u64"]
+            return value
+    return None
+
+
+@pytest.fixture
+async def raw(make_server: ServerFactory) -> AsyncIterator[Callable[[Server], Awaitable[RawConn]]]:
+    """``await raw(server)``: a :class:`RawConn` closed after the test."""
+    conns: list[RawConn] = []
+
+    async def opener(server: Server) -> RawConn:
+        conn = await RawConn.open(server)
+        conns.append(conn)
+        return conn
+
+    yield opener
+    for conn in conns:
+        await conn.close()
+
+
+@dataclass
+class Daemon:
+    """A ``governor serve`` process started by a test, stopped by its own PID."""
+
+    proc: subprocess.Popen[bytes]
+    host: str
+    port: int
+    stderr_head: bytes
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 30.0) -> tuple[int, bytes]:
+        _, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, self.stderr_head + err
+
+
+def start_daemon(*args: str, timeout: float = 30.0) -> Daemon:
+    """Start ``python -m governor serve ARGS`` and wait for its listening line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "governor", "serve", "--listen", "127.0.0.1:0", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stderr is not None
+    head = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        head += line
+        match = LISTEN_LINE.search(line)
+        if match:
+            return Daemon(proc, match[1].decode(), int(match[2]), head)
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"daemon did not start: {head.decode(errors='replace')}")
+
+
+def stop_daemon(daemon: Daemon) -> None:
+    if daemon.proc.poll() is None:
+        daemon.proc.send_signal(signal.SIGTERM)
+        try:
+            daemon.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            daemon.proc.kill()
+            daemon.proc.wait()
+    if daemon.proc.stderr is not None:
+        daemon.proc.stderr.close()
+
+
+@pytest.fixture
+def daemon() -> Iterator[Callable[..., Daemon]]:
+    """``daemon(*flags)``: a running ``governor serve`` process, stopped after the test."""
+    started: list[Daemon] = []
+
+    def factory(*args: str) -> Daemon:
+        d = start_daemon(*args)
+        started.append(d)
+        return d
+
+    yield factory
+    for d in started:
+        stop_daemon(d)

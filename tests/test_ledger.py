@@ -1,0 +1,188 @@
+"""The admission ledger, with an injected clock: no sockets, no event loop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from governor.ledger import EWMA_ALPHA, Refusal, Slot, SlotLedger
+from protocol.codes import NeedCode
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_cap_holds_and_counts(clock: FakeClock) -> None:
+    ledger = SlotLedger(3, clock=clock)
+    slots = [ledger.admit() for _ in range(3)]
+    assert all(isinstance(s, Slot) for s in slots)
+    assert ledger.inflight == 3
+    assert ledger.saturated
+    assert not ledger.ready
+    refused = ledger.admit()
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == NeedCode.SERVER_BUSY
+    assert refused.retry_hint_ms >= ledger.min_hint_ms
+    assert (ledger.executed_total, ledger.yielded_total, ledger.peak_inflight) == (3, 1, 3)
+
+
+def test_release_is_idempotent(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, clock=clock)
+    slot = ledger.admit()
+    assert isinstance(slot, Slot)
+    clock.now += 2.0
+    assert slot.release(completed=False) == pytest.approx(2.0)
+    assert slot.release(completed=False) == 0.0
+    assert ledger.inflight == 0
+    assert slot.released
+    assert isinstance(ledger.admit(), Slot)
+
+
+def test_random_admit_release_never_exceeds_cap(clock: FakeClock) -> None:
+    rng = random.Random(7)
+    ledger = SlotLedger(4, clock=clock)
+    held: list[Slot] = []
+    admitted = refused = 0
+    for _ in range(5000):
+        clock.now += rng.random() / 10
+        if held and rng.random() < 0.45:
+            held.pop(rng.randrange(len(held))).release(completed=rng.random() < 0.5)
+            continue
+        decision = ledger.admit(returning=rng.random() < 0.3)
+        if isinstance(decision, Slot):
+            held.append(decision)
+            admitted += 1
+        else:
+            assert decision.retry_hint_ms >= ledger.min_hint_ms
+            refused += 1
+        assert ledger.inflight == len(held) <= 4
+    assert ledger.peak_inflight == 4
+    assert (ledger.executed_total, ledger.yielded_total) == (admitted, refused)
+    assert refused > 0
+
+
+def test_service_time_follows_completed_jobs_only(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    slot = ledger.admit()
+    assert isinstance(slot, Slot)
+    clock.now += 3.0
+    slot.release(completed=True)
+    assert ledger.service_s == pytest.approx(1.0 + EWMA_ALPHA * 2.0)
+    before = ledger.service_s
+    slot = ledger.admit()
+    assert isinstance(slot, Slot)
+    clock.now += 100.0
+    slot.release(completed=False)  # cancelled: says nothing about service time
+    assert ledger.service_s == before
+
+
+def test_hint_is_time_until_the_earliest_expected_release(clock: FakeClock) -> None:
+    ledger = SlotLedger(2, expected_service_s=1.0, clock=clock)
+    ledger.admit()
+    clock.now += 0.3
+    ledger.admit()
+    clock.now += 0.1  # running for 0.4 s and 0.1 s; releases expected in 0.6 s and 0.9 s
+    first = ledger.admit()
+    assert isinstance(first, Refusal)
+    assert first.retry_hint_ms == 600
+
+
+def test_hints_spread_refused_clients_over_coming_releases(clock: FakeClock) -> None:
+    ledger = SlotLedger(2, expected_service_s=1.0, clock=clock)
+    ledger.admit()
+    clock.now += 0.5
+    ledger.admit()  # releases expected at +0.5 s and +1.0 s, then every 1 s per slot
+    hints = []
+    for _ in range(6):
+        refusal = ledger.admit()
+        assert isinstance(refusal, Refusal)
+        hints.append(refusal.retry_hint_ms)
+    assert hints == [500, 1000, 1500, 2000, 2500, 3000]
+
+
+def test_hint_never_constant_across_load(clock: FakeClock) -> None:
+    """Heptamini always says 500 ms; here the hint follows the service time."""
+    short = SlotLedger(1, expected_service_s=0.05, clock=clock)
+    long = SlotLedger(1, expected_service_s=8.0, clock=clock)
+    short.admit()
+    long.admit()
+    a, b = short.admit(), long.admit()
+    assert isinstance(a, Refusal)
+    assert isinstance(b, Refusal)
+    assert a.retry_hint_ms == 50
+    assert b.retry_hint_ms == 8000
+
+
+def test_overrunning_job_gets_the_floor_not_a_negative_hint(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)
+    ledger.admit()
+    clock.now += 10.0  # long past its expected end
+    refusal = ledger.admit()
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_hint_ms == 5
+
+
+def test_hint_clamped_to_max(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=600.0, max_hint_ms=60_000, clock=clock)
+    ledger.admit()
+    refusal = ledger.admit()
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_hint_ms == 60_000
+
+
+def test_returning_client_keeps_its_place(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    ledger.admit()
+    first = ledger.admit()
+    second = ledger.admit()
+    assert isinstance(first, Refusal)
+    assert isinstance(second, Refusal)
+    assert (first.retry_hint_ms, second.retry_hint_ms) == (1000, 2000)
+    clock.now += 0.99  # the first client comes back a little early: still refused ...
+    again = ledger.admit(returning=True)
+    assert isinstance(again, Refusal)
+    assert again.retry_hint_ms == 10  # ... and sent to the imminent release, not the back
+
+
+def test_promises_lapse_and_are_consumed(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    slot = ledger.admit()
+    assert isinstance(slot, Slot)
+    for _ in range(3):
+        ledger.admit()  # promised +1 s, +2 s, +3 s
+    clock.now += 1.0
+    slot.release(completed=True)
+    assert isinstance(ledger.admit(returning=True), Slot)  # consumes the first promise
+    refusal = ledger.admit()
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_hint_ms == 3000  # behind the two promises still outstanding
+    clock.now += 60.0  # every promise has lapsed; the running job is long overdue
+    refusal = ledger.admit()
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_hint_ms == ledger.min_hint_ms
+
+
+def test_draining_refuses_with_its_own_code(clock: FakeClock) -> None:
+    ledger = SlotLedger(2, clock=clock)
+    ledger.draining = True
+    refusal = ledger.admit()
+    assert isinstance(refusal, Refusal)
+    assert refusal.need_code == NeedCode.DRAINING
+    assert ledger.inflight == 0
+    assert not ledger.ready
+
+
+def test_cap_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="cap"):
+        SlotLedger(0)
