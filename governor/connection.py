@@ -30,7 +30,7 @@ from protocol.frames import Reply, Request, decode_request, encode_reply, error_
 from protocol.lines import LineReader
 from protocol.upload import Upload
 
-from .ledger import Refusal, Slot
+from .ledger import Promise, Refusal, Slot
 from .runners import Job, RunnerError, Token
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class JobState:
     upload: Upload
     reserved: int = 0  # payload bytes reserved against the buffer budgets
     held: bool = False  # a verified payload kept after a yield, for the client's retry
+    promise: Promise | None = None  # when the held payload's client was told to come back
     # Set on admission:
     request: Request | None = None  # the final chunk's frame; the terminal reply answers it
     slot: Slot | None = None
@@ -186,8 +187,7 @@ class GovernorProtocol(asyncio.Protocol):
                 return
             state = self.jobs[req.job] = JobState(Upload(self.config.max_payload_bytes))
         elif state.held:  # a new manifest replaces the payload held for a retry
-            state.held = False
-            self.held_count -= 1
+            self._unhold(state)
         try:
             manifest = state.upload.apply_manifest(req.manifest)
             self._unreserve(state)
@@ -207,7 +207,7 @@ class GovernorProtocol(asyncio.Protocol):
         upload = state.upload
         if state.held and upload.is_final_chunk_again(req.chunk):
             # A retry after a yield: the payload was kept, so admission is tried again.
-            self._admit(req, state, upload.payload, returning=True)
+            self._admit(req, state, upload.payload)
             return
         try:
             payload = upload.apply_chunk(req.chunk)
@@ -217,17 +217,21 @@ class GovernorProtocol(asyncio.Protocol):
         if payload is None:
             self._send(self._reply(req, Verb.CLARIFY, Status.OK))
         else:
-            self._admit(req, state, payload, returning=False)
+            self._admit(req, state, payload)
 
     # Admission and execution ---------------------------------------------------------
 
-    def _admit(self, req: Request, state: JobState, payload: bytes, *, returning: bool) -> None:
-        decision = self.ledger.admit(returning=returning)
+    def _admit(self, req: Request, state: JobState, payload: bytes) -> None:
+        promise, state.promise = state.promise, None
+        decision = self.ledger.admit(promise)
         if isinstance(decision, Refusal):
             held = self._hold(state)
             if held:
+                state.promise = decision.promise
                 detail = "no execution slot free; resend the final chunk after retry_hint_ms"
             else:
+                if decision.promise is not None:
+                    self.ledger.withdraw(decision.promise)
                 self._forget(req.job)
                 detail = "no execution slot free, and the payload was not kept; resend it"
             self._send(
@@ -252,8 +256,7 @@ class GovernorProtocol(asyncio.Protocol):
             )
             return
         if state.held:
-            state.held = False
-            self.held_count -= 1
+            self._unhold(state)
         manifest = state.upload.manifest
         assert manifest is not None
         state.request = req
@@ -473,9 +476,16 @@ class GovernorProtocol(asyncio.Protocol):
             self.buffered -= state.reserved
             state.reserved = 0
 
+    def _unhold(self, state: JobState) -> None:
+        state.held = False
+        self.held_count -= 1
+        if state.promise is not None:
+            self.ledger.withdraw(state.promise)
+            state.promise = None
+
     def _forget(self, job: str) -> None:
         state = self.jobs.pop(job, None)
         if state is not None:
             if state.held:
-                self.held_count -= 1
+                self._unhold(state)
             self._unreserve(state)

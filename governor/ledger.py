@@ -17,13 +17,14 @@ slot releases instead of all returning at the same instant.
   ``floor`` (``min_hint_ms``) covers jobs already running longer than expected. Sorted, the
   ``e_i`` are the next ``n`` releases, and each slot then frees every ``S`` seconds, so the
   ``k``-th release from now is ``e[k mod n] + (k div n) * S``.
-* ``P`` is the number of promises still outstanding (a promise lapses ``grace`` after its
-  time, ``grace = max(S/4, 20 ms)``, covering the client's jitter).
+* ``P`` is the number of promises still outstanding. A promise belongs to a held payload: it
+  is withdrawn when the client comes back or the payload is dropped (client gone, new
+  manifest), and it lapses ``grace = max(S/4, 20 ms)`` after its time (the client's jitter).
 * A new yield is promised release number ``P``:  ``hint = e[P mod n] + (P div n) * S - now``,
   clamped to ``[min_hint_ms, max_hint_ms]``.
-* A client that comes back (it resends the final chunk of the payload it was refused) is
-  taking up its promise: on admission the earliest promise is consumed; refused again, it is
-  sent to the earliest release ``e[0]`` rather than to the back of the line.
+* A client that comes back (it resends the final chunk of the payload it was refused) gives
+  its promise back; refused again, it is sent to the earliest release ``e[0]`` rather than to
+  the back of the line.
 
 With one client per cap-slot release, a slot is retaken almost as soon as it frees, and most
 retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures both).
@@ -31,6 +32,7 @@ retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures bot
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -45,12 +47,23 @@ EWMA_ALPHA = 0.2
 MAX_PROMISES = 65536  # bounds the ledger's memory whatever the number of refused clients
 
 
+class Promise:
+    """When a refused client was told to come back; withdrawn with :meth:`SlotLedger.withdraw`."""
+
+    __slots__ = ("at", "lapses")
+
+    def __init__(self, at: float, lapses: float) -> None:
+        self.at = at
+        self.lapses = lapses
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """No slot now: answer ``yield`` with this code and hint."""
 
     need_code: NeedCode
     retry_hint_ms: int
+    promise: Promise | None = None
 
 
 class Slot:
@@ -100,7 +113,7 @@ class SlotLedger:
         self.peak_inflight = 0
         self.draining = False
         self._running: dict[Slot, None] = {}  # insertion-ordered set
-        self._promises: deque[tuple[float, float]] = deque()  # (time, lapses at)
+        self._promises: deque[Promise] = deque()  # in the order of their times
 
     @property
     def inflight(self) -> int:
@@ -115,12 +128,14 @@ class SlotLedger:
         """Would a job be admitted now? (``server.health`` 1.)"""
         return not self.draining and not self.saturated
 
-    def admit(self, *, returning: bool = False) -> Slot | Refusal:
+    def admit(self, promise: Promise | None = None) -> Slot | Refusal:
         """Take a slot, or say why not and when to come back.
 
-        ``returning`` marks a client retrying a payload it was refused before.
+        ``promise`` is the one a returning client was given when it was last refused.
         """
         now = self.clock()
+        if promise is not None:
+            self.withdraw(promise)
         if self.draining:
             self.yielded_total += 1
             return Refusal(NeedCode.DRAINING, self.max_hint_ms)
@@ -130,13 +145,15 @@ class SlotLedger:
             self.executed_total += 1
             if len(self._running) > self.peak_inflight:
                 self.peak_inflight = len(self._running)
-            if returning:
-                self._lapse(now)
-                if self._promises:
-                    self._promises.popleft()
             return slot
         self.yielded_total += 1
-        return Refusal(NeedCode.SERVER_BUSY, self._promise(now, returning))
+        hint_ms, promise = self._promise(now, returning=promise is not None)
+        return Refusal(NeedCode.SERVER_BUSY, hint_ms, promise)
+
+    def withdraw(self, promise: Promise) -> None:
+        """Forget a promise: its client came back, or will not."""
+        with contextlib.suppress(ValueError):  # it had lapsed
+            self._promises.remove(promise)
 
     def _release(self, slot: Slot, completed: bool) -> float:
         del self._running[slot]
@@ -147,27 +164,26 @@ class SlotLedger:
 
     def _lapse(self, now: float) -> None:
         promises = self._promises
-        while promises and promises[0][1] < now:
+        while promises and promises[0].lapses < now:
             promises.popleft()
 
-    def _promise(self, now: float, returning: bool) -> int:
+    def _promise(self, now: float, *, returning: bool) -> tuple[int, Promise | None]:
         self._lapse(now)
         promises = self._promises
-        if returning and promises:
-            promises.popleft()  # the client's own earlier promise, now due
-            at = self._release_time(now, 0)
-        else:
-            at = self._release_time(now, len(promises))
+        # A returning client goes to the next release; a new one behind every promise made.
+        at = self._release_time(now, 0 if returning else len(promises))
         # (less a nanosecond, so that float noise does not round 600 ms up to 601)
         hint_ms = math.ceil((at - now) * 1000 - 1e-6)
         hint_ms = min(max(hint_ms, self.min_hint_ms), self.max_hint_ms)
         at = now + hint_ms / 1000
-        entry = (at, at + max(self.service_s / 4, 0.02))
+        promise = Promise(at, at + max(self.service_s / 4, 0.02))
         if returning:
-            promises.appendleft(entry)
+            promises.appendleft(promise)
         elif len(promises) < MAX_PROMISES:
-            promises.append(entry)
-        return hint_ms
+            promises.append(promise)
+        else:
+            return hint_ms, None
+        return hint_ms, promise
 
     def _release_time(self, now: float, k: int) -> float:
         """When the ``k``-th slot release from now is expected (``k`` = 0: the next one)."""

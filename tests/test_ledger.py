@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from governor.ledger import EWMA_ALPHA, Refusal, Slot, SlotLedger
+from governor.ledger import EWMA_ALPHA, Promise, Refusal, Slot, SlotLedger
 from protocol.codes import NeedCode
 
 
@@ -53,18 +53,24 @@ def test_random_admit_release_never_exceeds_cap(clock: FakeClock) -> None:
     rng = random.Random(7)
     ledger = SlotLedger(4, clock=clock)
     held: list[Slot] = []
+    waiting: list[Promise] = []
     admitted = refused = 0
     for _ in range(5000):
         clock.now += rng.random() / 10
         if held and rng.random() < 0.45:
             held.pop(rng.randrange(len(held))).release(completed=rng.random() < 0.5)
             continue
-        decision = ledger.admit(returning=rng.random() < 0.3)
+        returning = (
+            waiting.pop(rng.randrange(len(waiting))) if waiting and rng.random() < 0.5 else None
+        )
+        decision = ledger.admit(returning)
         if isinstance(decision, Slot):
             held.append(decision)
             admitted += 1
         else:
             assert decision.retry_hint_ms >= ledger.min_hint_ms
+            assert decision.promise is not None
+            waiting.append(decision.promise)
             refused += 1
         assert ledger.inflight == len(held) <= 4
     assert ledger.peak_inflight == 4
@@ -150,20 +156,22 @@ def test_returning_client_keeps_its_place(clock: FakeClock) -> None:
     assert isinstance(second, Refusal)
     assert (first.retry_hint_ms, second.retry_hint_ms) == (1000, 2000)
     clock.now += 0.99  # the first client comes back a little early: still refused ...
-    again = ledger.admit(returning=True)
+    again = ledger.admit(first.promise)
     assert isinstance(again, Refusal)
     assert again.retry_hint_ms == 10  # ... and sent to the imminent release, not the back
 
 
-def test_promises_lapse_and_are_consumed(clock: FakeClock) -> None:
+def test_promises_lapse_and_are_withdrawn(clock: FakeClock) -> None:
     ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
     slot = ledger.admit()
     assert isinstance(slot, Slot)
-    for _ in range(3):
-        ledger.admit()  # promised +1 s, +2 s, +3 s
+    refusals = [ledger.admit() for _ in range(3)]  # promised +1 s, +2 s, +3 s
+    assert [r.retry_hint_ms for r in refusals if isinstance(r, Refusal)] == [1000, 2000, 3000]
     clock.now += 1.0
     slot.release(completed=True)
-    assert isinstance(ledger.admit(returning=True), Slot)  # consumes the first promise
+    first = refusals[0]
+    assert isinstance(first, Refusal)
+    assert isinstance(ledger.admit(first.promise), Slot)  # comes back: its promise is done
     refusal = ledger.admit()
     assert isinstance(refusal, Refusal)
     assert refusal.retry_hint_ms == 3000  # behind the two promises still outstanding
@@ -171,6 +179,21 @@ def test_promises_lapse_and_are_consumed(clock: FakeClock) -> None:
     refusal = ledger.admit()
     assert isinstance(refusal, Refusal)
     assert refusal.retry_hint_ms == ledger.min_hint_ms
+
+
+def test_withdrawn_promises_no_longer_push_hints_out(clock: FakeClock) -> None:
+    """Clients that left (their held payload dropped) must not delay the ones still waiting."""
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    ledger.admit()
+    gone = [ledger.admit() for _ in range(10)]
+    for refusal in gone:
+        assert isinstance(refusal, Refusal)
+        assert refusal.promise is not None
+        ledger.withdraw(refusal.promise)
+        ledger.withdraw(refusal.promise)  # twice is harmless
+    fresh = ledger.admit()
+    assert isinstance(fresh, Refusal)
+    assert fresh.retry_hint_ms == 1000
 
 
 def test_draining_refuses_with_its_own_code(clock: FakeClock) -> None:

@@ -396,6 +396,29 @@ async def test_held_payloads_are_bounded_per_connection(
     assert server.buffered_bytes == len(b"first") + 1  # the running job's and J_a's held one
 
 
+async def test_refused_clients_that_leave_do_not_delay_the_next_hint(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    server = await make_server(max_inflight=1, stub_ms=2000)
+    busy = await raw(server)
+    first = split_payload(b"first")
+    busy.send(share("J_busy", 1, manifest=first.manifest))
+    busy.send(share("J_busy", 2, chunk=first.chunks[0]))
+    await wait_until(lambda: server.ledger.inflight == 1)
+    hints = []
+    for i in range(5):
+        conn = await raw(server)
+        hints.append((await upload_raw(conn, f"J_{i}", b"x"))["retry_hint_ms"])
+        await conn.close()  # gone: its held payload and its promise with it
+    # Each was sent to the next release, not behind the promises of those who left.
+    assert max(hints) <= 2000
+    assert max(hints) - min(hints) < 500
+    stays = await raw(server)
+    waiting = [await upload_raw(stays, f"J_w{i}", b"w") for i in range(3)]
+    assert [r["retry_hint_ms"] for r in waiting] == sorted(r["retry_hint_ms"] for r in waiting)
+    assert waiting[1]["retry_hint_ms"] >= waiting[0]["retry_hint_ms"] + 1900  # spread by ~S
+
+
 async def test_client_retry_with_the_library(make_server: ServerFactory) -> None:
     server = await make_server(max_inflight=1, stub_ms=100)
     host, port = server.address
