@@ -15,8 +15,10 @@ import contextlib
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Self
 
 from protocol.codes import Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
@@ -86,15 +88,16 @@ class GovernorClient:
         self._jobs = itertools.count(1)
         self._rng = random.Random()
         self._closed: ClientError | None = None
+        self._abort: Reply | None = None  # the server's connection-level abort, if it sent one
         self._reader_task = asyncio.get_running_loop().create_task(self._read_replies())
 
     @classmethod
-    async def connect(cls, host: str, port: int, *, timeout: float = 10.0) -> GovernorClient:
+    async def connect(cls, host: str, port: int, *, timeout: float = 10.0) -> Self:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port, limit=MAX_REPLY_BYTES)
         return cls(reader, writer)
 
-    async def __aenter__(self) -> GovernorClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(
@@ -108,6 +111,8 @@ class GovernorClient:
     async def close(self) -> None:
         self._reader_task.cancel()
         self._writer.close()
+        with contextlib.suppress(OSError, asyncio.CancelledError):
+            await self._reader_task
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
 
@@ -129,8 +134,14 @@ class GovernorClient:
         ttl_ms: int = 0,
         retry: RetryPolicy = RetryPolicy(),
         timeout: float | None = None,
+        on_attempt: Callable[[float, Reply], None] | None = None,
     ) -> UploadResult:
-        """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield."""
+        """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield.
+
+        ``on_attempt(sent_at, reply)`` is called as each admission attempt is answered, with
+        the ``time.monotonic()`` at which it was sent: load tests time every yield with it,
+        including those of an upload cut short by ``timeout``.
+        """
         job = job or f"J_{next(self._jobs)}"
         prepared = split_payload(payload, chunk_bytes=chunk_bytes, content_type=content_type)
         seq = itertools.count(1)
@@ -168,6 +179,8 @@ class GovernorClient:
                         break
                 else:
                     reply = await self._next(inbox)
+                if on_attempt is not None:
+                    on_attempt(sent_at, reply)
                 if reply.receipt(Receipt.BACKEND_MS) is not None:  # the job ran
                     admitted_at = sent_at
                 if reply.status != Status.YIELD:
@@ -182,8 +195,8 @@ class GovernorClient:
     # Plumbing --------------------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
-        if self._closed is not None:
-            raise self._closed
+        if self._closed is not None or self._abort is not None:
+            return  # the reply waiting in the operation's inbox says why
         self._writer.write(data)
 
     def _expecting(self, job: str) -> _Expecting:
@@ -211,8 +224,9 @@ class GovernorClient:
                 if inbox is not None:
                     inbox.put_nowait(reply)
                 elif reply.status == Status.ABORT:
-                    # A connection-level abort (too many connections, idle timeout, ...)
-                    # names no job of ours: every waiting operation gets it.
+                    # A connection-level abort (too many connections, idle timeout, ...) names
+                    # no job of ours: every operation gets it, also one started later.
+                    self._abort = reply
                     for waiting in self._inbox.values():
                         waiting.put_nowait(reply)
         except (OSError, asyncio.LimitOverrunError, ValueError) as exc:
@@ -233,7 +247,9 @@ class _Expecting:
         if self.job in self.client._inbox:
             raise ValueError(f"job {self.job!r} is already in progress on this connection")
         inbox: asyncio.Queue[Reply | ClientError] = asyncio.Queue()
-        if self.client._closed is not None:
+        if self.client._abort is not None:
+            inbox.put_nowait(self.client._abort)
+        elif self.client._closed is not None:
             inbox.put_nowait(self.client._closed)
         self.client._inbox[self.job] = inbox
         return inbox
