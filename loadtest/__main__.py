@@ -1,0 +1,5 @@
+"""``python -m loadtest``."""
+
+from .cli import main
+
+raise SystemExit(main())

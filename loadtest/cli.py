@@ -1,0 +1,49 @@
+"""``python -m loadtest``: one subcommand per sibling module.
+
+A command module provides :class:`Command`'s two functions: ``add_parser`` registers its
+subparser (on which it sets nothing: dispatch is by name, through :data:`COMMANDS`), and ``run``
+takes the parsed arguments and returns the exit status. Adding ``rate`` is adding ``rate.py``
+and one entry here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Protocol
+
+from . import burst
+
+
+class Command(Protocol):
+    NAME: str
+
+    def add_parser(self, commands: Any) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+# Assigning a module to a Command-typed name is where mypy checks it against the Protocol.
+_burst: Command = burst
+COMMANDS: dict[str, Command] = {c.NAME: c for c in (_burst,)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest",
+        description="Load tests for the governor. Every run is bounded by --timeout and "
+        "connects only to --addr; the last line of stdout is the run's summary as JSON.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS.values():
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except KeyboardInterrupt:
+        print("loadtest: interrupted", file=sys.stderr)
+        return 130
