@@ -153,3 +153,13 @@ def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
 
 
 FIELDS = dataclasses.fields(Config)
+
+
+def reference_markdown() -> str:
+    """The README's configuration table, from the fields themselves."""
+    rows = ["| key (TOML) | flag | default | meaning |", "|---|---|---|---|"]
+    for f in FIELDS:
+        default = "unset" if f.default is None else f"`{f.default!r}`".replace("'", '"')
+        flag = "--" + f.name.replace("_", "-")
+        rows.append(f"| `{f.name}` | `{flag}` | {default} | {f.metadata['help']} |")
+    return "\n".join(rows) + "\n"

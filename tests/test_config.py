@@ -1,0 +1,83 @@
+"""Configuration: parsing, validation, flags mapping 1:1 onto keys, and the README's table."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import clients
+import protocol
+from governor.cli import build_parser, config_from_args
+from governor.config import Config, ConfigError, parse_address, reference_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("127.0.0.1:7777", ("127.0.0.1", 7777)),
+        ("localhost:0", ("localhost", 0)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("0.0.0.0:65535", ("0.0.0.0", 65535)),
+    ],
+)
+def test_parse_address(text: str, expected: tuple[str, int]) -> None:
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize("text", ["7777", ":7777", "host:", "host:port", "host:65536", "host:-1"])
+def test_parse_address_rejects(text: str) -> None:
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        parse_address(text)
+
+
+def test_every_field_is_a_flag_and_flags_override_the_file(tmp_path: Path) -> None:
+    config_file = tmp_path / "g.toml"
+    config_file.write_text('max_inflight = 2\nidle_timeout = 5\nmetrics_listen = "127.0.0.1:0"\n')
+    parser = build_parser()
+    assert {f.name for f in dataclasses.fields(Config)} <= vars(parser.parse_args(["serve"])).keys()
+    args = parser.parse_args(["serve", "--config", str(config_file), "--max-inflight", "9"])
+    config = config_from_args(args)
+    assert config.max_inflight == 9  # the flag wins
+    assert config.idle_timeout == 5.0  # an int in TOML is fine for a float key
+    assert config.metrics_address == ("127.0.0.1", 0)
+    assert config.stub_ms == Config().stub_ms  # untouched keys keep their defaults
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"max_inflight": 0}, "max_inflight must be at least 1"),
+        ({"max_inflight": True}, "must be of type int"),
+        ({"stub_fail_rate": 1.5}, "stub_fail_rate"),
+        ({"idle_timeout": 0}, "idle_timeout must be positive"),
+        ({"shutdown_grace": -1}, "must not be negative"),
+        ({"log_level": "loud"}, "log_level"),
+        ({"metrics_listen": "nowhere"}, "HOST:PORT"),
+        ({"nope": 1}, "unknown key 'nope'"),
+    ],
+)
+def test_invalid_values_are_refused(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config.from_mapping(values)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        Config.load(tmp_path / "absent.toml")
+
+
+def test_readme_configuration_table_matches_the_code() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert reference_markdown() in readme
+
+
+@pytest.mark.parametrize("module", [protocol, clients])
+def test_public_names_are_exported(module: object) -> None:
+    names = getattr(module, "__all__")
+    assert len(names) == len(set(names))
+    for name in names:
+        assert hasattr(module, name), name
