@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 from pathlib import Path
 
 import pytest
@@ -76,8 +77,8 @@ def test_readme_configuration_table_matches_the_code() -> None:
 
 
 @pytest.mark.parametrize("module", [protocol, clients])
-def test_public_names_are_exported(module: object) -> None:
-    names = getattr(module, "__all__")
+def test_public_names_are_exported(module: types.ModuleType) -> None:
+    names: list[str] = module.__all__
     assert len(names) == len(set(names))
     for name in names:
         assert hasattr(module, name), name

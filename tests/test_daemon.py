@@ -210,7 +210,9 @@ async def test_metrics_endpoint(make_server: ServerFactory) -> None:
     assert after["governor_connections"] == 0
     mhost, mport = server.metrics_address or ("", 0)
     with pytest.raises(urllib.error.HTTPError) as info:
-        await asyncio.to_thread(urllib.request.urlopen, f"http://{mhost}:{mport}/nothing", timeout=5)
+        await asyncio.to_thread(
+            urllib.request.urlopen, f"http://{mhost}:{mport}/nothing", timeout=5
+        )
     assert info.value.code == 404
     info.value.close()
 
