@@ -41,20 +41,26 @@ class RetryPolicy:
     """How an upload answers ``yield``.
 
     ``max_attempts`` counts admission attempts in all: 1 never retries. With ``honor_hint``
-    the client sleeps ``retry_hint_ms * (1 + uniform(0, jitter))``, at most ``max_sleep_s``;
-    without it, it retries at once (the naive client that load tests compare against).
+    the client sleeps ``retry_hint_ms`` plus a random ``jitter`` (up to ``jitter_ratio`` of the
+    hint, at most ``max_jitter_s``), capped at ``max_sleep_s``; without it, it retries at once
+    (the naive client that load tests compare against). The jitter is small and positive: the
+    governor already spreads refused clients over its coming releases, and holds a released
+    slot for the client it was promised to, so arriving a little late costs that slot idle time
+    and arriving early costs a refusal.
     """
 
     max_attempts: int = 10
     honor_hint: bool = True
-    jitter: float = 0.1
+    jitter_ratio: float = 0.1
+    max_jitter_s: float = 0.002
     max_sleep_s: float = 5.0
 
     def delay_s(self, hint_ms: int | None, rng: random.Random) -> float:
         if not self.honor_hint:
             return 0.0
         base = (hint_ms or 50) / 1000
-        return min(base * (1 + rng.uniform(0, self.jitter)), self.max_sleep_s)
+        jitter = rng.uniform(0, min(base * self.jitter_ratio, self.max_jitter_s))
+        return min(base + jitter, self.max_sleep_s)
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)

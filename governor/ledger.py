@@ -14,19 +14,26 @@ slot releases instead of all returning at the same instant.
 * ``S`` is the expected service time: an exponentially weighted mean of the observed times
   of completed jobs (``alpha`` = 0.2), starting from the runner's own estimate.
 * Each running job ``i`` is expected to end at ``e_i = max(start_i + S, now + floor)``; the
-  ``floor`` (``min_hint_ms``) covers jobs already running longer than expected. Sorted, the
-  ``e_i`` are the next ``n`` releases, and each slot then frees every ``S`` seconds, so the
-  ``k``-th release from now is ``e[k mod n] + (k div n) * S``.
+  ``floor`` (``min_hint_ms``) covers jobs already running longer than expected, and a free
+  slot counts as releasing at ``now + floor``. Sorted, the ``e_i`` are the next ``n = cap``
+  releases. After that each slot frees every ``S + T`` seconds, ``T`` being the turnaround:
+  how long a released slot waits for the returning client it was promised to (an
+  exponentially weighted mean, from ``min_hint_ms``). The ``k``-th release from now is
+  ``e[k mod n] + (k div n) * (S + T)``.
 * ``P`` is the number of promises still outstanding. A promise belongs to a held payload: it
   is withdrawn when the client comes back or the payload is dropped (client gone, new
   manifest), and it lapses ``grace = max(S/4, 20 ms)`` after its time (the client's jitter).
-* A new yield is promised release number ``P``:  ``hint = e[P mod n] + (P div n) * S - now``,
-  clamped to ``[min_hint_ms, max_hint_ms]``.
-* A client that comes back (it resends the final chunk of the payload it was refused) gives
-  its promise back; refused again, it is sent to the earliest release ``e[0]`` rather than to
-  the back of the line.
+* A new yield is promised release number ``P``:
+  ``hint = e[P mod n] + (P div n) * (S + T) - now``, clamped to ``[min_hint_ms, max_hint_ms]``.
+* Promises are kept in order, a line that lives on the clients' side. A slot that frees is
+  held for the clients whose promised time has come, or comes within ``2 T`` (until they come
+  back or their promise lapses): a newcomer gets a free slot only if more slots are free
+  than such clients.
+* A client that comes back (it resends the final chunk of the payload it was refused) and
+  finds no slot for it keeps its place in line and is re-timed to that place's release
+  (``k = q``, the promises ahead of it).
 
-With one client per cap-slot release, a slot is retaken almost as soon as it frees, and most
+With one client per slot release, a slot is retaken almost as soon as it frees, and most
 retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures both).
 """
 
@@ -108,6 +115,9 @@ class SlotLedger:
         self.max_hint_ms = max_hint_ms
         self.clock = clock
         self.service_s = expected_service_s
+        # How long a released slot waits for the returning client it was promised to.
+        self.turnaround_s = min_hint_ms / 1000
+        self._freed: deque[float] = deque()  # when each free slot was released, oldest first
         self.executed_total = 0  # admissions
         self.yielded_total = 0
         self.peak_inflight = 0
@@ -134,12 +144,20 @@ class SlotLedger:
         ``promise`` is the one a returning client was given when it was last refused.
         """
         now = self.clock()
-        if promise is not None:
-            self.withdraw(promise)
+        self._lapse(now)
         if self.draining:
+            if promise is not None:
+                self.withdraw(promise)
             self.yielded_total += 1
             return Refusal(NeedCode.DRAINING, self.max_hint_ms)
-        if len(self._running) < self.cap:
+        free = self.cap - len(self._running)
+        # A free slot is not for the taking while clients ahead in line have their time come.
+        if free > self._due_ahead(now, promise):
+            freed = self._freed.popleft() if self._freed else None
+            if promise is not None:
+                self.withdraw(promise)
+                if freed is not None:
+                    self.turnaround_s += EWMA_ALPHA * (now - freed - self.turnaround_s)
             slot = Slot(self, now)
             self._running[slot] = None
             self.executed_total += 1
@@ -147,7 +165,7 @@ class SlotLedger:
                 self.peak_inflight = len(self._running)
             return slot
         self.yielded_total += 1
-        hint_ms, promise = self._promise(now, returning=promise is not None)
+        hint_ms, promise = self._promise(now, promise)
         return Refusal(NeedCode.SERVER_BUSY, hint_ms, promise)
 
     def withdraw(self, promise: Promise) -> None:
@@ -157,7 +175,9 @@ class SlotLedger:
 
     def _release(self, slot: Slot, completed: bool) -> float:
         del self._running[slot]
-        held = self.clock() - slot.started
+        now = self.clock()
+        self._freed.append(now)
+        held = now - slot.started
         if completed:
             self.service_s += EWMA_ALPHA * (held - self.service_s)
         return held
@@ -167,28 +187,59 @@ class SlotLedger:
         while promises and promises[0].lapses < now:
             promises.popleft()
 
-    def _promise(self, now: float, *, returning: bool) -> tuple[int, Promise | None]:
-        self._lapse(now)
+    def _due_ahead(self, now: float, promise: Promise | None) -> int:
+        """Clients ahead of ``promise``'s (of all, for a newcomer) whose time has come.
+
+        "Come" with a margin of two turnarounds: a slot that frees a moment before the release
+        it was promised for is still that client's. (A wider margin idles slots for longer; a
+        narrower one lets newcomers take slots from the line.)
+        """
+        horizon = now + 2 * self.turnaround_s
+        due = 0
+        for p in self._promises:
+            if p is promise or p.at > horizon:
+                break
+            if p.lapses >= now:
+                due += 1
+        return due
+
+    def _grace(self) -> float:
+        return max(self.service_s / 4, 0.02)
+
+    def _promise(self, now: float, promise: Promise | None) -> tuple[int, Promise | None]:
+        """The hint for a refusal, and the promise that goes with it.
+
+        A returning client keeps its place in line and is re-timed to the release of that
+        place; a newcomer is promised the release after every promise outstanding.
+        """
         promises = self._promises
-        # A returning client goes to the next release; a new one behind every promise made.
-        at = self._release_time(now, 0 if returning else len(promises))
+        try:
+            place = -1 if promise is None else promises.index(promise)
+        except ValueError:  # it lapsed: the client came too late and lost its place
+            place = -1
+        at = self._release_time(now, len(promises) if place < 0 else place)
         # (less a nanosecond, so that float noise does not round 600 ms up to 601)
         hint_ms = math.ceil((at - now) * 1000 - 1e-6)
         hint_ms = min(max(hint_ms, self.min_hint_ms), self.max_hint_ms)
         at = now + hint_ms / 1000
-        promise = Promise(at, at + max(self.service_s / 4, 0.02))
-        if returning:
-            promises.appendleft(promise)
-        elif len(promises) < MAX_PROMISES:
-            promises.append(promise)
-        else:
+        lapses = at + self._grace()
+        if place >= 0:
+            assert promise is not None
+            promise.at, promise.lapses = at, lapses
+            return hint_ms, promise
+        if len(promises) >= MAX_PROMISES:
             return hint_ms, None
+        promise = Promise(at, lapses)
+        promises.append(promise)
         return hint_ms, promise
 
     def _release_time(self, now: float, k: int) -> float:
         """When the ``k``-th slot release from now is expected (``k`` = 0: the next one)."""
         s = self.service_s
         floor = now + self.min_hint_ms / 1000
-        ends = sorted(max(slot.started + s, floor) for slot in self._running)
+        ends = [max(slot.started + s, floor) for slot in self._running]
+        ends += [floor] * (self.cap - len(ends))  # a free slot is held for a promise due now
+        ends.sort()
         rounds, i = divmod(k, len(ends))
-        return ends[i] + rounds * s
+        # Each later turn of a slot starts when its promised client is back, not at once.
+        return ends[i] + rounds * (s + self.turnaround_s)

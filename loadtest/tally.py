@@ -35,6 +35,8 @@ class Tally:
     aborted_by: collections.Counter[str] = field(default_factory=collections.Counter)
     errors_by: collections.Counter[str] = field(default_factory=collections.Counter)
     retries: int = 0
+    retried_jobs: int = 0  # jobs that needed at least one retry
+    first_retry_admitted: int = 0  # ... of which the first retry was admitted
     yield_ms: list[float] = field(default_factory=list)  # every yield, retries' included
     e2e_ms: list[float] = field(default_factory=list)  # done jobs: first send to done, retries in
 
@@ -52,6 +54,8 @@ class Tally:
 
     def add_result(self, result: UploadResult, log: AttemptLog) -> None:
         self._add_attempts(log)
+        if log.attempts == 2 and result.admitted_at is not None:
+            self.first_retry_admitted += 1
         reply = result.reply
         if reply.status == Status.DONE:
             self.executed += 1
@@ -71,6 +75,7 @@ class Tally:
 
     def _add_attempts(self, log: AttemptLog) -> None:
         self.retries += log.retries
+        self.retried_jobs += log.retries > 0
         self.yield_ms.extend(log.yield_ms)
 
     def report(self, **context: Any) -> dict[str, Any]:
@@ -87,6 +92,8 @@ class Tally:
             "aborted_by": dict(sorted(self.aborted_by.items())),
             "errors_by": dict(sorted(self.errors_by.items())),
             "retries": self.retries,
+            "retried_jobs": self.retried_jobs,
+            "first_retry_admitted": self.first_retry_admitted,
             "yield_latency_ms": summarize(self.yield_ms).as_dict(),
             "e2e_ms": summarize(self.e2e_ms).as_dict(),
         }
@@ -121,6 +128,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"cap {_value(report['cap'])}",
         f"yield latency  {_latency(report['yield_latency_ms'])}",
         f"e2e latency    {_latency(report['e2e_ms'])}",
-        f"retries      {report['retries']}",
+        f"retries      {report['retries']} ({report['retried_jobs']} job(s) retried, "
+        f"{report['first_retry_admitted']} admitted at their first retry)",
         f"duration     {report['duration_s']:.3f} s",
     ]

@@ -108,13 +108,15 @@ def test_hints_spread_refused_clients_over_coming_releases(clock: FakeClock) -> 
     ledger = SlotLedger(2, expected_service_s=1.0, clock=clock)
     ledger.admit()
     clock.now += 0.5
-    ledger.admit()  # releases expected at +0.5 s and +1.0 s, then every 1 s per slot
+    ledger.admit()  # releases expected at +0.5 s and +1.0 s, then every S + T per slot
+    t_ms = ledger.turnaround_s * 1000
+    assert t_ms == 5  # the prior: min_hint_ms
     hints = []
     for _ in range(6):
         refusal = ledger.admit()
         assert isinstance(refusal, Refusal)
         hints.append(refusal.retry_hint_ms)
-    assert hints == [500, 1000, 1500, 2000, 2500, 3000]
+    assert hints == [500, 1000, 1505, 2005, 2510, 3010]
 
 
 def test_hint_never_constant_across_load(clock: FakeClock) -> None:
@@ -154,19 +156,52 @@ def test_returning_client_keeps_its_place(clock: FakeClock) -> None:
     second = ledger.admit()
     assert isinstance(first, Refusal)
     assert isinstance(second, Refusal)
-    assert (first.retry_hint_ms, second.retry_hint_ms) == (1000, 2000)
-    clock.now += 0.99  # the first client comes back a little early: still refused ...
+    assert (first.retry_hint_ms, second.retry_hint_ms) == (1000, 2005)
+    clock.now += 0.99  # both come back a little early: still refused ...
     again = ledger.admit(first.promise)
     assert isinstance(again, Refusal)
-    assert again.retry_hint_ms == 10  # ... and sent to the imminent release, not the back
+    assert again.retry_hint_ms == 10  # ... the first is sent to the imminent release,
+    assert again.promise is first.promise
+    behind = ledger.admit(second.promise)
+    assert isinstance(behind, Refusal)
+    assert behind.retry_hint_ms == 1015  # ... the second to the one after, not the back
+
+
+def test_a_freed_slot_is_held_for_the_client_it_was_promised_to(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    running = ledger.admit()
+    waiting = ledger.admit()
+    assert isinstance(running, Slot)
+    assert isinstance(waiting, Refusal)
+    clock.now += 1.0
+    running.release(completed=True)
+    newcomer = ledger.admit()
+    assert isinstance(newcomer, Refusal)  # the slot is the waiting client's
+    assert ledger.inflight == 0
+    clock.now += 0.010
+    taken = ledger.admit(waiting.promise)
+    assert isinstance(taken, Slot)
+    assert ledger.turnaround_s == pytest.approx(0.005 + EWMA_ALPHA * (0.010 - 0.005))
+
+
+def test_a_promise_that_lapses_frees_its_slot_for_others(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    running = ledger.admit()
+    assert isinstance(running, Slot)
+    assert isinstance(ledger.admit(), Refusal)  # promised +1 s; never comes back
+    clock.now += 1.0
+    running.release(completed=True)
+    assert isinstance(ledger.admit(), Refusal)
+    clock.now += 0.3  # past the promise's grace (S/4)
+    assert isinstance(ledger.admit(), Slot)
 
 
 def test_promises_lapse_and_are_withdrawn(clock: FakeClock) -> None:
     ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
     slot = ledger.admit()
     assert isinstance(slot, Slot)
-    refusals = [ledger.admit() for _ in range(3)]  # promised +1 s, +2 s, +3 s
-    assert [r.retry_hint_ms for r in refusals if isinstance(r, Refusal)] == [1000, 2000, 3000]
+    refusals = [ledger.admit() for _ in range(3)]
+    assert [r.retry_hint_ms for r in refusals if isinstance(r, Refusal)] == [1000, 2005, 3010]
     clock.now += 1.0
     slot.release(completed=True)
     first = refusals[0]
@@ -174,7 +209,8 @@ def test_promises_lapse_and_are_withdrawn(clock: FakeClock) -> None:
     assert isinstance(ledger.admit(first.promise), Slot)  # comes back: its promise is done
     refusal = ledger.admit()
     assert isinstance(refusal, Refusal)
-    assert refusal.retry_hint_ms == 3000  # behind the two promises still outstanding
+    # Behind the two promises still outstanding: two more turns of the only slot.
+    assert refusal.retry_hint_ms == round(1000 + 2 * (1000 + ledger.turnaround_s * 1000))
     clock.now += 60.0  # every promise has lapsed; the running job is long overdue
     refusal = ledger.admit()
     assert isinstance(refusal, Refusal)
