@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Protocol
 
-from . import burst
+from . import admission, burst
 
 
 class Command(Protocol):
@@ -25,7 +25,8 @@ class Command(Protocol):
 
 # Assigning a module to a Command-typed name is where mypy checks it against the Protocol.
 _burst: Command = burst
-COMMANDS: dict[str, Command] = {c.NAME: c for c in (_burst,)}
+_admission: Command = admission
+COMMANDS: dict[str, Command] = {c.NAME: c for c in (_burst, _admission)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import re
+import selectors
 import signal
 import socket
 import subprocess
@@ -150,6 +151,7 @@ def start_daemon(*args: str, timeout: float = 30.0) -> Daemon:
     """Start ``python -m governor serve ARGS`` and wait for its listening line."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "governor", "serve", "--listen", "127.0.0.1:0", *args],
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -157,14 +159,15 @@ def start_daemon(*args: str, timeout: float = 30.0) -> Daemon:
     assert proc.stderr is not None
     head = b""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        head += line
-        match = LISTEN_LINE.search(line)
-        if match:
-            return Daemon(proc, match[1].decode(), int(match[2]), head)
+    with selectors.DefaultSelector() as selector:  # a silent daemon must not hang the test
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0 and selector.select(timeout=left):
+            line = proc.stderr.readline()
+            if not line:  # EOF: the daemon exited
+                break
+            head += line
+            if match := LISTEN_LINE.search(line):
+                return Daemon(proc, match[1].decode(), int(match[2]), head)
     proc.kill()
     proc.wait()
     raise AssertionError(f"daemon did not start: {head.decode(errors='replace')}")

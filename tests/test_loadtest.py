@@ -7,13 +7,10 @@ listens on port 0, and its address is read from its log line (under a deadline, 
 from __future__ import annotations
 
 import json
-import re
-import selectors
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +18,9 @@ import pytest
 
 from loadtest.stats import Summary, percentile, summarize
 
+from .conftest import Daemon
+
 ROOT = Path(__file__).resolve().parent.parent
-LISTENING = re.compile(rb"governor listening on (\S+):(\d+)")
-START_DEADLINE_S = 20.0
-STOP_TIMEOUT_S = 10.0
 
 
 # stats ------------------------------------------------------------------------------------
@@ -80,59 +76,6 @@ def test_summarize_nothing() -> None:
 # burst against a real daemon ------------------------------------------------------------
 
 
-def _read_address(proc: subprocess.Popen[bytes]) -> str:
-    """Read the daemon's stderr until its listening line, or fail at the deadline."""
-    assert proc.stderr is not None
-    deadline = time.monotonic() + START_DEADLINE_S
-    seen = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stderr, selectors.EVENT_READ)
-        while (left := deadline - time.monotonic()) > 0:
-            if not selector.select(timeout=left):
-                break
-            line = proc.stderr.readline()
-            if not line:  # EOF: the daemon exited
-                break
-            seen += line
-            if match := LISTENING.search(line):
-                return f"{match[1].decode()}:{match[2].decode()}"
-    raise AssertionError(f"the daemon did not report its address; its stderr:\n{seen.decode()}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop our own daemon by its PID: SIGTERM (a drain), then SIGKILL if it lingers."""
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.communicate(timeout=STOP_TIMEOUT_S)  # also drains and closes its stderr pipe
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-
-
-@pytest.fixture
-def daemon() -> Iterator[Callable[..., str]]:
-    """Start ``governor serve`` with the given flags on a free port; returns HOST:PORT."""
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(*flags: str) -> str:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "governor", "serve", "--listen", "127.0.0.1:0", *flags],
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        procs.append(proc)
-        return _read_address(proc)
-
-    try:
-        yield start
-    finally:
-        for proc in procs:
-            _stop(proc)
-
-
 def _burst(addr: str, *flags: str, timeout_s: float = 60.0) -> dict[str, Any]:
     """Run ``python -m loadtest burst`` to its end; return its last stdout line, parsed."""
     done = subprocess.run(
@@ -150,8 +93,8 @@ def _burst(addr: str, *flags: str, timeout_s: float = 60.0) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_burst_reproduces_seed_003(daemon: Callable[..., str]) -> None:
-    addr = daemon("--max-inflight", "1", "--stub-ms", "1500", "--runner", "stub")
+def test_burst_reproduces_seed_003(daemon: Callable[..., Daemon]) -> None:
+    addr = daemon("--max-inflight", "1", "--stub-ms", "1500", "--runner", "stub").addr
     report = _burst(addr, "--clients", "20", "--timeout", "30")
     assert report["offered"] == 20
     assert report["executed"] == 1
@@ -168,8 +111,8 @@ def test_burst_reproduces_seed_003(daemon: Callable[..., str]) -> None:
 
 
 @pytest.mark.slow
-def test_burst_with_hint_retries_executes_everything(daemon: Callable[..., str]) -> None:
-    addr = daemon("--max-inflight", "2", "--stub-ms", "200", "--runner", "stub")
+def test_burst_with_hint_retries_executes_everything(daemon: Callable[..., Daemon]) -> None:
+    addr = daemon("--max-inflight", "2", "--stub-ms", "200", "--runner", "stub").addr
     report = _burst(addr, "--clients", "6", "--retry", "hint", "--timeout", "30")
     assert report["offered"] == 6
     assert report["executed"] == 6
@@ -206,3 +149,18 @@ def test_burst_exits_1_when_the_daemon_is_unreachable() -> None:
     assert done.returncode == 1, done.stdout.decode()
     assert b"cannot reach the governor" in done.stderr
     assert done.stdout == b""
+
+
+def test_admission_timing_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest", "admission", "--iterations", "2000", "--waiting", "50"],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    report = json.loads(done.stdout.decode().splitlines()[-1])
+    assert report["command"] == "admission"
+    assert report["waiting"] == 50
+    assert 0 < report["admit_release_us"] < 10_000
+    assert 0 < report["refuse_us"] < 10_000
