@@ -40,24 +40,25 @@ class ConnectionLost(ClientError):
 class RetryPolicy:
     """How an upload answers ``yield``.
 
-    ``max_attempts`` counts admission attempts in all: 1 never retries. With ``honor_hint``
-    the client sleeps ``retry_hint_ms`` plus a random ``jitter`` (up to ``jitter_ratio`` of the
-    hint, at most ``max_jitter_s``), capped at ``max_sleep_s``; without it, it retries at once
-    (the naive client that load tests compare against). The jitter is small and positive: the
+    ``max_attempts`` counts admission attempts in all: 1 never retries. By default the client
+    sleeps ``retry_hint_ms`` plus a random ``jitter`` (up to ``jitter_ratio`` of the hint, at
+    most ``max_jitter_s``), capped at ``max_sleep_s``. ``fixed_delay_s`` ignores the hint and
+    sleeps that long instead: 0 is the naive client that retries at once, 0.5 behaves like
+    heptamini's client against its own daemon (load tests compare against both). The jitter is small and positive: the
     governor already spreads refused clients over its coming releases, and holds a released
     slot for the client it was promised to, so arriving a little late costs that slot idle time
     and arriving early costs a refusal.
     """
 
     max_attempts: int = 10
-    honor_hint: bool = True
+    fixed_delay_s: float | None = None
     jitter_ratio: float = 0.1
     max_jitter_s: float = 0.002
     max_sleep_s: float = 5.0
 
     def delay_s(self, hint_ms: int | None, rng: random.Random) -> float:
-        if not self.honor_hint:
-            return 0.0
+        if self.fixed_delay_s is not None:
+            return self.fixed_delay_s
         base = (hint_ms or 50) / 1000
         jitter = rng.uniform(0, min(base * self.jitter_ratio, self.max_jitter_s))
         return min(base + jitter, self.max_sleep_s)

@@ -26,9 +26,10 @@ slot releases instead of all returning at the same instant.
 * A new yield is promised release number ``P``:
   ``hint = e[P mod n] + (P div n) * (S + T) - now``, clamped to ``[min_hint_ms, max_hint_ms]``.
 * Promises are kept in order, a line that lives on the clients' side. A slot that frees is
-  held for the clients whose promised time has come, or comes within ``2 T`` (until they come
-  back or their promise lapses): a newcomer gets a free slot only if more slots are free
-  than such clients.
+  held for the clients whose promised time is within ``hold = min(2 T, grace)`` of now: a
+  newcomer gets a free slot only if more slots are free than such clients. A client later
+  than that keeps its place in line (until its promise lapses) but not the slot, so clients
+  that ignore their hint cost at most ``hold`` of idle slot each.
 * A client that comes back (it resends the final chunk of the payload it was refused) and
   finds no slot for it keeps its place in line and is re-timed to that place's release
   (``k = q``, the promises ahead of it).
@@ -156,7 +157,8 @@ class SlotLedger:
             freed = self._freed.popleft() if self._freed else None
             if promise is not None:
                 self.withdraw(promise)
-                if freed is not None:
+                # Only a client that came when it was told says how long a slot waits for it.
+                if freed is not None and abs(now - promise.at) <= self._grace():
                     self.turnaround_s += EWMA_ALPHA * (now - freed - self.turnaround_s)
             slot = Slot(self, now)
             self._running[slot] = None
@@ -188,18 +190,20 @@ class SlotLedger:
             promises.popleft()
 
     def _due_ahead(self, now: float, promise: Promise | None) -> int:
-        """Clients ahead of ``promise``'s (of all, for a newcomer) whose time has come.
+        """Clients ahead of ``promise``'s (of all, for a newcomer) a free slot is held for.
 
-        "Come" with a margin of two turnarounds: a slot that frees a moment before the release
-        it was promised for is still that client's. (A wider margin idles slots for longer; a
-        narrower one lets newcomers take slots from the line.)
+        A slot is held for a client from ``hold`` before its promised time (a slot that frees
+        a moment early is still its) to ``hold`` after it (a client that is later than that
+        keeps its place in line, but not the slot). ``hold`` is two turnarounds, at most the
+        grace: a wider window idles slots for late clients, a narrower one lets newcomers take
+        slots from punctual ones.
         """
-        horizon = now + 2 * self.turnaround_s
+        hold = min(2 * self.turnaround_s, self._grace())
         due = 0
         for p in self._promises:
-            if p is promise or p.at > horizon:
+            if p is promise or p.at > now + hold:
                 break
-            if p.lapses >= now:
+            if p.at + hold >= now:
                 due += 1
         return due
 

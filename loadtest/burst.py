@@ -63,6 +63,7 @@ class BurstConfig:
     chunk_bytes: int = 8192
     retry: str = "none"
     max_attempts: int = 10
+    fixed_ms: int = 500
     timeout_s: float = 60.0
     sample_s: float = 0.05
 
@@ -78,6 +79,7 @@ class BurstConfig:
             chunk_bytes=args.chunk_bytes,
             retry=args.retry,
             max_attempts=args.max_attempts,
+            fixed_ms=args.fixed_ms,
             timeout_s=args.timeout,
             sample_s=args.sample_ms / 1000,
         )
@@ -88,7 +90,7 @@ class BurstConfig:
 
     @property
     def policy(self) -> RetryPolicy:
-        return retry_policy(self.retry, self.max_attempts)
+        return retry_policy(self.retry, self.max_attempts, self.fixed_ms)
 
 
 def add_parser(commands: Any) -> None:

@@ -22,7 +22,7 @@ from protocol.codes import Status
 from protocol.frames import Reply
 
 DEFAULT_ADDR = "127.0.0.1:7777"
-RETRY_MODES = ("none", "hint", "naive")
+RETRY_MODES = ("none", "hint", "naive", "fixed")
 CONNECT_TIMEOUT_S = 10.0  # per connection, and never more than what is left of --timeout
 CLOSE_TIMEOUT_S = 5.0  # closing waits for unsent bytes to drain; a stuck peer must not hang us
 
@@ -88,14 +88,21 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_retry: str)
         choices=RETRY_MODES,
         default=default_retry,
         help="on yield: none (one attempt), hint (sleep retry_hint_ms plus jitter, then resend), "
-        f"naive (resend at once) (default: {default_retry})",
+        "naive (resend at once), fixed (sleep --fixed-ms, ignoring the hint, as heptamini's "
+        f"client does with its daemon's constant 500 ms) (default: {default_retry})",
     )
     parser.add_argument(
         "--max-attempts",
         type=positive_int,
         default=RetryPolicy().max_attempts,
-        help="admission attempts per job in all, for --retry hint and naive; none makes one "
-        f"(default: {RetryPolicy().max_attempts})",
+        help="admission attempts per job in all, for --retry hint, naive and fixed; none makes "
+        f"one (default: {RetryPolicy().max_attempts})",
+    )
+    parser.add_argument(
+        "--fixed-ms",
+        type=non_negative_int,
+        default=500,
+        help="the sleep between attempts of --retry fixed (default: 500)",
     )
     parser.add_argument(
         "--timeout",
@@ -117,14 +124,16 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_retry: str)
     )
 
 
-def retry_policy(mode: str, max_attempts: int) -> RetryPolicy:
+def retry_policy(mode: str, max_attempts: int, fixed_ms: int = 500) -> RetryPolicy:
     """The client library's policy for a ``--retry`` mode."""
     if mode == "none":
         return NO_RETRY
     if mode == "hint":
         return RetryPolicy(max_attempts=max_attempts)
     if mode == "naive":
-        return RetryPolicy(max_attempts=max_attempts, honor_hint=False)
+        return RetryPolicy(max_attempts=max_attempts, fixed_delay_s=0.0)
+    if mode == "fixed":
+        return RetryPolicy(max_attempts=max_attempts, fixed_delay_s=fixed_ms / 1000)
     raise ValueError(f"unknown retry mode {mode!r}")
 
 

@@ -184,6 +184,37 @@ def test_a_freed_slot_is_held_for_the_client_it_was_promised_to(clock: FakeClock
     assert ledger.turnaround_s == pytest.approx(0.005 + EWMA_ALPHA * (0.010 - 0.005))
 
 
+def test_a_late_client_keeps_its_place_but_not_the_slot(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    running = ledger.admit()
+    late = ledger.admit()
+    assert isinstance(running, Slot)
+    assert isinstance(late, Refusal)
+    clock.now += 1.0
+    running.release(completed=True)
+    hold = 2 * ledger.turnaround_s
+    clock.now += hold + 0.001  # the promised client is later than the hold window
+    taken = ledger.admit()  # so a newcomer gets the slot
+    assert isinstance(taken, Slot)
+    clock.now += 0.01
+    again = ledger.admit(late.promise)  # still within its grace: first in line for the next
+    assert isinstance(again, Refusal)
+    assert again.retry_hint_ms == 1000 - 10
+
+
+def test_turnaround_learns_only_from_clients_that_came_on_time(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    running = ledger.admit()
+    early = ledger.admit()  # told to come back in 1 s
+    assert isinstance(running, Slot)
+    assert isinstance(early, Refusal)
+    clock.now += 0.4
+    running.release(completed=True)
+    clock.now += 0.1  # comes back half a second early (it ignored its hint) and finds a slot
+    assert isinstance(ledger.admit(early.promise), Slot)
+    assert ledger.turnaround_s == 0.005  # its wait says nothing about clients that listen
+
+
 def test_a_promise_that_lapses_frees_its_slot_for_others(clock: FakeClock) -> None:
     ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
     running = ledger.admit()
