@@ -13,6 +13,7 @@ abort``) unless the client is gone, and its slot is released in ``finally`` on e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -138,19 +139,13 @@ class GovernorProtocol(asyncio.Protocol):
     def _handle_line(self, line: bytes) -> None:
         try:
             req = decode_request(line)
-        except EnvelopeInvalid as exc:
-            self.server.bad_frames[exc.need_code] += 1
-            job = exc.job or self.last_job
-            seq = (exc.seq if exc.seq is not None else self.last_seq) + 1
-            self._send(error_reply(exc, job, seq, self.last_ttl_ms, self._receipts()))
-            return
         except RemoteProtocolError as exc:
             self.server.bad_frames[exc.need_code] += 1
-            self._send(
-                error_reply(
-                    exc, self.last_job, self.last_seq + 1, self.last_ttl_ms, self._receipts()
-                )
-            )
+            job, seq = self.last_job, self.last_seq
+            if isinstance(exc, EnvelopeInvalid):  # it may name its own job and seq
+                job = exc.job or job
+                seq = seq if exc.seq is None else exc.seq
+            self._send(error_reply(exc, job, seq + 1, self.last_ttl_ms, self._receipts()))
             return
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
         if req.verb == Verb.PING:
@@ -310,14 +305,16 @@ class GovernorProtocol(asyncio.Protocol):
 
     async def _execute(self, job: Job) -> dict[str, Any]:
         parts: list[str] = []
-        async for event in self.server.runner.run(job):
-            if isinstance(event, Token):
-                parts.append(event.text)
-            else:
-                result = dict(event.result)
-                if parts:
-                    result.setdefault("text", "".join(parts))
-                return result
+        # aclosing: the runner's clean-up runs now, not whenever the generator is collected.
+        async with contextlib.aclosing(self.server.runner.run(job)) as events:
+            async for event in events:
+                if isinstance(event, Token):
+                    parts.append(event.text)
+                else:
+                    result = dict(event.result)
+                    if parts:
+                        result.setdefault("text", "".join(parts))
+                    return result
         raise RunnerError("the runner ended the job without finishing it")
 
     def _terminal(
@@ -438,8 +435,6 @@ class GovernorProtocol(asyncio.Protocol):
         extra: Iterable[tuple[str, int]] = (),
     ) -> Reply:
         """A reply to ``req``; ``cdr.bytes_in`` is its job's payload bytes received so far."""
-        state = self.jobs.get(req.job)
-        bytes_in = state.upload.bytes_received if state is not None else 0
         return Reply(
             verb,
             req.job,
@@ -450,14 +445,17 @@ class GovernorProtocol(asyncio.Protocol):
             error_code=error_code,
             retry_hint_ms=retry_hint_ms,
             detail=detail,
-            receipts=(*self._receipts(bytes_in), *extra),
+            receipts=(*self._receipts(self._bytes_in(req.job)), *extra),
             result=result,
         )
 
     def _error(self, req: Request, exc: RemoteProtocolError) -> Reply:
-        state = self.jobs.get(req.job)
-        bytes_in = state.upload.bytes_received if state is not None else 0
-        return error_reply(exc, req.job, req.seq + 1, req.ttl_ms, self._receipts(bytes_in))
+        receipts = self._receipts(self._bytes_in(req.job))
+        return error_reply(exc, req.job, req.seq + 1, req.ttl_ms, receipts)
+
+    def _bytes_in(self, job: str) -> int:
+        state = self.jobs.get(job)
+        return 0 if state is None else state.upload.bytes_received
 
     def _reserve(self, state: JobState, nbytes: int) -> None:
         if self.buffered + nbytes > self.config.max_conn_buffer_bytes:

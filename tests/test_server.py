@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -532,7 +532,7 @@ class ScriptedRunner:
     async def close(self) -> None:
         pass
 
-    async def run(self, job: Job) -> AsyncIterator[RunEvent]:
+    async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         if self.behaviour == "crash":
             raise ZeroDivisionError("a bug in the runner")
         for word in job.payload.decode().split():

@@ -1,7 +1,7 @@
 """The seam between admission and execution.
 
-A :class:`Runner` executes one admitted job at a time per call of :meth:`Runner.run`, an async
-iterator of :class:`Token` events (partial output, as it is produced) ending with one
+A :class:`Runner` executes one admitted job per call of :meth:`Runner.run`, an async
+generator of :class:`Token` events (partial output, as it is produced) ending with one
 :class:`Finished`. The server cancels the iteration's task to stop a job (client gone,
 ``ttl_ms`` spent, shutdown): a runner must stop work promptly when cancelled and raise
 :class:`RunnerError` for a job that failed, never anything else.
@@ -9,7 +9,7 @@ iterator of :class:`Token` events (partial output, as it is produced) ending wit
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,4 +65,4 @@ class Runner(Protocol):
 
     async def close(self) -> None: ...
 
-    def run(self, job: Job) -> AsyncIterator[RunEvent]: ...
+    def run(self, job: Job) -> AsyncGenerator[RunEvent, None]: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from .base import Finished, Job, RunEvent, RunnerError
 
@@ -32,7 +32,7 @@ class StubRunner:
     async def close(self) -> None:
         pass
 
-    async def run(self, job: Job) -> AsyncIterator[RunEvent]:
+    async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         await asyncio.sleep(self.delay_s)
         if self._random.random() < self.fail_rate:
             raise RunnerError("stub runner: injected failure")
