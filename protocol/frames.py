@@ -174,7 +174,8 @@ def encode_reply(reply: Reply) -> bytes:
         "v": PROTOCOL_VERSION,
         "verb": reply.verb,
         "job": reply.job,
-        "seq": reply.seq,
+        # A reply counts on from its request's seq, which may be the largest there is.
+        "seq": min(reply.seq, U64_MAX),
         "ttl_ms": reply.ttl_ms,
         "status": reply.status,
     }
@@ -204,7 +205,7 @@ def error_reply(
     return Reply(
         verb=exc.verb,
         job=job,
-        seq=min(seq, U64_MAX),
+        seq=seq,
         status=exc.status,
         ttl_ms=ttl_ms,
         need_code=exc.need_code,
@@ -239,8 +240,19 @@ def decode_reply(line: bytes) -> Reply:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ReplyInvalid(f"reply breaks the envelope: {exc!r}") from None
-    if obj.get("v") != PROTOCOL_VERSION or not is_id(reply.job) or not is_uint(reply.seq):
-        raise ReplyInvalid("reply breaks the envelope: v, job or seq")
+    if type(obj.get("v")) is not int or obj["v"] != PROTOCOL_VERSION:
+        raise ReplyInvalid("reply breaks the envelope: 'v' must be 0")
+    if not is_id(reply.job) or not is_uint(reply.seq) or not is_uint(reply.ttl_ms):
+        raise ReplyInvalid("reply breaks the envelope: job, seq or ttl_ms")
+    if reply.retry_hint_ms is not None and not is_uint(reply.retry_hint_ms):
+        raise ReplyInvalid("reply breaks the envelope: retry_hint_ms")
+    if any(type(k) is not str or not is_uint(v) for k, v in reply.receipts):
+        raise ReplyInvalid("reply breaks the envelope: receipts")
+    for name in ("need_code", "error_code", "detail"):
+        if not isinstance(getattr(reply, name), str | None):
+            raise ReplyInvalid(f"reply breaks the envelope: {name}")
+    if reply.result is not None and type(reply.result) is not dict:
+        raise ReplyInvalid("reply breaks the envelope: result")
     return reply
 
 

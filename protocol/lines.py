@@ -44,8 +44,9 @@ class LineReader:
         end = buf.find(b"\n", self._start + self._scanned)
         if end < 0:
             self._scanned = len(buf) - self._start
-            # +1: a full-length line may still be waiting for the "\n" after its "\r".
-            if self._scanned > self.max_line_bytes + 1:
+            # A full-length line may still be waiting for the "\n" after its "\r".
+            over = self._scanned - self.max_line_bytes
+            if over > 1 or (over == 1 and buf[-1] != 0x0D):
                 self._broken = True
                 raise LineTooLong(self.max_line_bytes)
             self._compact()

@@ -109,6 +109,20 @@ async def test_envelope_violation_names_the_frame(
     assert (await conn.recv())["status"] == "ok"
 
 
+async def test_the_largest_seq_is_answered(make_server: ServerFactory, raw: Opener) -> None:
+    server = await make_server(stub_ms=0)
+    conn = await raw(server)
+    top = 2**64 - 1
+    conn.send(ping("J_top", top))
+    assert (await conn.recv())["seq"] == top
+    prepared = split_payload(b"at the top")
+    conn.send(share("J_top", top, manifest=prepared.manifest))
+    conn.send(share("J_top", top, chunk=prepared.chunks[0]))
+    assert (await conn.recv())["seq"] == top
+    done = await conn.recv()
+    assert (done["status"], done["seq"]) == ("done", top)
+
+
 async def test_line_too_large_aborts_and_closes(make_server: ServerFactory, raw: Opener) -> None:
     server = await make_server(max_line_bytes=1024)
     conn = await raw(server)
