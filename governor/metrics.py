@@ -30,36 +30,26 @@ class GovernorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         server, ledger = self.server, self.server.ledger
-        yield GaugeMetricFamily("governor_inflight", "Jobs executing now.", value=ledger.inflight)
-        yield GaugeMetricFamily(
-            "governor_inflight_cap",
-            "The hard cap on executing jobs (max_inflight).",
-            value=ledger.cap,
+        gauges = (
+            ("governor_inflight", "Jobs executing now.", ledger.inflight),
+            ("governor_inflight_cap", "The hard cap on executing jobs (max_inflight).", ledger.cap),
+            ("governor_inflight_peak", "Highest inflight since start.", ledger.peak_inflight),
+            ("governor_health", "1 when a job would be admitted now, else 0.", int(ledger.ready)),
+            ("governor_draining", "1 while shutting down.", int(ledger.draining)),
+            ("governor_connections", "Open client connections.", len(server.connections)),
+            (
+                "governor_buffered_payload_bytes",
+                "Payload bytes reserved by uploads in progress and payloads held after a yield.",
+                server.buffered_bytes,
+            ),
+            (
+                "governor_expected_service_seconds",
+                "The service-time estimate behind retry hints.",
+                ledger.service_s,
+            ),
         )
-        yield GaugeMetricFamily(
-            "governor_inflight_peak", "Highest inflight since start.", value=ledger.peak_inflight
-        )
-        yield GaugeMetricFamily(
-            "governor_health",
-            "1 when a job would be admitted now, else 0.",
-            value=int(ledger.ready),
-        )
-        yield GaugeMetricFamily(
-            "governor_draining", "1 while shutting down.", value=int(ledger.draining)
-        )
-        yield GaugeMetricFamily(
-            "governor_connections", "Open client connections.", value=len(server.connections)
-        )
-        yield GaugeMetricFamily(
-            "governor_buffered_payload_bytes",
-            "Payload bytes reserved by uploads in progress and payloads held after a yield.",
-            value=server.buffered_bytes,
-        )
-        yield GaugeMetricFamily(
-            "governor_expected_service_seconds",
-            "The service-time estimate behind retry hints.",
-            value=ledger.service_s,
-        )
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(name, documentation, value=value)
         yield CounterMetricFamily(
             "governor_executed", "Jobs admitted to execute.", value=ledger.executed_total
         )

@@ -12,7 +12,7 @@ import pytest
 from clients import NO_RETRY, GovernorClient, RetryPolicy
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
 from governor.server import Server
-from protocol.upload import split_payload
+from protocol.upload import PreparedUpload, split_payload
 
 from .conftest import RawConn, ServerFactory, receipt, wait_until
 
@@ -32,6 +32,14 @@ def share(
     if chunk is not None:
         frame["payload_chunk"] = chunk
     return frame
+
+
+def send_upload(conn: RawConn, job: str, payload: bytes) -> PreparedUpload:
+    """Send a one-chunk upload's two frames without waiting for the replies."""
+    prepared = split_payload(payload)
+    conn.send(share(job, 1, manifest=prepared.manifest))
+    conn.send(share(job, 2, chunk=prepared.chunks[0]))
+    return prepared
 
 
 async def upload_raw(conn: RawConn, job: str, payload: bytes, *, ttl_ms: int = 0) -> dict[str, Any]:
@@ -355,9 +363,7 @@ async def test_retry_with_identical_final_chunk_after_yield(
 ) -> None:
     server = await make_server(max_inflight=1, stub_ms=300)
     busy, conn = await raw(server), await raw(server)
-    first = split_payload(b"first")
-    busy.send(share("J_busy", 1, manifest=first.manifest))
-    busy.send(share("J_busy", 2, chunk=first.chunks[0]))
+    send_upload(busy, "J_busy", b"first")
     assert (await busy.recv())["status"] == "ok"
     await wait_until(lambda: server.ledger.inflight == 1)
     payload = b"the held payload " * 100
@@ -397,9 +403,7 @@ async def test_held_payloads_are_bounded_per_connection(
     server = await make_server(max_inflight=1, stub_ms=2000, held_payloads_per_conn=1)
     busy, conn = await raw(server), await raw(server)
     await asyncio.sleep(0)
-    first = split_payload(b"first")
-    busy.send(share("J_busy", 1, manifest=first.manifest))
-    busy.send(share("J_busy", 2, chunk=first.chunks[0]))
+    send_upload(busy, "J_busy", b"first")
     await wait_until(lambda: server.ledger.inflight == 1)
     held = await upload_raw(conn, "J_a", b"a")
     dropped = await upload_raw(conn, "J_b", b"b")
@@ -415,9 +419,7 @@ async def test_refused_clients_that_leave_do_not_delay_the_next_hint(
 ) -> None:
     server = await make_server(max_inflight=1, stub_ms=2000)
     busy = await raw(server)
-    first = split_payload(b"first")
-    busy.send(share("J_busy", 1, manifest=first.manifest))
-    busy.send(share("J_busy", 2, chunk=first.chunks[0]))
+    send_upload(busy, "J_busy", b"first")
     await wait_until(lambda: server.ledger.inflight == 1)
     hints = []
     for i in range(5):
@@ -456,9 +458,7 @@ async def test_ping_is_answered_while_the_connections_job_runs(
 ) -> None:
     server = await make_server(max_inflight=1, stub_ms=3000)
     conn = await raw(server)
-    prepared = split_payload(b"slow")
-    conn.send(share("J_s", 1, manifest=prepared.manifest))
-    conn.send(share("J_s", 2, chunk=prepared.chunks[0]))
+    prepared = send_upload(conn, "J_s", b"slow")
     assert (await conn.recv())["status"] == "ok"
     await wait_until(lambda: server.ledger.inflight == 1)
     conn.send(ping("J_p", 1))
@@ -477,17 +477,13 @@ async def test_client_disconnect_mid_job_frees_the_slot(
 ) -> None:
     server = await make_server(max_inflight=1, stub_ms=30_000)
     conn = await raw(server)
-    prepared = split_payload(b"abandoned")
-    conn.send(share("J_gone", 1, manifest=prepared.manifest))
-    conn.send(share("J_gone", 2, chunk=prepared.chunks[0]))
+    send_upload(conn, "J_gone", b"abandoned")
     await wait_until(lambda: server.ledger.inflight == 1)
     await conn.close()
     await wait_until(lambda: server.ledger.inflight == 0, timeout=2.0)
     assert server.outcomes == {"client_gone": 1}
     other = await raw(server)
-    prepared = split_payload(b"next")
-    other.send(share("J_next", 1, manifest=prepared.manifest))
-    other.send(share("J_next", 2, chunk=prepared.chunks[0]))
+    send_upload(other, "J_next", b"next")
     await wait_until(lambda: server.ledger.inflight == 1)  # the freed slot is taken again
 
 
@@ -495,9 +491,7 @@ async def test_eof_from_the_client_cancels_its_job(make_server: ServerFactory, r
     """A half-close looks like a close: the job of a client that sent EOF does not run on."""
     server = await make_server(stub_ms=30_000)
     conn = await raw(server)
-    prepared = split_payload(b"then eof")
-    conn.send(share("J_h", 1, manifest=prepared.manifest))
-    conn.send(share("J_h", 2, chunk=prepared.chunks[0]))
+    send_upload(conn, "J_h", b"then eof")
     await wait_until(lambda: server.ledger.inflight == 1)
     conn.writer.write_eof()
     await wait_until(lambda: server.ledger.inflight == 0, timeout=2.0)
@@ -590,9 +584,7 @@ async def test_drain_finishes_admitted_jobs_and_yields_new_ones(
     server = await make_server(max_inflight=3, stub_ms=300)
     conns = [await raw(server) for _ in range(3)]
     for i, conn in enumerate(conns):
-        prepared = split_payload(b"drain me")
-        conn.send(share(f"J_{i}", 1, manifest=prepared.manifest))
-        conn.send(share(f"J_{i}", 2, chunk=prepared.chunks[0]))
+        send_upload(conn, f"J_{i}", b"drain me")
     await wait_until(lambda: server.ledger.inflight == 3)
     late = await raw(server)
     drain = asyncio.ensure_future(server.drain(grace=10))
@@ -615,9 +607,7 @@ async def test_drain_aborts_jobs_still_running_at_the_deadline(
 ) -> None:
     server = await make_server(max_inflight=1, stub_ms=30_000)
     conn = await raw(server)
-    prepared = split_payload(b"too slow")
-    conn.send(share("J_slow", 1, manifest=prepared.manifest))
-    conn.send(share("J_slow", 2, chunk=prepared.chunks[0]))
+    send_upload(conn, "J_slow", b"too slow")
     await wait_until(lambda: server.ledger.inflight == 1)
     assert await server.drain(grace=0.2) == 1
     assert (await conn.recv())["status"] == "ok"
