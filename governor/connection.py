@@ -29,6 +29,7 @@ from protocol.errors import (
 )
 from protocol.frames import Reply, Request, decode_request, encode_reply, error_reply
 from protocol.lines import LineReader
+from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
 from .ledger import Promise, Refusal, Slot
@@ -48,8 +49,9 @@ class JobState:
     reserved: int = 0  # payload bytes reserved against the buffer budgets
     held: bool = False  # a verified payload kept after a yield, for the client's retry
     promise: Promise | None = None  # when the held payload's client was told to come back
+    job: Job | None = None  # the verified payload as the runner prepared it
     # Set on admission:
-    request: Request | None = None  # the final chunk's frame; the terminal reply answers it
+    request: Request | None = None  # the frame that completed the payload; the terminal answers it
     slot: Slot | None = None
     task: asyncio.Task[None] | None = None
     terminal_sent: bool = False
@@ -151,6 +153,9 @@ class GovernorProtocol(asyncio.Protocol):
         if req.verb == Verb.PING:
             self._send(self._reply(req, Verb.CONFIRM, Status.OK, extra=self.server.ping_receipts()))
             return
+        if req.verb == Verb.CANCEL:
+            self._on_cancel(req)
+            return
         state = self.jobs.get(req.job)
         if state is not None and state.task is not None:
             self._send(
@@ -165,22 +170,17 @@ class GovernorProtocol(asyncio.Protocol):
             )
         elif req.manifest is not None:
             self._on_manifest(req, state)
-        else:
+        elif req.chunk is not None:
             self._on_chunk(req, state)
+        else:
+            self._on_inline(req, state)
 
     def _on_manifest(self, req: Request, state: JobState | None) -> None:
         assert req.manifest is not None
         if state is None:
-            if len(self.jobs) >= self.config.max_jobs_per_conn:
-                self._fatal(
-                    NeedCode.TOO_MANY_JOBS,
-                    ErrorCode.QUOTA,
-                    f"more than {self.config.max_jobs_per_conn} jobs open on one connection",
-                    job=req.job,
-                    seq=req.seq + 1,
-                )
+            state = self._new_job(req)
+            if state is None:
                 return
-            state = self.jobs[req.job] = JobState(Upload(self.config.max_payload_bytes))
         elif state.held:  # a new manifest replaces the payload held for a retry
             self._unhold(state)
         try:
@@ -202,7 +202,7 @@ class GovernorProtocol(asyncio.Protocol):
         upload = state.upload
         if state.held and upload.is_final_chunk_again(req.chunk):
             # A retry after a yield: the payload was kept, so admission is tried again.
-            self._admit(req, state, upload.payload)
+            self._admit(req, state)
             return
         try:
             payload = upload.apply_chunk(req.chunk)
@@ -212,11 +212,109 @@ class GovernorProtocol(asyncio.Protocol):
         if payload is None:
             self._send(self._reply(req, Verb.CLARIFY, Status.OK))
         else:
-            self._admit(req, state, payload)
+            self._complete(req, state, payload)
+
+    def _on_inline(self, req: Request, state: JobState | None) -> None:
+        assert req.inline is not None
+        if state is None:
+            state = self._new_job(req)
+            if state is None:
+                return
+        manifest = state.upload.manifest
+        digest = req.inline.get("sha256")
+        # The same payload again after a yield is a returning client, like a resent final chunk.
+        returning = (
+            state.held
+            and manifest is not None
+            and isinstance(digest, str)
+            and digest.lower() == manifest.sha256
+        )
+        if state.held and not returning:
+            self._unhold(state)
+        try:
+            payload = state.upload.apply_inline(req.inline)
+            self._unreserve(state)
+            self._reserve(state, len(payload))
+        except UploadNeed as exc:
+            self._forget(req.job)
+            self._send(self._error(req, exc))
+            return
+        if returning:
+            self._admit(req, state)
+        else:
+            self._complete(req, state, payload)
+
+    def _on_cancel(self, req: Request) -> None:
+        state = self.jobs.get(req.job)
+        if state is None:
+            self._send(
+                self._reply(
+                    req,
+                    Verb.CLARIFY,
+                    Status.NEED,
+                    need_code=NeedCode.JOB_UNKNOWN,
+                    error_code=ErrorCode.BAD_ENVELOPE,
+                    detail=f"no job {req.job!r} on this connection",
+                )
+            )
+        elif state.task is not None:  # its terminal abort is the answer
+            self._terminal(
+                state,
+                need_code=NeedCode.CANCELLED,
+                error_code=ErrorCode.CANCELLED,
+                detail="cancelled by the client",
+            )
+            state.task.cancel()
+        else:  # uploading, or held after a yield: dropped
+            self._forget(req.job)
+            self._send(
+                self._reply(
+                    req,
+                    Verb.CONFIRM,
+                    Status.ABORT,
+                    need_code=NeedCode.CANCELLED,
+                    error_code=ErrorCode.CANCELLED,
+                    detail="cancelled by the client before it ran",
+                )
+            )
+
+    def _new_job(self, req: Request) -> JobState | None:
+        """A job id not seen before on this connection; None if over the connection's limit."""
+        if len(self.jobs) >= self.config.max_jobs_per_conn:
+            self._fatal(
+                NeedCode.TOO_MANY_JOBS,
+                ErrorCode.QUOTA,
+                f"more than {self.config.max_jobs_per_conn} jobs open on one connection",
+                job=req.job,
+                seq=req.seq + 1,
+            )
+            return None
+        state = self.jobs[req.job] = JobState(Upload(self.config.max_payload_bytes))
+        return state
+
+    def _complete(self, req: Request, state: JobState, payload: bytes) -> None:
+        """A verified payload: the runner checks it (a bad spec never takes a slot), then admit."""
+        manifest = state.upload.manifest
+        assert manifest is not None
+        try:
+            try:
+                state.job = self.server.runner.prepare(req.job, payload, manifest.content_type)
+            except SpecInvalid:
+                raise
+            except Exception as exc:  # a runner bug must cost this job, not the connection
+                log.exception("runner failed to prepare job %r", req.job)
+                raise SpecInvalid(
+                    NeedCode.SPEC_INVALID, "the runner cannot run this payload"
+                ) from exc
+        except SpecInvalid as exc:
+            self._forget(req.job)
+            self._send(self._error(req, exc, seq=_final_seq(req)))
+            return
+        self._admit(req, state)
 
     # Admission and execution ---------------------------------------------------------
 
-    def _admit(self, req: Request, state: JobState, payload: bytes) -> None:
+    def _admit(self, req: Request, state: JobState) -> None:
         promise, state.promise = state.promise, None
         decision = self.ledger.admit(promise)
         if isinstance(decision, Refusal):
@@ -234,7 +332,7 @@ class GovernorProtocol(asyncio.Protocol):
                     req,
                     Verb.CLARIFY,
                     Status.YIELD,
-                    seq=req.seq + 2,
+                    seq=_final_seq(req),
                     need_code=decision.need_code,
                     error_code=(
                         ErrorCode.BUSY
@@ -252,12 +350,10 @@ class GovernorProtocol(asyncio.Protocol):
             return
         if state.held:
             self._unhold(state)
-        manifest = state.upload.manifest
-        assert manifest is not None
+        assert state.job is not None
         state.request = req
         state.slot = decision
-        job = Job(req.job, payload, manifest.content_type)
-        state.task = self.server.spawn(self._run(state, decision, job))
+        state.task = self.server.spawn(self._run(state, decision, state.job))
 
     def _hold(self, state: JobState) -> bool:
         """Keep a refused payload for the client's retry, within this connection's bound."""
@@ -273,7 +369,7 @@ class GovernorProtocol(asyncio.Protocol):
         try:
             try:
                 async with asyncio.timeout(req.ttl_ms / 1000 if req.ttl_ms else None):
-                    result = await self._execute(job)
+                    result = await self._execute(job, state)
             except TimeoutError:
                 self._terminal(
                     state,
@@ -303,19 +399,30 @@ class GovernorProtocol(asyncio.Protocol):
                 self._forget(job.id)
             self.server.job_finished(state.outcome)
 
-    async def _execute(self, job: Job) -> dict[str, Any]:
+    async def _execute(self, job: Job, state: JobState) -> dict[str, Any]:
         parts: list[str] = []
+        stream = job.spec is not None and job.spec.stream
         # aclosing: the runner's clean-up runs now, not whenever the generator is collected.
         async with contextlib.aclosing(self.server.runner.run(job)) as events:
             async for event in events:
                 if isinstance(event, Token):
                     parts.append(event.text)
+                    if stream and not state.terminal_sent:
+                        self._send_delta(state, event.text)
                 else:
                     result = dict(event.result)
                     if parts:
                         result.setdefault("text", "".join(parts))
                     return result
         raise RunnerError("the runner ended the job without finishing it")
+
+    def _send_delta(self, state: JobState, text: str) -> None:
+        req = state.request
+        assert req is not None
+        # Small on purpose: no receipts on a stream frame.
+        self._send(
+            Reply(Verb.CLARIFY, req.job, _final_seq(req), Status.OK, ttl_ms=req.ttl_ms, delta=text)
+        )
 
     def _terminal(
         self,
@@ -337,7 +444,7 @@ class GovernorProtocol(asyncio.Protocol):
                 state.request,
                 Verb.CONFIRM,
                 Status.DONE if need_code is None else Status.ABORT,
-                seq=state.request.seq + 2,
+                seq=_final_seq(state.request),
                 need_code=need_code,
                 error_code=error_code,
                 detail=detail,
@@ -449,9 +556,10 @@ class GovernorProtocol(asyncio.Protocol):
             result=result,
         )
 
-    def _error(self, req: Request, exc: RemoteProtocolError) -> Reply:
+    def _error(self, req: Request, exc: RemoteProtocolError, *, seq: int | None = None) -> Reply:
         receipts = self._receipts(self._bytes_in(req.job))
-        return error_reply(exc, req.job, req.seq + 1, req.ttl_ms, receipts)
+        seq = req.seq + 1 if seq is None else seq
+        return error_reply(exc, req.job, seq, req.ttl_ms, receipts)
 
     def _bytes_in(self, job: str) -> int:
         state = self.jobs.get(job)
@@ -487,3 +595,9 @@ class GovernorProtocol(asyncio.Protocol):
             if state.held:
                 self._unhold(state)
             self._unreserve(state)
+
+
+def _final_seq(req: Request) -> int:
+    """The seq of every answer to the frame that completes a payload: the final chunk's + 2 (v0),
+    an inline payload's + 1."""
+    return req.seq + (1 if req.inline is not None else 2)

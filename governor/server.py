@@ -14,6 +14,7 @@ import collections
 import logging
 import socket
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from protocol.codes import ErrorCode, NeedCode, Receipt
@@ -30,8 +31,24 @@ LISTEN_BACKLOG = 4096  # a burst of connects must not be refused before the gove
 
 
 def build_runner(config: Config) -> Runner:
+    """The runner the configuration names; raises ``RunnerStartError`` when it cannot be."""
     if config.runner == "stub":
         return StubRunner(config.stub_ms / 1000, fail_rate=config.stub_fail_rate)
+    if config.runner == "llama":
+        from .runners.llama import LlamaRunner, LlamaSettings, default_threads, embedded_model_path
+
+        workers = config.workers or config.max_inflight
+        return LlamaRunner(
+            LlamaSettings(
+                model=Path(config.model) if config.model else embedded_model_path(),
+                n_ctx=config.n_ctx,
+                threads=config.threads or default_threads(workers),
+                n_gpu_layers=config.n_gpu_layers,
+                workers=workers,
+                max_new_tokens=config.max_new_tokens,
+                job_timeout_s=config.job_timeout,
+            )
+        )
     raise ValueError(f"unknown runner {config.runner!r}")
 
 
@@ -56,22 +73,23 @@ class Server:
     # Lifecycle -----------------------------------------------------------------------
 
     async def start(self, sock: socket.socket | None = None) -> None:
-        """Start the runner, then listen (on ``sock`` if given, else on ``config.listen``)."""
-        await self.runner.start()
-        loop = asyncio.get_running_loop()
-        if sock is not None:
-            self._listener = await loop.create_server(
-                lambda: GovernorProtocol(self), sock=sock, backlog=LISTEN_BACKLOG
-            )
-        else:
+        """Bind (on ``sock`` if given, else on ``config.listen``), start the runner, then serve.
+
+        The port is bound first, so that a taken address fails at once, and connections are
+        accepted only once the runner is ready (every worker has loaded its model).
+        """
+        if sock is None:
             host, port = self.config.listen_address
-            self._listener = await loop.create_server(
-                lambda: GovernorProtocol(self),
-                host=host,
-                port=port,
-                backlog=LISTEN_BACKLOG,
-                reuse_address=True,
-            )
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        try:
+            await self.runner.start()
+        except BaseException:
+            sock.close()
+            raise
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: GovernorProtocol(self), sock=sock, backlog=LISTEN_BACKLOG
+        )
         host, port = self.address
         log.info(
             "governor listening on %s:%d (max_inflight=%d, runner=%s)",

@@ -16,11 +16,12 @@ UNKNOWN_JOB = "J_?"
 class Verb(StrEnum):
     SHARE = "share"  # client: upload a manifest or a chunk
     PING = "ping"  # client: health probe
+    CANCEL = "cancel"  # client, extension: stop a job
     CLARIFY = "clarify"  # server: an answer that keeps the exchange going (ok, need, yield)
     CONFIRM = "confirm"  # server: a closing answer (ok to a ping, done, abort)
 
 
-CLIENT_VERBS = frozenset({Verb.SHARE, Verb.PING})
+CLIENT_VERBS = frozenset({Verb.SHARE, Verb.PING, Verb.CANCEL})
 
 
 class Status(StrEnum):
@@ -56,10 +57,18 @@ class NeedCode(StrEnum):
     PAYLOAD_HASH_MISMATCH = "payload_hash_mismatch"
     # Extension: a payload_chunk object of the wrong shape (missing or mistyped field).
     CHUNK_INVALID = "chunk_invalid"
+    # Extension: a payload_inline object of the wrong shape.
+    INLINE_INVALID = "inline_invalid"
     # Extension: the chunk's offset is not the number of bytes received so far.
     CHUNK_OFFSET_MISMATCH = "chunk_offset_mismatch"
     # Extension: a frame for a job that is running now.
     JOB_RUNNING = "job_running"
+    # Extension: a cancel for a job this connection does not have.
+    JOB_UNKNOWN = "job_unknown"
+    # Extension: the verified payload is not a job the runner can run (nothing was admitted).
+    SPEC_INVALID = "spec_invalid"
+    MAX_NEW_TOKENS_INVALID = "max_new_tokens_invalid"
+    PROMPT_TOO_LONG = "prompt_too_long"
     # Admission.
     SERVER_BUSY = "server_busy"  # yield: every execution slot is taken
     DRAINING = "draining"  # extension, yield: the daemon is shutting down
@@ -67,6 +76,12 @@ class NeedCode(StrEnum):
     BACKEND_ERROR = "backend_error"
     TTL_EXPIRED = "ttl_expired"  # extension: ttl_ms ran out while the job ran
     SHUTDOWN = "shutdown"  # extension: still running when the drain grace period ended
+    CANCELLED = "cancelled"  # extension: the client cancelled it
+    RUNNER_CRASHED = "runner_crashed"  # extension: the worker process died under the job
+    RUNNER_TIMEOUT = "runner_timeout"  # extension: the worker hung past the job's deadline
+    RUNNER_UNAVAILABLE = "runner_unavailable"  # extension: no worker came up in time
+    UPSTREAM_ERROR = "upstream_error"  # extension: the sidecar's server answered an error
+    UPSTREAM_TIMEOUT = "upstream_timeout"  # extension: ... or did not answer in time
     # Connection-fatal: answered with confirm/abort, then the connection is closed.
     LINE_TOO_LARGE = "line_too_large"
     IDLE_TIMEOUT = "idle_timeout"
@@ -85,6 +100,8 @@ class ErrorCode(StrEnum):
     QUOTA = "quota"
     CONFLICT = "conflict"  # extension: JOB_RUNNING
     UNAVAILABLE = "unavailable"  # extension: DRAINING, SHUTDOWN
+    BAD_SPEC = "bad_spec"  # extension: SPEC_INVALID, MAX_NEW_TOKENS_INVALID, PROMPT_TOO_LONG
+    CANCELLED = "cancelled"  # extension
 
 
 class Receipt(StrEnum):
@@ -116,5 +133,5 @@ CORE_RECEIPTS = (
 
 # Fields only a server may set; a request carrying any of them breaks the envelope.
 SERVER_ONLY_FIELDS = frozenset(
-    {"status", "need_code", "error_code", "retry_hint_ms", "receipts", "detail", "result"}
+    {"status", "need_code", "error_code", "retry_hint_ms", "receipts", "detail", "result", "delta"}
 )

@@ -30,8 +30,9 @@ U64_MAX = 2**64 - 1
 MAX_ID_CHARS = 256  # job and payload ids are echoed in every reply, so they are bounded
 
 _REQUEST_FIELDS = frozenset(
-    {"v", "verb", "job", "seq", "ttl_ms", "payload_manifest", "payload_chunk"}
+    {"v", "verb", "job", "seq", "ttl_ms", "payload_manifest", "payload_chunk", "payload_inline"}
 )
+_PAYLOADS = ("payload_manifest", "payload_chunk", "payload_inline")
 
 JSONObject = Mapping[str, Any]
 
@@ -55,6 +56,7 @@ class Request:
     ttl_ms: int = 0
     manifest: JSONObject | None = None  # checked by protocol.upload
     chunk: JSONObject | None = None  # checked by protocol.upload
+    inline: JSONObject | None = None  # extension: a whole payload in one frame
 
 
 def decode_request(line: bytes) -> Request:
@@ -98,19 +100,17 @@ def _check_envelope(obj: dict[str, Any]) -> Request:
     ttl_ms = obj.get("ttl_ms", 0)
     if not is_uint(ttl_ms):
         raise invalid("'ttl_ms' must be a non-negative integer")
-    manifest = obj.get("payload_manifest")
-    chunk = obj.get("payload_chunk")
-    if manifest is not None and chunk is not None:
-        raise invalid("'payload_manifest' and 'payload_chunk' are exclusive")
-    if verb == Verb.PING:
-        if manifest is not None or chunk is not None:
-            raise invalid("a ping carries no payload")
-    elif manifest is None and chunk is None:
-        raise invalid("a share carries 'payload_manifest' or 'payload_chunk'")
-    for name, value in (("payload_manifest", manifest), ("payload_chunk", chunk)):
-        if value is not None and type(value) is not dict:
+    payloads = [name for name in _PAYLOADS if obj.get(name) is not None]
+    if verb != Verb.SHARE:
+        if payloads:
+            raise invalid(f"a {verb} carries no payload")
+    elif len(payloads) != 1:
+        raise invalid(f"a share carries exactly one of {', '.join(map(repr, _PAYLOADS))}")
+    for name in payloads:
+        if type(obj[name]) is not dict:
             raise invalid(f"{name!r} must be an object")
-    return Request(Verb(verb), ctx_job, ctx_seq, ttl_ms, manifest, chunk)
+    manifest, chunk, inline = (obj.get(name) for name in _PAYLOADS)
+    return Request(Verb(verb), ctx_job, ctx_seq, ttl_ms, manifest, chunk, inline)
 
 
 _HTTP_METHODS = tuple(
@@ -156,6 +156,7 @@ class Reply:
     detail: str | None = None  # extension: a human-readable reason
     receipts: tuple[tuple[str, int], ...] = ()
     result: JSONObject | None = None  # extension: what a finished job produced
+    delta: str | None = None  # extension: streamed output since the last frame
 
     @property
     def terminal(self) -> bool:
@@ -191,6 +192,8 @@ def encode_reply(reply: Reply) -> bytes:
         frame["receipts"] = [{"kind": k, "value_u64": v} for k, v in reply.receipts]
     if reply.result is not None:
         frame["result"] = reply.result
+    if reply.delta is not None:
+        frame["delta"] = reply.delta
     return orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE)
 
 
@@ -237,6 +240,7 @@ def decode_reply(line: bytes) -> Reply:
             detail=obj.get("detail"),
             receipts=receipts,
             result=obj.get("result"),
+            delta=obj.get("delta"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ReplyInvalid(f"reply breaks the envelope: {exc!r}") from None
@@ -248,7 +252,7 @@ def decode_reply(line: bytes) -> Reply:
         raise ReplyInvalid("reply breaks the envelope: retry_hint_ms")
     if any(type(k) is not str or not is_uint(v) for k, v in reply.receipts):
         raise ReplyInvalid("reply breaks the envelope: receipts")
-    for name in ("need_code", "error_code", "detail"):
+    for name in ("need_code", "error_code", "detail", "delta"):
         if not isinstance(getattr(reply, name), str | None):
             raise ReplyInvalid(f"reply breaks the envelope: {name}")
     if reply.result is not None and type(reply.result) is not dict:
@@ -264,14 +268,14 @@ def encode_request(
     ttl_ms: int = 0,
     manifest: JSONObject | None = None,
     chunk: JSONObject | None = None,
+    inline: JSONObject | None = None,
 ) -> bytes:
     """A client frame, newline included. Does not validate: servers do."""
     frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "verb": verb, "job": job, "seq": seq}
     frame["ttl_ms"] = ttl_ms
-    if manifest is not None:
-        frame["payload_manifest"] = manifest
-    if chunk is not None:
-        frame["payload_chunk"] = chunk
+    for name, value in zip(_PAYLOADS, (manifest, chunk, inline), strict=True):
+        if value is not None:
+            frame[name] = value
     return orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE)
 
 

@@ -37,6 +37,8 @@ _MANIFEST_FIELDS = frozenset(
     }
 )
 _CHUNK_FIELDS = frozenset({"payload_id", "index", "offset", "sha256", "bytes_b64"})
+_INLINE_FIELDS = frozenset({"content_type", "sha256", "data"})
+INLINE_PAYLOAD_ID = "inline"
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +223,38 @@ class Upload:
         self._final = chunk
         payload = b"".join(self._parts)
         self._parts = [payload]
+        return payload
+
+    def apply_inline(self, obj: Mapping[str, Any]) -> bytes:
+        """A whole payload in one frame (*ext*): UTF-8 ``data`` checked against ``sha256``."""
+        unknown = obj.keys() - _INLINE_FIELDS
+        if unknown:
+            raise UploadNeed(NeedCode.INLINE_INVALID, f"unknown field {sorted(unknown)[0]!r}")
+        data, digest = obj.get("data"), obj.get("sha256")
+        content_type = obj.get("content_type", "application/octet-stream")
+        if type(data) is not str:
+            raise UploadNeed(NeedCode.INLINE_INVALID, "'data' must be a string")
+        if type(digest) is not str or not _SHA256_HEX.fullmatch(digest):
+            raise UploadNeed(NeedCode.INLINE_INVALID, "'sha256' must be 64 hex digits")
+        if type(content_type) is not str or len(content_type) > MAX_ID_CHARS:
+            raise UploadNeed(NeedCode.INLINE_INVALID, "'content_type' must be a short string")
+        payload = data.encode()
+        if len(payload) > self.max_payload_bytes:
+            raise UploadNeed(
+                NeedCode.PAYLOAD_TOO_LARGE, f"over the payload cap of {self.max_payload_bytes}"
+            )
+        if not _digest_matches(payload, digest):
+            raise UploadNeed(
+                NeedCode.PAYLOAD_HASH_MISMATCH, "sha256 of the UTF-8 bytes of 'data' mismatch"
+            )
+        self._reset()
+        size = len(payload)
+        self.manifest = Manifest(
+            INLINE_PAYLOAD_ID, content_type, size, max(size, 1), 1, digest.lower()
+        )
+        self._parts = [payload]
+        self._received = size
+        self._final = Chunk(INLINE_PAYLOAD_ID, 0, 0, digest.lower(), "")
         return payload
 
     def _restart(self) -> None:

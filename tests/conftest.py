@@ -54,6 +54,7 @@ async def make_server() -> AsyncIterator[ServerFactory]:
     servers: list[Server] = []
 
     async def factory(runner: Runner | None = None, **config: Any) -> Server:
+        config.setdefault("runner", "stub")
         config.setdefault("stub_ms", 50)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -147,10 +148,12 @@ class Daemon:
         return self.proc.returncode, self.stderr_head + err
 
 
-def start_daemon(*args: str, timeout: float = 30.0) -> Daemon:
-    """Start ``python -m governor serve ARGS`` and wait for its listening line."""
+def start_daemon(*args: str, timeout: float = 60.0) -> Daemon:
+    """Start ``python -m governor serve ARGS`` (on the stub runner unless ARGS name one) and
+    wait for its listening line."""
+    runner = () if "--runner" in args else ("--runner", "stub")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "governor", "serve", "--listen", "127.0.0.1:0", *args],
+        [sys.executable, "-m", "governor", "serve", "--listen", "127.0.0.1:0", *runner, *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

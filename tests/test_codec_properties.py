@@ -161,13 +161,16 @@ def valid_requests(draw: st.DrawFn) -> tuple[dict[str, Any], Request]:
     ttl_ms = 0
     if draw(st.booleans()):
         ttl_ms = frame["ttl_ms"] = draw(st.integers(min_value=0, max_value=U64_MAX))
-    manifest = chunk = None
+    manifest = chunk = inline = None
     if verb is Verb.SHARE:
-        if draw(st.booleans()):
+        kind = draw(st.sampled_from(["manifest", "chunk", "inline"]))
+        if kind == "manifest":
             manifest = frame["payload_manifest"] = draw(manifest_like)
-        else:
+        elif kind == "chunk":
             chunk = frame["payload_chunk"] = draw(chunk_like)
-    return frame, Request(verb, job, seq, ttl_ms, manifest, chunk)
+        else:
+            inline = frame["payload_inline"] = draw(st.just({}) | chunk_like)
+    return frame, Request(verb, job, seq, ttl_ms, manifest, chunk, inline)
 
 
 _ENVELOPE_EXTRAS = (
@@ -175,6 +178,7 @@ _ENVELOPE_EXTRAS = (
     "ttl_ms",
     "payload_manifest",
     "payload_chunk",
+    "payload_inline",
     "bogus",
 )
 
@@ -186,7 +190,7 @@ def envelope_frames(draw: st.DrawFn) -> dict[str, Any]:
     with both."""
     frame = draw(valid_requests())[0]
     if draw(st.sampled_from([False, False, False, True])):
-        payload = draw(st.sampled_from(["payload_manifest", "payload_chunk"]))
+        payload = draw(st.sampled_from(["payload_manifest", "payload_chunk", "payload_inline"]))
         if payload in frame:
             del frame[payload]
         else:
@@ -246,9 +250,8 @@ def attempt(call: Callable[[], T], errors: type[Exception]) -> tuple[T | None, E
 
 
 # The envelope rules of HEPTAMINI_V0.md, restated independently of protocol/frames.py.
-REQUEST_FIELDS = frozenset(
-    {"v", "verb", "job", "seq", "ttl_ms", "payload_manifest", "payload_chunk"}
-)
+PAYLOAD_FIELDS = ("payload_manifest", "payload_chunk", "payload_inline")
+REQUEST_FIELDS = frozenset({"v", "verb", "job", "seq", "ttl_ms", *PAYLOAD_FIELDS})
 BAD_LINE_CODES = frozenset(
     {
         NeedCode.HTTP_REQUEST,
@@ -280,16 +283,14 @@ def envelope_ok(obj: dict[str, Any]) -> bool:
     if type(obj.get("v")) is not int or obj["v"] != 0:
         return False
     verb = obj.get("verb")
-    if type(verb) is not str or verb not in ("share", "ping"):
+    if type(verb) is not str or verb not in ("share", "ping", "cancel"):
         return False
     if not (_job_ok(obj.get("job")) and _seq_ok(obj.get("seq")) and _u64(obj.get("ttl_ms", 0))):
         return False
-    manifest, chunk = obj.get("payload_manifest"), obj.get("payload_chunk")
-    if verb == "ping":
-        return manifest is None and chunk is None
-    if (manifest is None) == (chunk is None):
-        return False
-    return type(manifest if manifest is not None else chunk) is dict
+    payloads = [obj[name] for name in PAYLOAD_FIELDS if obj.get(name) is not None]
+    if verb != "share":
+        return not payloads
+    return len(payloads) == 1 and type(payloads[0]) is dict
 
 
 _UNPARSED = object()
@@ -334,8 +335,9 @@ def check_decoded(line: bytes, upload: Upload) -> None:
         parsed.get("ttl_ms", 0),
         parsed.get("payload_manifest"),
         parsed.get("payload_chunk"),
+        parsed.get("payload_inline"),
     )
-    if req.verb is Verb.PING:
+    if req.verb is not Verb.SHARE or req.inline is not None:
         return
     if req.manifest is not None:
         _, error = attempt(partial(upload.apply_manifest, req.manifest), UploadNeed)
@@ -476,6 +478,7 @@ def test_valid_frames_decode_to_their_request(pair: tuple[dict[str, Any], Reques
         ttl_ms=expected.ttl_ms,
         manifest=expected.manifest,
         chunk=expected.chunk,
+        inline=expected.inline,
     )
     assert encoded.endswith(b"\n")
     assert encoded.count(b"\n") == 1

@@ -175,7 +175,7 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path: Path, toml: str, mess
 def test_address_in_use_exits_1(daemon: DaemonFactory) -> None:
     d = daemon()
     result = subprocess.run(
-        [sys.executable, "-m", "governor", "serve", "--listen", d.addr],
+        [sys.executable, "-m", "governor", "serve", "--runner", "stub", "--listen", d.addr],
         capture_output=True,
         text=True,
         timeout=30,

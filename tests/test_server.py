@@ -540,6 +540,9 @@ class ScriptedRunner:
     async def close(self) -> None:
         pass
 
+    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
+        return Job(job_id, payload, content_type)
+
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         if self.behaviour == "crash":
             raise ZeroDivisionError("a bug in the runner")

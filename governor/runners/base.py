@@ -1,7 +1,8 @@
 """The seam between admission and execution.
 
-A :class:`Runner` executes one admitted job per call of :meth:`Runner.run`, an async
-generator of :class:`Token` events (partial output, as it is produced) ending with one
+A :class:`Runner` first checks a verified payload with :meth:`Runner.prepare` (an invalid job
+spec is refused there, before it can take a slot), then executes each admitted job in one call
+of :meth:`Runner.run`, an async generator of :class:`Token` events (partial output, as it is produced) ending with one
 :class:`Finished`. The server cancels the iteration's task to stop a job (client gone,
 ``ttl_ms`` spent, shutdown): a runner must stop work promptly when cancelled and raise
 :class:`RunnerError` for a job that failed, never anything else.
@@ -14,15 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol.codes import NeedCode
+from protocol.spec import JobSpec
 
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """An admitted job: its verified payload and what the manifest said of it."""
+    """A verified payload, prepared by the runner that will run it."""
 
     id: str
     payload: bytes
     content_type: str = "application/octet-stream"
+    spec: JobSpec | None = None  # what an inference runner made of the payload
+    tokens: tuple[int, ...] = ()  # the prompt, tokenised
+    stop: tuple[str, ...] = ()  # the spec's stop strings and the chat template's
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,10 @@ class Finished:
 
 
 RunEvent = Token | Finished
+
+
+class RunnerStartError(Exception):
+    """The runner cannot start (a model that does not load, say); the message is for people."""
 
 
 class RunnerError(Exception):
@@ -64,5 +73,9 @@ class Runner(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
+        """Check a verified payload before it may take a slot; raises ``SpecInvalid``."""
+        ...
 
     def run(self, job: Job) -> AsyncGenerator[RunEvent, None]: ...

@@ -32,6 +32,9 @@ class StubRunner:
     async def close(self) -> None:
         pass
 
+    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
+        return Job(job_id, payload, content_type)  # any payload will do: it only takes time
+
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         await asyncio.sleep(self.delay_s)
         if self._random.random() < self.fail_rate:
