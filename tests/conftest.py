@@ -1,6 +1,7 @@
 """Shared fixtures: an in-process server on a port-0 socket, a raw frame client, a daemon process.
 
-Async tests run on both uvloop (what the daemon uses) and the standard asyncio loop.
+Async tests run on both uvloop (what the daemon uses) and the standard asyncio loop, but for the
+real-model tests, which run on uvloop alone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    if item.path.name == "test_llama.py":  # model tests are slow: the daemon's loop only
+        return {"uvloop": uvloop.new_event_loop}
     return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 
 
@@ -50,15 +53,16 @@ ServerFactory = Callable[..., Awaitable[Server]]
 
 @pytest.fixture
 async def make_server() -> AsyncIterator[ServerFactory]:
-    """``await make_server(runner=None, **config)``: a started server on 127.0.0.1:0."""
+    """``await make_server(instance=None, **config)``: a started server on 127.0.0.1:0, running
+    jobs on ``instance`` if given, else on the runner the config names (the stub by default)."""
     servers: list[Server] = []
 
-    async def factory(runner: Runner | None = None, **config: Any) -> Server:
+    async def factory(instance: Runner | None = None, **config: Any) -> Server:
         config.setdefault("runner", "stub")
         config.setdefault("stub_ms", 50)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
-        server = Server(Config(listen="127.0.0.1:0", **config), runner)
+        server = Server(Config(listen="127.0.0.1:0", **config), instance)
         await server.start(sock=sock)
         servers.append(server)
         return server

@@ -1,0 +1,288 @@
+"""The llama runner with the real embedded model (SmolLM2-135M), greedy and seeded.
+
+Each test starts its own server (one worker process per slot, a small context so it loads
+fast) and talks to it over a real socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clients import NO_RETRY, GovernorClient
+from governor.runners.llama import LlamaRunner, embedded_model_path
+from governor.server import Server
+from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
+from protocol.upload import split_payload
+
+from .conftest import RawConn, ServerFactory, wait_until
+
+GREEDY = {"temperature": 0.0, "seed": 7}
+N_CTX = 512
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Any:
+    """The model's own tokenizer, loaded in the test process."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(embedded_model_path()), vocab_only=True, verbose=False)
+
+
+@pytest.fixture
+async def llama(make_server: ServerFactory) -> AsyncIterator[Callable[..., Any]]:
+    async def start(**config: Any) -> Server:
+        config.setdefault("max_inflight", 1)
+        config.setdefault("n_ctx", N_CTX)
+        return await make_server(runner="llama", **config)
+
+    yield start
+
+
+async def client_for(server: Server) -> GovernorClient:
+    host, port = server.address
+    return await GovernorClient.connect(host, port)
+
+
+async def test_a_prompt_gets_real_text_with_exact_token_counts(llama: Any, vocab: Any) -> None:
+    server = await llama()
+    prompt = "The capital of France is"
+    async with await client_for(server) as client:
+        first = await client.generate(JobSpec(prompt=prompt, max_new_tokens=12, **GREEDY))
+        again = await client.generate(JobSpec(prompt=prompt, max_new_tokens=12, **GREEDY))
+    assert first.done, first.reply
+    result = first.reply.result
+    assert result is not None
+    assert "Paris" in result["text"]
+    assert result["prompt_tokens"] == len(vocab.tokenize(prompt.encode(), add_bos=False))
+    assert result["completion_tokens"] == 12
+    assert result["finish_reason"] == "length"
+    assert result["ttft_ms"] > 0
+    assert result["tpot_ms"] > 0
+    assert again.reply.result is not None
+    assert again.reply.result["text"] == result["text"]  # greedy: the same text every time
+
+
+async def test_output_matches_llama_cpp_called_directly(llama: Any) -> None:
+    """Same model, prompt and greedy settings: the governor adds nothing to the text."""
+    from llama_cpp import Llama
+
+    server = await llama()
+    prompt = "Water boils at"
+    async with await client_for(server) as client:
+        result = await client.generate(JobSpec(prompt=prompt, max_new_tokens=16, **GREEDY))
+    assert result.reply.result is not None
+    llm = Llama(model_path=str(embedded_model_path()), n_ctx=N_CTX, n_threads=1, verbose=False)
+    tokens = []
+    for token in llm.generate(llm.tokenize(prompt.encode(), add_bos=False), temp=0.0, top_k=1):
+        if token == llm.token_eos() or len(tokens) == 16:
+            break
+        tokens.append(token)
+    assert result.reply.result["text"] == llm.detokenize(tokens).decode()
+    assert result.reply.result["completion_tokens"] == len(tokens)
+
+
+async def test_streaming_sends_deltas_in_order_then_one_terminal(llama: Any) -> None:
+    server = await llama()
+    deltas: list[str] = []
+    spec = JobSpec(
+        messages=(Message("user", "Count from one to five."),),
+        max_new_tokens=20,
+        stream=True,
+        **GREEDY,
+    )
+    async with await client_for(server) as client:
+        result = await client.generate(spec, on_delta=deltas.append)
+    assert result.done
+    assert result.reply.result is not None
+    assert len(deltas) >= 2
+    assert "".join(deltas) == result.reply.result["text"]
+    assert result.reply.result["completion_tokens"] == 20
+
+
+async def test_stop_strings_end_the_text(llama: Any) -> None:
+    server = await llama()
+    async with await client_for(server) as client:
+        full = await client.generate(JobSpec(prompt="1, 2, 3,", max_new_tokens=16, **GREEDY))
+        assert full.reply.result is not None
+        text = full.reply.result["text"]
+        stop = text.strip()[2:5]  # something the model really says, a little way in
+        cut = await client.generate(
+            JobSpec(prompt="1, 2, 3,", max_new_tokens=16, stop=(stop,), stream=True, **GREEDY)
+        )
+    assert cut.reply.result is not None
+    assert cut.reply.result["finish_reason"] == "stop"
+    assert cut.reply.result["text"] == text[: text.index(stop)]
+
+
+async def test_heptamini_style_text_upload_runs_as_a_prompt(llama: Any) -> None:
+    server = await llama()
+    async with await client_for(server) as client:
+        result = await client.upload(b"The capital of France is", chunk_bytes=8)
+    assert result.done
+    assert result.reply.result is not None
+    assert result.reply.result["completion_tokens"] > 0
+    assert result.reply.result["text"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "need_code"),
+    [
+        (b'{"prompt": "x", "colour": "red"}', "spec_invalid"),
+        (b'{"prompt": 42}', "spec_invalid"),
+        (b'{"prompt": "x", "messages": []}', "spec_invalid"),
+        (b'{"messages": [{"role": "robot", "content": "hi"}]}', "spec_invalid"),
+        (b'{"prompt": "x", "temperature": "hot"}', "spec_invalid"),
+        (b'{"prompt": "x", "stream": 1}', "spec_invalid"),
+        (b"[1, 2]", "spec_invalid"),
+        (b"{not json", "spec_invalid"),
+        (b'{"prompt": "x", "max_new_tokens": 0}', "max_new_tokens_invalid"),
+        (b'{"prompt": "x", "max_new_tokens": 100000}', "max_new_tokens_invalid"),
+        (b'{"prompt": "x", "max_new_tokens": 1.5}', "max_new_tokens_invalid"),
+        (b'{"prompt": "' + b"word " * 600 + b'"}', "prompt_too_long"),
+        (b'{"prompt": "short", "max_new_tokens": 512}', "prompt_too_long"),
+    ],
+)
+async def test_bad_specs_get_a_need_and_nothing_runs(
+    llama: Any, spec: bytes, need_code: str
+) -> None:
+    server = await llama(max_new_tokens=1000)
+    async with await client_for(server) as client:
+        result = await client.upload(spec, content_type=SPEC_CONTENT_TYPE, retry=NO_RETRY)
+    reply = result.reply
+    assert (reply.verb, reply.status, reply.need_code, reply.error_code) == (
+        "clarify",
+        "need",
+        need_code,
+        "bad_spec",
+    )
+    assert reply.detail
+    assert server.ledger.executed_total == 0
+
+
+async def test_non_utf8_text_payload_is_refused(llama: Any) -> None:
+    server = await llama()
+    async with await client_for(server) as client:
+        result = await client.upload(b"\xff\xfe\x00\x01", retry=NO_RETRY)
+    assert result.reply.need_code == "spec_invalid"
+
+
+async def test_cancel_frame_stops_the_job_and_frees_the_slot(llama: Any) -> None:
+    server = await llama()
+    async with await client_for(server) as client:
+        started = asyncio.Event()
+        long = JobSpec(prompt="Once upon a time", max_new_tokens=400, stream=True, **GREEDY)
+        job = asyncio.ensure_future(
+            client.generate(long, job="J_long", on_delta=lambda _: started.set())
+        )
+        await asyncio.wait_for(started.wait(), 30)
+        await client.cancel("J_long")
+        result = await asyncio.wait_for(job, 10)
+        assert (result.reply.status, result.reply.need_code) == ("abort", "cancelled")
+        assert server.ledger.inflight == 0
+        after = await client.generate(JobSpec(prompt="Hi", max_new_tokens=3, **GREEDY))
+    assert after.done  # the worker took new work: it had stopped the cancelled one
+    assert server.outcomes["cancelled"] == 1
+
+
+async def test_client_disconnect_stops_generation(llama: Any) -> None:
+    server = await llama()
+    conn = await RawConn.open(server)
+    spec = JobSpec(prompt="Once upon a time", max_new_tokens=400, **GREEDY).encode()
+    prepared = split_payload(spec)
+    conn.send(
+        {
+            "v": 0,
+            "verb": "share",
+            "job": "J_d",
+            "seq": 1,
+            "payload_manifest": {**prepared.manifest, "content_type": SPEC_CONTENT_TYPE},
+        }
+    )
+    conn.send(
+        {"v": 0, "verb": "share", "job": "J_d", "seq": 2, "payload_chunk": prepared.chunks[0]}
+    )
+    await wait_until(lambda: server.ledger.inflight == 1, timeout=30)
+    await conn.close()
+    await wait_until(lambda: server.ledger.inflight == 0, timeout=5)
+    async with await client_for(server) as client:
+        after = await client.generate(JobSpec(prompt="Hi", max_new_tokens=3, **GREEDY))
+    assert after.done
+
+
+async def test_a_worker_killed_mid_generation_is_reported_and_replaced(llama: Any) -> None:
+    server = await llama()
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    (victim,) = runner.worker_pids()
+    async with await client_for(server) as client:
+        started = asyncio.Event()
+        long = JobSpec(prompt="Once upon a time", max_new_tokens=400, stream=True, **GREEDY)
+        job = asyncio.ensure_future(client.generate(long, on_delta=lambda _: started.set()))
+        await asyncio.wait_for(started.wait(), 30)
+        os.kill(victim, signal.SIGKILL)
+        result = await asyncio.wait_for(job, 10)
+        assert (result.reply.status, result.reply.need_code) == ("abort", "runner_crashed")
+        assert server.ledger.inflight == 0
+        await wait_until(lambda: len(runner.worker_pids()) == 1, timeout=60)
+        assert runner.worker_pids() != [victim]
+        assert runner.restarts == 1
+        after = await client.generate(JobSpec(prompt="Hi", max_new_tokens=3, **GREEDY))
+    assert after.done
+
+
+async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
+    server = await llama(job_timeout=1.5)
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    (victim,) = runner.worker_pids()
+    async with await client_for(server) as client:
+        started = asyncio.Event()
+        long = JobSpec(prompt="Once upon a time", max_new_tokens=400, stream=True, **GREEDY)
+        job = asyncio.ensure_future(client.generate(long, on_delta=lambda _: started.set()))
+        await asyncio.wait_for(started.wait(), 30)
+        os.kill(victim, signal.SIGSTOP)  # alive, but silent
+        try:
+            result = await asyncio.wait_for(job, 15)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGCONT)
+        assert (result.reply.status, result.reply.need_code) == ("abort", "runner_timeout")
+        await wait_until(lambda: runner.worker_pids() not in ([], [victim]), timeout=60)
+        after = await client.generate(JobSpec(prompt="Hi", max_new_tokens=3, **GREEDY))
+    assert after.done
+
+
+@pytest.mark.parametrize("content", [None, b"GGUF but not really a model"])
+def test_a_model_that_does_not_load_stops_startup(tmp_path: Path, content: bytes | None) -> None:
+    model = tmp_path / "broken.gguf"
+    if content is not None:
+        model.write_bytes(content)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "governor",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            str(model),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "cannot start the llama runner" in result.stderr
+    assert "listening" not in result.stderr
