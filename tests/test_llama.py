@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,12 @@ from protocol.upload import split_payload
 
 from .conftest import RawConn, ServerFactory, wait_until
 
-GREEDY = {"temperature": 0.0, "seed": 7}
 N_CTX = 512
+
+
+def greedy(prompt: str | None = None, **fields: Any) -> JobSpec:
+    """A spec with deterministic sampling (temperature 0, a fixed seed)."""
+    return dataclasses.replace(JobSpec(prompt=prompt, temperature=0.0, seed=7), **fields)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +44,13 @@ def vocab() -> Any:
 
 
 @pytest.fixture
-async def llama(make_server: ServerFactory) -> AsyncIterator[Callable[..., Any]]:
+async def llama(make_server: ServerFactory) -> Callable[..., Any]:
     async def start(**config: Any) -> Server:
         config.setdefault("max_inflight", 1)
         config.setdefault("n_ctx", N_CTX)
         return await make_server(runner="llama", **config)
 
-    yield start
+    return start
 
 
 async def client_for(server: Server) -> GovernorClient:
@@ -57,8 +62,8 @@ async def test_a_prompt_gets_real_text_with_exact_token_counts(llama: Any, vocab
     server = await llama()
     prompt = "The capital of France is"
     async with await client_for(server) as client:
-        first = await client.generate(JobSpec(prompt=prompt, max_new_tokens=12, **GREEDY))
-        again = await client.generate(JobSpec(prompt=prompt, max_new_tokens=12, **GREEDY))
+        first = await client.generate(greedy(prompt, max_new_tokens=12))
+        again = await client.generate(greedy(prompt, max_new_tokens=12))
     assert first.done, first.reply
     result = first.reply.result
     assert result is not None
@@ -79,10 +84,10 @@ async def test_output_matches_llama_cpp_called_directly(llama: Any) -> None:
     server = await llama()
     prompt = "Water boils at"
     async with await client_for(server) as client:
-        result = await client.generate(JobSpec(prompt=prompt, max_new_tokens=16, **GREEDY))
+        result = await client.generate(greedy(prompt, max_new_tokens=16))
     assert result.reply.result is not None
     llm = Llama(model_path=str(embedded_model_path()), n_ctx=N_CTX, n_threads=1, verbose=False)
-    tokens = []
+    tokens: list[int] = []
     for token in llm.generate(llm.tokenize(prompt.encode(), add_bos=False), temp=0.0, top_k=1):
         if token == llm.token_eos() or len(tokens) == 16:
             break
@@ -94,12 +99,8 @@ async def test_output_matches_llama_cpp_called_directly(llama: Any) -> None:
 async def test_streaming_sends_deltas_in_order_then_one_terminal(llama: Any) -> None:
     server = await llama()
     deltas: list[str] = []
-    spec = JobSpec(
-        messages=(Message("user", "Count from one to five."),),
-        max_new_tokens=20,
-        stream=True,
-        **GREEDY,
-    )
+    messages = (Message("user", "Count from one to five."),)
+    spec = greedy(messages=messages, max_new_tokens=20, stream=True)
     async with await client_for(server) as client:
         result = await client.generate(spec, on_delta=deltas.append)
     assert result.done
@@ -112,12 +113,12 @@ async def test_streaming_sends_deltas_in_order_then_one_terminal(llama: Any) -> 
 async def test_stop_strings_end_the_text(llama: Any) -> None:
     server = await llama()
     async with await client_for(server) as client:
-        full = await client.generate(JobSpec(prompt="1, 2, 3,", max_new_tokens=16, **GREEDY))
+        full = await client.generate(greedy("1, 2, 3,", max_new_tokens=16))
         assert full.reply.result is not None
         text = full.reply.result["text"]
         stop = text.strip()[2:5]  # something the model really says, a little way in
         cut = await client.generate(
-            JobSpec(prompt="1, 2, 3,", max_new_tokens=16, stop=(stop,), stream=True, **GREEDY)
+            greedy("1, 2, 3,", max_new_tokens=16, stop=(stop,), stream=True)
         )
     assert cut.reply.result is not None
     assert cut.reply.result["finish_reason"] == "stop"
@@ -180,7 +181,7 @@ async def test_cancel_frame_stops_the_job_and_frees_the_slot(llama: Any) -> None
     server = await llama()
     async with await client_for(server) as client:
         started = asyncio.Event()
-        long = JobSpec(prompt="Once upon a time", max_new_tokens=400, stream=True, **GREEDY)
+        long = greedy("Once upon a time", max_new_tokens=400, stream=True)
         job = asyncio.ensure_future(
             client.generate(long, job="J_long", on_delta=lambda _: started.set())
         )
@@ -189,7 +190,7 @@ async def test_cancel_frame_stops_the_job_and_frees_the_slot(llama: Any) -> None
         result = await asyncio.wait_for(job, 10)
         assert (result.reply.status, result.reply.need_code) == ("abort", "cancelled")
         assert server.ledger.inflight == 0
-        after = await client.generate(JobSpec(prompt="Hi", max_new_tokens=3, **GREEDY))
+        after = await client.generate(greedy("Hi", max_new_tokens=3))
     assert after.done  # the worker took new work: it had stopped the cancelled one
     assert server.outcomes["cancelled"] == 1
 
@@ -197,7 +198,7 @@ async def test_cancel_frame_stops_the_job_and_frees_the_slot(llama: Any) -> None
 async def test_client_disconnect_stops_generation(llama: Any) -> None:
     server = await llama()
     conn = await RawConn.open(server)
-    spec = JobSpec(prompt="Once upon a time", max_new_tokens=400, **GREEDY).encode()
+    spec = greedy("Once upon a time", max_new_tokens=400).encode()
     prepared = split_payload(spec)
     conn.send(
         {
@@ -215,7 +216,7 @@ async def test_client_disconnect_stops_generation(llama: Any) -> None:
     await conn.close()
     await wait_until(lambda: server.ledger.inflight == 0, timeout=5)
     async with await client_for(server) as client:
-        after = await client.generate(JobSpec(prompt="Hi", max_new_tokens=3, **GREEDY))
+        after = await client.generate(greedy("Hi", max_new_tokens=3))
     assert after.done
 
 
@@ -226,7 +227,7 @@ async def test_a_worker_killed_mid_generation_is_reported_and_replaced(llama: An
     (victim,) = runner.worker_pids()
     async with await client_for(server) as client:
         started = asyncio.Event()
-        long = JobSpec(prompt="Once upon a time", max_new_tokens=400, stream=True, **GREEDY)
+        long = greedy("Once upon a time", max_new_tokens=400, stream=True)
         job = asyncio.ensure_future(client.generate(long, on_delta=lambda _: started.set()))
         await asyncio.wait_for(started.wait(), 30)
         os.kill(victim, signal.SIGKILL)
@@ -236,7 +237,7 @@ async def test_a_worker_killed_mid_generation_is_reported_and_replaced(llama: An
         await wait_until(lambda: len(runner.worker_pids()) == 1, timeout=60)
         assert runner.worker_pids() != [victim]
         assert runner.restarts == 1
-        after = await client.generate(JobSpec(prompt="Hi", max_new_tokens=3, **GREEDY))
+        after = await client.generate(greedy("Hi", max_new_tokens=3))
     assert after.done
 
 
@@ -247,7 +248,7 @@ async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
     (victim,) = runner.worker_pids()
     async with await client_for(server) as client:
         started = asyncio.Event()
-        long = JobSpec(prompt="Once upon a time", max_new_tokens=400, stream=True, **GREEDY)
+        long = greedy("Once upon a time", max_new_tokens=400, stream=True)
         job = asyncio.ensure_future(client.generate(long, on_delta=lambda _: started.set()))
         await asyncio.wait_for(started.wait(), 30)
         os.kill(victim, signal.SIGSTOP)  # alive, but silent
@@ -258,7 +259,7 @@ async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
                 os.kill(victim, signal.SIGCONT)
         assert (result.reply.status, result.reply.need_code) == ("abort", "runner_timeout")
         await wait_until(lambda: runner.worker_pids() not in ([], [victim]), timeout=60)
-        after = await client.generate(JobSpec(prompt="Hi", max_new_tokens=3, **GREEDY))
+        after = await client.generate(greedy("Hi", max_new_tokens=3))
     assert after.done
 
 
