@@ -4,7 +4,7 @@ A closed loop: every client connects first; then one :class:`asyncio.Event` (the
 releases them together, and each uploads one payload per round, starting its next round as soon
 as the last one ended. A :class:`~loadtest.monitor.Monitor` samples the daemon meanwhile.
 
-Seed 003 is the default: ``governor serve --max-inflight 1 --stub-ms 10000`` and
+Seed 003 is the default: ``governor serve --runner stub --max-inflight 1 --stub-ms 10000`` and
 ``python -m loadtest burst --clients 20`` give executed 1, yielded 19, max inflight 1.
 
 Exit status: 0 when the run reached its end (whatever the daemon answered, timeouts included),
@@ -45,7 +45,7 @@ N clients, each on its own connection, connect first, then start together; each 
 payload per round, R rounds, the next as soon as the last ended. A monitor on its own connection
 pings every --sample-ms and prints each change of state (t in ms since the start).
 
-Seed 003: against `governor serve --max-inflight 1 --stub-ms 10000`, `burst --clients 20` gives
+Seed 003: against `governor serve --runner stub --max-inflight 1 --stub-ms 10000`, `burst --clients 20` gives
 executed 1, yielded 19, max inflight 1.
 
 Exit status: 0 when the run reached its end (whatever the daemon answered, timeouts included);
