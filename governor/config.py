@@ -16,7 +16,7 @@ from typing import Any
 
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
-RUNNERS = ("llama", "stub")
+RUNNERS = ("llama", "http", "stub")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -67,10 +67,17 @@ class Config:
         0,
         "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only.",
     )
-    max_new_tokens: int = _opt(1024, "llama: the most tokens a job may ask to generate.")
+    upstream: str = _opt(
+        "http://127.0.0.1:8080",
+        "http: base URL of the OpenAI-compatible server (llama-server, vLLM, llama-cpp-python's server).",
+    )
+    upstream_model: str | None = _opt(
+        None, "http: the model name sent with each request; unset: the server's default."
+    )
+    max_new_tokens: int = _opt(1024, "llama, http: the most tokens a job may ask to generate.")
     job_timeout: float = _opt(
         120.0,
-        "llama: seconds a worker may stay silent under a job before it is killed (runner_timeout).",
+        "llama, http: seconds a worker or the upstream may stay silent under a job (runner_timeout, upstream_timeout).",
     )
     stub_ms: int = _opt(1000, "stub: how long each job takes, in milliseconds.")
     stub_fail_rate: float = _opt(0.0, "stub: share of jobs that fail with backend_error, 0 to 1.")
@@ -135,6 +142,8 @@ class Config:
             raise ConfigError("n_gpu_layers must be -1 (all), 0 (none) or a count of layers")
         if not 0.0 <= self.stub_fail_rate <= 1.0:
             raise ConfigError("stub_fail_rate must be within [0, 1]")
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ConfigError("upstream must be an http:// or https:// URL")
         if self.runner not in RUNNERS:
             raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}")
         if self.log_level not in LOG_LEVELS:

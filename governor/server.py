@@ -49,6 +49,17 @@ def build_runner(config: Config) -> Runner:
                 job_timeout_s=config.job_timeout,
             )
         )
+    if config.runner == "http":
+        from .runners.http import HttpRunner, HttpSettings
+
+        return HttpRunner(
+            HttpSettings(
+                upstream=config.upstream,
+                model=config.upstream_model,
+                max_new_tokens=config.max_new_tokens,
+                timeout_s=config.job_timeout,
+            )
+        )
     raise ValueError(f"unknown runner {config.runner!r}")
 
 

@@ -1,0 +1,161 @@
+"""The ``http`` runner: the governor as a sidecar in front of an OpenAI-compatible server.
+
+Each admitted job is one streamed request to the upstream (``/v1/completions`` for a prompt,
+``/v1/chat/completions`` for messages): llama.cpp's llama-server, vLLM, llama-cpp-python's own
+server. Streaming upstream even when the client did not ask for it gives the time to first
+token, and lets a cancelled job close its request at once. The upstream's errors and silences
+become ``upstream_error`` and ``upstream_timeout`` aborts. HTTP is httpx's: connection pooling,
+timeouts and streamed bodies are what it does well.
+
+Token counts come from the upstream's ``usage`` when it sends one in the stream (it is asked
+with ``stream_options``); otherwise ``completion_tokens`` counts the streamed content chunks
+(one per token on llama.cpp's servers) and ``prompt_tokens`` is null, and ``result.counted``
+says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from protocol.codes import NeedCode
+from protocol.spec import parse_spec
+
+from .base import Finished, Job, RunEvent, RunnerError, RunnerStartError, Token
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpSettings:
+    upstream: str  # base URL, e.g. http://127.0.0.1:8080
+    model: str | None = None  # the "model" field of each request; None: the upstream's default
+    max_new_tokens: int = 1024
+    timeout_s: float = 120.0  # the upstream may stay silent this long under a job
+    start_timeout_s: float = 60.0  # how long start() waits for the upstream to answer
+
+
+class HttpRunner:
+    name = "http"
+
+    def __init__(self, settings: HttpSettings) -> None:
+        self.settings = settings
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def expected_service_s(self) -> float:
+        return 2.0
+
+    async def start(self) -> None:
+        s = self.settings
+        self._client = httpx.AsyncClient(
+            base_url=s.upstream.rstrip("/"),
+            timeout=httpx.Timeout(s.timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        deadline = time.monotonic() + s.start_timeout_s
+        while True:  # a sidecar may start before the server it fronts
+            try:
+                response = await self._client.get("/v1/models", timeout=5.0)
+                if response.status_code < 500:
+                    return
+                problem = f"answered {response.status_code}"
+            except httpx.HTTPError as exc:
+                problem = f"cannot be reached ({type(exc).__name__})"
+            if time.monotonic() > deadline:
+                await self.close()
+                raise RunnerStartError(
+                    f"the upstream {s.upstream} {problem} after {s.start_timeout_s:g} s"
+                )
+            await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
+        # No tokenizer here: a prompt too long for the upstream's context is its error to give.
+        spec = parse_spec(
+            payload, content_type, max_new_tokens_ceiling=self.settings.max_new_tokens
+        )
+        return Job(job_id, payload, content_type, spec=spec, stop=spec.stop)
+
+    async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
+        spec = job.spec
+        assert spec is not None
+        assert self._client is not None
+        body: dict[str, Any] = {
+            "max_tokens": spec.max_new_tokens,
+            "temperature": spec.temperature,
+            "top_p": spec.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if spec.messages is not None:
+            path = "/v1/chat/completions"
+            body["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
+        else:
+            path = "/v1/completions"
+            body["prompt"] = spec.prompt
+        for name, value in (("model", self.settings.model), ("seed", spec.seed)):
+            if value is not None:
+                body[name] = value
+        if spec.stop:
+            body["stop"] = list(spec.stop)
+
+        started = time.monotonic()
+        first = last = 0.0
+        parts: list[str] = []
+        usage: dict[str, Any] | None = None
+        finish = None
+        try:
+            async with self._client.stream("POST", path, json=body) as response:
+                if response.status_code >= 400:
+                    detail = (await response.aread())[:300].decode(errors="replace")
+                    raise RunnerError(
+                        f"the upstream answered {response.status_code}: {detail}",
+                        NeedCode.UPSTREAM_ERROR,
+                    )
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = orjson.loads(data)
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices") or ():
+                        finish = choice.get("finish_reason") or finish
+                        text = choice.get("text")
+                        if text is None:
+                            text = (choice.get("delta") or {}).get("content")
+                        if text:
+                            last = time.monotonic()
+                            first = first or last
+                            parts.append(text)
+                            yield Token(text)
+        except httpx.TimeoutException:
+            raise RunnerError(
+                f"the upstream sent nothing for {self.settings.timeout_s:g} s",
+                NeedCode.UPSTREAM_TIMEOUT,
+            ) from None
+        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError) as exc:
+            raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
+        n = usage["completion_tokens"] if usage else len(parts)
+        yield Finished(
+            {
+                "text": "".join(parts),
+                "prompt_tokens": usage["prompt_tokens"] if usage else None,
+                "completion_tokens": n,
+                "counted": "usage" if usage else "chunks",
+                "finish_reason": FINISH_REASONS.get(finish or "", finish),
+                "ttft_ms": round((first - started) * 1000, 3) if first else None,
+                "tpot_ms": round((last - first) * 1000 / (n - 1), 3) if n > 1 else None,
+            }
+        )

@@ -1,0 +1,205 @@
+"""The http runner (sidecar mode) against a real OpenAI-compatible server, and a failing one.
+
+The real one is llama-cpp-python's own server on the embedded model, started once for the
+module (with --interrupt_requests False, so that it queues rather than cutting streams short).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from clients import NO_RETRY, GovernorClient
+from governor.runners import RunnerStartError
+from governor.runners.http import HttpRunner, HttpSettings
+from governor.runners.llama import embedded_model_path
+from protocol.spec import JobSpec, Message
+
+from .conftest import ServerFactory
+
+
+def greedy(prompt: str | None = None, **fields: Any) -> JobSpec:
+    return dataclasses.replace(JobSpec(prompt=prompt, temperature=0.0, seed=7), **fields)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    """llama-cpp-python's server on the embedded model; stopped by its own PID."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(embedded_model_path()),
+            "--n_ctx",
+            "512",
+            "--n_threads",
+            "1",
+            "--port",
+            str(port),
+            "--interrupt_requests",
+            "False",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError("llama_cpp.server did not start") from None
+                time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url + path, data=orjson.dumps(body), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        result: dict[str, Any] = orjson.loads(response.read())
+        return result
+
+
+async def generate(server: Any, spec: JobSpec, **kwargs: Any) -> Any:
+    host, port = server.address
+    async with await GovernorClient.connect(host, port) as client:
+        return await client.generate(spec, retry=NO_RETRY, **kwargs)
+
+
+async def test_completion_through_the_sidecar(make_server: ServerFactory, upstream: str) -> None:
+    server = await make_server(runner="http", upstream=upstream)
+    result = await generate(server, greedy("The capital of France is", max_new_tokens=8))
+    assert result.done, result.reply
+    got = result.reply.result
+    expected = await asyncio.to_thread(
+        direct,
+        upstream,
+        "/v1/completions",
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "seed": 7},
+    )
+    assert got["text"] == expected["choices"][0]["text"]
+    assert got["completion_tokens"] == expected["usage"]["completion_tokens"]
+    assert got["counted"] == "chunks"  # this server sends no usage in a stream
+    assert got["finish_reason"] == "length"
+    assert got["ttft_ms"] > 0
+
+
+async def test_chat_streams_through_the_sidecar(make_server: ServerFactory, upstream: str) -> None:
+    server = await make_server(runner="http", upstream=upstream)
+    deltas: list[str] = []
+    spec = greedy(messages=(Message("user", "Say hello."),), max_new_tokens=10, stream=True)
+    result = await generate(server, spec, on_delta=deltas.append)
+    assert result.done
+    assert deltas
+    assert "".join(deltas) == result.reply.result["text"]
+
+
+async def test_an_upstream_refusal_is_an_abort(make_server: ServerFactory, upstream: str) -> None:
+    server = await make_server(runner="http", upstream=upstream + "/wrong/prefix")
+    result = await generate(server, greedy("hello", max_new_tokens=8))
+    assert (result.reply.status, result.reply.need_code) == ("abort", "upstream_error")
+    assert "404" in (result.reply.detail or "")
+    assert server.ledger.inflight == 0
+
+
+@contextlib.asynccontextmanager
+async def fake_upstream(behaviour: str) -> AsyncIterator[str]:
+    """A server that answers /v1/models, then fails completions in the way asked."""
+    handlers: set[asyncio.Task[Any]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            await reader.readexactly(length)
+            if head.startswith(b"GET /v1/models"):
+                body = b'{"data": []}'
+                status = b"200 OK"
+            elif behaviour == "500":
+                body, status = b"model exploded", b"500 Internal Server Error"
+            elif behaviour == "hang":
+                await asyncio.sleep(3600)  # until the test is over
+            else:  # "drop": close mid-stream
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                await writer.drain()
+                writer.close()
+                return
+            writer.write(
+                b"HTTP/1.1 " + status + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+            )
+            await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        listener.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "need_code"),
+    [("500", "upstream_error"), ("drop", "upstream_error"), ("hang", "upstream_timeout")],
+)
+async def test_upstream_failures_become_coded_aborts(
+    make_server: ServerFactory, behaviour: str, need_code: str
+) -> None:
+    async with fake_upstream(behaviour) as url:
+        server = await make_server(runner="http", upstream=url, job_timeout=1.0)
+        result = await generate(server, greedy("hello", max_new_tokens=4))
+    assert (result.reply.status, result.reply.need_code) == ("abort", need_code)
+    assert server.ledger.inflight == 0
+
+
+async def test_an_unreachable_upstream_stops_startup() -> None:
+    runner = HttpRunner(
+        HttpSettings(upstream=f"http://127.0.0.1:{free_port()}", start_timeout_s=1.0)
+    )
+    with pytest.raises(RunnerStartError, match="cannot be reached"):
+        await runner.start()
