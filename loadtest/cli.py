@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Protocol
 
-from . import admission, burst
+from . import admission, burst, overhead
 
 
 class Command(Protocol):
@@ -26,7 +26,8 @@ class Command(Protocol):
 # Assigning a module to a Command-typed name is where mypy checks it against the Protocol.
 _burst: Command = burst
 _admission: Command = admission
-COMMANDS: dict[str, Command] = {c.NAME: c for c in (_burst, _admission)}
+_overhead: Command = overhead
+COMMANDS: dict[str, Command] = {c.NAME: c for c in (_burst, _admission, _overhead)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -287,3 +288,19 @@ def test_a_model_that_does_not_load_stops_startup(tmp_path: Path, content: bytes
     assert result.returncode == 1
     assert "cannot start the llama runner" in result.stderr
     assert "listening" not in result.stderr
+
+
+def test_overhead_benchmark_command() -> None:
+    """The benchmark of docs/BENCHMARKS.md runs and reports both paths (figures not asserted)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest", "overhead", "--runs", "1", "--max-new-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["completion_tokens"] == [8]
+    assert report["direct"]["decode_tok_s"] > 0
+    assert report["governor"]["decode_tok_s"] > 0
+    assert report["decode_ratio"] > 0
