@@ -54,6 +54,17 @@ async def llama(make_server: ServerFactory) -> Callable[..., Any]:
     return start
 
 
+async def generating(client: GovernorClient, job: str | None = None) -> asyncio.Future[Any]:
+    """Start a long streamed generation; return once its first text has arrived."""
+    started = asyncio.Event()
+    long = greedy("Once upon a time", max_new_tokens=400, stream=True)
+    running = asyncio.ensure_future(
+        client.generate(long, job=job, on_delta=lambda _: started.set())
+    )
+    await asyncio.wait_for(started.wait(), 30)
+    return running
+
+
 async def client_for(server: Server) -> GovernorClient:
     host, port = server.address
     return await GovernorClient.connect(host, port)
@@ -181,12 +192,7 @@ async def test_non_utf8_text_payload_is_refused(llama: Any) -> None:
 async def test_cancel_frame_stops_the_job_and_frees_the_slot(llama: Any) -> None:
     server = await llama()
     async with await client_for(server) as client:
-        started = asyncio.Event()
-        long = greedy("Once upon a time", max_new_tokens=400, stream=True)
-        job = asyncio.ensure_future(
-            client.generate(long, job="J_long", on_delta=lambda _: started.set())
-        )
-        await asyncio.wait_for(started.wait(), 30)
+        job = await generating(client, job="J_long")
         await client.cancel("J_long")
         result = await asyncio.wait_for(job, 10)
         assert (result.reply.status, result.reply.need_code) == ("abort", "cancelled")
@@ -227,10 +233,7 @@ async def test_a_worker_killed_mid_generation_is_reported_and_replaced(llama: An
     assert isinstance(runner, LlamaRunner)
     (victim,) = runner.worker_pids()
     async with await client_for(server) as client:
-        started = asyncio.Event()
-        long = greedy("Once upon a time", max_new_tokens=400, stream=True)
-        job = asyncio.ensure_future(client.generate(long, on_delta=lambda _: started.set()))
-        await asyncio.wait_for(started.wait(), 30)
+        job = await generating(client)
         os.kill(victim, signal.SIGKILL)
         result = await asyncio.wait_for(job, 10)
         assert (result.reply.status, result.reply.need_code) == ("abort", "runner_crashed")
@@ -248,10 +251,7 @@ async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
     assert isinstance(runner, LlamaRunner)
     (victim,) = runner.worker_pids()
     async with await client_for(server) as client:
-        started = asyncio.Event()
-        long = greedy("Once upon a time", max_new_tokens=400, stream=True)
-        job = asyncio.ensure_future(client.generate(long, on_delta=lambda _: started.set()))
-        await asyncio.wait_for(started.wait(), 30)
+        job = await generating(client)
         os.kill(victim, signal.SIGSTOP)  # alive, but silent
         try:
             result = await asyncio.wait_for(job, 15)
