@@ -297,20 +297,17 @@ class GovernorProtocol(asyncio.Protocol):
         manifest = state.upload.manifest
         assert manifest is not None
         try:
-            try:
-                state.job = self.server.runner.prepare(req.job, payload, manifest.content_type)
-            except SpecInvalid:
-                raise
-            except Exception as exc:  # a runner bug must cost this job, not the connection
-                log.exception("runner failed to prepare job %r", req.job)
-                raise SpecInvalid(
-                    NeedCode.SPEC_INVALID, "the runner cannot run this payload"
-                ) from exc
+            state.job = self.server.runner.prepare(req.job, payload, manifest.content_type)
         except SpecInvalid as exc:
-            self._forget(req.job)
-            self._send(self._error(req, exc, seq=_final_seq(req)))
+            refusal = exc
+        except Exception:  # a runner bug must cost this job, not the connection
+            log.exception("runner failed to prepare job %r", req.job)
+            refusal = SpecInvalid(NeedCode.SPEC_INVALID, "the runner cannot run this payload")
+        else:
+            self._admit(req, state)
             return
-        self._admit(req, state)
+        self._forget(req.job)
+        self._send(self._error(req, refusal, seq=_final_seq(req)))
 
     # Admission and execution ---------------------------------------------------------
 

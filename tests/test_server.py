@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -625,3 +626,77 @@ async def test_drain_aborts_jobs_still_running_at_the_deadline(
 def test_stub_runner_rejects_bad_settings() -> None:
     with pytest.raises(ValueError, match="fail_rate"):
         StubRunner(0.1, fail_rate=2.0)
+
+
+# Extensions: one-frame payloads and cancel -------------------------------------------
+
+
+def inline(job: str, seq: int, data: str, **fields: Any) -> dict[str, Any]:
+    digest = hashlib.sha256(data.encode()).hexdigest()
+    return share(job, seq) | {"payload_inline": {"sha256": digest, "data": data, **fields}}
+
+
+async def test_inline_payload_in_one_round_trip(make_server: ServerFactory, raw: Opener) -> None:
+    server = await make_server(stub_ms=0)
+    conn = await raw(server)
+    conn.send(inline("J_i", 5, "héllo"))
+    done = await conn.recv()
+    assert (done["verb"], done["status"], done["seq"]) == ("confirm", "done", 6)
+    assert done["result"]["bytes"] == len("héllo".encode())
+    conn.send(inline("J_j", 7, "x") | {"payload_inline": {"sha256": "0" * 64, "data": "x"}})
+    assert (await conn.recv())["need_code"] == "payload_hash_mismatch"
+    conn.send(inline("J_k", 8, "x", colour="red"))
+    assert (await conn.recv())["need_code"] == "inline_invalid"
+    assert server.ledger.executed_total == 1
+
+
+async def test_inline_retry_after_a_yield_keeps_its_place(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    server = await make_server(max_inflight=1, stub_ms=300)
+    busy, conn = await raw(server), await raw(server)
+    send_upload(busy, "J_busy", b"first")
+    await wait_until(lambda: server.ledger.inflight == 1)
+    conn.send(inline("J_w", 1, "wait for me"))
+    refused = await conn.recv()
+    assert (refused["status"], refused["seq"]) == ("yield", 2)
+    assert receipt(refused, "conn.payload_held") == 1
+    assert (await busy.recv())["status"] == "ok"
+    assert (await busy.recv())["status"] == "done"
+    conn.send(inline("J_w", 3, "wait for me"))  # the same frame again, as a client retries
+    done = await conn.recv()
+    assert (done["status"], done["seq"]) == ("done", 4)
+
+
+async def test_cancel(make_server: ServerFactory, raw: Opener) -> None:
+    server = await make_server(max_inflight=1, stub_ms=30_000)
+    conn = await raw(server)
+    conn.send({"v": 0, "verb": "cancel", "job": "J_none", "seq": 1})
+    unknown = await conn.recv()
+    assert (unknown["status"], unknown["need_code"]) == ("need", "job_unknown")
+    conn.send(share("J_up", 1, manifest=split_payload(b"abc").manifest))
+    assert (await conn.recv())["status"] == "ok"
+    conn.send({"v": 0, "verb": "cancel", "job": "J_up", "seq": 2})
+    dropped = await conn.recv()
+    assert (dropped["verb"], dropped["status"], dropped["need_code"], dropped["seq"]) == (
+        "confirm",
+        "abort",
+        "cancelled",
+        3,
+    )
+    assert server.buffered_bytes == 0
+    send_upload(conn, "J_run", b"run")
+    assert (await conn.recv())["status"] == "ok"
+    await wait_until(lambda: server.ledger.inflight == 1)
+    conn.send({"v": 0, "verb": "cancel", "job": "J_run", "seq": 9})
+    stopped = await conn.recv()
+    assert (stopped["verb"], stopped["status"], stopped["need_code"], stopped["seq"]) == (
+        "confirm",
+        "abort",
+        "cancelled",
+        4,
+    )
+    await wait_until(lambda: server.ledger.inflight == 0)
+    assert server.outcomes == {"cancelled": 1}
+    conn.send(ping())
+    assert (await conn.recv())["verb"] == "confirm"  # and nothing else came for the job
