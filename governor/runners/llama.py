@@ -14,6 +14,7 @@ one token; its worker takes new work once it has confirmed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
@@ -78,6 +79,7 @@ class WorkerProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.events: asyncio.Queue[dict[str, Any] | _Crashed] = asyncio.Queue()
         self.n_ctx = 0
+        self.killed = False
         self._reader: asyncio.Task[None] | None = None
 
     @property
@@ -129,10 +131,14 @@ class WorkerProcess:
         self.events.put_nowait(CRASHED)
 
     def send(self, request: dict[str, Any]) -> None:
-        if self.proc is not None and self.proc.stdin is not None and self.alive:
+        if self.proc is None or self.proc.stdin is None or not self.alive:
+            return  # its reader reports the death to whoever waits on it
+        # If it died just now, the same: its reader reports it.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, RuntimeError):
             self.proc.stdin.write(orjson.dumps(request) + b"\n")
 
     def kill(self) -> None:
+        self.killed = True
         if self.alive:
             assert self.proc is not None
             self.proc.kill()
@@ -282,7 +288,7 @@ class LlamaRunner:
                     async with asyncio.timeout(self.settings.job_timeout_s):
                         event = await worker.events.get()
                 except TimeoutError:
-                    worker.kill()
+                    worker.kill()  # alive no more, whatever its pid says for a moment
                     raise RunnerError(
                         f"the worker sent nothing for {self.settings.job_timeout_s:g} s; killed",
                         NeedCode.RUNNER_TIMEOUT,
@@ -315,7 +321,7 @@ class LlamaRunner:
         finally:
             if finished:
                 self._idle.put_nowait(worker)
-            elif worker.alive:
+            elif worker.alive and not worker.killed:
                 worker.send({"op": "cancel", "id": run_id})
                 self._spawn(self._settle(worker))
             else:
