@@ -202,6 +202,17 @@ async def test_cancel_frame_stops_the_job_and_frees_the_slot(llama: Any) -> None
     assert server.outcomes["cancelled"] == 1
 
 
+async def test_ttl_running_out_stops_generation(llama: Any) -> None:
+    server = await llama()
+    async with await client_for(server) as client:
+        long = greedy("Once upon a time", max_new_tokens=400)
+        result = await client.generate(long, ttl_ms=500, retry=NO_RETRY)
+        assert (result.reply.status, result.reply.need_code) == ("abort", "ttl_expired")
+        assert server.ledger.inflight == 0
+        after = await client.generate(greedy("Hi", max_new_tokens=3))
+    assert after.done  # the worker stopped the expired job and took new work
+
+
 async def test_client_disconnect_stops_generation(llama: Any) -> None:
     server = await llama()
     conn = await RawConn.open(server)
