@@ -9,6 +9,7 @@ import logging
 import resource
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,23 @@ from .server import Server
 
 log = logging.getLogger("governor")
 
-_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+
+def _flag_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
+_TYPES: dict[str, Callable[[str], Any]] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "str | None": str,
+    "bool": _flag_bool,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -104,6 +104,47 @@ class Config:
     held_payloads_per_conn: int = _opt(
         8, "Payloads a connection may have held after a yield, awaiting the client's retry."
     )
+    lanes: bool = _opt(
+        False,
+        "Cost-aware lanes (interactive, heavy, background), the interactive reserve and the KV budget; see the policy knobs below.",
+    )
+    prompt_weight: float = _opt(
+        1.0,
+        "lanes: cost per prompt token (CostScore = prompt_weight * prompt + output_weight * max_new_tokens).",
+    )
+    output_weight: float = _opt(4.7, "lanes: cost per requested output token.")
+    interactive_max_cost: float = _opt(
+        1500.0, "lanes: the highest cost an interactive job may have."
+    )
+    heavy_max_cost: float = _opt(
+        12000.0, "lanes: the highest cost a heavy job may have; costlier jobs are background."
+    )
+    interactive_reserve: int = _opt(1, "lanes: slots only interactive jobs may take.")
+    heavy_slots: int = _opt(
+        0, "lanes: slots heavy jobs may hold at once; 0: no quota but the cap and the reserve."
+    )
+    background_slots: int = _opt(
+        0, "lanes: slots background jobs may hold at once; 0: no quota but the cap and the reserve."
+    )
+    interactive_max_new_tokens: int = _opt(
+        256,
+        "lanes: the interactive lane's max_new_tokens cap (a job asking for more goes to a lower lane).",
+    )
+    heavy_max_new_tokens: int = _opt(1024, "lanes: the heavy lane's max_new_tokens cap.")
+    background_max_new_tokens: int = _opt(1024, "lanes: the background lane's max_new_tokens cap.")
+    prompt_ceiling: int = _opt(
+        0, "lanes: the longest prompt in tokens, refused with abort prompt_over_ceiling; 0: none."
+    )
+    kv_capacity: int = _opt(
+        0,
+        "lanes: KV cache tokens across all workers that jobs reserve (prompt + max_new_tokens); 0: n_ctx * workers for the llama runner, no budget for the others.",
+    )
+    kv_danger: float = _opt(
+        0.8, "lanes: non-interactive work is refused above this share of kv_capacity."
+    )
+    kv_interactive_share: float = _opt(
+        0.2, "lanes: share of kv_capacity kept for interactive work."
+    )
     shutdown_grace: float = _opt(
         30.0,
         "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted.",
@@ -127,10 +168,26 @@ class Config:
             "max_buffer_bytes",
             "held_payloads_per_conn",
             "max_new_tokens",
+            "interactive_max_new_tokens",
+            "heavy_max_new_tokens",
+            "background_max_new_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
-        for name in ("stub_ms", "idle_timeout", "shutdown_grace", "workers", "threads"):
+        for name in (
+            "stub_ms",
+            "idle_timeout",
+            "shutdown_grace",
+            "workers",
+            "threads",
+            "interactive_reserve",
+            "heavy_slots",
+            "background_slots",
+            "prompt_ceiling",
+            "kv_capacity",
+            "prompt_weight",
+            "output_weight",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
         for name in ("idle_timeout", "job_timeout"):
@@ -142,6 +199,11 @@ class Config:
             raise ConfigError("n_gpu_layers must be -1 (all), 0 (none) or a count of layers")
         if not 0.0 <= self.stub_fail_rate <= 1.0:
             raise ConfigError("stub_fail_rate must be within [0, 1]")
+        for name in ("kv_danger", "kv_interactive_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be within [0, 1]")
+        if self.interactive_reserve >= self.max_inflight and self.lanes:
+            raise ConfigError("interactive_reserve must leave heavy and background work a slot")
         if not self.upstream.startswith(("http://", "https://")):
             raise ConfigError("upstream must be an http:// or https:// URL")
         if self.runner not in RUNNERS:
@@ -182,7 +244,7 @@ class Config:
 
 
 def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
-    kinds = {"int": int, "float": float, "str": str, "str | None": str}
+    kinds = {"int": int, "float": float, "str": str, "str | None": str, "bool": bool}
     want = kinds[str(annotation)]
     if want is float and type(value) is int:
         return float(value)
@@ -198,7 +260,12 @@ def reference_markdown() -> str:
     """The README's configuration table, from the fields themselves."""
     rows = ["| key (TOML) | flag | default | meaning |", "|---|---|---|---|"]
     for f in FIELDS:
-        default = "unset" if f.default is None else f"`{f.default!r}`".replace("'", '"')
+        if f.default is None:
+            default = "unset"
+        elif isinstance(f.default, bool):
+            default = f"`{str(f.default).lower()}`"
+        else:
+            default = f"`{f.default!r}`".replace("'", '"')
         flag = "--" + f.name.replace("_", "-")
         rows.append(f"| `{f.name}` | `{flag}` | {default} | {f.metadata['help']} |")
     return "\n".join(rows) + "\n"

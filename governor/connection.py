@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -33,6 +34,7 @@ from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
 from .ledger import Promise, Refusal, Slot
+from .policy import LANES, Demand, Lane, Rejection
 from .runners import Job, RunnerError, Token
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ class JobState:
     held: bool = False  # a verified payload kept after a yield, for the client's retry
     promise: Promise | None = None  # when the held payload's client was told to come back
     job: Job | None = None  # the verified payload as the runner prepared it
+    demand: Demand | None = None  # its lane and KV reservation, under a lane policy
     # Set on admission:
     request: Request | None = None  # the frame that completed the payload; the terminal answers it
     slot: Slot | None = None
@@ -304,16 +307,53 @@ class GovernorProtocol(asyncio.Protocol):
             log.exception("runner failed to prepare job %r", req.job)
             refusal = SpecInvalid(NeedCode.SPEC_INVALID, "the runner cannot run this payload")
         else:
-            self._admit(req, state)
+            rejection = self._classify(state)
+            if rejection is None:
+                self._admit(req, state)
+                return
+            self._forget(req.job)
+            self._send(
+                self._reply(
+                    req,
+                    Verb.CONFIRM,
+                    Status.ABORT,
+                    seq=_final_seq(req),
+                    need_code=rejection.need_code,
+                    error_code=ErrorCode.POLICY,
+                    detail=rejection.detail,
+                )
+            )
             return
         self._forget(req.job)
         self._send(self._error(req, refusal, seq=_final_seq(req)))
+
+    def _classify(self, state: JobState) -> Rejection | None:
+        """Under a lane policy: price the job, give it a lane, or say it can never run."""
+        policy, job = self.ledger.policy, state.job
+        if policy is None or job is None or job.spec is None:
+            return None
+        spec = job.spec
+        if job.tokens:
+            prompt_tokens = len(job.tokens)
+        else:  # a runner without a tokenizer: about four characters a token
+            text = spec.prompt or "".join(m.content for m in spec.messages or ())
+            prompt_tokens = math.ceil(len(text) / 4)
+        requested = None
+        if spec.lane is not None:
+            if spec.lane not in LANES:
+                return Rejection(NeedCode.SPEC_INVALID, f"no lane {spec.lane!r}")
+            requested = Lane(spec.lane)
+        decision = policy.classify(prompt_tokens, spec.max_new_tokens, requested)
+        if isinstance(decision, Rejection):
+            return decision
+        state.demand = decision
+        return None
 
     # Admission and execution ---------------------------------------------------------
 
     def _admit(self, req: Request, state: JobState) -> None:
         promise, state.promise = state.promise, None
-        decision = self.ledger.admit(promise)
+        decision = self.ledger.admit(promise, state.demand)
         if isinstance(decision, Refusal):
             held = self._hold(state)
             if held:
@@ -332,9 +372,9 @@ class GovernorProtocol(asyncio.Protocol):
                     seq=_final_seq(req),
                     need_code=decision.need_code,
                     error_code=(
-                        ErrorCode.BUSY
-                        if decision.need_code == NeedCode.SERVER_BUSY
-                        else ErrorCode.UNAVAILABLE
+                        ErrorCode.UNAVAILABLE
+                        if decision.need_code == NeedCode.DRAINING
+                        else ErrorCode.BUSY
                     ),
                     retry_hint_ms=decision.retry_hint_ms,
                     detail=detail,

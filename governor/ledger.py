@@ -40,6 +40,7 @@ retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures bot
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
@@ -48,6 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.codes import NeedCode
+
+from .policy import Demand, Lane, LanePolicy
 
 Clock = Callable[[], float]
 
@@ -77,11 +80,12 @@ class Refusal:
 class Slot:
     """One taken execution slot. :meth:`release` gives it back; calling it again does nothing."""
 
-    __slots__ = ("_ledger", "_released", "started")
+    __slots__ = ("_ledger", "_released", "demand", "started")
 
-    def __init__(self, ledger: SlotLedger, started: float) -> None:
+    def __init__(self, ledger: SlotLedger, started: float, demand: Demand | None) -> None:
         self._ledger = ledger
         self.started = started
+        self.demand = demand  # its lane and KV reservation, under a lane policy
         self._released = False
 
     @property
@@ -108,10 +112,15 @@ class SlotLedger:
         min_hint_ms: int = 5,
         max_hint_ms: int = 60_000,
         clock: Clock = time.monotonic,
+        policy: LanePolicy | None = None,
     ) -> None:
         if cap < 1:
             raise ValueError("cap must be at least 1")
         self.cap = cap
+        self.policy = policy
+        self.lane_inflight: collections.Counter[Lane] = collections.Counter()
+        self.kv_reserved = 0
+        self.refusals: collections.Counter[tuple[str, str]] = collections.Counter()  # (code, lane)
         self.min_hint_ms = min_hint_ms
         self.max_hint_ms = max_hint_ms
         self.clock = clock
@@ -139,36 +148,86 @@ class SlotLedger:
         """Would a job be admitted now? (``server.health`` 1.)"""
         return not self.draining and not self.saturated
 
-    def admit(self, promise: Promise | None = None) -> Slot | Refusal:
+    def admit(self, promise: Promise | None = None, demand: Demand | None = None) -> Slot | Refusal:
         """Take a slot, or say why not and when to come back.
 
-        ``promise`` is the one a returning client was given when it was last refused.
+        ``promise`` is the one a returning client was given when it was last refused;
+        ``demand`` the job's lane and KV reservation, when a lane policy is in force.
         """
         now = self.clock()
         self._lapse(now)
+        lane = demand.lane if demand is not None else "-"
         if self.draining:
             if promise is not None:
                 self.withdraw(promise)
-            self.yielded_total += 1
-            return Refusal(NeedCode.DRAINING, self.max_hint_ms)
+            return self._refuse(Refusal(NeedCode.DRAINING, self.max_hint_ms), lane)
         free = self.cap - len(self._running)
         # A free slot is not for the taking while clients ahead in line have their time come.
-        if free > self._due_ahead(now, promise):
-            freed = self._freed.popleft() if self._freed else None
-            if promise is not None:
-                self.withdraw(promise)
-                # Only a client that came when it was told says how long a slot waits for it.
-                if freed is not None and abs(now - promise.at) <= self._grace():
-                    self.turnaround_s += EWMA_ALPHA * (now - freed - self.turnaround_s)
-            slot = Slot(self, now)
-            self._running[slot] = None
-            self.executed_total += 1
-            if len(self._running) > self.peak_inflight:
-                self.peak_inflight = len(self._running)
-            return slot
+        if free <= self._due_ahead(now, promise):
+            hint_ms, promise = self._promise(now, promise)
+            return self._refuse(Refusal(NeedCode.SERVER_BUSY, hint_ms, promise), lane)
+        if demand is not None and self.policy is not None:
+            refusal = self._policy_refusal(now, demand, free)
+            if refusal is not None:
+                if promise is not None:
+                    self.withdraw(promise)
+                return self._refuse(refusal, lane)
+        freed = self._freed.popleft() if self._freed else None
+        if promise is not None:
+            self.withdraw(promise)
+            # Only a client that came when it was told says how long a slot waits for it.
+            if freed is not None and abs(now - promise.at) <= self._grace():
+                self.turnaround_s += EWMA_ALPHA * (now - freed - self.turnaround_s)
+        slot = Slot(self, now, demand)
+        self._running[slot] = None
+        if demand is not None:
+            self.lane_inflight[demand.lane] += 1
+            self.kv_reserved += demand.kv_tokens
+        self.executed_total += 1
+        if len(self._running) > self.peak_inflight:
+            self.peak_inflight = len(self._running)
+        return slot
+
+    def _refuse(self, refusal: Refusal, lane: str) -> Refusal:
         self.yielded_total += 1
-        hint_ms, promise = self._promise(now, promise)
-        return Refusal(NeedCode.SERVER_BUSY, hint_ms, promise)
+        self.refusals[(refusal.need_code, lane)] += 1
+        return refusal
+
+    def _policy_refusal(self, now: float, demand: Demand, free: int) -> Refusal | None:
+        """The lane quota, the interactive reserve and the KV budget, in that order."""
+        policy = self.policy
+        assert policy is not None
+        lane = demand.lane
+        quota = policy.lane_slots.get(lane)
+        if quota is not None and self.lane_inflight[lane] >= quota:
+            return Refusal(NeedCode.LANE_FULL, self._hint_ms(now, self._lane_release(now, lane)))
+        if lane != Lane.INTERACTIVE:
+            unused_reserve = policy.interactive_reserve - self.lane_inflight[Lane.INTERACTIVE]
+            if free <= unused_reserve:  # the free slots are interactive work's
+                return Refusal(NeedCode.LANE_FULL, self._hint_ms(now, self._release_time(now, 0)))
+        if policy.kv_capacity:
+            share = (
+                1.0
+                if lane == Lane.INTERACTIVE
+                else min(policy.kv_danger, 1.0 - policy.kv_interactive_share)
+            )
+            if self.kv_reserved + demand.kv_tokens > share * policy.kv_capacity:
+                return Refusal(NeedCode.KV_PRESSURE, self._hint_ms(now, self._release_time(now, 0)))
+        return None
+
+    def _lane_release(self, now: float, lane: Lane) -> float:
+        """When the first running job of ``lane`` is expected to end."""
+        floor = now + self.min_hint_ms / 1000
+        return min(
+            max(slot.started + self.service_s, floor)
+            for slot in self._running
+            if slot.demand is not None and slot.demand.lane == lane
+        )
+
+    def _hint_ms(self, now: float, at: float) -> int:
+        # (less a nanosecond, so that float noise does not round 600 ms up to 601)
+        hint_ms = math.ceil((at - now) * 1000 - 1e-6)
+        return min(max(hint_ms, self.min_hint_ms), self.max_hint_ms)
 
     def withdraw(self, promise: Promise) -> None:
         """Forget a promise: its client came back, or will not."""
@@ -177,6 +236,9 @@ class SlotLedger:
 
     def _release(self, slot: Slot, completed: bool) -> float:
         del self._running[slot]
+        if slot.demand is not None:
+            self.lane_inflight[slot.demand.lane] -= 1
+            self.kv_reserved -= slot.demand.kv_tokens
         now = self.clock()
         self._freed.append(now)
         held = now - slot.started
@@ -221,10 +283,7 @@ class SlotLedger:
             place = -1 if promise is None else promises.index(promise)
         except ValueError:  # it lapsed: the client came too late and lost its place
             place = -1
-        at = self._release_time(now, len(promises) if place < 0 else place)
-        # (less a nanosecond, so that float noise does not round 600 ms up to 601)
-        hint_ms = math.ceil((at - now) * 1000 - 1e-6)
-        hint_ms = min(max(hint_ms, self.min_hint_ms), self.max_hint_ms)
+        hint_ms = self._hint_ms(now, self._release_time(now, len(promises) if place < 0 else place))
         at = now + hint_ms / 1000
         lapses = at + self._grace()
         if place >= 0:

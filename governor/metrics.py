@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .policy import LANES
+
 if TYPE_CHECKING:
     from .server import Server
 
@@ -64,6 +66,31 @@ class GovernorCollector(Collector):
         for outcome, count in sorted(server.outcomes.items()):
             outcomes.add_metric([outcome], count)
         yield outcomes
+        refusals = CounterMetricFamily(
+            "governor_refusals",
+            "Admission attempts refused with yield, by need code and lane ('-': no lane policy).",
+            labels=["code", "lane"],
+        )
+        for (code, lane), count in sorted(ledger.refusals.items()):
+            refusals.add_metric([code, lane], count)
+        yield refusals
+        if ledger.policy is not None:
+            lanes = GaugeMetricFamily(
+                "governor_lane_inflight", "Jobs executing now, by lane.", labels=["lane"]
+            )
+            for lane in LANES:
+                lanes.add_metric([lane], ledger.lane_inflight[lane])
+            yield lanes
+            yield GaugeMetricFamily(
+                "governor_kv_reserved_tokens",
+                "KV cache tokens reserved by running jobs (prompt + max_new_tokens).",
+                value=ledger.kv_reserved,
+            )
+            yield GaugeMetricFamily(
+                "governor_kv_capacity_tokens",
+                "The KV budget's capacity (0: no budget).",
+                value=ledger.policy.kv_capacity,
+            )
         bad = CounterMetricFamily(
             "governor_bad_frames", "Lines refused before any upload, by need code.", labels=["code"]
         )

@@ -23,6 +23,7 @@ from .config import Config
 from .connection import GovernorProtocol
 from .ledger import SlotLedger
 from .metrics import MetricsEndpoint
+from .policy import Lane, LanePolicy
 from .runners import Runner, StubRunner
 
 log = logging.getLogger("governor")
@@ -63,12 +64,41 @@ def build_runner(config: Config) -> Runner:
     raise ValueError(f"unknown runner {config.runner!r}")
 
 
+def build_policy(config: Config) -> LanePolicy:
+    kv_capacity = config.kv_capacity
+    if not kv_capacity and config.runner == "llama":
+        kv_capacity = config.n_ctx * (config.workers or config.max_inflight)
+    return LanePolicy(
+        prompt_weight=config.prompt_weight,
+        output_weight=config.output_weight,
+        interactive_max_cost=config.interactive_max_cost,
+        heavy_max_cost=config.heavy_max_cost,
+        lane_slots={
+            Lane.INTERACTIVE: None,
+            Lane.HEAVY: config.heavy_slots or None,
+            Lane.BACKGROUND: config.background_slots or None,
+        },
+        interactive_reserve=config.interactive_reserve,
+        lane_max_new_tokens={
+            Lane.INTERACTIVE: config.interactive_max_new_tokens,
+            Lane.HEAVY: config.heavy_max_new_tokens,
+            Lane.BACKGROUND: config.background_max_new_tokens,
+        },
+        prompt_ceiling=config.prompt_ceiling,
+        kv_capacity=kv_capacity,
+        kv_danger=config.kv_danger,
+        kv_interactive_share=config.kv_interactive_share,
+    )
+
+
 class Server:
     def __init__(self, config: Config, runner: Runner | None = None) -> None:
         self.config = config
         self.runner = runner if runner is not None else build_runner(config)
         self.ledger = SlotLedger(
-            config.max_inflight, expected_service_s=self.runner.expected_service_s
+            config.max_inflight,
+            expected_service_s=self.runner.expected_service_s,
+            policy=build_policy(config) if config.lanes else None,
         )
         self.connections: set[GovernorProtocol] = set()
         self.outcomes: collections.Counter[str] = collections.Counter()  # job ends, by code
@@ -109,6 +139,13 @@ class Server:
             self.ledger.cap,
             self.runner.name,
         )
+        if self.ledger.policy is not None:
+            p = self.ledger.policy
+            log.info(
+                "lanes on: interactive reserve %d slot(s), KV budget %s",
+                p.interactive_reserve,
+                f"{p.kv_capacity} tokens" if p.kv_capacity else "off",
+            )
         if self.config.metrics_address is not None:
             self._metrics = MetricsEndpoint(self)
             await self._metrics.start(*self.config.metrics_address)

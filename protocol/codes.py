@@ -72,6 +72,11 @@ class NeedCode(StrEnum):
     # Admission.
     SERVER_BUSY = "server_busy"  # yield: every execution slot is taken
     DRAINING = "draining"  # extension, yield: the daemon is shutting down
+    LANE_FULL = "lane_full"  # extension, yield: the job's lane has no slot it may take now
+    KV_PRESSURE = "kv_pressure"  # extension, yield: the KV budget cannot take the job now
+    # Extension, abort: the policy will never run this job.
+    PROMPT_OVER_CEILING = "prompt_over_ceiling"
+    KV_OVER_CAPACITY = "kv_over_capacity"
     # Outcomes of an admitted job.
     BACKEND_ERROR = "backend_error"
     TTL_EXPIRED = "ttl_expired"  # extension: ttl_ms ran out while the job ran
@@ -102,6 +107,7 @@ class ErrorCode(StrEnum):
     UNAVAILABLE = "unavailable"  # extension: DRAINING, SHUTDOWN
     BAD_SPEC = "bad_spec"  # extension: SPEC_INVALID, MAX_NEW_TOKENS_INVALID, PROMPT_TOO_LONG
     CANCELLED = "cancelled"  # extension
+    POLICY = "policy"  # extension: PROMPT_OVER_CEILING, KV_OVER_CAPACITY
 
 
 class Receipt(StrEnum):

@@ -8,6 +8,7 @@ import hashlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+import orjson
 import pytest
 
 from clients import NO_RETRY, GovernorClient, RetryPolicy
@@ -700,3 +701,46 @@ async def test_cancel(make_server: ServerFactory, raw: Opener) -> None:
     assert server.outcomes == {"cancelled": 1}
     conn.send(ping())
     assert (await conn.recv())["verb"] == "confirm"  # and nothing else came for the job
+
+
+# Lanes ---------------------------------------------------------------------------------
+
+
+def spec_frame(job: str, seq: int, **spec: Any) -> dict[str, Any]:
+    data = orjson.dumps(spec).decode()
+    return inline(job, seq, data, content_type="application/vnd.governor.job+json")
+
+
+async def test_lanes_keep_a_slot_for_interactive_work(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    server = await make_server(
+        max_inflight=2, stub_ms=2000, lanes=True, interactive_reserve=1, prompt_ceiling=5000
+    )
+    conn = await raw(server)
+    rewrite = {"prompt": "word " * 2000, "max_new_tokens": 200}  # ~2500 tokens: heavy
+    conn.send(spec_frame("J_h1", 1, **rewrite))
+    await wait_until(lambda: server.ledger.inflight == 1)
+    conn.send(spec_frame("J_h2", 1, **rewrite))
+    refused = await conn.recv()
+    assert (refused["job"], refused["status"], refused["need_code"], refused["error_code"]) == (
+        "J_h2",
+        "yield",
+        "lane_full",
+        "busy",
+    )
+    assert 0 < refused["retry_hint_ms"] <= 2000
+    conn.send(spec_frame("J_chat", 1, prompt="Hi!", max_new_tokens=32))
+    await wait_until(lambda: server.ledger.inflight == 2)  # the reserve took the chat
+    assert server.ledger.lane_inflight == {"heavy": 1, "interactive": 1}
+    conn.send(spec_frame("J_huge", 1, prompt="word " * 5000, max_new_tokens=8))
+    aborted = await conn.recv()
+    assert (aborted["verb"], aborted["status"], aborted["need_code"], aborted["error_code"]) == (
+        "confirm",
+        "abort",
+        "prompt_over_ceiling",
+        "policy",
+    )
+    conn.send(spec_frame("J_odd", 1, prompt="x", lane="vip"))
+    assert (await conn.recv())["need_code"] == "spec_invalid"
+    assert server.ledger.refusals == {("lane_full", "heavy"): 1}

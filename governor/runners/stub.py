@@ -7,7 +7,11 @@ import hashlib
 import random
 from collections.abc import AsyncGenerator
 
+from protocol.spec import JSON_CONTENT_TYPES, parse_spec
+
 from .base import Finished, Job, RunEvent, RunnerError
+
+STUB_MAX_NEW_TOKENS = 1 << 20
 
 
 class StubRunner:
@@ -33,7 +37,11 @@ class StubRunner:
         pass
 
     def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
-        return Job(job_id, payload, content_type)  # any payload will do: it only takes time
+        """Any payload will do (it only takes time); a job spec is read, for the lane policy."""
+        if content_type.split(";")[0].strip().lower() in JSON_CONTENT_TYPES:
+            spec = parse_spec(payload, content_type, max_new_tokens_ceiling=STUB_MAX_NEW_TOKENS)
+            return Job(job_id, payload, content_type, spec=spec)
+        return Job(job_id, payload, content_type)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         await asyncio.sleep(self.delay_s)

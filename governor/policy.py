@@ -1,0 +1,115 @@
+"""Cost-aware lanes and the KV budget: what a job may take, decided before it takes it.
+
+Pure code, no IO. :func:`LanePolicy.classify` prices a prepared job and gives it a lane (or an
+``abort`` reason when it can never run); :class:`SlotLedger.admit` then applies the lane's
+slot quota, the interactive reserve and the KV budget in the same synchronous decision as the
+global cap.
+
+    CostScore = prompt_weight * prompt_tokens + output_weight * max_new_tokens
+                + tool_risk_weight * tool_risk
+
+Output tokens weigh more than prompt tokens by default: on the embedded model a prompt token
+costs about 1/220 s to prefill and an output token about 1/47 s to decode. A job whose score is
+at most ``interactive_max_cost`` is interactive, at most ``heavy_max_cost`` heavy, else
+background. A client may ask for a lower lane than its cost gives, never a higher one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from protocol.codes import NeedCode
+
+
+class Lane(StrEnum):
+    INTERACTIVE = "interactive"
+    HEAVY = "heavy"
+    BACKGROUND = "background"
+
+
+LANES = (Lane.INTERACTIVE, Lane.HEAVY, Lane.BACKGROUND)  # highest priority first
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What an admitted job holds besides its slot."""
+
+    lane: Lane
+    kv_tokens: int  # prompt + max_new_tokens: the KV cache it may fill
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A job that can never run under this policy: ``abort`` with this code."""
+
+    need_code: NeedCode
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LanePolicy:
+    prompt_weight: float = 1.0
+    output_weight: float = 4.7
+    tool_risk_weight: float = 0.0
+    interactive_max_cost: float = 1500.0
+    heavy_max_cost: float = 12000.0
+    # Slots each lane may hold at once (None: up to the cap).
+    lane_slots: dict[Lane, int | None] = field(
+        default_factory=lambda: {Lane.INTERACTIVE: None, Lane.HEAVY: None, Lane.BACKGROUND: None}
+    )
+    interactive_reserve: int = 1  # slots only interactive jobs may take
+    lane_max_new_tokens: dict[Lane, int] = field(
+        default_factory=lambda: {
+            Lane.INTERACTIVE: 256,
+            Lane.HEAVY: 1024,
+            Lane.BACKGROUND: 1024,
+        }
+    )
+    prompt_ceiling: int = 0  # the longest prompt in tokens; 0: no ceiling beyond the context
+    kv_capacity: int = 0  # tokens of KV cache across all workers; 0: no KV budget
+    kv_danger: float = 0.8  # non-interactive work is refused above this share of capacity
+    kv_interactive_share: float = 0.2  # capacity kept for interactive work
+
+    def cost(self, prompt_tokens: int, max_new_tokens: int, tool_risk: float = 0.0) -> float:
+        return (
+            self.prompt_weight * prompt_tokens
+            + self.output_weight * max_new_tokens
+            + self.tool_risk_weight * tool_risk
+        )
+
+    def classify(
+        self, prompt_tokens: int, max_new_tokens: int, requested: Lane | None = None
+    ) -> Demand | Rejection:
+        """The lane a job runs in, or why it never can."""
+        if self.prompt_ceiling and prompt_tokens > self.prompt_ceiling:
+            return Rejection(
+                NeedCode.PROMPT_OVER_CEILING,
+                f"the prompt is {prompt_tokens} tokens; the ceiling is {self.prompt_ceiling}",
+            )
+        score = self.cost(prompt_tokens, max_new_tokens)
+        if score <= self.interactive_max_cost:
+            lane = Lane.INTERACTIVE
+        elif score <= self.heavy_max_cost:
+            lane = Lane.HEAVY
+        else:
+            lane = Lane.BACKGROUND
+        if requested is not None and LANES.index(requested) > LANES.index(lane):
+            lane = requested  # lower is allowed; higher is not
+        # A job asking for more output than its lane allows belongs to a lower lane.
+        for candidate in LANES[LANES.index(lane) :]:
+            if max_new_tokens <= self.lane_max_new_tokens[candidate]:
+                lane = candidate
+                break
+        else:
+            return Rejection(
+                NeedCode.MAX_NEW_TOKENS_INVALID,
+                f"max_new_tokens {max_new_tokens} is over every lane's cap",
+            )
+        kv = prompt_tokens + max_new_tokens
+        if self.kv_capacity and kv > self.kv_capacity:
+            return Rejection(
+                NeedCode.KV_OVER_CAPACITY,
+                f"the job needs {kv} tokens of KV cache; the capacity is {self.kv_capacity}",
+            )
+        return Demand(lane, kv)

@@ -1,0 +1,138 @@
+"""Lanes, the interactive reserve and the KV budget: pure policy, an injected clock, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from governor.ledger import Refusal, Slot, SlotLedger
+from governor.policy import Demand, Lane, LanePolicy, Rejection
+
+from .test_ledger import FakeClock
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_new", "requested", "lane"),
+    [
+        (20, 64, None, Lane.INTERACTIVE),  # 20 + 4.7 * 64 = 321
+        (1000, 100, None, Lane.HEAVY),  # 1000 + 470 = 1470, over the 1400 of interactive
+        (2000, 200, None, Lane.HEAVY),  # 2940
+        (40000, 6, None, Lane.BACKGROUND),  # a long-document rewrite
+        (20, 64, Lane.BACKGROUND, Lane.BACKGROUND),  # asking for a lower lane is fine
+        (2000, 200, Lane.INTERACTIVE, Lane.HEAVY),  # asking for a higher one is not
+        (20, 600, None, Lane.HEAVY),  # over interactive's max_new_tokens cap of 256
+    ],
+)
+def test_classification(prompt: int, max_new: int, requested: Lane | None, lane: Lane) -> None:
+    policy = LanePolicy(interactive_max_cost=1400)
+    demand = policy.classify(prompt, max_new, requested)
+    assert demand == Demand(lane, prompt + max_new)
+
+
+def test_cost_weights() -> None:
+    policy = LanePolicy(prompt_weight=1.0, output_weight=2.0, tool_risk_weight=100.0)
+    assert policy.cost(10, 5, tool_risk=1.0) == 10 + 10 + 100
+
+
+@pytest.mark.parametrize(
+    ("policy", "prompt", "max_new", "code"),
+    [
+        (LanePolicy(prompt_ceiling=1000), 1001, 10, "prompt_over_ceiling"),
+        (LanePolicy(kv_capacity=500), 400, 101, "kv_over_capacity"),
+        (LanePolicy(), 10, 5000, "max_new_tokens_invalid"),
+    ],
+)
+def test_jobs_that_can_never_run_are_rejected(
+    policy: LanePolicy, prompt: int, max_new: int, code: str
+) -> None:
+    rejection = policy.classify(prompt, max_new)
+    assert isinstance(rejection, Rejection)
+    assert rejection.need_code == code
+    assert rejection.detail
+
+
+def ledger_with(clock: FakeClock, cap: int = 4, **policy: object) -> SlotLedger:
+    return SlotLedger(cap, expected_service_s=1.0, clock=clock, policy=LanePolicy(**policy))  # type: ignore[arg-type]
+
+
+INTERACTIVE = Demand(Lane.INTERACTIVE, 100)
+HEAVY = Demand(Lane.HEAVY, 1000)
+BACKGROUND = Demand(Lane.BACKGROUND, 1000)
+
+
+def test_heavy_work_never_takes_the_interactive_reserve(clock: FakeClock) -> None:
+    ledger = ledger_with(clock, cap=4, interactive_reserve=1)
+    heavy = [ledger.admit(demand=HEAVY) for _ in range(4)]
+    assert [isinstance(d, Slot) for d in heavy] == [True, True, True, False]
+    refused = heavy[3]
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == "lane_full"
+    assert refused.promise is None  # no place in the global line: it is the lane that is full
+    assert isinstance(ledger.admit(demand=INTERACTIVE), Slot)  # the reserved slot
+    assert ledger.inflight == 4
+    assert ledger.lane_inflight == {Lane.HEAVY: 3, Lane.INTERACTIVE: 1}
+    assert ledger.refusals[("lane_full", "heavy")] == 1
+
+
+def test_interactive_work_may_use_every_slot(clock: FakeClock) -> None:
+    ledger = ledger_with(clock, cap=3, interactive_reserve=1)
+    assert all(isinstance(ledger.admit(demand=INTERACTIVE), Slot) for _ in range(3))
+    refused = ledger.admit(demand=INTERACTIVE)
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == "server_busy"
+
+
+def test_lane_quota_and_its_hint(clock: FakeClock) -> None:
+    ledger = ledger_with(clock, cap=4, interactive_reserve=0, lane_slots={Lane.BACKGROUND: 1})
+    first = ledger.admit(demand=BACKGROUND)
+    assert isinstance(first, Slot)
+    clock.now += 0.25
+    refused = ledger.admit(demand=BACKGROUND)
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == "lane_full"
+    assert refused.retry_hint_ms == 750  # when the lane's running job is expected to end
+    assert isinstance(ledger.admit(demand=HEAVY), Slot)  # other lanes are not held up
+    first.release(completed=True)
+    assert isinstance(ledger.admit(demand=BACKGROUND), Slot)
+
+
+def test_kv_budget_keeps_a_share_for_interactive_work(clock: FakeClock) -> None:
+    ledger = ledger_with(
+        clock,
+        cap=8,
+        interactive_reserve=0,
+        kv_capacity=10_000,
+        kv_danger=0.8,
+        kv_interactive_share=0.3,
+    )
+    long_jobs = [ledger.admit(demand=Demand(Lane.BACKGROUND, 3000)) for _ in range(4)]
+    assert [isinstance(d, Slot) for d in long_jobs] == [True, True, False, False]
+    refused = long_jobs[2]
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == "kv_pressure"
+    assert ledger.kv_reserved == 6000  # never past 70 %: the interactive share is kept
+    assert isinstance(ledger.admit(demand=Demand(Lane.INTERACTIVE, 3500)), Slot)
+    assert ledger.kv_reserved == 9500
+    too_big = ledger.admit(demand=Demand(Lane.INTERACTIVE, 600))
+    assert isinstance(too_big, Refusal)
+    assert too_big.need_code == "kv_pressure"  # never past the capacity itself
+    for slot in long_jobs[:2]:
+        assert isinstance(slot, Slot)
+        slot.release(completed=True)
+    assert ledger.kv_reserved == 3500
+
+
+def test_burst_of_long_jobs_never_overfills_kv_and_interactive_still_runs(clock: FakeClock) -> None:
+    ledger = ledger_with(clock, cap=16, interactive_reserve=2, kv_capacity=20_000)
+    admitted = []
+    for _ in range(50):
+        decision = ledger.admit(demand=Demand(Lane.BACKGROUND, 2500))
+        if isinstance(decision, Slot):
+            admitted.append(decision)
+        assert ledger.kv_reserved <= 20_000 * 0.8
+    assert len(admitted) == 6  # 6 x 2500 = 15000 <= 16000 (80 %); a 7th would pass it
+    assert isinstance(ledger.admit(demand=Demand(Lane.INTERACTIVE, 400)), Slot)
