@@ -81,6 +81,14 @@ class Config:
     )
     stub_ms: int = _opt(1000, "stub: how long each job takes, in milliseconds.")
     stub_fail_rate: float = _opt(0.0, "stub: share of jobs that fail with backend_error, 0 to 1.")
+    stub_prompt_ms: float = _opt(
+        0.0,
+        "stub: extra milliseconds per prompt token of a job spec (19.2 calibrates it to the embedded model on one thread).",
+    )
+    stub_output_ms: float = _opt(
+        0.0,
+        "stub: extra milliseconds per max_new_tokens of a job spec (37.7 calibrates it likewise).",
+    )
     idle_timeout: float = _opt(
         60.0, "Seconds without a frame (and with no job running) before a connection is closed."
     )
@@ -112,7 +120,10 @@ class Config:
         1.0,
         "lanes: cost per prompt token (CostScore = prompt_weight * prompt + output_weight * max_new_tokens).",
     )
-    output_weight: float = _opt(4.7, "lanes: cost per requested output token.")
+    output_weight: float = _opt(
+        2.0,
+        "lanes: cost per requested output token (decode takes about twice prefill's time per token).",
+    )
     interactive_max_cost: float = _opt(
         1500.0, "lanes: the highest cost an interactive job may have."
     )

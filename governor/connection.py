@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -333,11 +332,7 @@ class GovernorProtocol(asyncio.Protocol):
         if policy is None or job is None or job.spec is None:
             return None
         spec = job.spec
-        if job.tokens:
-            prompt_tokens = len(job.tokens)
-        else:  # a runner without a tokenizer: about four characters a token
-            text = spec.prompt or "".join(m.content for m in spec.messages or ())
-            prompt_tokens = math.ceil(len(text) / 4)
+        prompt_tokens = len(job.tokens) if job.tokens else spec.estimated_prompt_tokens()
         requested = None
         if spec.lane is not None:
             if spec.lane not in LANES:

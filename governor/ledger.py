@@ -34,6 +34,11 @@ slot releases instead of all returning at the same instant.
   finds no slot for it keeps its place in line and is re-timed to that place's release
   (``k = q``, the promises ahead of it).
 
+Under a lane policy (:mod:`governor.policy`) the line is lane-aware: a promise carries its
+job's lane, and a client counts, and a freed slot is held for, only the promises of its own lane
+or a higher one. The lane quota, the interactive reserve and the KV budget are then checked in
+the same decision.
+
 With one client per slot release, a slot is retaken almost as soon as it frees, and most
 retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures both).
 """
@@ -50,7 +55,7 @@ from dataclasses import dataclass
 
 from protocol.codes import NeedCode
 
-from .policy import Demand, Lane, LanePolicy
+from .policy import LANES, Demand, Lane, LanePolicy
 
 Clock = Callable[[], float]
 
@@ -59,13 +64,18 @@ MAX_PROMISES = 65536  # bounds the ledger's memory whatever the number of refuse
 
 
 class Promise:
-    """When a refused client was told to come back; withdrawn with :meth:`SlotLedger.withdraw`."""
+    """When a refused client was told to come back; withdrawn with :meth:`SlotLedger.withdraw`.
 
-    __slots__ = ("at", "lapses")
+    ``rank`` is its lane's place in :data:`LANES` (0 without a lane policy): a client waits only
+    behind promises of its own lane or a higher one.
+    """
 
-    def __init__(self, at: float, lapses: float) -> None:
+    __slots__ = ("at", "lapses", "rank")
+
+    def __init__(self, at: float, lapses: float, rank: int = 0) -> None:
         self.at = at
         self.lapses = lapses
+        self.rank = rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,14 +167,15 @@ class SlotLedger:
         now = self.clock()
         self._lapse(now)
         lane = demand.lane if demand is not None else "-"
+        rank = LANES.index(demand.lane) if demand is not None and self.policy is not None else 0
         if self.draining:
             if promise is not None:
                 self.withdraw(promise)
             return self._refuse(Refusal(NeedCode.DRAINING, self.max_hint_ms), lane)
         free = self.cap - len(self._running)
         # A free slot is not for the taking while clients ahead in line have their time come.
-        if free <= self._due_ahead(now, promise):
-            hint_ms, promise = self._promise(now, promise)
+        if free <= self._due_ahead(now, promise, rank):
+            hint_ms, promise = self._promise(now, promise, rank)
             return self._refuse(Refusal(NeedCode.SERVER_BUSY, hint_ms, promise), lane)
         if demand is not None and self.policy is not None:
             refusal = self._policy_refusal(now, demand, free)
@@ -251,7 +262,7 @@ class SlotLedger:
         while promises and promises[0].lapses < now:
             promises.popleft()
 
-    def _due_ahead(self, now: float, promise: Promise | None) -> int:
+    def _due_ahead(self, now: float, promise: Promise | None, rank: int) -> int:
         """Clients ahead of ``promise``'s (of all, for a newcomer) a free slot is held for.
 
         A slot is held for a client from ``hold`` before its promised time (a slot that frees
@@ -265,34 +276,39 @@ class SlotLedger:
         for p in self._promises:
             if p is promise or p.at > now + hold:
                 break
-            if p.at + hold >= now:
+            if p.at + hold >= now and p.rank <= rank:
                 due += 1
         return due
 
     def _grace(self) -> float:
         return max(self.service_s / 4, 0.02)
 
-    def _promise(self, now: float, promise: Promise | None) -> tuple[int, Promise | None]:
+    def _promise(
+        self, now: float, promise: Promise | None, rank: int = 0
+    ) -> tuple[int, Promise | None]:
         """The hint for a refusal, and the promise that goes with it.
 
         A returning client keeps its place in line and is re-timed to the release of that
-        place; a newcomer is promised the release after every promise outstanding.
+        place; a newcomer is promised the release after every promise outstanding (of its own
+        lane or a higher one).
         """
         promises = self._promises
-        try:
-            place = -1 if promise is None else promises.index(promise)
-        except ValueError:  # it lapsed: the client came too late and lost its place
-            place = -1
-        hint_ms = self._hint_ms(now, self._release_time(now, len(promises) if place < 0 else place))
+        ahead = 0
+        for p in promises:
+            if p is promise:
+                break
+            ahead += p.rank <= rank
+        else:
+            promise = None  # a newcomer, or a client whose promise lapsed: to the back
+        hint_ms = self._hint_ms(now, self._release_time(now, ahead))
         at = now + hint_ms / 1000
         lapses = at + self._grace()
-        if place >= 0:
-            assert promise is not None
+        if promise is not None:
             promise.at, promise.lapses = at, lapses
             return hint_ms, promise
         if len(promises) >= MAX_PROMISES:
             return hint_ms, None
-        promise = Promise(at, lapses)
+        promise = Promise(at, lapses, rank)
         promises.append(promise)
         return hint_ms, promise
 

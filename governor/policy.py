@@ -8,8 +8,9 @@ global cap.
     CostScore = prompt_weight * prompt_tokens + output_weight * max_new_tokens
                 + tool_risk_weight * tool_risk
 
-Output tokens weigh more than prompt tokens by default: on the embedded model a prompt token
-costs about 1/220 s to prefill and an output token about 1/47 s to decode. A job whose score is
+Output tokens weigh twice prompt tokens by default: on the embedded model, one thread of the
+development machine prefills a prompt token in 19.2 ms and decodes an output token in 37.7 ms
+(measured 2026-11-22, 498-token prompt, warmed up; docs/BENCHMARKS.md). A job whose score is
 at most ``interactive_max_cost`` is interactive, at most ``heavy_max_cost`` heavy, else
 background. A client may ask for a lower lane than its cost gives, never a higher one.
 """
@@ -50,7 +51,7 @@ class Rejection:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LanePolicy:
     prompt_weight: float = 1.0
-    output_weight: float = 4.7
+    output_weight: float = 2.0
     tool_risk_weight: float = 0.0
     interactive_max_cost: float = 1500.0
     heavy_max_cost: float = 12000.0

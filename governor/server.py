@@ -34,7 +34,12 @@ LISTEN_BACKLOG = 4096  # a burst of connects must not be refused before the gove
 def build_runner(config: Config) -> Runner:
     """The runner the configuration names; raises ``RunnerStartError`` when it cannot be."""
     if config.runner == "stub":
-        return StubRunner(config.stub_ms / 1000, fail_rate=config.stub_fail_rate)
+        return StubRunner(
+            config.stub_ms / 1000,
+            fail_rate=config.stub_fail_rate,
+            prompt_s=config.stub_prompt_ms / 1000,
+            output_s=config.stub_output_ms / 1000,
+        )
     if config.runner == "llama":
         from .runners.llama import LlamaRunner, LlamaSettings, default_threads, embedded_model_path
 

@@ -66,6 +66,11 @@ class JobSpec:
     tenant: str | None = None  # for the policy layer
     lane: str | None = None  # for the policy layer
 
+    def estimated_prompt_tokens(self) -> int:
+        """The prompt's length in tokens for a runner without a tokenizer: about 4 characters each."""
+        text = self.prompt or "".join(m.content for m in self.messages or ())
+        return -(-len(text) // 4)
+
     def to_wire(self) -> dict[str, Any]:
         """The spec as a JSON object (what a client uploads)."""
         obj: dict[str, Any] = {}

@@ -34,7 +34,7 @@ LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    if item.path.name in ("test_llama.py", "test_http.py"):  # slow model tests: uvloop only
+    if item.path.name in ("test_llama.py", "test_http.py", "test_lanes.py"):  # slow: uvloop only
         return {"uvloop": uvloop.new_event_loop}
     return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 

@@ -18,9 +18,9 @@ def clock() -> FakeClock:
 @pytest.mark.parametrize(
     ("prompt", "max_new", "requested", "lane"),
     [
-        (20, 64, None, Lane.INTERACTIVE),  # 20 + 4.7 * 64 = 321
-        (1000, 100, None, Lane.HEAVY),  # 1000 + 470 = 1470, over the 1400 of interactive
-        (2000, 200, None, Lane.HEAVY),  # 2940
+        (20, 64, None, Lane.INTERACTIVE),  # 20 + 2 * 64 = 148
+        (1000, 250, None, Lane.HEAVY),  # 1000 + 500 = 1500, over the 1400 of interactive
+        (2000, 200, None, Lane.HEAVY),  # 2400
         (40000, 6, None, Lane.BACKGROUND),  # a long-document rewrite
         (20, 64, Lane.BACKGROUND, Lane.BACKGROUND),  # asking for a lower lane is fine
         (2000, 200, Lane.INTERACTIVE, Lane.HEAVY),  # asking for a higher one is not

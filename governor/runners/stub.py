@@ -9,21 +9,36 @@ from collections.abc import AsyncGenerator
 
 from protocol.spec import JSON_CONTENT_TYPES, parse_spec
 
-from .base import Finished, Job, RunEvent, RunnerError
+from .base import Finished, Job, RunEvent, RunnerError, Token
 
 STUB_MAX_NEW_TOKENS = 1 << 20
 
 
 class StubRunner:
-    """Holds each job for ``delay_s``, then finishes it, or fails it with ``fail_rate``."""
+    """Holds each job for ``delay_s``, then finishes it, or fails it with ``fail_rate``.
+
+    A job spec's job also takes ``prompt_s`` per prompt token (estimated) before its first
+    token, then ``output_s`` per further token of its ``max_new_tokens``, and streams: a stub
+    whose time follows a model's, calibrated by those two rates.
+    """
 
     name = "stub"
 
-    def __init__(self, delay_s: float, *, fail_rate: float = 0.0, seed: int | None = None) -> None:
-        if delay_s < 0 or not 0.0 <= fail_rate <= 1.0:
-            raise ValueError("delay_s must be >= 0 and fail_rate within [0, 1]")
+    def __init__(
+        self,
+        delay_s: float,
+        *,
+        fail_rate: float = 0.0,
+        prompt_s: float = 0.0,
+        output_s: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        if min(delay_s, prompt_s, output_s) < 0 or not 0.0 <= fail_rate <= 1.0:
+            raise ValueError("times must be >= 0 and fail_rate within [0, 1]")
         self.delay_s = delay_s
         self.fail_rate = fail_rate
+        self.prompt_s = prompt_s
+        self.output_s = output_s
         self._random = random.Random(seed)
 
     @property
@@ -44,13 +59,18 @@ class StubRunner:
         return Job(job_id, payload, content_type)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
-        await asyncio.sleep(self.delay_s)
+        spec = job.spec
+        prompt_tokens = spec.estimated_prompt_tokens() if spec else 0
+        await asyncio.sleep(self.delay_s + prompt_tokens * self.prompt_s)
         if self._random.random() < self.fail_rate:
             raise RunnerError("stub runner: injected failure")
-        yield Finished(
-            {
-                "runner": self.name,
-                "bytes": len(job.payload),
-                "sha256": hashlib.sha256(job.payload).hexdigest(),
-            }
-        )
+        result: dict[str, object] = {
+            "runner": self.name,
+            "bytes": len(job.payload),
+            "sha256": hashlib.sha256(job.payload).hexdigest(),
+        }
+        if spec is not None:
+            yield Token("stub ")
+            await asyncio.sleep((spec.max_new_tokens - 1) * self.output_s)
+            result.update(prompt_tokens=prompt_tokens, completion_tokens=spec.max_new_tokens)
+        yield Finished(result)
