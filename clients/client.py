@@ -90,7 +90,14 @@ class UploadResult:
 
 
 class GovernorClient:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        api_key: str | None = None,
+    ) -> None:
+        self.api_key = api_key  # the tenant's key, sent with every job
         self._reader = reader
         self._writer = writer
         self._inbox: dict[str, asyncio.Queue[Reply | ClientError]] = {}
@@ -101,10 +108,12 @@ class GovernorClient:
         self._reader_task = asyncio.get_running_loop().create_task(self._read_replies())
 
     @classmethod
-    async def connect(cls, host: str, port: int, *, timeout: float = 10.0) -> Self:
+    async def connect(
+        cls, host: str, port: int, *, timeout: float = 10.0, api_key: str | None = None
+    ) -> Self:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port, limit=MAX_REPLY_BYTES)
-        return cls(reader, writer)
+        return cls(reader, writer, api_key=api_key)
 
     async def __aenter__(self) -> Self:
         return self
@@ -171,16 +180,22 @@ class GovernorClient:
 
         def frames(whole: bool) -> bytes:
             """The whole upload, pipelined, or only its final chunk again."""
+            key = self.api_key
             if inline_payload is not None:
                 return encode_request(
-                    Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, inline=inline_payload
+                    Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, inline=inline_payload, api_key=key
                 )
             if not whole:
                 chunk = prepared.chunks[-1]
                 return encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunk)
             parts = [
                 encode_request(
-                    Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, manifest=prepared.manifest
+                    Verb.SHARE,
+                    job,
+                    next(seq),
+                    ttl_ms=ttl_ms,
+                    manifest=prepared.manifest,
+                    api_key=key,
                 )
             ]
             parts += [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import resource
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .config import Config, ConfigError
+from .config import CLI_FIELDS, Config, ConfigError
 from .runners import RunnerStartError
 from .server import Server
 
@@ -50,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     serve.add_argument("--config", type=Path, help="TOML file with the same keys as these flags")
-    for f in dataclasses.fields(Config):
+    for f in CLI_FIELDS:
         serve.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
@@ -64,9 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     overrides: dict[str, Any] = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(Config)
-        if getattr(args, f.name) is not None
+        f.name: getattr(args, f.name) for f in CLI_FIELDS if getattr(args, f.name) is not None
     }
     if args.config is not None:
         return Config.load(args.config, overrides)

@@ -1,7 +1,7 @@
 """The daemon's one typed configuration: defaults, then a TOML file, then command-line flags.
 
-Every field is a TOML key of the same name and a flag with dashes for underscores
-(``max_inflight`` is ``--max-inflight``); its help text lives beside it, once, and feeds both
+Every field but ``tenants`` (TOML tables only) is a TOML key of the same name and a flag with
+dashes for underscores (``max_inflight`` is ``--max-inflight``); its help text lives beside it, once, and feeds both
 ``governor serve --help`` and the README's configuration reference (a test keeps the two equal).
 """
 
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
+
+from .tenants import TenantConfig
 
 RUNNERS = ("llama", "http", "stub")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -156,6 +158,10 @@ class Config:
     kv_interactive_share: float = _opt(
         0.2, "lanes: share of kv_capacity kept for interactive work."
     )
+    tenants: tuple[TenantConfig, ...] = _opt(
+        (),
+        "TOML only: [[tenants]] tables (name, key_sha256, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight); none: open, one default tenant.",
+    )
     shutdown_grace: float = _opt(
         30.0,
         "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted.",
@@ -238,7 +244,10 @@ class Config:
         for key, value in values.items():
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key {key!r}")
-            kwargs[key] = _coerce(key, value, fields[key].type, source)
+            if key == "tenants":
+                kwargs[key] = _tenants(value, source)
+            else:
+                kwargs[key] = _coerce(key, value, fields[key].type, source)
         return cls(**kwargs)
 
     @classmethod
@@ -264,13 +273,30 @@ def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
     return value
 
 
+def _tenants(value: Any, source: str) -> tuple[TenantConfig, ...]:
+    if type(value) is not list or not all(type(t) is dict for t in value):
+        raise ConfigError(f"{source}: tenants must be [[tenants]] tables")
+    tenants = []
+    for table in value:
+        table = {**table, "lanes": tuple(table.get("lanes", ()))}
+        try:
+            tenants.append(TenantConfig(**table))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: tenant {table.get('name')!r}: {exc}") from None
+    names = [t.name for t in tenants]
+    if len(set(names)) != len(names) or len({t.key_sha256 for t in tenants}) != len(tenants):
+        raise ConfigError(f"{source}: tenant names and keys must be unique")
+    return tuple(tenants)
+
+
 FIELDS = dataclasses.fields(Config)
+CLI_FIELDS = tuple(f for f in FIELDS if f.name != "tenants")
 
 
 def reference_markdown() -> str:
     """The README's configuration table, from the fields themselves."""
     rows = ["| key (TOML) | flag | default | meaning |", "|---|---|---|---|"]
-    for f in FIELDS:
+    for f in CLI_FIELDS:
         if f.default is None:
             default = "unset"
         elif isinstance(f.default, bool):

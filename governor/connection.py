@@ -35,6 +35,7 @@ from protocol.upload import Upload
 from .ledger import Promise, Refusal, Slot
 from .policy import LANES, Demand, Lane, Rejection
 from .runners import Job, RunnerError, Token
+from .tenants import Tenant
 
 if TYPE_CHECKING:
     from .server import Server
@@ -47,6 +48,7 @@ class JobState:
     """What a connection holds for one job id."""
 
     upload: Upload
+    tenant: Tenant
     reserved: int = 0  # payload bytes reserved against the buffer budgets
     held: bool = False  # a verified payload kept after a yield, for the client's retry
     promise: Promise | None = None  # when the held payload's client was told to come back
@@ -281,7 +283,20 @@ class GovernorProtocol(asyncio.Protocol):
             )
 
     def _new_job(self, req: Request) -> JobState | None:
-        """A job id not seen before on this connection; None if over the connection's limit."""
+        """A job id not seen before on this connection; None if refused (its reply is sent)."""
+        tenant = self.server.tenants.find(req.api_key)
+        if tenant is None:  # says nothing of which tenants exist
+            self._send(
+                self._reply(
+                    req,
+                    Verb.CONFIRM,
+                    Status.ABORT,
+                    need_code=NeedCode.UNAUTHORIZED,
+                    error_code=ErrorCode.UNAUTHORIZED,
+                    detail="a valid api_key is needed",
+                )
+            )
+            return None
         if len(self.jobs) >= self.config.max_jobs_per_conn:
             self._fatal(
                 NeedCode.TOO_MANY_JOBS,
@@ -291,7 +306,7 @@ class GovernorProtocol(asyncio.Protocol):
                 seq=req.seq + 1,
             )
             return None
-        state = self.jobs[req.job] = JobState(Upload(self.config.max_payload_bytes))
+        state = self.jobs[req.job] = JobState(Upload(self.config.max_payload_bytes), tenant)
         return state
 
     def _complete(self, req: Request, state: JobState, payload: bytes) -> None:
@@ -341,15 +356,34 @@ class GovernorProtocol(asyncio.Protocol):
         decision = policy.classify(prompt_tokens, spec.max_new_tokens, requested)
         if isinstance(decision, Rejection):
             return decision
-        state.demand = decision
+        # A tenant pinned to some lanes runs in the first of them at or below the job's own.
+        allowed = [
+            lane for lane in LANES[LANES.index(decision.lane) :] if state.tenant.allows_lane(lane)
+        ]
+        if not allowed:
+            return Rejection(
+                NeedCode.LANE_NOT_ALLOWED, f"the {decision.lane} lane is not open to this tenant"
+            )
+        state.demand = Demand(allowed[0], decision.kv_tokens)
         return None
 
     # Admission and execution ---------------------------------------------------------
 
     def _admit(self, req: Request, state: JobState) -> None:
         promise, state.promise = state.promise, None
-        decision = self.ledger.admit(promise, state.demand)
+        tenant, now = state.tenant, self.ledger.clock()
+        tokens = self._tokens(state)
+        decision: Slot | Refusal
+        over_limit = self._tenant_refusal(tenant, tokens, now)
+        if over_limit is not None:
+            if promise is not None:
+                self.ledger.withdraw(promise)
+            decision = self.ledger.refused(over_limit)
+        else:
+            decision = self.ledger.admit(promise, state.demand)
         if isinstance(decision, Refusal):
+            lane = state.demand.lane if state.demand is not None else "-"
+            self.server.refusals[(decision.need_code, lane, tenant.name)] += 1
             held = self._hold(state)
             if held:
                 state.promise = decision.promise
@@ -383,9 +417,34 @@ class GovernorProtocol(asyncio.Protocol):
         if state.held:
             self._unhold(state)
         assert state.job is not None
+        tenant.inflight += 1
+        tenant.starts.append(decision.started)
+        tenant.charge(tokens, now)
         state.request = req
         state.slot = decision
         state.task = self.server.spawn(self._run(state, decision, state.job))
+
+    def _tenant_refusal(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
+        """The tenant's concurrency cap, then its request and token rates."""
+        ledger, cap = self.ledger, tenant.config.max_inflight
+        if cap and tenant.inflight >= cap:
+            first_end = min(tenant.starts) + ledger.service_s
+            return Refusal(NeedCode.TENANT_BUSY, ledger.hint_ms(now, first_end))
+        wait = tenant.wait_s(tokens, now)
+        if wait > 0:
+            return Refusal(NeedCode.RATE_LIMITED, ledger.hint_ms(now, now + wait))
+        return None
+
+    @staticmethod
+    def _tokens(state: JobState) -> int:
+        """What the job counts against its tenant's token rate: prompt + max_new_tokens."""
+        if state.demand is not None:
+            return state.demand.kv_tokens
+        job = state.job
+        if job is None or job.spec is None:
+            return 0
+        prompt = len(job.tokens) if job.tokens else job.spec.estimated_prompt_tokens()
+        return prompt + job.spec.max_new_tokens
 
     def _hold(self, state: JobState) -> bool:
         """Keep a refused payload for the client's retry, within this connection's bound."""
@@ -427,6 +486,8 @@ class GovernorProtocol(asyncio.Protocol):
                 self._terminal(state, result=result)
         finally:
             slot.release(completed=completed)
+            state.tenant.inflight -= 1
+            state.tenant.starts.remove(slot.started)
             if self.jobs.get(job.id) is state:
                 self._forget(job.id)
             self.server.job_finished(state.outcome)

@@ -130,7 +130,6 @@ class SlotLedger:
         self.policy = policy
         self.lane_inflight: collections.Counter[Lane] = collections.Counter()
         self.kv_reserved = 0
-        self.refusals: collections.Counter[tuple[str, str]] = collections.Counter()  # (code, lane)
         self.min_hint_ms = min_hint_ms
         self.max_hint_ms = max_hint_ms
         self.clock = clock
@@ -166,23 +165,22 @@ class SlotLedger:
         """
         now = self.clock()
         self._lapse(now)
-        lane = demand.lane if demand is not None else "-"
         rank = LANES.index(demand.lane) if demand is not None and self.policy is not None else 0
         if self.draining:
             if promise is not None:
                 self.withdraw(promise)
-            return self._refuse(Refusal(NeedCode.DRAINING, self.max_hint_ms), lane)
+            return self.refused(Refusal(NeedCode.DRAINING, self.max_hint_ms))
         free = self.cap - len(self._running)
         # A free slot is not for the taking while clients ahead in line have their time come.
         if free <= self._due_ahead(now, promise, rank):
             hint_ms, promise = self._promise(now, promise, rank)
-            return self._refuse(Refusal(NeedCode.SERVER_BUSY, hint_ms, promise), lane)
+            return self.refused(Refusal(NeedCode.SERVER_BUSY, hint_ms, promise))
         if demand is not None and self.policy is not None:
             refusal = self._policy_refusal(now, demand, free)
             if refusal is not None:
                 if promise is not None:
                     self.withdraw(promise)
-                return self._refuse(refusal, lane)
+                return self.refused(refusal)
         freed = self._freed.popleft() if self._freed else None
         if promise is not None:
             self.withdraw(promise)
@@ -199,9 +197,9 @@ class SlotLedger:
             self.peak_inflight = len(self._running)
         return slot
 
-    def _refuse(self, refusal: Refusal, lane: str) -> Refusal:
+    def refused(self, refusal: Refusal) -> Refusal:
+        """Count a refusal (also one decided outside the ledger, for a tenant's limits)."""
         self.yielded_total += 1
-        self.refusals[(refusal.need_code, lane)] += 1
         return refusal
 
     def _policy_refusal(self, now: float, demand: Demand, free: int) -> Refusal | None:
@@ -211,11 +209,11 @@ class SlotLedger:
         lane = demand.lane
         quota = policy.lane_slots.get(lane)
         if quota is not None and self.lane_inflight[lane] >= quota:
-            return Refusal(NeedCode.LANE_FULL, self._hint_ms(now, self._lane_release(now, lane)))
+            return Refusal(NeedCode.LANE_FULL, self.hint_ms(now, self._lane_release(now, lane)))
         if lane != Lane.INTERACTIVE:
             unused_reserve = policy.interactive_reserve - self.lane_inflight[Lane.INTERACTIVE]
             if free <= unused_reserve:  # the free slots are interactive work's
-                return Refusal(NeedCode.LANE_FULL, self._hint_ms(now, self._release_time(now, 0)))
+                return Refusal(NeedCode.LANE_FULL, self.hint_ms(now, self._release_time(now, 0)))
         if policy.kv_capacity:
             share = (
                 1.0
@@ -223,7 +221,7 @@ class SlotLedger:
                 else min(policy.kv_danger, 1.0 - policy.kv_interactive_share)
             )
             if self.kv_reserved + demand.kv_tokens > share * policy.kv_capacity:
-                return Refusal(NeedCode.KV_PRESSURE, self._hint_ms(now, self._release_time(now, 0)))
+                return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self._release_time(now, 0)))
         return None
 
     def _lane_release(self, now: float, lane: Lane) -> float:
@@ -235,7 +233,8 @@ class SlotLedger:
             if slot.demand is not None and slot.demand.lane == lane
         )
 
-    def _hint_ms(self, now: float, at: float) -> int:
+    def hint_ms(self, now: float, at: float) -> int:
+        """Milliseconds from ``now`` to ``at``, within the hint's bounds."""
         # (less a nanosecond, so that float noise does not round 600 ms up to 601)
         hint_ms = math.ceil((at - now) * 1000 - 1e-6)
         return min(max(hint_ms, self.min_hint_ms), self.max_hint_ms)
@@ -300,7 +299,7 @@ class SlotLedger:
             ahead += p.rank <= rank
         else:
             promise = None  # a newcomer, or a client whose promise lapsed: to the back
-        hint_ms = self._hint_ms(now, self._release_time(now, ahead))
+        hint_ms = self.hint_ms(now, self._release_time(now, ahead))
         at = now + hint_ms / 1000
         lapses = at + self._grace()
         if promise is not None:

@@ -68,12 +68,19 @@ class GovernorCollector(Collector):
         yield outcomes
         refusals = CounterMetricFamily(
             "governor_refusals",
-            "Admission attempts refused with yield, by need code and lane ('-': no lane policy).",
-            labels=["code", "lane"],
+            "Admission attempts refused with yield, by need code, lane ('-': no lane policy) "
+            "and tenant.",
+            labels=["code", "lane", "tenant"],
         )
-        for (code, lane), count in sorted(ledger.refusals.items()):
-            refusals.add_metric([code, lane], count)
+        for (code, lane, tenant), count in sorted(server.refusals.items()):
+            refusals.add_metric([code, lane, tenant], count)
         yield refusals
+        tenants = GaugeMetricFamily(
+            "governor_tenant_inflight", "Jobs executing now, by tenant.", labels=["tenant"]
+        )
+        for t in server.tenants.all():
+            tenants.add_metric([t.name], t.inflight)
+        yield tenants
         if ledger.policy is not None:
             lanes = GaugeMetricFamily(
                 "governor_lane_inflight", "Jobs executing now, by lane.", labels=["lane"]

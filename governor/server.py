@@ -25,6 +25,7 @@ from .ledger import SlotLedger
 from .metrics import MetricsEndpoint
 from .policy import Lane, LanePolicy
 from .runners import Runner, StubRunner
+from .tenants import Tenants
 
 log = logging.getLogger("governor")
 
@@ -105,6 +106,9 @@ class Server:
             expected_service_s=self.runner.expected_service_s,
             policy=build_policy(config) if config.lanes else None,
         )
+        self.tenants = Tenants(config.tenants, self.ledger.clock)
+        # Every yield, by need code, lane ('-' without lanes) and tenant.
+        self.refusals: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.connections: set[GovernorProtocol] = set()
         self.outcomes: collections.Counter[str] = collections.Counter()  # job ends, by code
         self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
@@ -144,6 +148,14 @@ class Server:
             self.ledger.cap,
             self.runner.name,
         )
+        if self.tenants.open:
+            log.info("no tenants declared: running open, as one default tenant with no limits")
+        else:
+            log.info(
+                "%d tenant(s): %s",
+                len(self.tenants.all()),
+                ", ".join(t.name for t in self.tenants.all()),
+            )
         if self.ledger.policy is not None:
             p = self.ledger.policy
             log.info(

@@ -73,10 +73,14 @@ class NeedCode(StrEnum):
     SERVER_BUSY = "server_busy"  # yield: every execution slot is taken
     DRAINING = "draining"  # extension, yield: the daemon is shutting down
     LANE_FULL = "lane_full"  # extension, yield: the job's lane has no slot it may take now
+    TENANT_BUSY = "tenant_busy"  # extension, yield: the tenant is at its concurrency cap
+    RATE_LIMITED = "rate_limited"  # extension, yield: the tenant's request or token rate
     KV_PRESSURE = "kv_pressure"  # extension, yield: the KV budget cannot take the job now
     # Extension, abort: the policy will never run this job.
     PROMPT_OVER_CEILING = "prompt_over_ceiling"
     KV_OVER_CAPACITY = "kv_over_capacity"
+    LANE_NOT_ALLOWED = "lane_not_allowed"
+    UNAUTHORIZED = "unauthorized"  # extension, abort: a missing or unknown api_key
     # Outcomes of an admitted job.
     BACKEND_ERROR = "backend_error"
     TTL_EXPIRED = "ttl_expired"  # extension: ttl_ms ran out while the job ran
@@ -107,7 +111,8 @@ class ErrorCode(StrEnum):
     UNAVAILABLE = "unavailable"  # extension: DRAINING, SHUTDOWN
     BAD_SPEC = "bad_spec"  # extension: SPEC_INVALID, MAX_NEW_TOKENS_INVALID, PROMPT_TOO_LONG
     CANCELLED = "cancelled"  # extension
-    POLICY = "policy"  # extension: PROMPT_OVER_CEILING, KV_OVER_CAPACITY
+    POLICY = "policy"  # extension: PROMPT_OVER_CEILING, KV_OVER_CAPACITY, LANE_NOT_ALLOWED
+    UNAUTHORIZED = "unauthorized"  # extension
 
 
 class Receipt(StrEnum):

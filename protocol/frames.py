@@ -30,7 +30,17 @@ U64_MAX = 2**64 - 1
 MAX_ID_CHARS = 256  # job and payload ids are echoed in every reply, so they are bounded
 
 _REQUEST_FIELDS = frozenset(
-    {"v", "verb", "job", "seq", "ttl_ms", "payload_manifest", "payload_chunk", "payload_inline"}
+    {
+        "v",
+        "verb",
+        "job",
+        "seq",
+        "ttl_ms",
+        "payload_manifest",
+        "payload_chunk",
+        "payload_inline",
+        "api_key",
+    }
 )
 _PAYLOADS = ("payload_manifest", "payload_chunk", "payload_inline")
 
@@ -57,6 +67,7 @@ class Request:
     manifest: JSONObject | None = None  # checked by protocol.upload
     chunk: JSONObject | None = None  # checked by protocol.upload
     inline: JSONObject | None = None  # extension: a whole payload in one frame
+    api_key: str | None = None  # extension: the tenant's key
 
 
 def decode_request(line: bytes) -> Request:
@@ -109,8 +120,11 @@ def _check_envelope(obj: dict[str, Any]) -> Request:
     for name in payloads:
         if type(obj[name]) is not dict:
             raise invalid(f"{name!r} must be an object")
+    api_key = obj.get("api_key")
+    if api_key is not None and not is_id(api_key):
+        raise invalid(f"'api_key' must be a non-empty string of at most {MAX_ID_CHARS} characters")
     manifest, chunk, inline = (obj.get(name) for name in _PAYLOADS)
-    return Request(Verb(verb), ctx_job, ctx_seq, ttl_ms, manifest, chunk, inline)
+    return Request(Verb(verb), ctx_job, ctx_seq, ttl_ms, manifest, chunk, inline, api_key)
 
 
 _HTTP_METHODS = tuple(
@@ -269,10 +283,13 @@ def encode_request(
     manifest: JSONObject | None = None,
     chunk: JSONObject | None = None,
     inline: JSONObject | None = None,
+    api_key: str | None = None,
 ) -> bytes:
     """A client frame, newline included. Does not validate: servers do."""
     frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "verb": verb, "job": job, "seq": seq}
     frame["ttl_ms"] = ttl_ms
+    if api_key is not None:
+        frame["api_key"] = api_key
     for name, value in zip(_PAYLOADS, (manifest, chunk, inline), strict=True):
         if value is not None:
             frame[name] = value

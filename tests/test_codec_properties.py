@@ -179,6 +179,7 @@ _ENVELOPE_EXTRAS = (
     "payload_manifest",
     "payload_chunk",
     "payload_inline",
+    "api_key",
     "bogus",
 )
 
@@ -251,7 +252,7 @@ def attempt(call: Callable[[], T], errors: type[Exception]) -> tuple[T | None, E
 
 # The envelope rules of HEPTAMINI_V0.md, restated independently of protocol/frames.py.
 PAYLOAD_FIELDS = ("payload_manifest", "payload_chunk", "payload_inline")
-REQUEST_FIELDS = frozenset({"v", "verb", "job", "seq", "ttl_ms", *PAYLOAD_FIELDS})
+REQUEST_FIELDS = frozenset({"v", "verb", "job", "seq", "ttl_ms", "api_key", *PAYLOAD_FIELDS})
 BAD_LINE_CODES = frozenset(
     {
         NeedCode.HTTP_REQUEST,
@@ -286,6 +287,8 @@ def envelope_ok(obj: dict[str, Any]) -> bool:
     if type(verb) is not str or verb not in ("share", "ping", "cancel"):
         return False
     if not (_job_ok(obj.get("job")) and _seq_ok(obj.get("seq")) and _u64(obj.get("ttl_ms", 0))):
+        return False
+    if obj.get("api_key") is not None and not _job_ok(obj["api_key"]):
         return False
     payloads = [obj[name] for name in PAYLOAD_FIELDS if obj.get(name) is not None]
     if verb != "share":
@@ -336,6 +339,7 @@ def check_decoded(line: bytes, upload: Upload) -> None:
         parsed.get("payload_manifest"),
         parsed.get("payload_chunk"),
         parsed.get("payload_inline"),
+        parsed.get("api_key"),
     )
     if req.verb is not Verb.SHARE or req.inline is not None:
         return

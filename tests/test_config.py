@@ -39,7 +39,8 @@ def test_every_field_is_a_flag_and_flags_override_the_file(tmp_path: Path) -> No
     config_file = tmp_path / "g.toml"
     config_file.write_text('max_inflight = 2\nidle_timeout = 5\nmetrics_listen = "127.0.0.1:0"\n')
     parser = build_parser()
-    assert {f.name for f in dataclasses.fields(Config)} <= vars(parser.parse_args(["serve"])).keys()
+    flags = vars(parser.parse_args(["serve"])).keys()
+    assert {f.name for f in dataclasses.fields(Config)} - {"tenants"} <= flags
     args = parser.parse_args(["serve", "--config", str(config_file), "--max-inflight", "9"])
     config = config_from_args(args)
     assert config.max_inflight == 9  # the flag wins
@@ -82,3 +83,41 @@ def test_public_names_are_exported(module: types.ModuleType) -> None:
     assert len(names) == len(set(names))
     for name in names:
         assert hasattr(module, name), name
+
+
+KEY_SHA = "8d969eef6ecad3c29a3a629280e686cf0c3f5d5a86aff3ca12020c923adc6c92"  # sha256("123456")
+
+
+def test_tenants_from_toml(tmp_path: Path) -> None:
+    config_file = tmp_path / "g.toml"
+    config_file.write_text(
+        f"""
+[[tenants]]
+name = "alpha"
+key_sha256 = "{KEY_SHA}"
+max_inflight = 2
+requests_per_s = 5
+lanes = ["interactive"]
+"""
+    )
+    (tenant,) = Config.load(config_file).tenants
+    assert (tenant.name, tenant.max_inflight, tenant.requests_per_s, tenant.lanes) == (
+        "alpha",
+        2,
+        5.0,
+        ("interactive",),
+    )
+
+
+@pytest.mark.parametrize(
+    ("tenants", "message"),
+    [
+        ([{"name": "a", "key_sha256": "nothex"}], "key_sha256"),
+        ([{"name": "a", "key_sha256": KEY_SHA, "colour": 1}], "colour"),
+        ([{"name": "a", "key_sha256": KEY_SHA}, {"name": "a", "key_sha256": KEY_SHA}], "unique"),
+        ("alpha", "tables"),
+    ],
+)
+def test_bad_tenants_are_refused(tenants: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config.from_mapping({"tenants": tenants})

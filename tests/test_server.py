@@ -743,4 +743,4 @@ async def test_lanes_keep_a_slot_for_interactive_work(
     )
     conn.send(spec_frame("J_odd", 1, prompt="x", lane="vip"))
     assert (await conn.recv())["need_code"] == "spec_invalid"
-    assert server.ledger.refusals == {("lane_full", "heavy"): 1}
+    assert server.refusals == {("lane_full", "heavy", "default"): 1}

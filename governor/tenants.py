@@ -1,0 +1,119 @@
+"""Tenants: who may run what, how much at once, and how fast. Pure code, an injectable clock.
+
+Declared in the TOML config (``[[tenants]]`` tables); each has an API key, stored only as its
+sha256, a concurrency cap, token buckets for requests per second and tokens per second, the
+lanes it may use and a weight. A frame carries its key in ``api_key``. With no tenant declared
+the daemon runs open, as one default tenant with no limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantConfig:
+    name: str
+    key_sha256: str  # hex sha256 of the API key; the key itself is never stored
+    max_inflight: int = 0  # 0: no cap of its own
+    requests_per_s: float = 0.0  # 0: no request rate limit
+    request_burst: float = 0.0  # bucket size; 0: one second's worth (at least 1)
+    tokens_per_s: float = 0.0  # prompt + max_new_tokens per second; 0: no limit
+    token_burst: float = 0.0
+    lanes: tuple[str, ...] = ()  # allowed lanes; empty: all
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not _SHA256_HEX.fullmatch(self.key_sha256):
+            raise ValueError(f"tenant {self.name!r}: key_sha256 must be 64 lower-case hex digits")
+        if min(self.max_inflight, self.requests_per_s, self.tokens_per_s) < 0 or self.weight <= 0:
+            raise ValueError(f"tenant {self.name!r}: limits must be >= 0 and weight > 0")
+
+
+class TokenBucket:
+    """``rate`` per second, up to ``burst``; :meth:`wait_s` says how long until ``n`` are there."""
+
+    __slots__ = ("burst", "level", "rate", "stamp")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst or max(rate, 1.0)
+        self.level = self.burst
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def wait_s(self, n: float, now: float) -> float:
+        self._refill(now)
+        if n <= self.level:
+            return 0.0
+        if n > self.burst:  # it will never fit a full bucket: wait for a full one
+            n = self.burst
+        return (n - self.level) / self.rate
+
+    def take(self, n: float, now: float) -> None:
+        self._refill(now)
+        self.level -= n  # may go below zero for a job larger than the burst
+
+
+class Tenant:
+    """A tenant's live state: what it runs now, and its buckets."""
+
+    def __init__(self, config: TenantConfig, now: float) -> None:
+        self.config = config
+        self.name = config.name
+        self.inflight = 0
+        self.starts: list[float] = []  # when each of its running jobs was admitted
+        self.requests = TokenBucket(config.requests_per_s, config.request_burst, now)
+        self.tokens = TokenBucket(config.tokens_per_s, config.token_burst, now)
+
+    def allows_lane(self, lane: str) -> bool:
+        return not self.config.lanes or lane in self.config.lanes
+
+    def wait_s(self, tokens: int, now: float) -> float:
+        """How long until both buckets can take one more request of ``tokens``."""
+        waits = [0.0]
+        if self.config.requests_per_s:
+            waits.append(self.requests.wait_s(1, now))
+        if self.config.tokens_per_s:
+            waits.append(self.tokens.wait_s(tokens, now))
+        return max(waits)
+
+    def charge(self, tokens: int, now: float) -> None:
+        if self.config.requests_per_s:
+            self.requests.take(1, now)
+        if self.config.tokens_per_s:
+            self.tokens.take(tokens, now)
+
+
+OPEN = TenantConfig(name=DEFAULT_TENANT, key_sha256="0" * 64)
+
+
+class Tenants:
+    """The declared tenants, found by key; with none declared, everyone is the default tenant."""
+
+    def __init__(self, configs: Iterable[TenantConfig], clock: Callable[[], float]) -> None:
+        now = clock()
+        self._by_key = {c.key_sha256: Tenant(c, now) for c in configs}
+        self.open = not self._by_key
+        self._default = Tenant(OPEN, now)
+
+    def all(self) -> list[Tenant]:
+        return [self._default] if self.open else list(self._by_key.values())
+
+    def find(self, api_key: str | None) -> Tenant | None:
+        """The key's tenant; None for a missing or unknown key (unless the daemon runs open)."""
+        if self.open:
+            return self._default
+        if api_key is None:
+            return None
+        # Looked up by the key's hash: the stored secret is never compared, only its digest.
+        return self._by_key.get(hashlib.sha256(api_key.encode()).hexdigest())

@@ -1,0 +1,120 @@
+"""Tenants: keys, caps, rates and lanes, in the pure parts and through a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import time
+from typing import Any
+
+import pytest
+
+from clients import NO_RETRY, GovernorClient, RetryPolicy
+from governor.tenants import TenantConfig, Tenants, TokenBucket
+from protocol.spec import JobSpec
+
+from .conftest import ServerFactory, wait_until
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def test_token_bucket_refills_at_its_rate() -> None:
+    bucket = TokenBucket(rate=2.0, burst=4.0, now=0.0)
+    assert bucket.wait_s(4, now=0.0) == 0.0
+    bucket.take(4, now=0.0)
+    assert bucket.wait_s(1, now=0.0) == pytest.approx(0.5)
+    assert bucket.wait_s(1, now=0.5) == pytest.approx(0.0)
+    assert bucket.wait_s(10, now=0.5) == pytest.approx(1.5)  # never more than a full bucket
+
+
+def test_keys_are_found_by_their_hash_only() -> None:
+    tenants = Tenants([TenantConfig(name="a", key_sha256=sha("secret-a"))], clock=lambda: 0.0)
+    tenant = tenants.find("secret-a")
+    assert tenant is not None
+    assert tenant.name == "a"
+    assert tenants.find("secret-b") is None
+    assert tenants.find(None) is None
+    assert not tenants.open
+    open_ = Tenants([], clock=lambda: 0.0)
+    assert open_.open
+    found = open_.find(None)
+    assert found is not None
+    assert found.name == "default"
+
+
+TENANTS: list[dict[str, Any]] = [
+    {"name": "noisy", "key_sha256": sha("noisy-key"), "max_inflight": 1, "requests_per_s": 4},
+    {"name": "quiet", "key_sha256": sha("quiet-key"), "max_inflight": 3},
+    {"name": "batch", "key_sha256": sha("batch-key"), "lanes": ("background",)},
+]
+
+
+async def make(make_server: ServerFactory, **config: Any) -> Any:
+    return await make_server(tenants=tuple(TenantConfig(**t) for t in TENANTS), **config)
+
+
+async def test_unknown_or_missing_keys_are_unauthorized(make_server: ServerFactory) -> None:
+    server = await make(make_server, stub_ms=0)
+    host, port = server.address
+    for key in (None, "wrong-key"):
+        async with await GovernorClient.connect(host, port, api_key=key) as client:
+            result = await client.upload(b"hello", retry=NO_RETRY)
+        assert (result.reply.verb, result.reply.status) == ("confirm", "abort")
+        assert (result.reply.need_code, result.reply.error_code) == ("unauthorized", "unauthorized")
+        assert "noisy" not in (result.reply.detail or "")
+    async with await GovernorClient.connect(host, port, api_key="quiet-key") as client:
+        assert (await client.upload(b"hello")).done
+    assert server.ledger.executed_total == 1
+
+
+async def test_a_tenant_pinned_to_a_lane_runs_there(make_server: ServerFactory) -> None:
+    server = await make(make_server, stub_ms=500, lanes=True, max_inflight=2)
+    host, port = server.address
+    async with await GovernorClient.connect(host, port, api_key="batch-key") as client:
+        running = asyncio.ensure_future(client.generate(JobSpec(prompt="short", max_new_tokens=4)))
+        await wait_until(lambda: server.ledger.inflight == 1)
+        # A cheap, interactive-priced job, run in the only lane its tenant may use.
+        assert server.ledger.lane_inflight == {"background": 1}
+        assert (await running).done
+
+
+async def test_noisy_neighbour_gets_only_its_cap(make_server: ServerFactory) -> None:
+    server = await make(make_server, stub_ms=200, max_inflight=4)
+    host, port = server.address
+    peak = collections.Counter[str]()
+
+    def watch() -> None:
+        for tenant in server.tenants.all():
+            peak[tenant.name] = max(peak[tenant.name], tenant.inflight)
+
+    async def job(key: str) -> tuple[str, float, str | None]:
+        async with await GovernorClient.connect(host, port, api_key=key) as client:
+            start = time.monotonic()
+            result = await client.upload(b"x", retry=RetryPolicy(max_attempts=1))
+            watch()
+            return str(result.status), time.monotonic() - start, result.reply.need_code
+
+    async def sampler() -> None:
+        for _ in range(100):
+            watch()
+            await asyncio.sleep(0.01)
+
+    # The noisy tenant bursts 10 times its quota of 1 slot; the quiet one sends 3 jobs.
+    results = await asyncio.gather(
+        *(job("noisy-key") for _ in range(10)), *(job("quiet-key") for _ in range(3)), sampler()
+    )
+    noisy = [r for r in results[:10] if r is not None]
+    quiet = [r for r in results[10:13] if r is not None]
+    assert peak["noisy"] <= 1
+    assert sum(1 for r in noisy if r[0] == "done") == 1
+    refusals = {r[2] for r in noisy if r[0] == "yield"}
+    assert refusals <= {"tenant_busy", "rate_limited"}
+    assert refusals
+    # The quiet tenant kept its share and its latency: all three ran at once.
+    assert [r[0] for r in quiet] == ["done"] * 3
+    assert max(r[1] for r in quiet) < 1.0
+    assert server.refusals[("tenant_busy", "-", "noisy")] >= 1
+    assert not any(t == "quiet" for (_, _, t) in server.refusals)
