@@ -158,6 +158,24 @@ class Config:
     kv_interactive_share: float = _opt(
         0.2, "lanes: share of kv_capacity kept for interactive work."
     )
+    ttft_slo_ms: float = _opt(
+        1000.0,
+        "lanes: the interactive p95 time-to-first-token objective that drives the overload states.",
+    )
+    overload_window: float = _opt(
+        30.0, "lanes: seconds over which the overload signals are measured."
+    )
+    overload_dwell: float = _opt(
+        10.0, "lanes: seconds an overload state lasts at least before it falls a level."
+    )
+    degraded_max_new_tokens: int = _opt(
+        128,
+        "lanes, ladder: interactive jobs' max_new_tokens from the degraded state on; 0: step off.",
+    )
+    pause_background: bool = _opt(
+        True, "lanes, ladder: refuse background jobs (yield lane_paused) from batch_paused on."
+    )
+    interactive_only: bool = _opt(True, "lanes, ladder: refuse heavy jobs too in interactive_only.")
     tenants: tuple[TenantConfig, ...] = _opt(
         (),
         "TOML only: [[tenants]] tables (name, key_sha256, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight); none: open, one default tenant.",
@@ -204,10 +222,11 @@ class Config:
             "kv_capacity",
             "prompt_weight",
             "output_weight",
+            "degraded_max_new_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
-        for name in ("idle_timeout", "job_timeout"):
+        for name in ("idle_timeout", "job_timeout", "ttft_slo_ms", "overload_window"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.n_ctx < 16:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
 from .ledger import Promise, Refusal, Slot
+from .overload import OverloadController
 from .policy import LANES, Demand, Lane, Rejection
 from .runners import Job, RunnerError, Token
 from .tenants import Tenant
@@ -54,6 +56,7 @@ class JobState:
     promise: Promise | None = None  # when the held payload's client was told to come back
     job: Job | None = None  # the verified payload as the runner prepared it
     demand: Demand | None = None  # its lane and KV reservation, under a lane policy
+    degraded: tuple[str, ...] = ()  # the fallback steps that shaped it
     # Set on admission:
     request: Request | None = None  # the frame that completed the payload; the terminal answers it
     slot: Slot | None = None
@@ -372,15 +375,20 @@ class GovernorProtocol(asyncio.Protocol):
     def _admit(self, req: Request, state: JobState) -> None:
         promise, state.promise = state.promise, None
         tenant, now = state.tenant, self.ledger.clock()
+        overload = self.server.overload
+        if overload is not None:
+            self._apply_ladder(state, overload)
         tokens = self._tokens(state)
         decision: Slot | Refusal
-        over_limit = self._tenant_refusal(tenant, tokens, now)
+        over_limit = self._paused(state, now) or self._tenant_refusal(tenant, tokens, now)
         if over_limit is not None:
             if promise is not None:
                 self.ledger.withdraw(promise)
             decision = self.ledger.refused(over_limit)
         else:
             decision = self.ledger.admit(promise, state.demand)
+        if overload is not None:
+            overload.observe_admission(yielded=isinstance(decision, Refusal))
         if isinstance(decision, Refusal):
             lane = state.demand.lane if state.demand is not None else "-"
             self.server.refusals[(decision.need_code, lane, tenant.name)] += 1
@@ -423,6 +431,31 @@ class GovernorProtocol(asyncio.Protocol):
         state.request = req
         state.slot = decision
         state.task = self.server.spawn(self._run(state, decision, state.job))
+
+    def _apply_ladder(self, state: JobState, overload: OverloadController) -> None:
+        """The degraded state's step: a lower max_new_tokens for interactive work."""
+        job, demand = state.job, state.demand
+        if demand is None or job is None or job.spec is None or state.degraded:
+            return
+        cap = overload.max_new_tokens(demand.lane, job.spec.max_new_tokens)
+        if cap is not None:
+            cut = job.spec.max_new_tokens - cap
+            state.job = dataclasses.replace(
+                job, spec=dataclasses.replace(job.spec, max_new_tokens=cap)
+            )
+            state.demand = Demand(demand.lane, demand.kv_tokens - cut)
+            state.degraded = ("interactive_max_new_tokens",)
+            self.server.ladder["interactive_max_new_tokens"] += 1
+
+    def _paused(self, state: JobState, now: float) -> Refusal | None:
+        """The ladder's pauses: background from batch_paused on, heavy in interactive_only."""
+        overload = self.server.overload
+        if overload is None or state.demand is None or not overload.paused(state.demand.lane):
+            return None
+        step = "pause_background" if state.demand.lane == Lane.BACKGROUND else "interactive_only"
+        self.server.ladder[step] += 1
+        until = max(now, overload.changed_at + overload.settings.min_dwell_s)
+        return Refusal(NeedCode.LANE_PAUSED, self.ledger.hint_ms(now, until))
 
     def _tenant_refusal(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
         """The tenant's concurrency cap, then its request and token rates."""
@@ -485,6 +518,9 @@ class GovernorProtocol(asyncio.Protocol):
                 completed = True
                 self._terminal(state, result=result)
         finally:
+            overload = self.server.overload
+            if overload is not None and state.outcome != "cancelled":
+                overload.observe_outcome(failed=state.outcome not in ("done", "client_gone"))
             slot.release(completed=completed)
             state.tenant.inflight -= 1
             state.tenant.starts.remove(slot.started)
@@ -499,6 +535,8 @@ class GovernorProtocol(asyncio.Protocol):
         async with contextlib.aclosing(self.server.runner.run(job)) as events:
             async for event in events:
                 if isinstance(event, Token):
+                    if not parts:
+                        self._first_token(state)
                     parts.append(event.text)
                     if stream and not state.terminal_sent:
                         self._send_delta(state, event.text)
@@ -508,6 +546,13 @@ class GovernorProtocol(asyncio.Protocol):
                         result.setdefault("text", "".join(parts))
                     return result
         raise RunnerError("the runner ended the job without finishing it")
+
+    def _first_token(self, state: JobState) -> None:
+        """Interactive time to first token, measured from admission, feeds the overload state."""
+        overload, demand, slot = self.server.overload, state.demand, state.slot
+        if overload is not None and demand is not None and demand.lane == Lane.INTERACTIVE:
+            assert slot is not None
+            overload.observe_ttft((self.ledger.clock() - slot.started) * 1000)
 
     def _send_delta(self, state: JobState, text: str) -> None:
         req = state.request
@@ -531,6 +576,8 @@ class GovernorProtocol(asyncio.Protocol):
             return
         state.terminal_sent = True
         state.outcome = need_code or "done"
+        if result is not None and state.degraded:
+            result = {**result, "degraded": list(state.degraded)}
         held_ms = round((self.ledger.clock() - state.slot.started) * 1000)
         self._send(
             self._reply(

@@ -98,6 +98,26 @@ class GovernorCollector(Collector):
                 "The KV budget's capacity (0: no budget).",
                 value=ledger.policy.kv_capacity,
             )
+        if server.overload is not None:
+            yield GaugeMetricFamily(
+                "governor_overload_state",
+                "0 normal, 1 degraded, 2 batch_paused, 3 interactive_only.",
+                value=int(server.overload.state),
+            )
+            moves = CounterMetricFamily(
+                "governor_overload_transitions", "Overload state changes.", labels=["from", "to"]
+            )
+            for (before, after), count in sorted(server.overload.transitions.items()):
+                moves.add_metric([before, after], count)
+            yield moves
+        ladder = CounterMetricFamily(
+            "governor_fallback_activations",
+            "Fallback ladder steps taken, by step.",
+            labels=["step"],
+        )
+        for step, count in sorted(server.ladder.items()):
+            ladder.add_metric([step], count)
+        yield ladder
         bad = CounterMetricFamily(
             "governor_bad_frames", "Lines refused before any upload, by need code.", labels=["code"]
         )

@@ -23,13 +23,15 @@ from .config import Config
 from .connection import GovernorProtocol
 from .ledger import SlotLedger
 from .metrics import MetricsEndpoint
+from .overload import OverloadController, OverloadSettings
 from .policy import Lane, LanePolicy
 from .runners import Runner, StubRunner
 from .tenants import Tenants
 
 log = logging.getLogger("governor")
 
-LISTEN_BACKLOG = 4096  # a burst of connects must not be refused before the governor can answer
+LISTEN_BACKLOG = 4096
+OVERLOAD_PERIOD_S = 0.5  # a burst of connects must not be refused before the governor can answer
 
 
 def build_runner(config: Config) -> Runner:
@@ -107,6 +109,23 @@ class Server:
             policy=build_policy(config) if config.lanes else None,
         )
         self.tenants = Tenants(config.tenants, self.ledger.clock)
+        self.overload = (
+            OverloadController(
+                OverloadSettings(
+                    ttft_slo_ms=config.ttft_slo_ms,
+                    window_s=config.overload_window,
+                    min_dwell_s=config.overload_dwell,
+                    kv_danger=config.kv_danger,
+                    degraded_max_new_tokens=config.degraded_max_new_tokens,
+                    pause_background=config.pause_background,
+                    interactive_only=config.interactive_only,
+                ),
+                self.ledger.clock,
+            )
+            if config.lanes
+            else None
+        )
+        self.ladder: collections.Counter[str] = collections.Counter()  # fallback steps taken
         # Every yield, by need code, lane ('-' without lanes) and tenant.
         self.refusals: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.connections: set[GovernorProtocol] = set()
@@ -115,6 +134,7 @@ class Server:
         self.buffered_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: asyncio.Server | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._metrics: MetricsEndpoint | None = None
         self._jobs_done = asyncio.Event()
         self._force = asyncio.Event()
@@ -163,6 +183,8 @@ class Server:
                 p.interactive_reserve,
                 f"{p.kv_capacity} tokens" if p.kv_capacity else "off",
             )
+        if self.overload is not None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_overload())
         if self.config.metrics_address is not None:
             self._metrics = MetricsEndpoint(self)
             await self._metrics.start(*self.config.metrics_address)
@@ -212,6 +234,9 @@ class Server:
         self._force.set()
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
         for conn in list(self.connections):
@@ -223,6 +248,25 @@ class Server:
         if self._metrics is not None:
             await self._metrics.close()
         await self.runner.close()
+
+    async def _watch_overload(self) -> None:
+        """Re-evaluate the overload state twice a second; log each change."""
+        overload, ledger = self.overload, self.ledger
+        assert overload is not None
+        while True:
+            await asyncio.sleep(OVERLOAD_PERIOD_S)
+            capacity = ledger.policy.kv_capacity if ledger.policy is not None else 0
+            overload.kv_utilisation = ledger.kv_reserved / capacity if capacity else 0.0
+            before = overload.state
+            if overload.update() != before:
+                log.warning(
+                    "overload state %s -> %s (%s)",
+                    before.label,
+                    overload.state.label,
+                    ", ".join(
+                        f"{k} {v:.3g}" for k, v in overload.signals().items() if v is not None
+                    ),
+                )
 
     # Called by connections -----------------------------------------------------------
 
@@ -258,8 +302,10 @@ class Server:
         self.buffered_bytes -= nbytes
 
     def ping_receipts(self) -> tuple[tuple[str, int], ...]:
+        state = self.overload.state if self.overload is not None else 0
         return (
             (Receipt.INFLIGHT_PEAK, self.ledger.peak_inflight),
             (Receipt.DRAINING, int(self.ledger.draining)),
             (Receipt.CONNECTIONS, len(self.connections)),
+            (Receipt.OVERLOAD_STATE, int(state)),
         )

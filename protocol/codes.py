@@ -73,6 +73,7 @@ class NeedCode(StrEnum):
     SERVER_BUSY = "server_busy"  # yield: every execution slot is taken
     DRAINING = "draining"  # extension, yield: the daemon is shutting down
     LANE_FULL = "lane_full"  # extension, yield: the job's lane has no slot it may take now
+    LANE_PAUSED = "lane_paused"  # extension, yield: the overload state pauses the job's lane
     TENANT_BUSY = "tenant_busy"  # extension, yield: the tenant is at its concurrency cap
     RATE_LIMITED = "rate_limited"  # extension, yield: the tenant's request or token rate
     KV_PRESSURE = "kv_pressure"  # extension, yield: the KV budget cannot take the job now
@@ -128,6 +129,9 @@ class Receipt(StrEnum):
     INFLIGHT_PEAK = "backend.inflight_peak"  # highest inflight since start
     DRAINING = "server.draining"  # 1 while shutting down
     CONNECTIONS = "server.connections"
+    OVERLOAD_STATE = (
+        "server.overload_state"  # 0 normal, 1 degraded, 2 batch_paused, 3 interactive_only
+    )
     RETRY_HINT_MS = "conn.retry_hint_ms"  # on a yield: the hint, as heptamini sends it
     PAYLOAD_HELD = "conn.payload_held"  # on a yield: 1 if resending the final chunk will do
     BACKEND_MS = "cdr.backend.ms"  # on a terminal frame: time the job held its slot

@@ -744,3 +744,41 @@ async def test_lanes_keep_a_slot_for_interactive_work(
     conn.send(spec_frame("J_odd", 1, prompt="x", lane="vip"))
     assert (await conn.recv())["need_code"] == "spec_invalid"
     assert server.refusals == {("lane_full", "heavy", "default"): 1}
+
+
+async def test_overload_states_drive_the_fallback_ladder(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    server = await make_server(
+        max_inflight=2,
+        stub_ms=20,
+        lanes=True,
+        interactive_reserve=1,
+        ttft_slo_ms=1,  # any measured TTFT is far over it
+        overload_dwell=60,
+        degraded_max_new_tokens=16,
+    )
+    conn = await raw(server)
+    for i in range(6):  # interactive jobs whose TTFT (20 ms) is 20 x the objective
+        conn.send(spec_frame(f"J_{i}", 1, prompt="hi", max_new_tokens=8))
+        while (await conn.recv())["status"] != "done":
+            pass
+    assert server.overload is not None
+    await wait_until(lambda: server.overload is not None and server.overload.state == 3)
+    conn.send(ping("J_p", 1))
+    assert receipt(await conn.recv(), "server.overload_state") == 3  # interactive_only
+    conn.send(spec_frame("J_heavy", 1, prompt="word " * 2000, max_new_tokens=200))
+    paused = await conn.recv()
+    assert (paused["status"], paused["need_code"], paused["error_code"]) == (
+        "yield",
+        "lane_paused",
+        "busy",
+    )
+    assert paused["retry_hint_ms"] > 1000  # until the state may fall
+    conn.send(spec_frame("J_long_chat", 1, prompt="hi", max_new_tokens=200))
+    while (done := await conn.recv())["status"] != "done":
+        pass
+    assert done["result"]["degraded"] == ["interactive_max_new_tokens"]
+    assert done["result"]["completion_tokens"] == 16
+    assert server.ladder == {"interactive_only": 1, "interactive_max_new_tokens": 1}
+    assert server.overload.transitions[("normal", "interactive_only")] == 1
