@@ -458,11 +458,15 @@ class GovernorProtocol(asyncio.Protocol):
         return Refusal(NeedCode.LANE_PAUSED, self.ledger.hint_ms(now, until))
 
     def _tenant_refusal(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
-        """The tenant's concurrency cap, then its request and token rates."""
+        """The tenant's concurrency cap, its weighted share, then its request and token rates."""
         ledger, cap = self.ledger, tenant.config.max_inflight
         if cap and tenant.inflight >= cap:
             first_end = min(tenant.starts) + ledger.service_s
             return Refusal(NeedCode.TENANT_BUSY, ledger.hint_ms(now, first_end))
+        share = self.server.tenants.fair_share(tenant, ledger.cap)
+        if share is not None and tenant.inflight >= share:  # contended: shared by weight
+            first_end = min(tenant.starts) + ledger.service_s
+            return Refusal(NeedCode.TENANT_SHARE, ledger.hint_ms(now, first_end))
         wait = tenant.wait_s(tokens, now)
         if wait > 0:
             return Refusal(NeedCode.RATE_LIMITED, ledger.hint_ms(now, now + wait))
@@ -484,6 +488,7 @@ class GovernorProtocol(asyncio.Protocol):
         if not state.held and self.held_count < self.config.held_payloads_per_conn:
             state.held = True
             self.held_count += 1
+            state.tenant.waiting += 1
         return state.held
 
     async def _run(self, state: JobState, slot: Slot, job: Job) -> None:
@@ -725,6 +730,7 @@ class GovernorProtocol(asyncio.Protocol):
     def _unhold(self, state: JobState) -> None:
         state.held = False
         self.held_count -= 1
+        state.tenant.waiting -= 1
         if state.promise is not None:
             self.ledger.withdraw(state.promise)
             state.promise = None

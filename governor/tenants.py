@@ -9,6 +9,7 @@ the daemon runs open, as one default tenant with no limits.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class Tenant:
         self.config = config
         self.name = config.name
         self.inflight = 0
+        self.waiting = 0  # its refused payloads held for a retry
         self.starts: list[float] = []  # when each of its running jobs was admitted
         self.requests = TokenBucket(config.requests_per_s, config.request_burst, now)
         self.tokens = TokenBucket(config.tokens_per_s, config.token_burst, now)
@@ -108,6 +110,30 @@ class Tenants:
 
     def all(self) -> list[Tenant]:
         return [self._default] if self.open else list(self._by_key.values())
+
+    def fair_share(self, tenant: Tenant, cap: int) -> int | None:
+        """``tenant``'s weighted share of ``cap`` while another tenant waits; None: no contention.
+
+        Shared among the tenants active now (running or waiting), by weight; a tenant whose own
+        ``max_inflight`` is below its share gets that, and the rest goes to the others.
+        """
+        active = [t for t in self.all() if t is tenant or t.inflight or t.waiting]
+        if not any(t.waiting for t in active if t is not tenant):
+            return None
+        remaining, pool = float(cap), active
+        while True:
+            total = sum(t.config.weight for t in pool)
+            capped = [
+                t
+                for t in pool
+                if t.config.max_inflight
+                and t.config.max_inflight < remaining * t.config.weight / total
+            ]
+            if not capped or tenant in capped:
+                break
+            remaining -= sum(t.config.max_inflight for t in capped)
+            pool = [t for t in pool if t not in capped]
+        return max(1, math.ceil(remaining * tenant.config.weight / total))
 
     def find(self, api_key: str | None) -> Tenant | None:
         """The key's tenant; None for a missing or unknown key (unless the daemon runs open)."""

@@ -75,6 +75,7 @@ class NeedCode(StrEnum):
     LANE_FULL = "lane_full"  # extension, yield: the job's lane has no slot it may take now
     LANE_PAUSED = "lane_paused"  # extension, yield: the overload state pauses the job's lane
     TENANT_BUSY = "tenant_busy"  # extension, yield: the tenant is at its concurrency cap
+    TENANT_SHARE = "tenant_share"  # extension, yield: at its weighted share while others wait
     RATE_LIMITED = "rate_limited"  # extension, yield: the tenant's request or token rate
     KV_PRESSURE = "kv_pressure"  # extension, yield: the KV budget cannot take the job now
     # Extension, abort: the policy will never run this job.
