@@ -126,6 +126,10 @@ class Config:
         2.0,
         "lanes: cost per requested output token (decode takes about twice prefill's time per token).",
     )
+    tool_risk_weight: float = _opt(
+        2000.0,
+        "lanes: cost of a job spec's tool_risk of 1 (a job likely to call tools is priced as that many more tokens).",
+    )
     interactive_max_cost: float = _opt(
         1500.0, "lanes: the highest cost an interactive job may have."
     )
@@ -222,6 +226,7 @@ class Config:
             "kv_capacity",
             "prompt_weight",
             "output_weight",
+            "tool_risk_weight",
             "degraded_max_new_tokens",
         ):
             if getattr(self, name) < 0:

@@ -356,7 +356,7 @@ class GovernorProtocol(asyncio.Protocol):
             if spec.lane not in LANES:
                 return Rejection(NeedCode.SPEC_INVALID, f"no lane {spec.lane!r}")
             requested = Lane(spec.lane)
-        decision = policy.classify(prompt_tokens, spec.max_new_tokens, requested)
+        decision = policy.classify(prompt_tokens, spec.max_new_tokens, requested, spec.tool_risk)
         if isinstance(decision, Rejection):
             return decision
         # A tenant pinned to some lanes runs in the first of them at or below the job's own.

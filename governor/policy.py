@@ -80,7 +80,11 @@ class LanePolicy:
         )
 
     def classify(
-        self, prompt_tokens: int, max_new_tokens: int, requested: Lane | None = None
+        self,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        requested: Lane | None = None,
+        tool_risk: float = 0.0,
     ) -> Demand | Rejection:
         """The lane a job runs in, or why it never can."""
         if self.prompt_ceiling and prompt_tokens > self.prompt_ceiling:
@@ -88,7 +92,7 @@ class LanePolicy:
                 NeedCode.PROMPT_OVER_CEILING,
                 f"the prompt is {prompt_tokens} tokens; the ceiling is {self.prompt_ceiling}",
             )
-        score = self.cost(prompt_tokens, max_new_tokens)
+        score = self.cost(prompt_tokens, max_new_tokens, tool_risk)
         if score <= self.interactive_max_cost:
             lane = Lane.INTERACTIVE
         elif score <= self.heavy_max_cost:

@@ -79,6 +79,7 @@ def build_policy(config: Config) -> LanePolicy:
     return LanePolicy(
         prompt_weight=config.prompt_weight,
         output_weight=config.output_weight,
+        tool_risk_weight=config.tool_risk_weight,
         interactive_max_cost=config.interactive_max_cost,
         heavy_max_cost=config.heavy_max_cost,
         lane_slots={

@@ -37,6 +37,7 @@ _FIELDS = frozenset(
         "stream",
         "tenant",
         "lane",
+        "tool_risk",
     }
 )
 
@@ -65,6 +66,7 @@ class JobSpec:
     stream: bool = False
     tenant: str | None = None  # for the policy layer
     lane: str | None = None  # for the policy layer
+    tool_risk: float = 0.0  # how likely the job calls tools (0 to 1): weighs in its cost
 
     def estimated_prompt_tokens(self) -> int:
         """The prompt's length in tokens for a runner without a tokenizer: about 4 characters each."""
@@ -90,6 +92,8 @@ class JobSpec:
         for name in ("tenant", "lane"):
             if getattr(self, name) is not None:
                 obj[name] = getattr(self, name)
+        if self.tool_risk:
+            obj["tool_risk"] = self.tool_risk
         return obj
 
     def encode(self) -> bytes:
@@ -194,4 +198,5 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
         stream=stream,
         tenant=labels["tenant"],
         lane=labels["lane"],
+        tool_risk=_number(obj, "tool_risk", 0.0, 0.0, 1.0),
     )

@@ -33,6 +33,12 @@ def test_classification(prompt: int, max_new: int, requested: Lane | None, lane:
     assert demand == Demand(lane, prompt + max_new)
 
 
+def test_tool_risk_moves_a_job_down() -> None:
+    policy = LanePolicy(tool_risk_weight=2000.0)
+    assert policy.classify(20, 64) == Demand(Lane.INTERACTIVE, 84)
+    assert policy.classify(20, 64, tool_risk=1.0) == Demand(Lane.HEAVY, 84)
+
+
 def test_cost_weights() -> None:
     policy = LanePolicy(prompt_weight=1.0, output_weight=2.0, tool_risk_weight=100.0)
     assert policy.cost(10, 5, tool_risk=1.0) == 10 + 10 + 100
