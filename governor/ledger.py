@@ -13,9 +13,10 @@ slot releases instead of all returning at the same instant.
 
 * ``S`` is the expected service time: an exponentially weighted mean of the observed times
   of completed jobs (``alpha`` = 0.2), starting from the runner's own estimate.
-* Each running job ``i`` is expected to end at ``e_i = max(start_i + S, now + floor)``; the
-  ``floor`` (``min_hint_ms``) covers jobs already running longer than expected, and a free
-  slot counts as releasing at ``now + floor``. Sorted, the ``e_i`` are the next ``n = cap``
+* Each running job ``i`` is expected to end at ``e_i = start_i + S``, or, once it has run
+  ``ran_i >= S``, at ``now + ran_i / 4``: a job that has outlived the estimate is likely a long
+  one, so it is given a quarter more of what it has run. Never sooner than ``now + floor``
+  (``min_hint_ms``); a free slot counts as releasing at ``now + floor``. Sorted, the ``e_i`` are the next ``n = cap``
   releases. After that each slot frees every ``S + T`` seconds, ``T`` being the turnaround:
   how long a released slot waits for the returning client it was promised to (an
   exponentially weighted mean, from ``min_hint_ms``). The ``k``-th release from now is
@@ -213,7 +214,7 @@ class SlotLedger:
         if lane != Lane.INTERACTIVE:
             unused_reserve = policy.interactive_reserve - self.lane_inflight[Lane.INTERACTIVE]
             if free <= unused_reserve:  # the free slots are interactive work's
-                return Refusal(NeedCode.LANE_FULL, self.hint_ms(now, self._release_time(now, 0)))
+                return Refusal(NeedCode.LANE_FULL, self.hint_ms(now, self._next_end(now)))
         if policy.kv_capacity:
             share = (
                 1.0
@@ -221,17 +222,30 @@ class SlotLedger:
                 else min(policy.kv_danger, 1.0 - policy.kv_interactive_share)
             )
             if self.kv_reserved + demand.kv_tokens > share * policy.kv_capacity:
-                return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self._release_time(now, 0)))
+                return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self._next_end(now)))
         return None
+
+    def _next_end(self, now: float) -> float:
+        """When the first running job is expected to end (a free slot frees nothing more)."""
+        return min((self._expected_end(slot, now) for slot in self._running), default=now)
 
     def _lane_release(self, now: float, lane: Lane) -> float:
         """When the first running job of ``lane`` is expected to end."""
-        floor = now + self.min_hint_ms / 1000
         return min(
-            max(slot.started + self.service_s, floor)
+            self._expected_end(slot, now)
             for slot in self._running
             if slot.demand is not None and slot.demand.lane == lane
         )
+
+    def _expected_end(self, slot: Slot, now: float) -> float:
+        """``start + S``; for a job already past that, a quarter more of what it has run.
+
+        (Service times are long-tailed: a job that has outlived the estimate is likely a long
+        one, and telling its waiters "any moment now" would have them retry in a busy loop.)
+        """
+        ran = now - slot.started
+        expected = slot.started + self.service_s if ran < self.service_s else now + ran / 4
+        return max(expected, now + self.min_hint_ms / 1000)
 
     def hint_ms(self, now: float, at: float) -> int:
         """Milliseconds from ``now`` to ``at``, within the hint's bounds."""
@@ -313,11 +327,10 @@ class SlotLedger:
 
     def _release_time(self, now: float, k: int) -> float:
         """When the ``k``-th slot release from now is expected (``k`` = 0: the next one)."""
-        s = self.service_s
+        ends = [self._expected_end(slot, now) for slot in self._running]
         floor = now + self.min_hint_ms / 1000
-        ends = [max(slot.started + s, floor) for slot in self._running]
         ends += [floor] * (self.cap - len(ends))  # a free slot is held for a promise due now
         ends.sort()
         rounds, i = divmod(k, len(ends))
         # Each later turn of a slot starts when its promised client is back, not at once.
-        return ends[i] + rounds * (s + self.turnaround_s)
+        return ends[i] + rounds * (self.service_s + self.turnaround_s)

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Protocol
 
-from . import admission, burst, overhead
+from . import admission, burst, lanes, overhead
 
 
 class Command(Protocol):
@@ -27,7 +27,8 @@ class Command(Protocol):
 _burst: Command = burst
 _admission: Command = admission
 _overhead: Command = overhead
-COMMANDS: dict[str, Command] = {c.NAME: c for c in (_burst, _admission, _overhead)}
+_lanes: Command = lanes
+COMMANDS: dict[str, Command] = {c.NAME: c for c in (_burst, _admission, _overhead, _lanes)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -132,13 +132,21 @@ def test_hint_never_constant_across_load(clock: FakeClock) -> None:
     assert b.retry_hint_ms == 8000
 
 
-def test_overrunning_job_gets_the_floor_not_a_negative_hint(clock: FakeClock) -> None:
+def test_an_overrunning_job_is_given_a_quarter_more_of_what_it_has_run(clock: FakeClock) -> None:
+    """Not "any moment now": that would have its waiters retry in a busy loop."""
     ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)
     ledger.admit()
-    clock.now += 10.0  # long past its expected end
+    clock.now += 10.0  # long past its expected end of 1 s
     refusal = ledger.admit()
     assert isinstance(refusal, Refusal)
-    assert refusal.retry_hint_ms == 5
+    assert refusal.retry_hint_ms == 2500
+    clock.now += 0.999  # ... but a job just short of the estimate ends at the estimate
+    fresh = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    fresh.admit()
+    clock.now += 0.999
+    refusal = fresh.admit()
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_hint_ms == 5  # 1 ms away: the floor
 
 
 def test_hint_clamped_to_max(clock: FakeClock) -> None:
@@ -245,7 +253,7 @@ def test_promises_lapse_and_are_withdrawn(clock: FakeClock) -> None:
     clock.now += 60.0  # every promise has lapsed; the running job is long overdue
     refusal = ledger.admit()
     assert isinstance(refusal, Refusal)
-    assert refusal.retry_hint_ms == ledger.min_hint_ms
+    assert refusal.retry_hint_ms == 15_000  # first in line: a quarter of the 60 s it has run
 
 
 def test_withdrawn_promises_no_longer_push_hints_out(clock: FakeClock) -> None:

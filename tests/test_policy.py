@@ -141,3 +141,15 @@ def test_burst_of_long_jobs_never_overfills_kv_and_interactive_still_runs(clock:
         assert ledger.kv_reserved <= 20_000 * 0.8
     assert len(admitted) == 6  # 6 x 2500 = 15000 <= 16000 (80 %); a 7th would pass it
     assert isinstance(ledger.admit(demand=Demand(Lane.INTERACTIVE, 400)), Slot)
+
+
+def test_a_heavy_job_kept_off_the_reserve_is_told_when_a_running_job_ends(
+    clock: FakeClock,
+) -> None:
+    ledger = ledger_with(clock, cap=2, interactive_reserve=1)
+    assert isinstance(ledger.admit(demand=HEAVY), Slot)
+    clock.now += 0.4
+    refused = ledger.admit(demand=HEAVY)  # one slot is free, but it is the reserve
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == "lane_full"
+    assert refused.retry_hint_ms == 600  # the running job's expected end, not "now"
