@@ -165,15 +165,11 @@ class GovernorProtocol(asyncio.Protocol):
             return
         state = self.jobs.get(req.job)
         if state is not None and state.task is not None:
-            self._send(
-                self._reply(
-                    req,
-                    Verb.CLARIFY,
-                    Status.NEED,
-                    need_code=NeedCode.JOB_RUNNING,
-                    error_code=ErrorCode.CONFLICT,
-                    detail=f"job {req.job!r} is running; use another job id",
-                )
+            self._need(
+                req,
+                NeedCode.JOB_RUNNING,
+                ErrorCode.CONFLICT,
+                f"job {req.job!r} is running; use another job id",
             )
         elif req.manifest is not None:
             self._on_manifest(req, state)
@@ -254,15 +250,11 @@ class GovernorProtocol(asyncio.Protocol):
     def _on_cancel(self, req: Request) -> None:
         state = self.jobs.get(req.job)
         if state is None:
-            self._send(
-                self._reply(
-                    req,
-                    Verb.CLARIFY,
-                    Status.NEED,
-                    need_code=NeedCode.JOB_UNKNOWN,
-                    error_code=ErrorCode.BAD_ENVELOPE,
-                    detail=f"no job {req.job!r} on this connection",
-                )
+            self._need(
+                req,
+                NeedCode.JOB_UNKNOWN,
+                ErrorCode.BAD_ENVELOPE,
+                f"no job {req.job!r} on this connection",
             )
         elif state.task is not None:  # its terminal abort is the answer
             self._terminal(
@@ -274,30 +266,19 @@ class GovernorProtocol(asyncio.Protocol):
             state.task.cancel()
         else:  # uploading, or held after a yield: dropped
             self._forget(req.job)
-            self._send(
-                self._reply(
-                    req,
-                    Verb.CONFIRM,
-                    Status.ABORT,
-                    need_code=NeedCode.CANCELLED,
-                    error_code=ErrorCode.CANCELLED,
-                    detail="cancelled by the client before it ran",
-                )
+            self._abort(
+                req,
+                NeedCode.CANCELLED,
+                ErrorCode.CANCELLED,
+                "cancelled by the client before it ran",
             )
 
     def _new_job(self, req: Request) -> JobState | None:
         """A job id not seen before on this connection; None if refused (its reply is sent)."""
         tenant = self.server.tenants.find(req.api_key)
         if tenant is None:  # says nothing of which tenants exist
-            self._send(
-                self._reply(
-                    req,
-                    Verb.CONFIRM,
-                    Status.ABORT,
-                    need_code=NeedCode.UNAUTHORIZED,
-                    error_code=ErrorCode.UNAUTHORIZED,
-                    detail="a valid api_key is needed",
-                )
+            self._abort(
+                req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, "a valid api_key is needed"
             )
             return None
         if len(self.jobs) >= self.config.max_jobs_per_conn:
@@ -329,16 +310,8 @@ class GovernorProtocol(asyncio.Protocol):
                 self._admit(req, state)
                 return
             self._forget(req.job)
-            self._send(
-                self._reply(
-                    req,
-                    Verb.CONFIRM,
-                    Status.ABORT,
-                    seq=_final_seq(req),
-                    need_code=rejection.need_code,
-                    error_code=ErrorCode.POLICY,
-                    detail=rejection.detail,
-                )
+            self._abort(
+                req, rejection.need_code, ErrorCode.POLICY, rejection.detail, seq=_final_seq(req)
             )
             return
         self._forget(req.job)
@@ -699,6 +672,36 @@ class GovernorProtocol(asyncio.Protocol):
             detail=detail,
             receipts=(*self._receipts(self._bytes_in(req.job)), *extra),
             result=result,
+        )
+
+    def _need(
+        self, req: Request, need_code: str, error_code: str, detail: str, *, seq: int | None = None
+    ) -> None:
+        self._send(
+            self._reply(
+                req,
+                Verb.CLARIFY,
+                Status.NEED,
+                seq=seq,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+            )
+        )
+
+    def _abort(
+        self, req: Request, need_code: str, error_code: str, detail: str, *, seq: int | None = None
+    ) -> None:
+        self._send(
+            self._reply(
+                req,
+                Verb.CONFIRM,
+                Status.ABORT,
+                seq=seq,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+            )
         )
 
     def _error(self, req: Request, exc: RemoteProtocolError, *, seq: int | None = None) -> Reply:
