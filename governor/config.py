@@ -180,6 +180,12 @@ class Config:
         True, "lanes, ladder: refuse background jobs (yield lane_paused) from batch_paused on."
     )
     interactive_only: bool = _opt(True, "lanes, ladder: refuse heavy jobs too in interactive_only.")
+    fallback_model: str | None = _opt(
+        None,
+        "lanes, ladder: a smaller GGUF for heavy and background work while degraded; 'embedded': the embedded model with fallback_n_ctx; unset: no fallback pool.",
+    )
+    fallback_workers: int = _opt(1, "lanes, ladder: worker processes (slots) of the fallback pool.")
+    fallback_n_ctx: int = _opt(512, "lanes, ladder: context window of the fallback pool's workers.")
     tenants: tuple[TenantConfig, ...] = _opt(
         (),
         "TOML only: [[tenants]] tables (name, key_sha256, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight); none: open, one default tenant.",
@@ -210,6 +216,8 @@ class Config:
             "interactive_max_new_tokens",
             "heavy_max_new_tokens",
             "background_max_new_tokens",
+            "fallback_workers",
+            "fallback_n_ctx",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")

@@ -34,9 +34,9 @@ from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
 from .ledger import Promise, Refusal, Slot
-from .overload import OverloadController
+from .overload import OverloadController, State
 from .policy import LANES, Demand, Lane, Rejection
-from .runners import Job, RunnerError, Token
+from .runners import Job, Runner, RunnerError, Token
 from .tenants import Tenant
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class JobState:
     job: Job | None = None  # the verified payload as the runner prepared it
     demand: Demand | None = None  # its lane and KV reservation, under a lane policy
     degraded: tuple[str, ...] = ()  # the fallback steps that shaped it
+    runner: Runner | None = None  # the fallback pool's, when the ladder sent it there
     # Set on admission:
     request: Request | None = None  # the frame that completed the payload; the terminal answers it
     slot: Slot | None = None
@@ -359,7 +360,9 @@ class GovernorProtocol(asyncio.Protocol):
                 self.ledger.withdraw(promise)
             decision = self.ledger.refused(over_limit)
         else:
-            decision = self.ledger.admit(promise, state.demand)
+            decision = self._to_fallback(state) or self.ledger.admit(promise, state.demand)
+            if promise is not None and state.runner is not None:
+                self.ledger.withdraw(promise)
         if overload is not None:
             overload.observe_admission(yielded=isinstance(decision, Refusal))
         if isinstance(decision, Refusal):
@@ -419,6 +422,27 @@ class GovernorProtocol(asyncio.Protocol):
             state.demand = Demand(demand.lane, demand.kv_tokens - cut)
             state.degraded = ("interactive_max_new_tokens",)
             self.server.ladder["interactive_max_new_tokens"] += 1
+
+    def _to_fallback(self, state: JobState) -> Slot | None:
+        """The ladder's smaller model: heavy and background work, while degraded, if it fits."""
+        overload, pool, demand = self.server.overload, self.server.fallback, state.demand
+        if overload is None or pool is None or demand is None or state.job is None:
+            return None
+        if overload.state < State.DEGRADED or demand.lane == Lane.INTERACTIVE:
+            return None
+        runner, ledger = pool
+        job = state.job
+        try:  # the pool's own check: its context may be smaller
+            fallback_job = runner.prepare(job.id, job.payload, job.content_type)
+        except SpecInvalid:
+            return None
+        slot = ledger.admit()
+        if not isinstance(slot, Slot):
+            return None
+        state.job, state.runner = fallback_job, runner
+        state.degraded = (*state.degraded, "fallback_model")
+        self.server.ladder["fallback_model"] += 1
+        return slot
 
     def _paused(self, state: JobState, now: float) -> Refusal | None:
         """The ladder's pauses: background from batch_paused on, heavy in interactive_only."""
@@ -510,7 +534,8 @@ class GovernorProtocol(asyncio.Protocol):
         parts: list[str] = []
         stream = job.spec is not None and job.spec.stream
         # aclosing: the runner's clean-up runs now, not whenever the generator is collected.
-        async with contextlib.aclosing(self.server.runner.run(job)) as events:
+        runner = state.runner or self.server.runner
+        async with contextlib.aclosing(runner.run(job)) as events:
             async for event in events:
                 if isinstance(event, Token):
                     if not parts:

@@ -10,7 +10,8 @@ current level's *lower* thresholds (80 % of the rising ones) for ``min_dwell_s``
 
 The fallback ladder follows the state (each step configurable):
 
-    degraded          interactive jobs' max_new_tokens lowered to ``degraded_max_new_tokens``
+    degraded          interactive jobs' max_new_tokens lowered to ``degraded_max_new_tokens``;
+                      heavy and background jobs to the fallback pool, if there is one
     batch_paused      ... and background jobs refused: yield ``lane_paused``
     interactive_only  ... and heavy jobs refused too: only interactive work is admitted
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import socket
 from collections.abc import Coroutine
@@ -100,6 +101,24 @@ def build_policy(config: Config) -> LanePolicy:
     )
 
 
+def build_fallback(config: Config) -> Runner | None:
+    """The ladder's smaller pool: the primary runner's kind, with the fallback settings."""
+    if not config.lanes or config.fallback_model is None:
+        return None
+    model = None if config.fallback_model == "embedded" else config.fallback_model
+    return build_runner(
+        dataclasses.replace(
+            config,
+            model=model,
+            n_ctx=config.fallback_n_ctx,
+            max_inflight=config.fallback_workers,
+            workers=config.fallback_workers,
+            threads=config.threads or 1,
+            lanes=False,  # the pool's own settings: its slots are its workers
+        )
+    )
+
+
 class Server:
     def __init__(self, config: Config, runner: Runner | None = None) -> None:
         self.config = config
@@ -110,6 +129,16 @@ class Server:
             policy=build_policy(config) if config.lanes else None,
         )
         self.tenants = Tenants(config.tenants, self.ledger.clock)
+        fallback = build_fallback(config)
+        # The fallback pool (a runner and its own slots), for the overload ladder.
+        self.fallback = (
+            None
+            if fallback is None
+            else (
+                fallback,
+                SlotLedger(config.fallback_workers, expected_service_s=fallback.expected_service_s),
+            )
+        )
         self.overload = (
             OverloadController(
                 OverloadSettings(
@@ -155,6 +184,8 @@ class Server:
             sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         try:
             await self.runner.start()
+            if self.fallback is not None:
+                await self.fallback[0].start()
         except BaseException:
             sock.close()
             raise
@@ -210,15 +241,17 @@ class Server:
         """
         grace = self.config.shutdown_grace if grace is None else grace
         self.ledger.draining = True
+        if self.fallback is not None:
+            self.fallback[1].draining = True
         if self._listener is not None:
             self._listener.close()
-        if self.ledger.inflight:
-            log.info("draining: %d job(s) running, %g s to finish", self.ledger.inflight, grace)
+        if self.inflight:
+            log.info("draining: %d job(s) running, %g s to finish", self.inflight, grace)
             waits = [asyncio.ensure_future(e.wait()) for e in (self._jobs_done, self._force)]
             await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
-        aborted = self.ledger.inflight
+        aborted = self.inflight
         if aborted:
             log.warning("aborting %d job(s) still running at the end of the grace period", aborted)
             for conn in list(self.connections):
@@ -249,6 +282,8 @@ class Server:
         if self._metrics is not None:
             await self._metrics.close()
         await self.runner.close()
+        if self.fallback is not None:
+            await self.fallback[0].close()
 
     async def _watch_overload(self) -> None:
         """Re-evaluate the overload state twice a second; log each change."""
@@ -288,9 +323,14 @@ class Server:
         self._jobs_done.clear()
         return task
 
+    @property
+    def inflight(self) -> int:
+        """Jobs running, in the primary pool and the fallback pool."""
+        return self.ledger.inflight + (self.fallback[1].inflight if self.fallback else 0)
+
     def job_finished(self, outcome: str) -> None:
         self.outcomes[outcome] += 1
-        if self.ledger.inflight == 0:
+        if self.inflight == 0:
             self._jobs_done.set()
 
     def reserve_buffer(self, nbytes: int) -> bool:

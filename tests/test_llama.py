@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from clients import NO_RETRY, GovernorClient
+from governor.overload import State
 from governor.runners.llama import LlamaRunner, embedded_model_path
 from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
@@ -315,3 +316,28 @@ def test_overhead_benchmark_command() -> None:
     assert report["direct"]["decode_tok_s"] > 0
     assert report["governor"]["decode_tok_s"] > 0
     assert report["decode_ratio"] > 0
+
+
+async def test_the_embedded_model_stands_in_as_the_fallback_pool(llama: Any) -> None:
+    server = await llama(
+        max_inflight=2,
+        lanes=True,
+        interactive_reserve=1,
+        interactive_max_cost=20,  # so that a short job is heavy
+        fallback_model="embedded",
+        fallback_n_ctx=256,
+        overload_dwell=60,
+    )
+    assert server.overload is not None
+    server.overload.state = State.DEGRADED
+    server.overload.changed_at = server.ledger.clock()
+    async with await client_for(server) as client:
+        routed = await client.generate(greedy("The capital of France is", max_new_tokens=8))
+        too_long = await client.generate(greedy("word " * 300, max_new_tokens=8))
+    assert routed.done
+    assert routed.reply.result is not None
+    assert routed.reply.result["degraded"] == ["fallback_model"]
+    assert "Paris" in routed.reply.result["text"]  # a real generation, from the fallback pool
+    assert too_long.done  # over the fallback's 256-token context: run on the primary pool
+    assert too_long.reply.result is not None
+    assert "degraded" not in too_long.reply.result

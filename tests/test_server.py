@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from clients import NO_RETRY, GovernorClient, RetryPolicy
+from governor.overload import State
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
 from governor.server import Server
 from protocol.upload import PreparedUpload, split_payload
@@ -782,3 +783,30 @@ async def test_overload_states_drive_the_fallback_ladder(
     assert done["result"]["completion_tokens"] == 16
     assert server.ladder == {"interactive_only": 1, "interactive_max_new_tokens": 1}
     assert server.overload.transitions[("normal", "interactive_only")] == 1
+
+
+async def test_degraded_state_routes_low_priority_work_to_the_fallback_pool(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    server = await make_server(
+        max_inflight=2,
+        stub_ms=50,
+        lanes=True,
+        interactive_reserve=1,
+        fallback_model="embedded",
+        overload_dwell=60,
+    )
+    assert server.overload is not None
+    assert server.fallback is not None
+    server.overload.state = State.DEGRADED  # as measured signals would set it
+    server.overload.changed_at = server.ledger.clock()
+    conn = await raw(server)
+    conn.send(spec_frame("J_heavy", 1, prompt="word " * 2000, max_new_tokens=200))
+    done = await conn.recv()
+    assert (done["status"], done["result"]["degraded"]) == ("done", ["fallback_model"])
+    conn.send(spec_frame("J_chat", 1, prompt="hi", max_new_tokens=8))
+    chat = await conn.recv()
+    assert chat["status"] == "done"
+    assert "degraded" not in chat["result"]  # interactive work stays on the primary pool
+    assert (server.fallback[1].executed_total, server.ledger.executed_total) == (1, 1)
+    assert server.ladder == {"fallback_model": 1}
