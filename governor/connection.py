@@ -406,7 +406,7 @@ class GovernorProtocol(asyncio.Protocol):
         tenant.charge(tokens, now)
         state.request = req
         state.slot = decision
-        state.task = self.server.spawn(self._run(state, decision, state.job))
+        state.task = self.server.spawn(self._run(state))
 
     def _apply_ladder(self, state: JobState, overload: OverloadController) -> None:
         """The degraded state's step: a lower max_new_tokens for interactive work."""
@@ -431,6 +431,8 @@ class GovernorProtocol(asyncio.Protocol):
         if overload.state < State.DEGRADED or demand.lane == Lane.INTERACTIVE:
             return None
         runner, ledger = pool
+        if ledger.saturated:  # (no need to prepare the job for a full pool)
+            return None
         job = state.job
         try:  # the pool's own check: its context may be smaller
             fallback_job = runner.prepare(job.id, job.payload, job.content_type)
@@ -457,13 +459,11 @@ class GovernorProtocol(asyncio.Protocol):
     def _tenant_refusal(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
         """The tenant's concurrency cap, its weighted share, then its request and token rates."""
         ledger, cap = self.ledger, tenant.config.max_inflight
-        if cap and tenant.inflight >= cap:
-            first_end = min(tenant.starts) + ledger.service_s
-            return Refusal(NeedCode.TENANT_BUSY, ledger.hint_ms(now, first_end))
         share = self.server.tenants.fair_share(tenant, ledger.cap)
-        if share is not None and tenant.inflight >= share:  # contended: shared by weight
-            first_end = min(tenant.starts) + ledger.service_s
-            return Refusal(NeedCode.TENANT_SHARE, ledger.hint_ms(now, first_end))
+        for limit, code in ((cap, NeedCode.TENANT_BUSY), (share, NeedCode.TENANT_SHARE)):
+            if limit and tenant.inflight >= limit:  # (a share is contention: shared by weight)
+                first_end = min(ledger.expected_end(started, now) for started in tenant.starts)
+                return Refusal(code, ledger.hint_ms(now, first_end))
         wait = tenant.wait_s(tokens, now)
         if wait > 0:
             return Refusal(NeedCode.RATE_LIMITED, ledger.hint_ms(now, now + wait))
@@ -488,9 +488,11 @@ class GovernorProtocol(asyncio.Protocol):
             state.tenant.waiting += 1
         return state.held
 
-    async def _run(self, state: JobState, slot: Slot, job: Job) -> None:
-        req = state.request
+    async def _run(self, state: JobState) -> None:
+        req, slot, job = state.request, state.slot, state.job
         assert req is not None
+        assert slot is not None
+        assert job is not None
         completed = False
         try:
             try:

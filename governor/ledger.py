@@ -227,24 +227,25 @@ class SlotLedger:
 
     def _next_end(self, now: float) -> float:
         """When the first running job is expected to end (a free slot frees nothing more)."""
-        return min((self._expected_end(slot, now) for slot in self._running), default=now)
+        return min((self.expected_end(slot.started, now) for slot in self._running), default=now)
 
     def _lane_release(self, now: float, lane: Lane) -> float:
         """When the first running job of ``lane`` is expected to end."""
         return min(
-            self._expected_end(slot, now)
+            self.expected_end(slot.started, now)
             for slot in self._running
             if slot.demand is not None and slot.demand.lane == lane
         )
 
-    def _expected_end(self, slot: Slot, now: float) -> float:
-        """``start + S``; for a job already past that, a quarter more of what it has run.
+    def expected_end(self, started: float, now: float) -> float:
+        """When a job started at ``started`` is expected to end: ``started + S``; for a job
+        already past that, a quarter more of what it has run.
 
         (Service times are long-tailed: a job that has outlived the estimate is likely a long
         one, and telling its waiters "any moment now" would have them retry in a busy loop.)
         """
-        ran = now - slot.started
-        expected = slot.started + self.service_s if ran < self.service_s else now + ran / 4
+        ran = now - started
+        expected = started + self.service_s if ran < self.service_s else now + ran / 4
         return max(expected, now + self.min_hint_ms / 1000)
 
     def hint_ms(self, now: float, at: float) -> int:
@@ -327,7 +328,7 @@ class SlotLedger:
 
     def _release_time(self, now: float, k: int) -> float:
         """When the ``k``-th slot release from now is expected (``k`` = 0: the next one)."""
-        ends = [self._expected_end(slot, now) for slot in self._running]
+        ends = [self.expected_end(slot.started, now) for slot in self._running]
         floor = now + self.min_hint_ms / 1000
         ends += [floor] * (self.cap - len(ends))  # a free slot is held for a promise due now
         ends.sort()
