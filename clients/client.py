@@ -46,10 +46,11 @@ class RetryPolicy:
     sleeps ``retry_hint_ms`` plus a random ``jitter`` (up to ``jitter_ratio`` of the hint, at
     most ``max_jitter_s``), capped at ``max_sleep_s``. ``fixed_delay_s`` ignores the hint and
     sleeps that long instead: 0 is the naive client that retries at once, 0.5 behaves like
-    heptamini's client against its own daemon (load tests compare against both). The jitter is small and positive: the
-    governor already spreads refused clients over its coming releases, and holds a released
-    slot for the client it was promised to, so arriving a little late costs that slot idle time
-    and arriving early costs a refusal.
+    heptamini's client against its own daemon (load tests compare against both).
+
+    The jitter is small and positive: the governor already spreads refused clients over its
+    coming releases, and holds a released slot for the client it was promised to, so arriving
+    a little late costs that slot idle time and arriving early costs a refusal.
     """
 
     max_attempts: int = 10

@@ -261,6 +261,11 @@ class Config:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
 
     @property
+    def pool_workers(self) -> int:
+        """llama worker processes: ``workers``, or one per slot."""
+        return self.workers or self.max_inflight
+
+    @property
     def listen_address(self) -> tuple[str, int]:
         return parse_address(self.listen)
 

@@ -16,7 +16,7 @@ import logging
 import socket
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from protocol.codes import ErrorCode, NeedCode, Receipt
 
@@ -47,7 +47,7 @@ def build_runner(config: Config) -> Runner:
     if config.runner == "llama":
         from .runners.llama import LlamaRunner, LlamaSettings, default_threads, embedded_model_path
 
-        workers = config.workers or config.max_inflight
+        workers = config.pool_workers
         return LlamaRunner(
             LlamaSettings(
                 model=Path(config.model) if config.model else embedded_model_path(),
@@ -76,7 +76,7 @@ def build_runner(config: Config) -> Runner:
 def build_policy(config: Config) -> LanePolicy:
     kv_capacity = config.kv_capacity
     if not kv_capacity and config.runner == "llama":
-        kv_capacity = config.n_ctx * (config.workers or config.max_inflight)
+        kv_capacity = config.n_ctx * config.pool_workers
     return LanePolicy(
         prompt_weight=config.prompt_weight,
         output_weight=config.output_weight,
@@ -119,6 +119,13 @@ def build_fallback(config: Config) -> Runner | None:
     )
 
 
+class Pool(NamedTuple):
+    """A runner and the slots it has: the fallback pool beside the primary one."""
+
+    runner: Runner
+    ledger: SlotLedger
+
+
 class Server:
     def __init__(self, config: Config, runner: Runner | None = None) -> None:
         self.config = config
@@ -134,7 +141,7 @@ class Server:
         self.fallback = (
             None
             if fallback is None
-            else (
+            else Pool(
                 fallback,
                 SlotLedger(config.fallback_workers, expected_service_s=fallback.expected_service_s),
             )
@@ -184,11 +191,16 @@ class Server:
             sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         try:
             await self.runner.start()
-            if self.fallback is not None:
-                await self.fallback[0].start()
         except BaseException:
             sock.close()
             raise
+        if self.fallback is not None:
+            try:
+                await self.fallback.runner.start()
+            except BaseException:
+                await self.runner.close()  # its workers must not outlive the failed start
+                sock.close()
+                raise
         self._listener = await asyncio.get_running_loop().create_server(
             lambda: GovernorProtocol(self), sock=sock, backlog=LISTEN_BACKLOG
         )
@@ -242,7 +254,7 @@ class Server:
         grace = self.config.shutdown_grace if grace is None else grace
         self.ledger.draining = True
         if self.fallback is not None:
-            self.fallback[1].draining = True
+            self.fallback.ledger.draining = True
         if self._listener is not None:
             self._listener.close()
         if self.inflight:
@@ -283,7 +295,7 @@ class Server:
             await self._metrics.close()
         await self.runner.close()
         if self.fallback is not None:
-            await self.fallback[0].close()
+            await self.fallback.runner.close()
 
     async def _watch_overload(self) -> None:
         """Re-evaluate the overload state twice a second; log each change."""
@@ -326,7 +338,7 @@ class Server:
     @property
     def inflight(self) -> int:
         """Jobs running, in the primary pool and the fallback pool."""
-        return self.ledger.inflight + (self.fallback[1].inflight if self.fallback else 0)
+        return self.ledger.inflight + (self.fallback.ledger.inflight if self.fallback else 0)
 
     def job_finished(self, outcome: str) -> None:
         self.outcomes[outcome] += 1

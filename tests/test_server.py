@@ -808,5 +808,5 @@ async def test_degraded_state_routes_low_priority_work_to_the_fallback_pool(
     chat = await conn.recv()
     assert chat["status"] == "done"
     assert "degraded" not in chat["result"]  # interactive work stays on the primary pool
-    assert (server.fallback[1].executed_total, server.ledger.executed_total) == (1, 1)
+    assert (server.fallback.ledger.executed_total, server.ledger.executed_total) == (1, 1)
     assert server.ladder == {"fallback_model": 1}
