@@ -138,15 +138,6 @@ class Receipt(StrEnum):
     BACKEND_MS = "cdr.backend.ms"  # on a terminal frame: time the job held its slot
 
 
-CORE_RECEIPTS = (
-    Receipt.HEALTH,
-    Receipt.INFLIGHT,
-    Receipt.CAP,
-    Receipt.EXECUTED_TOTAL,
-    Receipt.YIELDED_TOTAL,
-    Receipt.BYTES_IN,
-)
-
 # Fields only a server may set; a request carrying any of them breaks the envelope.
 SERVER_ONLY_FIELDS = frozenset(
     {"status", "need_code", "error_code", "retry_hint_ms", "receipts", "detail", "result", "delta"}

@@ -78,7 +78,6 @@ class WorkerProcess:
         self.settings = settings
         self.proc: asyncio.subprocess.Process | None = None
         self.events: asyncio.Queue[dict[str, Any] | _Crashed] = asyncio.Queue()
-        self.n_ctx = 0
         self.killed = False
         self._reader: asyncio.Task[None] | None = None
 
@@ -119,7 +118,6 @@ class WorkerProcess:
                 f"worker {self.index} exited with status {code} while loading {s.model} "
                 "(its error is above)"
             )
-        self.n_ctx = orjson.loads(line)["n_ctx"]
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
@@ -177,10 +175,6 @@ class LlamaRunner:
     @property
     def expected_service_s(self) -> float:
         return 2.0  # a short generation on a small model; observed times take over at once
-
-    @property
-    def n_ctx(self) -> int:
-        return self.settings.n_ctx
 
     # Lifecycle ---------------------------------------------------------------------------
 
