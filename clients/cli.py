@@ -138,6 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     command = {"ping": _ping, "upload": _upload, "generate": _generate}[args.command]
     try:
         return asyncio.run(command(args))
-    except (ClientError, OSError, TimeoutError) as exc:
+    except (ClientError, OSError, TimeoutError, ValueError) as exc:
         print(f"governor-cli: {exc or type(exc).__name__}", file=sys.stderr)
         return EXIT_ERROR

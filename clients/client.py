@@ -336,7 +336,15 @@ class _Expecting:
         del self.client._inbox[self.job]
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts; raises ``ValueError``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
 async def connect(address: str, *, timeout: float = 10.0) -> GovernorClient:
     """Connect to ``HOST:PORT``."""
-    host, _, port = address.rpartition(":")
-    return await GovernorClient.connect(host.strip("[]"), int(port), timeout=timeout)
+    host, port = parse_address(address)
+    return await GovernorClient.connect(host, port, timeout=timeout)

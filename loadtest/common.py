@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from clients.client import NO_RETRY, GovernorClient, RetryPolicy
+from clients.client import NO_RETRY, GovernorClient, RetryPolicy, parse_address
 from protocol.codes import Status
 from protocol.frames import Reply
 
@@ -37,11 +37,11 @@ class StartError(Exception):
 
 
 def parse_addr(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+    """``HOST:PORT`` for argparse (the client library's parser)."""
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int(text: str) -> int:
