@@ -145,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         for line in sys.stdin.buffer:
             request = orjson.loads(line)
             with lock:
-                flag = cancels.setdefault(request["id"], threading.Event())
-            if request["op"] == "cancel":
-                flag.set()
-            else:
-                jobs.put(request)
+                if request["op"] == "run":
+                    cancels[request["id"]] = threading.Event()
+                    jobs.put(request)
+                # A job's run always comes first on the pipe: a cancel for an id not here is
+                # for a job that has already finished.
+                elif (flag := cancels.get(request["id"])) is not None:
+                    flag.set()
         jobs.put(None)  # the daemon closed our stdin: exit
 
     threading.Thread(target=read_requests, daemon=True).start()
