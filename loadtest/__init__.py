@@ -1,7 +1,8 @@
-"""Load tests for the governor: ``python -m loadtest COMMAND``.
+"""Load tests for the governor: ``python -m loadtest COMMAND`` (or ``governor-loadtest``).
 
-Each command is a sibling module (``burst`` now; ``rate``, ``mix``, ``replay`` and ``compare``
-to come) built on the client library in :mod:`clients.client`. Every run is bounded by
-``--timeout``, connects only to ``--addr``, prints the daemon's state transitions as a monitor
-sees them, then a summary whose last line is one-line JSON.
+Traffic commands (``burst``, ``rate``, ``mix``, ``replay``) send a workload (:mod:`.workload`)
+to a target (:mod:`.targets`: the governor, or an OpenAI-compatible server such as the
+``baseline``) through the harness in :mod:`.driver`, and leave a report (:mod:`.report`) with
+plots and an HTML page (:mod:`.render`); ``compare`` puts reports side by side. Every run is
+bounded in time and connects only where it is told.
 """

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Protocol
 
-from . import admission, burst, lanes, overhead
+from . import admission, baseline, burst, compare, idle, lanes, mix, overhead, rate, replay
 
 
 class Command(Protocol):
@@ -25,17 +25,38 @@ class Command(Protocol):
 
 # Assigning a module to a Command-typed name is where mypy checks it against the Protocol.
 _burst: Command = burst
+_rate: Command = rate
+_mix: Command = mix
+_replay: Command = replay
+_compare: Command = compare
+_baseline: Command = baseline
+_idle: Command = idle
 _admission: Command = admission
 _overhead: Command = overhead
 _lanes: Command = lanes
-COMMANDS: dict[str, Command] = {c.NAME: c for c in (_burst, _admission, _overhead, _lanes)}
+COMMANDS: dict[str, Command] = {
+    c.NAME: c
+    for c in (
+        _burst,
+        _rate,
+        _mix,
+        _replay,
+        _compare,
+        _baseline,
+        _idle,
+        _admission,
+        _overhead,
+        _lanes,
+    )
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest",
-        description="Load tests for the governor. Every run is bounded by --timeout and "
-        "connects only to --addr; the last line of stdout is the run's summary as JSON.",
+        description="Load tests for the governor (and its queueing baseline). Every run is "
+        "bounded by --timeout and connects only to --addr (or --openai); the last line of stdout "
+        "is the run's summary as JSON.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS.values():

@@ -1,25 +1,15 @@
-"""What every load-test command shares: options, retry modes, timed connections, the loop.
-
-Each command (``burst`` now; ``rate``, ``mix``, ``replay``, ``compare`` later) is a sibling
-module that adds its own subparser with :func:`add_common_arguments` and drives
-:class:`clients.GovernorClient` connections (timing each attempt with :class:`AttemptLog`), a :class:`loadtest.monitor.Monitor` and a
-:class:`loadtest.tally.Tally`.
-"""
+"""Small things every load-test command shares: option types, retry modes, connections, the loop."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import uvloop
 
 from clients.client import NO_RETRY, GovernorClient, RetryPolicy, parse_address
-from protocol.codes import Status
-from protocol.frames import Reply
 
 DEFAULT_ADDR = "127.0.0.1:7777"
 RETRY_MODES = ("none", "hint", "naive", "fixed")
@@ -65,65 +55,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> None:
-    """The options every load-test command takes, with the same names and meanings."""
-    parser.add_argument(
-        "--addr",
-        type=parse_addr,
-        default=parse_addr(DEFAULT_ADDR),
-        metavar="HOST:PORT",
-        help=f"the governor to load; the only address connected to (default: {DEFAULT_ADDR})",
-    )
-    parser.add_argument(
-        "--payload-bytes", type=non_negative_int, default=256, help="bytes per job (default: 256)"
-    )
-    parser.add_argument(
-        "--chunk-bytes",
-        type=positive_int,
-        default=8192,
-        help="bytes per upload chunk (default: 8192)",
-    )
-    parser.add_argument(
-        "--retry",
-        choices=RETRY_MODES,
-        default=default_retry,
-        help="on yield: none (one attempt), hint (sleep retry_hint_ms plus jitter, then resend), "
-        "naive (resend at once), fixed (sleep --fixed-ms, ignoring the hint, as heptamini's "
-        f"client does with its daemon's constant 500 ms) (default: {default_retry})",
-    )
-    parser.add_argument(
-        "--max-attempts",
-        type=positive_int,
-        default=RetryPolicy().max_attempts,
-        help="admission attempts per job in all, for --retry hint, naive and fixed; none makes "
-        f"one (default: {RetryPolicy().max_attempts})",
-    )
-    parser.add_argument(
-        "--fixed-ms",
-        type=non_negative_int,
-        default=500,
-        help="the sleep between attempts of --retry fixed (default: 500)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=60.0,
-        help="seconds for the whole run, connecting included; work still outstanding then is "
-        "cancelled and counted as timed out (default: 60)",
-    )
-    parser.add_argument(
-        "--sample-ms",
-        type=positive_int,
-        default=50,
-        help="the monitor pings the daemon this often (default: 50)",
-    )
-    parser.add_argument(
-        "--json-out",
-        metavar="FILE",
-        help="also write the final JSON summary to FILE",
-    )
-
-
 def retry_policy(mode: str, max_attempts: int, fixed_ms: int = 500) -> RetryPolicy:
     """The client library's policy for a ``--retry`` mode."""
     if mode == "none":
@@ -138,27 +69,6 @@ def retry_policy(mode: str, max_attempts: int, fixed_ms: int = 500) -> RetryPoli
 
 
 # Timed connections ----------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class AttemptLog:
-    """One upload's admission attempts, as they happen (so a cancelled upload still counts).
-
-    Pass :meth:`record` as the upload's ``on_attempt``.
-    """
-
-    attempts: int = 0
-    # Per yield: ms from sending that attempt to its yield reply reaching the client.
-    yield_ms: list[float] = field(default_factory=list)
-
-    def record(self, sent_at: float, reply: Reply) -> None:
-        self.attempts += 1
-        if reply.status == Status.YIELD:
-            self.yield_ms.append((time.monotonic() - sent_at) * 1000)
-
-    @property
-    def retries(self) -> int:
-        return max(self.attempts - 1, 0)
 
 
 async def connect_all(

@@ -55,9 +55,10 @@ def _receipt(reply: Reply, kind: Receipt) -> int:
 
 
 class Monitor:
-    """Samples the daemon every ``interval_s`` from :meth:`start` until :meth:`stop`."""
+    """Samples the daemon every ``interval_s`` from :meth:`start` until :meth:`stop`, printing
+    each change of state to ``out`` (None: silently)."""
 
-    def __init__(self, client: GovernorClient, *, interval_s: float, out: TextIO) -> None:
+    def __init__(self, client: GovernorClient, *, interval_s: float, out: TextIO | None) -> None:
         self.client = client
         self.interval_s = interval_s
         self.out = out
@@ -130,7 +131,8 @@ class Monitor:
         self.samples.append(sample)
         if sample.state != self._last_state:
             self._last_state = sample.state
-            print(sample.line(), file=self.out, flush=True)
+            if self.out is not None:
+                print(sample.line(), file=self.out, flush=True)
         return True
 
     async def _ping(self) -> Reply:

@@ -10,9 +10,6 @@ import asyncio
 import contextlib
 import dataclasses
 import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -24,6 +21,7 @@ from clients import NO_RETRY, GovernorClient
 from governor.runners import RunnerStartError
 from governor.runners.http import HttpRunner, HttpSettings
 from governor.runners.llama import embedded_model_path
+from loadtest import baseline
 from protocol.spec import JobSpec, Message
 
 from .conftest import ServerFactory
@@ -42,46 +40,13 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[str]:
-    """llama-cpp-python's server on the embedded model; stopped by its own PID."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(embedded_model_path()),
-            "--n_ctx",
-            "512",
-            "--n_threads",
-            "1",
-            "--port",
-            str(port),
-            "--interrupt_requests",
-            "False",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    """llama-cpp-python's server on the embedded model (the load tests' queueing baseline),
+    stopped by its own PID."""
+    proc, url = baseline.start(embedded_model_path(), free_port(), threads=1, n_ctx=512)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError("llama_cpp.server did not start") from None
-                time.sleep(0.3)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        baseline.stop(proc)
 
 
 def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""The load-test tool: nearest-rank percentiles, and ``burst`` against a real daemon.
+"""The load-test tool: nearest-rank percentiles, and every command against real targets.
 
-The burst tests run both the daemon and the tool as subprocesses, as a person would: the daemon
-listens on port 0, and its address is read from its log line (under a deadline, no sleeps).
+The command tests run both the daemon and the tool as subprocesses, as a person would: the
+daemon listens on port 0, and its address is read from its log line (under a deadline, no
+sleeps); each run is short and bounded by its --timeout, and its report.json is read back.
 """
 
 from __future__ import annotations
@@ -73,13 +74,14 @@ def test_summarize_nothing() -> None:
     assert empty.as_dict() == {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
 
 
-# burst against a real daemon ------------------------------------------------------------
+# The traffic commands against a real daemon ------------------------------------------------
 
 
-def _burst(addr: str, *flags: str, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Run ``python -m loadtest burst`` to its end; return its last stdout line, parsed."""
+def _loadtest(*args: str, out: Path, timeout_s: float = 90.0) -> tuple[dict[str, Any], str]:
+    """Run ``python -m loadtest ARGS --out OUT`` to its end (exit 0): its report.json, parsed,
+    and its stdout. (Standard error is not a terminal here: no progress bar is drawn.)"""
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest", "burst", "--addr", addr, *flags],
+        [sys.executable, "-m", "loadtest", *args, "--out", str(out)],
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -88,43 +90,327 @@ def _burst(addr: str, *flags: str, timeout_s: float = 60.0) -> dict[str, Any]:
     )
     stdout = done.stdout.decode()
     assert done.returncode == 0, f"exit {done.returncode}\n{stdout}\n{done.stderr.decode()}"
-    report: dict[str, Any] = json.loads(stdout.splitlines()[-1])
-    return report
+    # The last stdout line is the report without its raw rows: the same numbers as the file.
+    brief = json.loads(stdout.splitlines()[-1])
+    name = "compare.json" if args[0] == "compare" else "report.json"
+    report: dict[str, Any] = json.loads((out / name).read_text())
+    if args[0] != "compare":
+        assert [s["all"] for s in brief["steps"]] == [s["all"] for s in report["steps"]]
+    return report, stdout
+
+
+def _only(report: dict[str, Any]) -> dict[str, Any]:
+    """The single step of a one-step report."""
+    (step,) = report["steps"]
+    assert isinstance(step, dict)
+    return step
+
+
+def _assert_accounted(stats: dict[str, Any]) -> None:
+    """Every offered request ended in exactly one status."""
+    ends = ("done", "yielded", "aborted", "timed_out", "error")
+    assert stats["offered"] == sum(stats[k] for k in ends)
+
+
+def _assert_rendered(out: Path) -> None:
+    """The plots are PNG files and the HTML page holds them inline."""
+    for name in ("latency_cdf.png", "timeline.png", "goodput.png"):
+        assert (out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
+    page = (out / "report.html").read_text()
+    assert page.count("src='data:image/png;base64,") == 3
 
 
 @pytest.mark.slow
-def test_burst_reproduces_seed_003(daemon: Callable[..., Daemon]) -> None:
-    addr = daemon("--max-inflight", "1", "--stub-ms", "1500", "--runner", "stub").addr
-    report = _burst(addr, "--clients", "20", "--timeout", "30")
-    assert report["offered"] == 20
-    assert report["executed"] == 1
-    assert report["yielded"] == 19
-    assert report["yielded_by"] == {"server_busy": 19}
-    assert report["aborted"] == report["timed_out"] == report["errors"] == 0
-    assert report["max_inflight_observed"] <= 1
-    assert report["inflight_peak"] == 1
-    assert report["cap"] == 1
-    assert report["retries"] == 0
-    assert report["yield_latency_ms"]["n"] == 19
-    assert report["e2e_ms"]["n"] == 1
-    assert report["e2e_ms"]["max"] >= 1500
+def test_burst_reproduces_seed_003(daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    addr = daemon("--max-inflight", "1", "--stub-ms", "1500").addr
+    report, stdout = _loadtest("burst", "--addr", addr, "--clients", "20", out=tmp_path)
+    step = _only(report)
+    stats = step["all"]
+    _assert_accounted(stats)
+    assert (stats["offered"], stats["done"], stats["yielded"]) == (20, 1, 19)
+    assert stats["yielded_by"] == {"server_busy": 19}
+    assert stats["retries"] == 0
+    assert stats["yield_latency_ms"]["n"] == 19
+    assert stats["e2e_ms"]["n"] == 1
+    assert stats["e2e_ms"]["max"] >= 1500
+    assert step["max_inflight_observed"] <= 1
+    assert step["inflight_peak"] == step["cap"] == 1
+    # The monitor printed the transitions in seed 003's style.
+    assert "inflight=1 executed_total=1 yielded_total=19" in stdout
+    assert len(step["requests"]) == 20
+    _assert_rendered(tmp_path)
 
 
 @pytest.mark.slow
-def test_burst_with_hint_retries_executes_everything(daemon: Callable[..., Daemon]) -> None:
-    addr = daemon("--max-inflight", "2", "--stub-ms", "200", "--runner", "stub").addr
-    report = _burst(addr, "--clients", "6", "--retry", "hint", "--timeout", "30")
-    assert report["offered"] == 6
-    assert report["executed"] == 6
-    assert report["yielded"] == report["aborted"] == report["timed_out"] == report["errors"] == 0
-    assert report["retries"] > 0
+def test_burst_with_hint_retries_executes_everything(
+    daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    addr = daemon("--max-inflight", "2", "--stub-ms", "200").addr
+    report, _ = _loadtest(
+        "burst", "--addr", addr, "--clients", "6", "--retry", "hint", "--no-plots", out=tmp_path
+    )
+    step = _only(report)
+    stats = step["all"]
+    assert stats["done"] == stats["offered"] == 6
+    assert stats["retries"] > 0
     # Each retry was sent after a yield, so there are at least as many yields as retries.
-    assert report["yield_latency_ms"]["n"] >= report["retries"]
-    assert report["max_inflight_observed"] <= 2
-    assert report["inflight_peak"] <= 2
+    assert stats["yields"] >= stats["retries"]
+    assert step["inflight_peak"] <= 2
+    assert not (tmp_path / "report.html").exists()
 
 
-def test_burst_exits_1_when_the_daemon_is_unreachable() -> None:
+def test_burst_pings_and_new_connections(daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    addr = daemon("--max-inflight", "4", "--stub-ms", "0").addr
+    pings, _ = _loadtest(
+        "burst",
+        "--addr",
+        addr,
+        "--clients",
+        "3",
+        "--rounds",
+        "20",
+        "--ping",
+        "--no-plots",
+        out=tmp_path / "ping",
+    )
+    fresh, _ = _loadtest(
+        "burst",
+        "--addr",
+        addr,
+        "--clients",
+        "3",
+        "--rounds",
+        "10",
+        "--reconnect",
+        "--no-plots",
+        out=tmp_path / "reconnect",
+    )
+    assert _only(pings)["all"]["done"] == 60
+    assert _only(pings)["inflight_peak"] == 0  # a ping runs nothing
+    assert _only(fresh)["all"]["done"] == 30
+    assert _only(fresh)["inflight_peak"] >= 1
+
+
+@pytest.mark.slow
+def test_burst_deadline_counts_outstanding_jobs_as_timed_out(
+    daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    addr = daemon("--max-inflight", "2", "--stub-ms", "30000").addr
+    report, _ = _loadtest(
+        "burst", "--addr", addr, "--clients", "3", "--timeout", "2", "--no-plots", out=tmp_path
+    )
+    stats = _only(report)["all"]
+    _assert_accounted(stats)
+    assert (stats["timed_out"], stats["yielded"]) == (2, 1)
+
+
+@pytest.mark.slow
+def test_rate_sweep_measures_ttft_tpot_and_goodput(
+    daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    # 20 ms to the first token, then 5 ms per further token of 11: TPOT is 5 ms and more.
+    addr = daemon("--max-inflight", "8", "--stub-ms", "20", "--stub-output-ms", "5").addr
+    report, stdout = _loadtest(
+        "rate",
+        "--addr",
+        addr,
+        "--rate",
+        "10,20",
+        "--duration",
+        "1",
+        "--arrival",
+        "constant",
+        "--prompt-tokens",
+        "8",
+        "--output-tokens",
+        "11",
+        "--slo-ttft-ms",
+        "5000",
+        "--slo-tpot-ms",
+        "1000",
+        out=tmp_path,
+    )
+    assert [s["offered"] for s in report["steps"]] == [10, 20]
+    assert [s["offered_rps"] for s in report["steps"]] == [10, 20]
+    for step in report["steps"]:
+        stats = step["all"]
+        assert stats["done"] == stats["good"] == stats["offered"]
+        assert stats["tokens"] == 11 * stats["offered"]
+        assert stats["wasted_tokens"] == 0
+        assert stats["ttft_ms"]["p50"] >= 20
+        assert stats["tpot_ms"]["p50"] >= 5
+        assert stats["goodput_rps"] == pytest.approx(
+            stats["offered"] / step["duration_s"], rel=0.01
+        )
+        assert step["timeline"]["server_inflight"]
+    assert "goodput" in stdout
+    _assert_rendered(tmp_path)
+
+
+@pytest.mark.slow
+def test_rate_objectives_split_good_from_wasted(
+    daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    # Each job needs 300 ms to its first token; an objective of 100 ms makes every one late.
+    addr = daemon("--max-inflight", "4", "--stub-ms", "300").addr
+    report, _ = _loadtest(
+        "rate",
+        "--addr",
+        addr,
+        "--rate",
+        "10",
+        "--duration",
+        "0.5",
+        "--output-tokens",
+        "4",
+        "--slo-ttft-ms",
+        "100",
+        "--no-plots",
+        out=tmp_path,
+    )
+    stats = _only(report)["all"]
+    assert stats["done"] == 5
+    assert stats["good"] == 0
+    assert stats["goodput_rps"] == 0
+    assert stats["wasted_tokens"] == stats["tokens"] == 20
+
+
+@pytest.mark.slow
+def test_mix_reports_each_class_and_asks_for_its_lane(
+    daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    addr = daemon("--max-inflight", "4", "--stub-ms", "10", "--lanes", "true").addr
+    report, stdout = _loadtest(
+        "mix",
+        "--addr",
+        addr,
+        "--arrival",
+        "burst",
+        "--rate",
+        "30",
+        "--duration",
+        "1",
+        "--class",
+        "interactive:share=2,prompt=10..20,output=2..4",
+        "--class",
+        "heavy:share=1,prompt=300..400,output=8",
+        "--class",
+        "background:share=0",
+        "--max-attempts",
+        "100",
+        out=tmp_path,
+    )
+    step = _only(report)
+    assert set(step["classes"]) == {"interactive", "heavy"}
+    assert step["offered"] == 30
+    for stats in step["classes"].values():
+        _assert_accounted(stats)
+        assert stats["done"] == stats["offered"] > 0
+    # 30 at once on 4 slots: some waited their turn, refused by a reason that names it.
+    assert step["all"]["yields"] > 0
+    assert set(step["all"]["yields_by"]) <= {"server_busy", "lane_full"}
+    rows = step["requests"]
+    heavy_tokens = {r[6] for r in rows if r[0] == "heavy"}
+    assert heavy_tokens == {8}
+    assert "interactive" in stdout
+    assert "heavy" in stdout
+    _assert_rendered(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_replay_sends_the_trace_scaled(
+    kind: str, daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    trace = tmp_path / f"trace.{kind}"
+    rows = [(0.0, 50, 5), (0.2, 2000, 900), (0.4, 10, 1), (0.6, 70, 3), (5.0, 10, 1)]
+    if kind == "csv":
+        lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"] + [
+            f"2023-11-16 18:15:{46 + t:010.7f},{p},{o}" for t, p, o in rows
+        ]
+    else:
+        lines = [
+            json.dumps({"timestamp": int(t * 1000), "input_length": p, "output_length": o})
+            for t, p, o in rows
+        ]
+    trace.write_text("\n".join(lines) + "\n")
+    addr = daemon("--max-inflight", "4", "--stub-ms", "5").addr
+    out = tmp_path / "out"
+    report, _ = _loadtest(
+        "replay",
+        str(trace),
+        "--addr",
+        addr,
+        "--time-scale",
+        "0.5",
+        "--token-scale",
+        "0.5",
+        "--max-prompt-tokens",
+        "600",
+        "--max-output-tokens",
+        "64",
+        "--max-duration",
+        "1",
+        "--heavy-above",
+        "30",
+        "--no-plots",
+        out=out,
+    )
+    step = _only(report)
+    # The row at 5 s is 2.5 s scaled: past --max-duration, not sent.
+    assert step["offered"] == step["all"]["done"] == 4
+    assert {k: v["offered"] for k, v in step["classes"].items()} == {"heavy": 2, "interactive": 2}
+    sent = [r[1] for r in step["requests"]]
+    assert sent[-1] >= 0.3 - 0.05  # the 4th row at 0.6 s, halved
+    tokens = sorted(r[6] for r in step["requests"])
+    assert tokens == [1, 2, 3, 64]  # output halved (rounded up), the 900 capped at 64
+
+
+@pytest.mark.slow
+def test_compare_puts_reports_side_by_side(daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    addr = daemon("--max-inflight", "2", "--stub-ms", "10").addr
+    for name, retry in (("hint", "hint"), ("none", "none")):
+        _loadtest(
+            "burst",
+            "--addr",
+            addr,
+            "--clients",
+            "6",
+            "--retry",
+            retry,
+            "--no-plots",
+            out=tmp_path / name,
+        )
+    out = tmp_path / "both"
+    combined, stdout = _loadtest(
+        "compare",
+        str(tmp_path / "hint" / "report.json"),
+        str(tmp_path / "none" / "report.json"),
+        out=out,
+    )
+    assert [r["name"] for r in combined["reports"]] == ["hint", "none"]
+    assert stdout.count("burst 6 x 1") == 2
+    _assert_rendered(out)
+
+
+def test_compare_refuses_a_file_that_is_not_a_report(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hello": 1}')
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest", "compare", str(bad), "--out", str(tmp_path / "o")],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert b"not a load-test report" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["burst", "rate", "mix"])
+def test_traffic_commands_exit_1_when_the_target_is_unreachable(
+    command: str, tmp_path: Path
+) -> None:
     # A port that was free a moment ago: bound, noted, closed; nothing listens there now.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -134,11 +420,13 @@ def test_burst_exits_1_when_the_daemon_is_unreachable() -> None:
             sys.executable,
             "-m",
             "loadtest",
-            "burst",
+            command,
             "--addr",
             f"127.0.0.1:{port}",
             "--timeout",
             "5",
+            "--out",
+            str(tmp_path),
         ],
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
@@ -147,8 +435,83 @@ def test_burst_exits_1_when_the_daemon_is_unreachable() -> None:
         check=False,
     )
     assert done.returncode == 1, done.stdout.decode()
-    assert b"cannot reach the governor" in done.stderr
-    assert done.stdout == b""
+    assert b"cannot reach the target" in done.stderr
+    assert b"{" not in done.stdout  # no report
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_idle_connections_cost_and_responsiveness(daemon: Callable[..., Daemon]) -> None:
+    d = daemon("--max-connections", "400")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtest",
+            "idle",
+            "--addr",
+            d.addr,
+            "--connections",
+            "300",
+            "--hold",
+            "0.5",
+            "--pid",
+            str(d.proc.pid),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    report = json.loads(done.stdout.decode().splitlines()[-1])
+    assert report["connections"] == 300
+    assert report["closed_by_server"] == 0
+    assert report["ping_status"] == "ok"
+    assert report["rss_with_connections_kib"] > 0
+    assert report["bytes_per_connection"] is not None
+
+
+@pytest.mark.slow
+def test_rate_against_the_queueing_baseline(tmp_path: Path) -> None:
+    """The OpenAI target on llama-cpp-python's own server and the embedded model: it queues."""
+    from governor.runners.llama import embedded_model_path
+    from loadtest import baseline
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc, url = baseline.start(embedded_model_path(), port, threads=1, n_ctx=512)
+    try:
+        report, _ = _loadtest(
+            "rate",
+            "--openai",
+            url,
+            "--rate",
+            "4",
+            "--duration",
+            "1",
+            "--arrival",
+            "burst",
+            "--prompt-tokens",
+            "16",
+            "--output-tokens",
+            "8",
+            "--slo-ttft-ms",
+            "60000",
+            out=tmp_path,
+        )
+    finally:
+        baseline.stop(proc)
+    assert report["target"] == "openai"
+    step = _only(report)
+    stats = step["all"]
+    assert stats["done"] == stats["good"] == 4
+    assert stats["yields"] == 0  # it never refuses: it queues
+    assert 4 <= stats["tokens"] <= 32
+    assert stats["ttft_ms"]["n"] == 4
+    # Queued one after the other: the last first token comes well after the first one's.
+    assert stats["ttft_ms"]["max"] > stats["ttft_ms"]["p50"]
+    assert step["max_outstanding"] == 4
+    _assert_rendered(tmp_path)
 
 
 def test_admission_timing_command() -> None:

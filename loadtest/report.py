@@ -1,0 +1,248 @@
+"""From outcomes to numbers: per-class latencies, goodput, yields, retries and wasted work.
+
+A report is a plain JSON-ready dict::
+
+    {"command", "target", "addr", "date", "settings": {...}, "slo": {...},
+     "steps": [step, ...]}
+
+with one step per offered load (``rate --rate 1,2,4`` has three; the others one). A step::
+
+    {"label", "offered", "offered_rps", "duration_s", "goodput_rps",
+     "all": stats, "classes": {name: stats}, "timeline": {...}, "requests": [[...], ...]}
+
+Every offered request ends in exactly one status, so ``offered == done + yielded + aborted +
+timed_out + errors`` in each stats. A request is *good* when it is done and meets every
+objective set for its class: time to first token, time per output token, end to end (a payload
+job's first output is its done frame). Goodput is good requests per second of the step.
+*Wasted* tokens are the output tokens of requests that were not good: work the target did that
+no user could use.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import platform
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .driver import Run
+from .stats import summarize
+from .targets import ABORTED, DONE, ERROR, STATUSES, TIMED_OUT, YIELDED, Outcome
+
+# Columns of a step's "requests" rows (the raw data plots and compare read back).
+REQUEST_FIELDS = ("cls", "sent_s", "status", "ttft_ms", "tpot_ms", "e2e_ms", "tokens", "attempts")
+OBJECTIVES = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Objectives in ms: a default per objective, and overrides per class (None: not set)."""
+
+    default: dict[str, float] = field(default_factory=dict)
+    by_class: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def limit(self, objective: str, cls: str) -> float | None:
+        return self.by_class.get(cls, {}).get(objective, self.default.get(objective))
+
+    def met(self, outcome: Outcome) -> bool:
+        if outcome.status != DONE:
+            return False
+        for objective in OBJECTIVES:
+            limit = self.limit(objective, outcome.request.cls)
+            value = getattr(outcome, objective)
+            if limit is not None and value is not None and value > limit:
+                return False
+        return True
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"default": self.default, "by_class": self.by_class}
+
+
+def parse_slo(objective: str, values: Iterable[str], slo: Slo) -> None:
+    """Fill ``slo`` from ``--slo-ttft-ms`` style values: ``MS`` sets the default, ``CLASS=MS``
+    one class's. Raises :class:`ValueError`."""
+    for text in values:
+        cls, sep, ms = text.rpartition("=")
+        value = float(ms)
+        if not value > 0:
+            raise ValueError(f"{text!r}: an objective must be a positive number of ms")
+        if sep:
+            slo.by_class.setdefault(cls, {})[objective] = value
+        else:
+            slo.default[objective] = value
+
+
+def _summary(values: Iterable[float | None]) -> dict[str, float | int | None]:
+    return summarize([v for v in values if v is not None]).as_dict()
+
+
+def stats(outcomes: Sequence[Outcome], duration_s: float, slo: Slo) -> dict[str, Any]:
+    """The numbers of one group of requests (a class, or all)."""
+    by_status = collections.Counter(o.status for o in outcomes)
+    good = [o for o in outcomes if slo.met(o)]
+    tokens = sum(o.tokens for o in outcomes)
+    retried = [o for o in outcomes if o.attempts > 1]
+    return {
+        "offered": len(outcomes),
+        **{status: by_status[status] for status in STATUSES},
+        "yielded_by": _count(o.reason for o in outcomes if o.status == YIELDED),
+        "aborted_by": _count(o.reason for o in outcomes if o.status == ABORTED),
+        "errors_by": _count(o.reason for o in outcomes if o.status == ERROR),
+        "yields": sum(len(o.yields) for o in outcomes),
+        "yields_by": _count(reason for o in outcomes for _, reason, _ in o.yields),
+        "retries": sum(max(o.attempts - 1, 0) for o in outcomes),
+        "retried_jobs": len(retried),
+        "first_retry_admitted": sum(o.first_retry_admitted for o in outcomes),
+        "good": len(good),
+        "goodput_rps": round(len(good) / duration_s, 4) if duration_s > 0 else 0.0,
+        "throughput_rps": round(by_status[DONE] / duration_s, 4) if duration_s > 0 else 0.0,
+        "tokens": tokens,
+        "wasted_tokens": tokens - sum(o.tokens for o in good),
+        "ttft_ms": _summary(o.ttft_ms for o in outcomes if o.status == DONE),
+        "tpot_ms": _summary(o.tpot_ms for o in outcomes),
+        "e2e_ms": _summary(o.e2e_ms for o in outcomes),
+        "yield_latency_ms": _summary(ms for o in outcomes for _, _, ms in o.yields),
+    }
+
+
+def _count(items: Iterable[str | None]) -> dict[str, int]:
+    return dict(sorted(collections.Counter(i or "?" for i in items).items()))
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def step(run: Run, slo: Slo, *, label: str, offered_rps: float | None = None) -> dict[str, Any]:
+    """One step's report: per-class and overall stats, the timelines and the raw requests."""
+    outcomes = run.outcomes
+    duration = run.duration_s
+    classes: dict[str, list[Outcome]] = collections.defaultdict(list)
+    for o in outcomes:
+        classes[o.request.cls].append(o)
+    overall = stats(outcomes, duration, slo)
+    monitor = run.monitor
+    timeline: dict[str, Any] = {
+        "outstanding": [[t, n] for t, n in run.outstanding],
+        "yields_s": sorted(round(t, 3) for o in outcomes for t, _, _ in o.yields),
+        "done_s": sorted(round(o.end_s, 3) for o in outcomes if o.status == DONE and o.end_s),
+        "server_inflight": []
+        if monitor is None
+        else [[round(s.t_ms / 1000, 3), s.inflight] for s in monitor.samples],
+    }
+    return {
+        "label": label,
+        "offered": len(outcomes),
+        "offered_rps": round(offered_rps if offered_rps is not None else _rate(outcomes), 4),
+        "duration_s": round(duration, 3),
+        "goodput_rps": overall["goodput_rps"],
+        "cap": None if monitor is None else monitor.cap,
+        "max_inflight_observed": None if monitor is None else monitor.max_inflight,
+        "inflight_peak": None if monitor is None else monitor.inflight_peak,
+        "max_outstanding": max((n for _, n in run.outstanding), default=0),
+        "monitor_error": None if monitor is None or monitor.error is None else str(monitor.error),
+        "all": overall,
+        "classes": {name: stats(group, duration, slo) for name, group in sorted(classes.items())},
+        "timeline": timeline,
+        "requests": [
+            [
+                o.request.cls,
+                round(o.sent_s, 4),
+                o.status,
+                _r(o.ttft_ms),
+                _r(o.tpot_ms),
+                _r(o.e2e_ms),
+                o.tokens,
+                o.attempts,
+            ]
+            for o in outcomes
+        ],
+    }
+
+
+def _rate(outcomes: Sequence[Outcome]) -> float:
+    """Offered requests per second over the span of their sends (all at once: infinite -> n)."""
+    if len(outcomes) < 2:
+        return float(len(outcomes))
+    span = outcomes[-1].sent_s - outcomes[0].sent_s
+    return len(outcomes) / span if span > 0.001 else float(len(outcomes))
+
+
+def build(
+    command: str, target: Any, settings: dict[str, Any], slo: Slo, steps: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The whole report."""
+    return {
+        "command": command,
+        "target": target.kind,
+        "addr": target.addr,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
+        "settings": settings,
+        "slo": slo.as_dict(),
+        "steps": steps,
+    }
+
+
+# For people ----------------------------------------------------------------------------
+
+
+def _latency(summary: dict[str, Any]) -> str:
+    if not summary["n"]:
+        return "-"
+    return "/".join(_ms(summary[k]) for k in ("p50", "p90", "p99", "max"))
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _by(counts: dict[str, int]) -> str:
+    return f" ({', '.join(f'{k} {v}' for k, v in counts.items())})" if counts else ""
+
+
+def table(step_report: dict[str, Any]) -> list[str]:
+    """A step's summary table: one row per class and one for all (latencies p50/p90/p99/max)."""
+    rows = [
+        f"{'class':12} {'offered':>7} {'done':>5} {'good':>5} {'goodput/s':>9} "
+        f"{'yields':>6} {'retries':>7} {'wasted tok':>10}  "
+        f"{'ttft ms':>20}  {'tpot ms':>15}  {'e2e ms':>22}"
+    ]
+    groups = dict(step_report["classes"])
+    if len(groups) != 1:
+        groups["all"] = step_report["all"]
+    for name, s in groups.items():
+        rows.append(
+            f"{name:12} {s['offered']:7} {s['done']:5} {s['good']:5} {s['goodput_rps']:9.3f} "
+            f"{s['yields']:6} {s['retries']:7} {s['wasted_tokens']:10}  "
+            f"{_latency(s['ttft_ms']):>20}  {_latency(s['tpot_ms']):>15}  {_latency(s['e2e_ms']):>22}"
+        )
+    return rows
+
+
+def summary_lines(step_report: dict[str, Any]) -> list[str]:
+    """The step's outcome counts, the server's view, then the table."""
+    a = step_report["all"]
+    peak = step_report["inflight_peak"]
+    lines = [
+        f"{step_report['label']}: offered {a['offered']} ({step_report['offered_rps']}/s) "
+        f"in {step_report['duration_s']:.3f} s",
+        f"  done {a['done']}, yielded {a[YIELDED]}{_by(a['yielded_by'])}, aborted {a[ABORTED]}"
+        f"{_by(a['aborted_by'])}, timed out {a[TIMED_OUT]}, errors {a[ERROR]}{_by(a['errors_by'])}",
+        f"  yields {a['yields']}{_by(a['yields_by'])}, retries {a['retries']} "
+        f"({a['retried_jobs']} job(s) retried, {a['first_retry_admitted']} admitted at their "
+        f"first retry), yield latency {_latency(a['yield_latency_ms'])} ms",
+    ]
+    if step_report["cap"] is not None:
+        lines.append(
+            f"  max inflight {step_report['max_inflight_observed']} observed by the monitor, "
+            f"{'-' if peak is None else peak} peak by the server, cap {step_report['cap']}"
+        )
+    else:
+        lines.append(f"  max outstanding at the client {step_report['max_outstanding']}")
+    if step_report["monitor_error"]:
+        lines.append(f"  monitor stopped early: {step_report['monitor_error']}")
+    lines.append(f"  goodput {step_report['goodput_rps']}/s; latencies p50/p90/p99/max:")
+    return lines + ["  " + row for row in table(step_report)]

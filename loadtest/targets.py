@@ -1,0 +1,264 @@
+"""Where a load test sends its requests, and what it records of each: an :class:`Outcome`.
+
+Two targets with one interface, so that one workload runs unchanged against both:
+
+* :class:`GovernorTarget`: the governor's newline-JSON protocol through
+  :class:`clients.GovernorClient`, a pool of connections, retrying on ``yield`` as told;
+* :class:`OpenAITarget`: an OpenAI-compatible server's streamed ``/v1/completions`` (the
+  queueing baseline: llama-cpp-python's own server on the same model, or any such sidecar).
+
+The driver makes an :class:`Outcome` per request (``timed_out`` until told otherwise) and the
+target fills it in as replies arrive, so a request cancelled at the deadline keeps what it had
+(attempts, yields, tokens received).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+import orjson
+
+from clients.client import ClientError, GovernorClient, RetryPolicy
+from governor.policy import LANES
+from protocol.codes import Status
+from protocol.frames import Reply
+from protocol.spec import JobSpec
+
+from .common import close_all, connect_all
+from .workload import Request, synth_prompt
+
+# Outcome statuses: every request ends in exactly one.
+DONE = "done"
+YIELDED = "yielded"  # the last answer was yield: retries spent, or none allowed
+ABORTED = "aborted"  # abort, or a need that ended the request (HTTP errors for OpenAI)
+TIMED_OUT = "timed_out"  # still outstanding at the deadline, then cancelled
+ERROR = "error"  # the connection broke
+STATUSES = (DONE, YIELDED, ABORTED, TIMED_OUT, ERROR)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request, as the client saw it; times are seconds from the run's start."""
+
+    request: Request
+    sent_s: float
+    status: str = TIMED_OUT
+    reason: str | None = None  # need_code, HTTP status or exception type
+    end_s: float | None = None
+    first_token_s: float | None = None
+    tokens: int = 0  # output tokens received
+    attempts: int = 0
+    # Per yield: (when it reached the client, its need_code, ms from that attempt's send).
+    yields: list[tuple[float, str, float]] = field(default_factory=list)
+    first_retry_admitted: bool = False
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """From the first send to the first output, yields and retries included."""
+        return None if self.first_token_s is None else (self.first_token_s - self.sent_s) * 1000
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return (
+            None if self.status != DONE or self.end_s is None else (self.end_s - self.sent_s) * 1000
+        )
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first (None below 2 tokens)."""
+        if self.status != DONE or self.end_s is None or self.first_token_s is None:
+            return None
+        if self.tokens < 2:
+            return None
+        return (self.end_s - self.first_token_s) * 1000 / (self.tokens - 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shape:
+    """How requests are made up: an inference job from its tokens, a raw payload upload, or a
+    ping; and whether each goes on a connection of its own."""
+
+    payload_bytes: int | None = None  # set: upload this many random bytes (no tokens, no TTFT)
+    chunk_bytes: int = 8192
+    temperature: float = 0.0
+    send_lane: bool = True  # governor: a class named like a lane asks for that lane
+    ping: bool = False  # governor: a ping instead of a job (the protocol's cheapest exchange)
+    reconnect: bool = False  # governor: a new connection per request, closed after it
+
+
+class Target(Protocol):
+    kind: str  # "governor" or "openai"
+    addr: str
+
+    async def open(self, connections: int, *, timeout: float) -> None: ...
+
+    async def send(self, index: int, outcome: Outcome, t0: float, connection: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _since(t0: float) -> float:
+    return time.monotonic() - t0
+
+
+class GovernorTarget:
+    kind = "governor"
+
+    def __init__(self, host: str, port: int, shape: Shape, retry: RetryPolicy) -> None:
+        self.host, self.port = host, port
+        self.addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.shape = shape
+        self.retry = retry
+        self.clients: list[GovernorClient] = []
+        self._timeout = 10.0
+
+    async def open(self, connections: int, *, timeout: float) -> None:
+        self._timeout = timeout
+        count = 0 if self.shape.reconnect else connections
+        await connect_all(self.host, self.port, count, opened=self.clients, timeout=timeout)
+
+    async def close(self) -> None:
+        clients, self.clients = self.clients, []
+        await close_all(clients)
+
+    async def send(self, index: int, outcome: Outcome, t0: float, connection: int) -> None:
+        try:
+            if not self.shape.reconnect:
+                await self._send(self.clients[connection % len(self.clients)], index, outcome, t0)
+                return
+            client = await GovernorClient.connect(self.host, self.port, timeout=self._timeout)
+            try:
+                await self._send(client, index, outcome, t0)
+            finally:
+                await client.close()
+        except (ClientError, OSError, TimeoutError) as exc:
+            outcome.status, outcome.reason, outcome.end_s = ERROR, type(exc).__name__, _since(t0)
+
+    async def _send(self, client: GovernorClient, index: int, outcome: Outcome, t0: float) -> None:
+        req, shape = outcome.request, self.shape
+
+        def on_attempt(sent_at: float, reply: Reply) -> None:
+            outcome.attempts += 1
+            if reply.status == Status.YIELD:
+                now = time.monotonic()
+                outcome.yields.append((now - t0, reply.need_code or "?", (now - sent_at) * 1000))
+
+        def on_delta(text: str) -> None:
+            if outcome.first_token_s is None:
+                outcome.first_token_s = _since(t0)
+            outcome.tokens += 1
+
+        job = f"{req.cls}-{index}"
+        if shape.ping:
+            outcome.attempts = 1
+            reply = await client.ping()
+            outcome.end_s = outcome.first_token_s = _since(t0)
+            outcome.status, outcome.reason = (
+                (DONE, None)
+                if reply.status == Status.OK
+                else (ABORTED, reply.need_code or str(reply.status))
+            )
+            return
+        if shape.payload_bytes is not None:
+            result = await client.upload(
+                random.Random(index).randbytes(shape.payload_bytes),
+                job=job,
+                chunk_bytes=shape.chunk_bytes,
+                retry=self.retry,
+                on_attempt=on_attempt,
+            )
+        else:
+            spec = JobSpec(
+                prompt=synth_prompt(req.prompt_tokens, f"r{index}"),
+                max_new_tokens=req.output_tokens,
+                temperature=shape.temperature,
+                seed=index,
+                stream=True,
+                lane=req.cls if shape.send_lane and req.cls in LANES else None,
+            )
+            result = await client.generate(
+                spec, job=job, retry=self.retry, on_attempt=on_attempt, on_delta=on_delta
+            )
+        outcome.end_s = _since(t0)
+        outcome.first_retry_admitted = result.attempts == 2 and result.admitted_at is not None
+        reply = result.reply
+        if reply.status == Status.DONE:
+            outcome.status = DONE
+            if outcome.first_token_s is None:  # a payload job's output is its done frame
+                outcome.first_token_s = outcome.end_s
+            tokens = (reply.result or {}).get("completion_tokens")
+            if isinstance(tokens, int):
+                outcome.tokens = tokens
+        elif reply.status == Status.YIELD:
+            outcome.status, outcome.reason = YIELDED, reply.need_code or "?"
+        else:
+            outcome.status, outcome.reason = ABORTED, reply.need_code or str(reply.status)
+
+
+class OpenAITarget:
+    """Streamed ``POST /v1/completions`` on an OpenAI-compatible server; it queues, never yields."""
+
+    kind = "openai"
+
+    def __init__(self, url: str, shape: Shape, model: str | None = None) -> None:
+        self.addr = url.rstrip("/")
+        self.shape = shape
+        self.model = model
+        self._http: httpx.AsyncClient | None = None
+
+    async def open(self, connections: int, *, timeout: float) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=self.addr,
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            timeout=httpx.Timeout(None, connect=timeout),
+        )
+        try:  # reachable before the start, as the governor target's connections are
+            (await self._http.get("/v1/models")).raise_for_status()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def send(self, index: int, outcome: Outcome, t0: float, connection: int) -> None:
+        assert self._http is not None, "open() first"
+        req = outcome.request
+        body: dict[str, Any] = {
+            "prompt": synth_prompt(req.prompt_tokens, f"r{index}"),
+            "max_tokens": req.output_tokens,
+            "temperature": self.shape.temperature,
+            "seed": index,
+            "stream": True,
+        }
+        if self.model:
+            body["model"] = self.model
+        outcome.attempts = 1
+        try:
+            async with self._http.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    outcome.status, outcome.reason = ABORTED, f"http_{response.status_code}"
+                    outcome.end_s = _since(t0)
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    choices = orjson.loads(data).get("choices") or [{}]
+                    if choices[0].get("text"):
+                        if outcome.first_token_s is None:
+                            outcome.first_token_s = _since(t0)
+                        outcome.tokens += 1
+        except (httpx.HTTPError, orjson.JSONDecodeError, OSError) as exc:
+            outcome.status, outcome.reason, outcome.end_s = ERROR, type(exc).__name__, _since(t0)
+            return
+        outcome.status, outcome.end_s = DONE, _since(t0)

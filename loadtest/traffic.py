@@ -1,0 +1,276 @@
+"""The options and the ending the traffic commands (burst, rate, mix, replay) share.
+
+:func:`add_arguments` gives every such command the same target, client, objective and output
+options; :func:`execute` runs the command's steps and writes what a run leaves behind: the
+summary on stdout (its last line the report as one-line JSON), and in ``--out``
+``report.json``, the PNG plots and ``report.html``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from .common import (
+    DEFAULT_ADDR,
+    RETRY_MODES,
+    StartError,
+    non_negative_int,
+    parse_addr,
+    positive_float,
+    positive_int,
+    retry_policy,
+    run_loop,
+)
+from .driver import open_loop
+from .render import write_outputs
+from .report import Slo, build, parse_slo, step, summary_lines
+from .targets import GovernorTarget, OpenAITarget, Shape, Target
+from .workload import Request
+
+Steps = Callable[[Target, Slo], Coroutine[Any, Any, list[dict[str, Any]]]]
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> None:
+    """The options every traffic command takes, with the same names and meanings."""
+    target = parser.add_argument_group("target")
+    target.add_argument(
+        "--addr",
+        type=parse_addr,
+        default=parse_addr(DEFAULT_ADDR),
+        metavar="HOST:PORT",
+        help=f"the governor to load; the only address connected to (default: {DEFAULT_ADDR})",
+    )
+    target.add_argument(
+        "--openai",
+        metavar="URL",
+        help="load an OpenAI-compatible server at URL instead (streamed /v1/completions), e.g. "
+        "the queueing baseline `python -m loadtest baseline`; --addr and --retry are ignored",
+    )
+    target.add_argument("--model", help="--openai: the model name to send (default: none)")
+
+    client = parser.add_argument_group("client behaviour")
+    client.add_argument(
+        "--retry",
+        choices=RETRY_MODES,
+        default=default_retry,
+        help="on yield: hint (sleep retry_hint_ms plus jitter, then resend), naive (resend at "
+        "once), fixed (sleep --fixed-ms, ignoring the hint, as heptamini's client does with its "
+        f"daemon's constant 500 ms), none (one attempt) (default: {default_retry})",
+    )
+    client.add_argument(
+        "--max-attempts",
+        type=positive_int,
+        default=10,
+        help="admission attempts per request in all, the retry budget (default: 10)",
+    )
+    client.add_argument(
+        "--fixed-ms",
+        type=non_negative_int,
+        default=500,
+        help="the sleep between attempts of --retry fixed (default: 500)",
+    )
+    client.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of the jobs (default: 0, greedy)",
+    )
+    client.add_argument(
+        "--no-lanes",
+        action="store_true",
+        help="governor: do not ask for the lane a class is named after (the policy decides)",
+    )
+
+    objectives = parser.add_argument_group(
+        "objectives (MS sets the default; CLASS=MS one class's; repeatable)"
+    )
+    for name, what in (
+        ("ttft", "time to first token, from the first send"),
+        ("tpot", "time per output token after the first"),
+        ("e2e", "end to end, from the first send to the last byte"),
+    ):
+        objectives.add_argument(
+            f"--slo-{name}-ms", action="append", default=[], metavar="[CLASS=]MS", help=what
+        )
+
+    limits = parser.add_argument_group("limits and output")
+    limits.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds for the whole run (each step), connecting included; requests still "
+        "outstanding then are cancelled and counted as timed out (default: 60)",
+    )
+    limits.add_argument(
+        "--sample-ms",
+        type=positive_int,
+        default=100,
+        help="the inflight timeline's period: the monitor pings the governor this often "
+        "(default: 100)",
+    )
+    limits.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write report.json, the PNG plots and report.html here "
+        "(default: loadtest-out/COMMAND-TIME)",
+    )
+    limits.add_argument(
+        "--no-plots", action="store_true", help="write report.json only: no PNG, no HTML"
+    )
+    limits.add_argument(
+        "--no-progress", action="store_true", help="no live progress bar on standard error"
+    )
+
+
+def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--payload-bytes",
+        type=non_negative_int,
+        default=256,
+        help="bytes per job, an opaque upload (default: 256)",
+    )
+    parser.add_argument(
+        "--chunk-bytes",
+        type=positive_int,
+        default=8192,
+        help="bytes per upload chunk (default: 8192)",
+    )
+
+
+def slo_from(args: argparse.Namespace) -> Slo:
+    slo = Slo()
+    for name in ("ttft", "tpot", "e2e"):
+        try:
+            parse_slo(f"{name}_ms", getattr(args, f"slo_{name}_ms"), slo)
+        except ValueError as exc:
+            raise SystemExit(f"loadtest: --slo-{name}-ms: {exc}") from None
+    return slo
+
+
+def target_from(
+    args: argparse.Namespace,
+    *,
+    payload_bytes: int | None = None,
+    ping: bool = False,
+    reconnect: bool = False,
+) -> Target:
+    shape = Shape(
+        payload_bytes=payload_bytes,
+        ping=ping,
+        reconnect=reconnect,
+        chunk_bytes=getattr(args, "chunk_bytes", 8192),
+        temperature=args.temperature,
+        send_lane=not args.no_lanes,
+    )
+    if args.openai:
+        if payload_bytes is not None or ping or reconnect:
+            raise SystemExit("loadtest: --openai sends inference jobs only: give --prompt-tokens")
+        return OpenAITarget(args.openai, shape, args.model)
+    host, port = args.addr
+    return GovernorTarget(
+        host, port, shape, retry_policy(args.retry, args.max_attempts, args.fixed_ms)
+    )
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's options as given (JSON-ready), for the report."""
+    skip = {"command", "out", "no_plots", "no_progress"}
+    return {
+        k: list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
+        for k, v in vars(args).items()
+        if k not in skip
+    }
+
+
+def progress_stream(args: argparse.Namespace) -> Any:
+    return None if args.no_progress else sys.stderr
+
+
+def execute(command: str, args: argparse.Namespace, target: Target, steps: Steps) -> int:
+    """Run the steps, print each step's summary and the JSON, write the files.
+
+    Exit status: 0 when the run reached its end (whatever the target answered); 1 when the
+    target could not be reached before the start, or the output could not be written.
+    """
+    slo = slo_from(args)
+    try:
+        results = run_loop(steps(target, slo))
+    except StartError as exc:
+        print(f"loadtest {command}: {exc}", file=sys.stderr)
+        return 1
+    report = build(command, target, settings_of(args), slo, results)
+    for s in results:
+        print("\n".join(summary_lines(s)))
+    out = Path(
+        args.out or Path("loadtest-out") / f"{command}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    )
+    try:
+        write_outputs(
+            out,
+            "report.json",
+            report,
+            [("run", report)],
+            plots=not args.no_plots,
+            title=f"loadtest {command}",
+        )
+    except OSError as exc:
+        print(f"loadtest {command}: cannot write {out}: {exc}", file=sys.stderr)
+        return 1
+    print(f"report: {out / 'report.json'}" + ("" if args.no_plots else f", {out / 'report.html'}"))
+    print(
+        json.dumps(
+            {k: v for k, v in report.items() if k != "steps"}
+            | {"steps": [_brief(s) for s in results]}
+        )
+    )
+    return 0
+
+
+def _brief(step: dict[str, Any]) -> dict[str, Any]:
+    """A step without its raw rows and timelines (the one-line JSON on stdout)."""
+    return {k: v for k, v in step.items() if k not in ("requests", "timeline")}
+
+
+# Open loops (rate, mix, replay) -----------------------------------------------------------
+
+
+def add_open_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--connections",
+        type=positive_int,
+        default=32,
+        help="governor: connections the requests are spread over, round-robin; OpenAI: the "
+        "HTTP connection pool (default: 32)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1, help="of arrivals and lengths: runs repeat (default: 1)"
+    )
+
+
+def open_steps(
+    args: argparse.Namespace, workloads: list[tuple[str, list[Request], float | None]]
+) -> Steps:
+    """Steps that each send one workload ``(label, requests, offered_rps)`` in an open loop."""
+
+    async def steps(target: Target, slo: Slo) -> list[dict[str, Any]]:
+        out = []
+        for label, requests, offered_rps in workloads:
+            result = await open_loop(
+                target,
+                requests,
+                connections=args.connections,
+                timeout_s=args.timeout,
+                sample_s=args.sample_ms / 1000,
+                label=label,
+                progress_out=progress_stream(args),
+            )
+            out.append(step(result, slo, label=label, offered_rps=offered_rps))
+        return out
+
+    return steps
