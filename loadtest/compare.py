@@ -10,13 +10,12 @@ Typically the same workload against the governor and against the queueing baseli
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from .render import write_outputs
+from .render import output_dir, write_outputs
 from .report import table
 
 NAME = "compare"
@@ -80,9 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"loadtest compare: {exc}", file=sys.stderr)
         return 2
     print("\n".join(lines(reports)))
-    out = Path(
-        args.out or Path("loadtest-out") / f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    )
+    out = output_dir(args.out, NAME)
     try:
         data = {"reports": [{"name": n, "report": r} for n, r in reports]}
         write_outputs(

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+import httpx
+
 from clients.client import ClientError, GovernorClient
 
 from .common import CONNECT_TIMEOUT_S, StartError
@@ -91,9 +93,9 @@ async def _prepare(
         if monitor is not None:
             await monitor.client.close()
         await target.close()
-        reachable = (ClientError, OSError, TimeoutError, MonitorError)
+        reachable = (ClientError, OSError, TimeoutError, MonitorError, httpx.HTTPError)
         first = group.exceptions[0]
-        if not isinstance(first, reachable) and type(first).__module__.split(".")[0] != "httpx":
+        if not isinstance(first, reachable):
             raise
         raise StartError(
             f"cannot reach the target at {target.addr}: {first or type(first).__name__}"

@@ -15,6 +15,7 @@ The HTML page embeds the PNGs (base64) and holds the tables, so it opens anywher
 from __future__ import annotations
 
 import base64
+import datetime
 import html
 import json
 from collections.abc import Sequence
@@ -190,6 +191,13 @@ def write_html(reports: Named, directory: Path, plots: Sequence[Path], title: st
     out = directory / "report.html"
     out.write_text("\n".join(parts), encoding="utf-8")
     return out
+
+
+def output_dir(given: str | None, command: str) -> Path:
+    """``--out``, or ``loadtest-out/COMMAND-TIME`` when it was not given."""
+    return Path(
+        given or Path("loadtest-out") / f"{command}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    )
 
 
 def write_outputs(

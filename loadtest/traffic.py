@@ -9,7 +9,6 @@ summary on stdout (its last line the report as one-line JSON), and in ``--out``
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from collections.abc import Callable, Coroutine
@@ -28,7 +27,7 @@ from .common import (
     run_loop,
 )
 from .driver import open_loop
-from .render import write_outputs
+from .render import output_dir, write_outputs
 from .report import Slo, build, parse_slo, step, summary_lines
 from .targets import GovernorTarget, OpenAITarget, Shape, Target
 from .workload import Request
@@ -207,9 +206,7 @@ def execute(command: str, args: argparse.Namespace, target: Target, steps: Steps
     report = build(command, target, settings_of(args), slo, results)
     for s in results:
         print("\n".join(summary_lines(s)))
-    out = Path(
-        args.out or Path("loadtest-out") / f"{command}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    )
+    out = output_dir(args.out, command)
     try:
         write_outputs(
             out,
