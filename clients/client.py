@@ -6,6 +6,26 @@ reader task routes each reply to the operation waiting on its job id.
 On ``yield`` :meth:`GovernorClient.upload` sleeps for the server's ``retry_hint_ms`` (plus
 jitter, so that refused clients do not come back in lockstep) and resends the final chunk,
 which the governor kept; a bounded :class:`RetryPolicy` says how many attempts in all.
+
+Yields come in three kinds, and only one of them is retried freely:
+
+- *busy* (``server_busy``, ``lane_full``, ``kv_pressure``, ``tenant_busy``, ``tenant_share``,
+  ``rate_limited``, ``lane_paused``, and any code this client does not know): flow control.
+  Refusing costs the server microseconds and no GPU, and the hint paces the client, so these
+  are bounded per upload by ``RetryPolicy.max_attempts`` alone.
+- *failing* (``breaker_open``: the runner pool's circuit breaker is open, and the hint is its
+  remaining cooldown): the backend is failing, not busy. Retrying into a failing fleet is how a
+  retry storm starts (the load multiplies exactly when capacity is scarce), so these retries
+  are also bounded by a :class:`RetryBudget`, shared by every upload on the client (and by
+  several clients, given the same one): a token bucket that failures drain and finished jobs
+  refill, in the manner of gRPC's retry throttling. A retry the budget refuses ends the upload
+  with the yield it got and ``UploadResult.budget_exhausted`` set.
+- ``draining``: the server is shutting down and says "go elsewhere"; never retried on this
+  connection.
+
+Jobs aborted by a failing backend (``error_code`` ``backend_error``: a crashed or hung runner,
+an upstream error) are never retried by this client, but they drain the budget too, so that a
+client that has just watched jobs fail does not then retry hard when the breaker opens.
 """
 
 from __future__ import annotations
@@ -20,7 +40,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
-from protocol.codes import Receipt, Status, Verb
+from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
@@ -42,7 +62,9 @@ class ConnectionLost(ClientError):
 class RetryPolicy:
     """How an upload answers ``yield``.
 
-    ``max_attempts`` counts admission attempts in all: 1 never retries. By default the client
+    ``max_attempts`` counts admission attempts in all: 1 never retries. It is the only bound on
+    retrying a busy yield; a ``breaker_open`` yield is retried only while the client's
+    :class:`RetryBudget` also allows it, and a ``draining`` one never. By default the client
     sleeps ``retry_hint_ms`` plus a random ``jitter`` (up to ``jitter_ratio`` of the hint, at
     most ``max_jitter_s``), capped at ``max_sleep_s``. ``fixed_delay_s`` ignores the hint and
     sleeps that long instead: 0 is the naive client that retries at once, 0.5 behaves like
@@ -69,10 +91,87 @@ class RetryPolicy:
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 
+_MILLI = 1000  # the budget counts in thousandths of a token, so its arithmetic is exact
+
+
+class RetryBudget:
+    """A token bucket that bounds retries into a failing backend (gRPC's retry throttling).
+
+    It starts full, at ``max_tokens``. Each failure signal (a ``breaker_open`` yield, or a job
+    aborted with ``backend_error``) withdraws one token, down to zero; each job that ends
+    ``done`` deposits ``token_ratio``, up to ``max_tokens``. A retry after a failure signal is
+    allowed only while more than half the tokens are left (after that signal's withdrawal).
+
+    So a burst of failures gets about ``max_tokens / 2`` retries in all, however many uploads
+    see them, and after that only ``1 / token_ratio`` jobs done buys one failure back: a
+    healthy backend (failures rare, successes common) never notices the budget, and a failing
+    one sees its offered load stay near the original requests instead of multiplying by
+    ``max_attempts``. Busy yields neither withdraw nor need budget: they are flow control,
+    cheap for the server and paced by its hint.
+
+    Tokens are kept in thousandths (``token_ratio`` is rounded to three decimals, as gRPC
+    does), so that ten deposits of 0.1 make exactly one token. This is mutable state for one
+    event loop (it does no locking): pass the same budget to several :class:`GovernorClient`
+    instances to make them share it.
+    """
+
+    __slots__ = ("_max", "_milli", "_ratio")
+
+    def __init__(self, *, max_tokens: float = 10.0, token_ratio: float = 0.1) -> None:
+        self._max = round(max_tokens * _MILLI)
+        self._ratio = round(token_ratio * _MILLI)
+        if self._max < 1:
+            raise ValueError("max_tokens must be at least 0.001")
+        if self._ratio < 1:
+            raise ValueError("token_ratio must be at least 0.001")
+        self._milli = self._max
+
+    @property
+    def max_tokens(self) -> float:
+        return self._max / _MILLI
+
+    @property
+    def token_ratio(self) -> float:
+        return self._ratio / _MILLI
+
+    @property
+    def tokens(self) -> float:
+        """The tokens left now."""
+        return self._milli / _MILLI
+
+    def record_failure(self) -> None:
+        """A failure signal: withdraw one token (never below zero)."""
+        self._milli = max(self._milli - _MILLI, 0)
+
+    def record_success(self) -> None:
+        """A job ended ``done``: deposit ``token_ratio`` (never above ``max_tokens``)."""
+        self._milli = min(self._milli + self._ratio, self._max)
+
+    def allows_retry(self) -> bool:
+        """Whether a retry after a failure signal may go: more than ``max_tokens / 2`` left."""
+        return 2 * self._milli > self._max
+
+    def __repr__(self) -> str:
+        return (
+            f"RetryBudget(tokens={self.tokens:g}, max_tokens={self.max_tokens:g}, "
+            f"token_ratio={self.token_ratio:g})"
+        )
+
+
+def _backend_failing(reply: Reply) -> bool:
+    """Whether ``reply`` says the backend is failing (not busy): a budget failure signal."""
+    if reply.status == Status.YIELD:
+        return reply.need_code == NeedCode.BREAKER_OPEN
+    return reply.status == Status.ABORT and reply.error_code == ErrorCode.BACKEND_ERROR
+
 
 @dataclass(slots=True)
 class UploadResult:
-    """How an upload ended: ``reply`` is the last frame (terminal, ``yield`` or ``need``)."""
+    """How an upload ended: ``reply`` is the last frame (terminal, ``yield`` or ``need``).
+
+    ``budget_exhausted``: the last reply was a ``breaker_open`` yield that the retry policy
+    would have retried, but the client's :class:`RetryBudget` refused.
+    """
 
     reply: Reply
     attempts: int  # admission attempts made
@@ -80,6 +179,7 @@ class UploadResult:
     started: float  # time.monotonic() when the first frame was sent
     admitted_at: float | None  # ... when the attempt that ran was sent (None: it never ran)
     finished: float
+    budget_exhausted: bool = False
 
     @property
     def status(self) -> Status:
@@ -97,8 +197,11 @@ class GovernorClient:
         writer: asyncio.StreamWriter,
         *,
         api_key: str | None = None,
+        retry_budget: RetryBudget | None = None,
     ) -> None:
+        """``retry_budget``: shared with other clients when given, else this client's own."""
         self.api_key = api_key  # the tenant's key, sent with every job
+        self._budget = retry_budget if retry_budget is not None else RetryBudget()
         self._reader = reader
         self._writer = writer
         self._inbox: dict[str, asyncio.Queue[Reply | ClientError]] = {}
@@ -110,11 +213,22 @@ class GovernorClient:
 
     @classmethod
     async def connect(
-        cls, host: str, port: int, *, timeout: float = 10.0, api_key: str | None = None
+        cls,
+        host: str,
+        port: int,
+        *,
+        timeout: float = 10.0,
+        api_key: str | None = None,
+        retry_budget: RetryBudget | None = None,
     ) -> Self:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port, limit=MAX_REPLY_BYTES)
-        return cls(reader, writer, api_key=api_key)
+        return cls(reader, writer, api_key=api_key, retry_budget=retry_budget)
+
+    @property
+    def retry_budget(self) -> RetryBudget:
+        """The budget this client's retries after failure signals draw on."""
+        return self._budget
 
     async def __aenter__(self) -> Self:
         return self
@@ -161,6 +275,8 @@ class GovernorClient:
     ) -> UploadResult:
         """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield.
 
+        A yield is retried as ``retry`` says, and a ``breaker_open`` one only while the
+        client's :attr:`retry_budget` allows; a ``draining`` one is returned at once.
         ``on_attempt(sent_at, reply)`` is called as each admission attempt is answered, with
         the ``time.monotonic()`` at which it was sent: load tests time every yield with it,
         including those of an upload cut short by ``timeout``. ``on_delta(text)`` gets the
@@ -211,6 +327,7 @@ class GovernorClient:
         yields: list[Reply] = []
         admitted_at: float | None = None
         attempts = 0
+        budget_exhausted = False
         whole = True
         async with self._expecting(job) as inbox, asyncio.timeout(timeout):
             while True:
@@ -232,14 +349,24 @@ class GovernorClient:
                     on_attempt(sent_at, reply)
                 if reply.receipt(Receipt.BACKEND_MS) is not None:  # the job ran
                     admitted_at = sent_at
+                failing = _backend_failing(reply)
+                if failing:
+                    self._budget.record_failure()
+                elif reply.status == Status.DONE:
+                    self._budget.record_success()
                 if reply.status != Status.YIELD:
                     break
                 yields.append(reply)
-                if attempts >= retry.max_attempts:
+                if attempts >= retry.max_attempts or reply.need_code == NeedCode.DRAINING:
+                    break
+                if failing and not self._budget.allows_retry():
+                    budget_exhausted = True
                     break
                 await asyncio.sleep(retry.delay_s(reply.retry_hint_ms, self._rng))
                 whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
-        return UploadResult(reply, attempts, yields, started, admitted_at, time.monotonic())
+        return UploadResult(
+            reply, attempts, yields, started, admitted_at, time.monotonic(), budget_exhausted
+        )
 
     async def generate(
         self,
@@ -348,7 +475,9 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def connect(address: str, *, timeout: float = 10.0) -> GovernorClient:
-    """Connect to ``HOST:PORT``."""
+async def connect(
+    address: str, *, timeout: float = 10.0, retry_budget: RetryBudget | None = None
+) -> GovernorClient:
+    """Connect to ``HOST:PORT``; ``retry_budget`` as for :class:`GovernorClient`."""
     host, port = parse_address(address)
-    return await GovernorClient.connect(host, port, timeout=timeout)
+    return await GovernorClient.connect(host, port, timeout=timeout, retry_budget=retry_budget)

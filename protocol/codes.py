@@ -78,6 +78,7 @@ class NeedCode(StrEnum):
     TENANT_SHARE = "tenant_share"  # extension, yield: at its weighted share while others wait
     RATE_LIMITED = "rate_limited"  # extension, yield: the tenant's request or token rate
     KV_PRESSURE = "kv_pressure"  # extension, yield: the KV budget cannot take the job now
+    BREAKER_OPEN = "breaker_open"  # extension, yield: the runner pool's circuit breaker is open
     # Extension, abort: the policy will never run this job.
     PROMPT_OVER_CEILING = "prompt_over_ceiling"
     KV_OVER_CAPACITY = "kv_over_capacity"
