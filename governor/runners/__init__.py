@@ -1,6 +1,15 @@
 """Runners execute admitted jobs; :mod:`.base` defines the interface."""
 
-from .base import Finished, Job, RunEvent, Runner, RunnerError, RunnerStartError, Token
+from .base import (
+    Finished,
+    Job,
+    RunEvent,
+    Runner,
+    RunnerError,
+    RunnerHealth,
+    RunnerStartError,
+    Token,
+)
 from .stub import StubRunner
 
 __all__ = [
@@ -9,6 +18,7 @@ __all__ = [
     "RunEvent",
     "Runner",
     "RunnerError",
+    "RunnerHealth",
     "RunnerStartError",
     "StubRunner",
     "Token",

@@ -6,6 +6,10 @@ of :meth:`Runner.run`, an async generator of :class:`Token` events (partial outp
 :class:`Finished`. The server cancels the iteration's task to stop a job (client gone,
 ``ttl_ms`` spent, shutdown): a runner must stop work promptly when cancelled and raise
 :class:`RunnerError` for a job that failed, never anything else.
+
+For the health probes, :meth:`Runner.probe` runs the smallest real job (one generated token)
+through the same path as a client's, and :meth:`Runner.health` says whether the runner's
+supervision of its workers still stands.
 """
 
 from __future__ import annotations
@@ -47,6 +51,16 @@ class Finished:
 RunEvent = Token | Finished
 
 
+@dataclass(frozen=True, slots=True)
+class RunnerHealth:
+    """What liveness and readiness need to know of a runner's workers."""
+
+    supervisor_alive: bool  # every worker is running or being restarted
+    workers_live: int  # loaded and able to take a job (0 with ``workers`` 0: no workers)
+    workers: int  # configured; 0 for a runner without worker processes
+    restarts: int = 0
+
+
 class RunnerStartError(Exception):
     """The runner cannot start (a model that does not load, say); the message is for people."""
 
@@ -79,3 +93,12 @@ class Runner(Protocol):
         ...
 
     def run(self, job: Job) -> AsyncGenerator[RunEvent, None]: ...
+
+    async def probe(self) -> bool:
+        """Generate one token through the real path; False if no worker is free to do it.
+
+        Raises :class:`RunnerError` when it fails; the caller bounds it with a timeout.
+        """
+        ...
+
+    def health(self) -> RunnerHealth: ...

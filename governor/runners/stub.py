@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 
 from protocol.spec import JSON_CONTENT_TYPES, parse_spec
 
-from .base import Finished, Job, RunEvent, RunnerError, Token
+from .base import Finished, Job, RunEvent, RunnerError, RunnerHealth, Token
 
 STUB_MAX_NEW_TOKENS = 1 << 20
 
@@ -74,3 +74,12 @@ class StubRunner:
             await asyncio.sleep((spec.max_new_tokens - 1) * self.output_s)
             result.update(prompt_tokens=prompt_tokens, completion_tokens=spec.max_new_tokens)
         yield Finished(result)
+
+    async def probe(self) -> bool:
+        """Fails at ``fail_rate`` like its jobs, but takes no time (a probe must be quick)."""
+        if self._random.random() < self.fail_rate:
+            raise RunnerError("stub runner: injected probe failure")
+        return True
+
+    def health(self) -> RunnerHealth:
+        return RunnerHealth(supervisor_alive=True, workers_live=0, workers=0)
