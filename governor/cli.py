@@ -1,4 +1,5 @@
-"""``governor serve``: flags map 1:1 onto :class:`governor.config.Config` fields."""
+"""``governor serve`` (flags map 1:1 onto :class:`governor.config.Config` fields), and
+``governor drain`` (a Kubernetes preStop hook's: drain a running daemon and wait for it)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import logging
 import resource
 import signal
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .config import CLI_FIELDS, Config, ConfigError
+import orjson
+
+from . import __version__, logs
+from .config import CLI_FIELDS, Config, ConfigError, parse_address
 from .runners import RunnerStartError
 from .server import Server
 
@@ -58,7 +63,43 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=f.name.upper(),
             help=f"{f.metadata['help']} (default: {f.default})",
         )
+    drain = commands.add_parser(
+        "drain",
+        help="drain a running daemon (for a preStop hook)",
+        description="Ask a running daemon to drain (POST /drain on its metrics_listen, from "
+        "this host), then wait for its running jobs. Exit 0 once none runs, 1 if some still "
+        "run after --wait seconds or on any error.",
+    )
+    drain.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1:9464",
+        help="the daemon's metrics_listen address (default: %(default)s)",
+    )
+    drain.add_argument(
+        "--wait",
+        type=float,
+        default=30.0,
+        help="seconds to wait for running jobs (default: %(default)s)",
+    )
     return parser
+
+
+def drain(address: str, wait: float) -> int:
+    try:
+        host, port = parse_address(address, what="--metrics-addr")
+    except ConfigError as exc:
+        print(f"governor: {exc}", file=sys.stderr)
+        return 1
+    host = f"[{host}]" if ":" in host else host
+    request = urllib.request.Request(f"http://{host}:{port}/drain?wait={wait:g}", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=wait + 10) as response:
+            answer = orjson.loads(response.read())
+    except (urllib.error.URLError, OSError, orjson.JSONDecodeError) as exc:
+        print(f"governor: drain failed: {exc}", file=sys.stderr)
+        return 1
+    print(orjson.dumps(answer).decode())
+    return 0 if answer.get("drained") else 1
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -92,11 +133,13 @@ async def serve(config: Config) -> int:
     stop = asyncio.Event()
 
     def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
         if not stop.is_set():
-            log.info("%s: draining (a second signal forces exit)", signal.Signals(signum).name)
+            log.info("%s: draining (a second signal forces exit)", name)
+            server.begin_drain(name)  # readiness fails from this moment
             stop.set()
         else:
-            log.warning("%s again: aborting running jobs now", signal.Signals(signum).name)
+            log.warning("%s again: aborting running jobs now", name)
             server.force()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -113,16 +156,14 @@ async def serve(config: Config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "drain":
+        return drain(args.metrics_addr, args.wait)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
         print(f"governor: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    stop_logging = logs.configure(config.log_level, config.log_format)
     _raise_fd_limit(config.max_connections + 64)
     import uvloop
 
@@ -131,3 +172,5 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the listen address is taken or not ours
         log.error("cannot serve: %s", exc)
         return 1
+    finally:
+        stop_logging()

@@ -20,6 +20,7 @@ from .tenants import TenantConfig
 
 RUNNERS = ("llama", "http", "stub")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -194,10 +195,45 @@ class Config:
         30.0,
         "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted.",
     )
+    breaker_failures: int = _opt(
+        5,
+        "Circuit breaker: failed jobs within breaker_window (and at least breaker_error_rate of them) that open it; 0: no breaker.",
+    )
+    breaker_error_rate: float = _opt(
+        0.5, "Circuit breaker: the share of a window's finished jobs that must have failed, 0 to 1."
+    )
+    breaker_window: float = _opt(30.0, "Circuit breaker: seconds over which failures are counted.")
+    breaker_cooldown: float = _opt(
+        15.0,
+        "Circuit breaker: seconds it stays open (jobs go to the fallback pool, or yield breaker_open) before a trial job.",
+    )
     metrics_listen: str | None = _opt(
-        None, "HOST:PORT for the HTTP /metrics endpoint; unset: no metrics listener."
+        None,
+        "HOST:PORT for the HTTP listener: /metrics, /healthz/live, /healthz/ready, POST /drain (from loopback only); unset: none.",
+    )
+    probe_interval: float = _opt(
+        5.0,
+        "Seconds between readiness probes: one generated token through an idle worker (or the upstream).",
+    )
+    probe_timeout: float = _opt(
+        5.0, "Seconds a readiness probe may take before it counts as failed."
+    )
+    probe_max_age: float = _opt(
+        15.0,
+        "Readiness needs a probe that succeeded, or a token generated for a job, within this many seconds.",
+    )
+    unready_when_saturated: bool = _opt(
+        False,
+        "Fail /healthz/ready while every slot is taken (off: yield already tells clients, and a saturated replica is healthy).",
+    )
+    loop_stall_limit: float = _opt(
+        10.0, "Liveness fails once the event loop has not run for this many seconds."
     )
     log_level: str = _opt("info", "debug, info, warning or error.")
+    log_format: str = _opt(
+        "text",
+        "text, or json: one JSON object per line, with fields for each job outcome and state change.",
+    )
 
     def __post_init__(self) -> None:
         parse_address(self.listen, what="listen")
@@ -236,10 +272,22 @@ class Config:
             "output_weight",
             "tool_risk_weight",
             "degraded_max_new_tokens",
+            "breaker_failures",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
-        for name in ("idle_timeout", "job_timeout", "ttft_slo_ms", "overload_window"):
+        for name in (
+            "idle_timeout",
+            "job_timeout",
+            "ttft_slo_ms",
+            "overload_window",
+            "breaker_window",
+            "breaker_cooldown",
+            "probe_interval",
+            "probe_timeout",
+            "probe_max_age",
+            "loop_stall_limit",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.n_ctx < 16:
@@ -248,7 +296,7 @@ class Config:
             raise ConfigError("n_gpu_layers must be -1 (all), 0 (none) or a count of layers")
         if not 0.0 <= self.stub_fail_rate <= 1.0:
             raise ConfigError("stub_fail_rate must be within [0, 1]")
-        for name in ("kv_danger", "kv_interactive_share"):
+        for name in ("kv_danger", "kv_interactive_share", "breaker_error_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be within [0, 1]")
         if self.interactive_reserve >= self.max_inflight and self.lanes:
@@ -259,6 +307,8 @@ class Config:
             raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
 
     @property
     def pool_workers(self) -> int:

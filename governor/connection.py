@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -34,15 +36,33 @@ from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
 from .ledger import Promise, Refusal, Slot
+from .logs import event
+from .metrics import NO_LANE
 from .overload import OverloadController, State
 from .policy import LANES, Demand, Lane, Rejection
-from .runners import Job, Runner, RunnerError, Token
+from .runners import Job, RunnerError, Token
 from .tenants import Tenant
 
 if TYPE_CHECKING:
-    from .server import Server
+    from .server import Pool, Server
 
 log = logging.getLogger("governor.connection")
+jobs_log = logging.getLogger("governor.jobs")
+
+# Outcomes that say the backend failed: the circuit breaker counts these as failures and
+# "done" as a success; any other end (cancelled, out of ttl_ms, its client gone, shutdown)
+# says nothing about the pool.
+BACKEND_FAILURES = frozenset(
+    {
+        NeedCode.BACKEND_ERROR,
+        NeedCode.RUNNER_CRASHED,
+        NeedCode.RUNNER_TIMEOUT,
+        NeedCode.RUNNER_UNAVAILABLE,
+        NeedCode.UPSTREAM_ERROR,
+        NeedCode.UPSTREAM_TIMEOUT,
+    }
+)
+_connection_ids = itertools.count(1)
 
 
 @dataclass(slots=True, eq=False)
@@ -57,11 +77,16 @@ class JobState:
     job: Job | None = None  # the verified payload as the runner prepared it
     demand: Demand | None = None  # its lane and KV reservation, under a lane policy
     degraded: tuple[str, ...] = ()  # the fallback steps that shaped it
-    runner: Runner | None = None  # the fallback pool's, when the ladder sent it there
+    pool: Pool | None = None  # the fallback pool, when the ladder or the breaker sent it there
+    first_yield: float | None = None  # when it was first refused
+    yields: int = 0
     # Set on admission:
     request: Request | None = None  # the frame that completed the payload; the terminal answers it
     slot: Slot | None = None
+    trial: bool = False  # the half-open breaker's trial job
     task: asyncio.Task[None] | None = None
+    first_token: float | None = None
+    result: dict[str, Any] | None = None  # the runner's result, once it finished
     terminal_sent: bool = False
     outcome: str = "cancelled"  # "done", or the need_code of its abort, or "client_gone"
 
@@ -81,6 +106,7 @@ class GovernorProtocol(asyncio.Protocol):
         self.last_seq = 0
         self.last_ttl_ms = 0
         self.closed = False
+        self.id = next(_connection_ids)  # names the connection in logs
         self._loop = asyncio.get_running_loop()
         self._last_active = self._loop.time()
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -347,6 +373,7 @@ class GovernorProtocol(asyncio.Protocol):
     # Admission and execution ---------------------------------------------------------
 
     def _admit(self, req: Request, state: JobState) -> None:
+        started = time.perf_counter()
         promise, state.promise = state.promise, None
         tenant, now = state.tenant, self.ledger.clock()
         overload = self.server.overload
@@ -360,14 +387,16 @@ class GovernorProtocol(asyncio.Protocol):
                 self.ledger.withdraw(promise)
             decision = self.ledger.refused(over_limit)
         else:
-            decision = self._to_fallback(state) or self.ledger.admit(promise, state.demand)
-            if promise is not None and state.runner is not None:
-                self.ledger.withdraw(promise)
+            decision = self._place(state, promise, now)
+        lane = state.demand.lane if state.demand is not None else NO_LANE
+        self.server.metrics.decision.observe(lane, time.perf_counter() - started)
         if overload is not None:
             overload.observe_admission(yielded=isinstance(decision, Refusal))
         if isinstance(decision, Refusal):
-            lane = state.demand.lane if state.demand is not None else "-"
             self.server.refusals[(decision.need_code, lane, tenant.name)] += 1
+            state.yields += 1
+            if state.first_yield is None:
+                state.first_yield = now
             held = self._hold(state)
             if held:
                 state.promise = decision.promise
@@ -386,7 +415,7 @@ class GovernorProtocol(asyncio.Protocol):
                     need_code=decision.need_code,
                     error_code=(
                         ErrorCode.UNAVAILABLE
-                        if decision.need_code == NeedCode.DRAINING
+                        if decision.need_code in (NeedCode.DRAINING, NeedCode.BREAKER_OPEN)
                         else ErrorCode.BUSY
                     ),
                     retry_hint_ms=decision.retry_hint_ms,
@@ -401,12 +430,40 @@ class GovernorProtocol(asyncio.Protocol):
         if state.held:
             self._unhold(state)
         assert state.job is not None
+        self.server.metrics.wait.observe(
+            lane, 0.0 if state.first_yield is None else now - state.first_yield
+        )
         tenant.inflight += 1
         tenant.starts.append(decision.started)
         tenant.charge(tokens, now)
         state.request = req
         state.slot = decision
         state.task = self.server.spawn(self._run(state))
+
+    def _place(self, state: JobState, promise: Promise | None, now: float) -> Slot | Refusal:
+        """A slot in the primary pool, or the fallback pool; or a refusal with its hint.
+
+        While the primary pool's breaker is open its jobs, whatever their lane, go to the
+        fallback pool if there is one and it has a slot, else yield ``breaker_open`` with a
+        hint set by the cooldown.
+        """
+        ledger, breaker = self.ledger, self.server.primary.breaker
+        blocked = breaker.retry_after_s(ledger.service_s)
+        if blocked is not None:
+            if promise is not None:
+                ledger.withdraw(promise)
+            slot = self._to_fallback(state, step="breaker_fallback")
+            if slot is not None:
+                return slot
+            return ledger.refused(
+                Refusal(NeedCode.BREAKER_OPEN, ledger.hint_ms(now, now + blocked))
+            )
+        decision = self._to_fallback(state) or ledger.admit(promise, state.demand)
+        if promise is not None and state.pool is not None:
+            ledger.withdraw(promise)
+        if isinstance(decision, Slot) and state.pool is None:
+            state.trial = breaker.started()
+        return decision
 
     def _apply_ladder(self, state: JobState, overload: OverloadController) -> None:
         """The degraded state's step: a lower max_new_tokens for interactive work."""
@@ -423,27 +480,38 @@ class GovernorProtocol(asyncio.Protocol):
             state.degraded = ("interactive_max_new_tokens",)
             self.server.ladder["interactive_max_new_tokens"] += 1
 
-    def _to_fallback(self, state: JobState) -> Slot | None:
-        """The ladder's smaller model: heavy and background work, while degraded, if it fits."""
+    def _to_fallback(self, state: JobState, step: str = "fallback_model") -> Slot | None:
+        """The fallback pool's smaller model, if it has a slot and will take the job.
+
+        The ladder's step (``fallback_model``) sends heavy and background work there while
+        degraded; ``breaker_fallback`` sends any job while the primary's breaker is open.
+        """
         overload, pool, demand = self.server.overload, self.server.fallback, state.demand
-        if overload is None or pool is None or demand is None or state.job is None:
+        if pool is None or state.job is None:
             return None
-        if overload.state < State.DEGRADED or demand.lane == Lane.INTERACTIVE:
+        if step == "fallback_model" and (
+            overload is None
+            or demand is None
+            or overload.state < State.DEGRADED
+            or demand.lane == Lane.INTERACTIVE
+        ):
             return None
-        runner, ledger = pool
-        if ledger.saturated:  # (no need to prepare the job for a full pool)
+        if pool.ledger.saturated:  # (no need to prepare the job for a full pool)
+            return None
+        if pool.breaker.retry_after_s(pool.ledger.service_s) is not None:
             return None
         job = state.job
         try:  # the pool's own check: its context may be smaller
-            fallback_job = runner.prepare(job.id, job.payload, job.content_type)
+            fallback_job = pool.runner.prepare(job.id, job.payload, job.content_type)
         except SpecInvalid:
             return None
-        slot = ledger.admit()
+        slot = pool.ledger.admit()
         if not isinstance(slot, Slot):
             return None
-        state.job, state.runner = fallback_job, runner
-        state.degraded = (*state.degraded, "fallback_model")
-        self.server.ladder["fallback_model"] += 1
+        state.job, state.pool = fallback_job, pool
+        state.trial = pool.breaker.started()
+        state.degraded = (*state.degraded, step)
+        self.server.ladder[step] += 1
         return slot
 
     def _paused(self, state: JobState, now: float) -> Refusal | None:
@@ -520,27 +588,81 @@ class GovernorProtocol(asyncio.Protocol):
                 )
             else:
                 completed = True
+                state.result = result
                 self._terminal(state, result=result)
         finally:
             overload = self.server.overload
             if overload is not None and state.outcome != "cancelled":
                 overload.observe_outcome(failed=state.outcome not in ("done", "client_gone"))
-            slot.release(completed=completed)
+            pool = state.pool or self.server.primary
+            failed = state.outcome in BACKEND_FAILURES
+            pool.breaker.record(
+                True if failed else False if state.outcome == "done" else None, trial=state.trial
+            )
+            held_s = slot.release(completed=completed)
             state.tenant.inflight -= 1
             state.tenant.starts.remove(slot.started)
             if self.jobs.get(job.id) is state:
                 self._forget(job.id)
-            self.server.job_finished(state.outcome)
+            self._job_ended(state, pool, held_s)
+            self.server.job_finished()
+
+    def _job_ended(self, state: JobState, pool: Pool, held_s: float) -> None:
+        """The job's measurements, and its one log line."""
+        metrics, slot = self.server.metrics, state.slot
+        assert slot is not None
+        lane = state.demand.lane if state.demand is not None else NO_LANE
+        metrics.finished[(state.outcome, lane, pool.name)] += 1
+        metrics.e2e.observe(lane, held_s)
+        ttft_s = tpot_s = None
+        prompt = completion = None
+        if state.first_token is not None:
+            ttft_s = state.first_token - slot.started
+            metrics.ttft.observe(lane, ttft_s)
+        if state.result is not None:
+            prompt = state.result.get("prompt_tokens")
+            completion = state.result.get("completion_tokens")
+            if isinstance(prompt, int):
+                metrics.prompt_tokens.observe(lane, prompt)
+            if isinstance(completion, int):
+                metrics.output_tokens.observe(lane, completion)
+                if completion > 1 and ttft_s is not None:
+                    tpot_s = (held_s - ttft_s) / (completion - 1)
+                    metrics.tpot.observe(lane, tpot_s)
+        event(
+            jobs_log,
+            logging.INFO,
+            f"job {state.outcome}",
+            event="job",
+            conn=self.id,
+            job=state.request.job if state.request is not None else "",
+            tenant=state.tenant.name,
+            lane=lane,
+            pool=pool.name,
+            outcome=state.outcome,
+            degraded=list(state.degraded),
+            yields=state.yields,
+            wait_ms=_ms(None if state.first_yield is None else slot.started - state.first_yield),
+            ttft_ms=_ms(ttft_s),
+            tpot_ms=_ms(tpot_s),
+            e2e_ms=_ms(held_s),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+        )
 
     async def _execute(self, job: Job, state: JobState) -> dict[str, Any]:
         parts: list[str] = []
         stream = job.spec is not None and job.spec.stream
+        clock, health = self.ledger.clock, self.server.health
         # aclosing: the runner's clean-up runs now, not whenever the generator is collected.
-        runner = state.runner or self.server.runner
+        runner = (state.pool or self.server.primary).runner
         async with contextlib.aclosing(runner.run(job)) as events:
             async for event in events:
                 if isinstance(event, Token):
-                    if not parts:
+                    now = clock()
+                    health.progress(now)
+                    if state.first_token is None:
+                        state.first_token = now
                         self._first_token(state)
                     parts.append(event.text)
                     if stream and not state.terminal_sent:
@@ -557,7 +679,8 @@ class GovernorProtocol(asyncio.Protocol):
         overload, demand, slot = self.server.overload, state.demand, state.slot
         if overload is not None and demand is not None and demand.lane == Lane.INTERACTIVE:
             assert slot is not None
-            overload.observe_ttft((self.ledger.clock() - slot.started) * 1000)
+            assert state.first_token is not None
+            overload.observe_ttft((state.first_token - slot.started) * 1000)
 
     def _send_delta(self, state: JobState, text: str) -> None:
         req = state.request
@@ -658,6 +781,8 @@ class GovernorProtocol(asyncio.Protocol):
     # Helpers ---------------------------------------------------------------------------
 
     def _send(self, reply: Reply) -> None:
+        if reply.status == Status.ABORT and reply.need_code is not None:
+            self.server.metrics.aborts[reply.need_code] += 1
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_reply(reply))
 
@@ -771,6 +896,10 @@ class GovernorProtocol(asyncio.Protocol):
             if state.held:
                 self._unhold(state)
             self._unreserve(state)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 def _final_seq(req: Request) -> int:

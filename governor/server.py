@@ -1,10 +1,13 @@
 """The daemon's lifecycle: start, serve, drain, stop.
 
-:class:`Server` owns the listening socket, the set of connections, every job task and the
-slot ledger. ``drain`` is the graceful half of shutdown: admission closes (new payloads get
-``yield`` with ``draining``), the listener stops, running jobs get ``shutdown_grace`` seconds to
-finish, and any still running then get a ``confirm abort`` with ``shutdown`` before their
-connections close.
+:class:`Server` owns the listening socket, the set of connections, every job task, the runner
+pools (each a runner, its slot ledger and its circuit breaker), the health prober and the
+operator's HTTP listener. The drain is the graceful half of shutdown, begun by a signal or
+by ``POST /drain``: readiness fails at once, admission closes (new payloads get ``yield``
+with ``draining``, on connections old and new: the listener stays open, so that a client
+routed here late gets that answer rather than a refused connection), running jobs get
+``shutdown_grace`` seconds from the drain's start to finish, and any still running then get a
+``confirm abort`` with ``shutdown`` before their connections close.
 """
 
 from __future__ import annotations
@@ -15,15 +18,20 @@ import dataclasses
 import logging
 import socket
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from protocol.codes import ErrorCode, NeedCode, Receipt
 
+from .admin import AdminListener
+from .breaker import BreakerSettings, BreakerState, CircuitBreaker
 from .config import Config
 from .connection import GovernorProtocol
+from .health import Health
 from .ledger import SlotLedger
-from .metrics import MetricsEndpoint
+from .logs import event
+from .metrics import JobMetrics
 from .overload import OverloadController, OverloadSettings
 from .policy import Lane, LanePolicy
 from .runners import Runner, StubRunner
@@ -119,11 +127,42 @@ def build_fallback(config: Config) -> Runner | None:
     )
 
 
-class Pool(NamedTuple):
-    """A runner and the slots it has: the fallback pool beside the primary one."""
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A runner, the slots it has and its circuit breaker: the primary pool, or the fallback."""
 
+    name: str
     runner: Runner
     ledger: SlotLedger
+    breaker: CircuitBreaker
+
+
+def build_breaker(config: Config, ledger: SlotLedger, name: str) -> CircuitBreaker:
+    breaker = CircuitBreaker(
+        BreakerSettings(
+            window_s=config.breaker_window,
+            min_failures=config.breaker_failures,
+            error_rate=config.breaker_error_rate,
+            cooldown_s=config.breaker_cooldown,
+        ),
+        ledger.clock,
+        name,
+    )
+
+    def changed(before: BreakerState, after: BreakerState, why: str) -> None:
+        event(
+            log,
+            logging.WARNING if after == BreakerState.OPEN else logging.INFO,
+            f"{name} pool's circuit breaker {before.label} -> {after.label}: {why}",
+            event="breaker",
+            pool=name,
+            before=before.label,
+            after=after.label,
+            why=why,
+        )
+
+    breaker.on_change = changed
+    return breaker
 
 
 class Server:
@@ -136,16 +175,20 @@ class Server:
             policy=build_policy(config) if config.lanes else None,
         )
         self.tenants = Tenants(config.tenants, self.ledger.clock)
-        fallback = build_fallback(config)
-        # The fallback pool (a runner and its own slots), for the overload ladder.
-        self.fallback = (
-            None
-            if fallback is None
-            else Pool(
-                fallback,
-                SlotLedger(config.fallback_workers, expected_service_s=fallback.expected_service_s),
-            )
+        self.primary = Pool(
+            "primary", self.runner, self.ledger, build_breaker(config, self.ledger, "primary")
         )
+        # The fallback pool, for the overload ladder and while the primary's breaker is open.
+        self.fallback: Pool | None = None
+        fallback = build_fallback(config)
+        if fallback is not None:
+            ledger = SlotLedger(
+                config.fallback_workers, expected_service_s=fallback.expected_service_s
+            )
+            self.fallback = Pool(
+                "fallback", fallback, ledger, build_breaker(config, ledger, "fallback")
+            )
+        self.pools = [self.primary] if self.fallback is None else [self.primary, self.fallback]
         self.overload = (
             OverloadController(
                 OverloadSettings(
@@ -166,13 +209,16 @@ class Server:
         # Every yield, by need code, lane ('-' without lanes) and tenant.
         self.refusals: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.connections: set[GovernorProtocol] = set()
-        self.outcomes: collections.Counter[str] = collections.Counter()  # job ends, by code
         self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
+        self.metrics = JobMetrics()
+        self.health = Health(self)
         self.buffered_bytes = 0
+        self.started = False  # the runners are ready and the listener accepts
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: asyncio.Server | None = None
-        self._watch: asyncio.Task[None] | None = None
-        self._metrics: MetricsEndpoint | None = None
+        self._background: list[asyncio.Task[None]] = []  # the overload watch, the prober
+        self._admin: AdminListener | None = None
+        self._drain_deadline: float | None = None
         self._jobs_done = asyncio.Event()
         self._force = asyncio.Event()
         self._jobs_done.set()
@@ -182,28 +228,37 @@ class Server:
     async def start(self, sock: socket.socket | None = None) -> None:
         """Bind (on ``sock`` if given, else on ``config.listen``), start the runner, then serve.
 
-        The port is bound first, so that a taken address fails at once, and connections are
-        accepted only once the runner is ready (every worker has loaded its model).
+        The port is bound first, so that a taken address fails at once; the probes answer
+        from then on (live, not ready while the model loads); connections are accepted only
+        once the runner is ready (every worker has loaded its model).
         """
         if sock is None:
             host, port = self.config.listen_address
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        loop = asyncio.get_running_loop()
         try:
+            if self.config.metrics_address is not None:
+                self._admin = AdminListener(self, loop)
+                self._admin.start(*self.config.metrics_address)
+                mhost, mport = self._admin.address
+                log.info("metrics and health probes on http://%s:%d", mhost, mport)
+            self._background.append(loop.create_task(self.health.run()))
             await self.runner.start()
+            if self.fallback is not None:
+                try:
+                    await self.fallback.runner.start()
+                except BaseException:
+                    await self.runner.close()  # its workers must not outlive the failed start
+                    raise
         except BaseException:
             sock.close()
+            await self._stop_background()
             raise
-        if self.fallback is not None:
-            try:
-                await self.fallback.runner.start()
-            except BaseException:
-                await self.runner.close()  # its workers must not outlive the failed start
-                sock.close()
-                raise
-        self._listener = await asyncio.get_running_loop().create_server(
+        self._listener = await loop.create_server(
             lambda: GovernorProtocol(self), sock=sock, backlog=LISTEN_BACKLOG
         )
+        self.started = True
         host, port = self.address
         log.info(
             "governor listening on %s:%d (max_inflight=%d, runner=%s)",
@@ -228,12 +283,7 @@ class Server:
                 f"{p.kv_capacity} tokens" if p.kv_capacity else "off",
             )
         if self.overload is not None:
-            self._watch = asyncio.get_running_loop().create_task(self._watch_overload())
-        if self.config.metrics_address is not None:
-            self._metrics = MetricsEndpoint(self)
-            await self._metrics.start(*self.config.metrics_address)
-            mhost, mport = self._metrics.address
-            log.info("metrics on http://%s:%d/metrics", mhost, mport)
+            self._background.append(loop.create_task(self._watch_overload()))
 
     @property
     def address(self) -> tuple[str, int]:
@@ -244,23 +294,44 @@ class Server:
 
     @property
     def metrics_address(self) -> tuple[str, int] | None:
-        return None if self._metrics is None else self._metrics.address
+        return None if self._admin is None else self._admin.address
+
+    @property
+    def listening(self) -> bool:
+        """The listener accepts connections (or has yet to open: the runner is loading)."""
+        if self._listener is None:
+            return not self.started
+        return self._listener.is_serving()
+
+    def begin_drain(self, reason: str, grace: float | None = None) -> None:
+        """Refuse new jobs from now on; running ones have until the drain's deadline."""
+        if self._drain_deadline is not None:
+            return
+        grace = self.config.shutdown_grace if grace is None else grace
+        self._drain_deadline = asyncio.get_running_loop().time() + grace
+        for pool in self.pools:
+            pool.ledger.draining = True
+        event(
+            log,
+            logging.INFO,
+            f"draining ({reason}): {self.inflight} job(s) running, {grace:g} s to finish",
+            event="drain",
+            reason=reason,
+            inflight=self.inflight,
+            grace_s=grace,
+        )
 
     async def drain(self, grace: float | None = None) -> int:
-        """Stop admitting and accepting, wait for running jobs, then stop.
+        """Drain (if not begun already), wait for running jobs until its deadline, then stop.
 
         Returns how many jobs were still running at the deadline (and were aborted).
         """
-        grace = self.config.shutdown_grace if grace is None else grace
-        self.ledger.draining = True
-        if self.fallback is not None:
-            self.fallback.ledger.draining = True
-        if self._listener is not None:
-            self._listener.close()
-        if self.inflight:
-            log.info("draining: %d job(s) running, %g s to finish", self.inflight, grace)
+        self.begin_drain("shutdown", grace)
+        assert self._drain_deadline is not None
+        left = self._drain_deadline - asyncio.get_running_loop().time()
+        if self.inflight and left > 0:
             waits = [asyncio.ensure_future(e.wait()) for e in (self._jobs_done, self._force)]
-            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
         aborted = self.inflight
@@ -279,10 +350,16 @@ class Server:
         """Cut a drain's grace period short (a second signal)."""
         self._force.set()
 
+    async def _stop_background(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
+        if self._admin is not None:
+            await self._admin.close()
+
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+        await self._stop_background()
         if self._listener is not None:
             self._listener.close()
         for conn in list(self.connections):
@@ -291,11 +368,8 @@ class Server:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._metrics is not None:
-            await self._metrics.close()
-        await self.runner.close()
-        if self.fallback is not None:
-            await self.fallback.runner.close()
+        for pool in self.pools:
+            await pool.runner.close()
 
     async def _watch_overload(self) -> None:
         """Re-evaluate the overload state twice a second; log each change."""
@@ -307,13 +381,17 @@ class Server:
             overload.kv_utilisation = ledger.kv_reserved / capacity if capacity else 0.0
             before = overload.state
             if overload.update() != before:
-                log.warning(
-                    "overload state %s -> %s (%s)",
-                    before.label,
-                    overload.state.label,
-                    ", ".join(
-                        f"{k} {v:.3g}" for k, v in overload.signals().items() if v is not None
-                    ),
+                signals = {k: v for k, v in overload.signals().items() if v is not None}
+                event(
+                    log,
+                    logging.WARNING,
+                    f"overload state {before.label} -> {overload.state.label} ("
+                    + ", ".join(f"{k} {v:.3g}" for k, v in signals.items())
+                    + ")",
+                    event="overload",
+                    before=before.label,
+                    after=overload.state.label,
+                    **signals,
                 )
 
     # Called by connections -----------------------------------------------------------
@@ -340,8 +418,15 @@ class Server:
         """Jobs running, in the primary pool and the fallback pool."""
         return self.ledger.inflight + (self.fallback.ledger.inflight if self.fallback else 0)
 
-    def job_finished(self, outcome: str) -> None:
-        self.outcomes[outcome] += 1
+    @property
+    def outcomes(self) -> collections.Counter[str]:
+        """Admitted jobs' ends by outcome, over every lane and pool."""
+        counts: collections.Counter[str] = collections.Counter()
+        for (outcome, _, _), n in self.metrics.finished.items():
+            counts[outcome] += n
+        return counts
+
+    def job_finished(self) -> None:
         if self.inflight == 0:
             self._jobs_done.set()
 

@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -133,12 +134,24 @@ async def raw(make_server: ServerFactory) -> AsyncIterator[Callable[[Server], Aw
 
 @dataclass
 class Daemon:
-    """A ``governor serve`` process started by a test, stopped by its own PID."""
+    """A ``governor serve`` process started by a test, stopped by its own PID.
+
+    Its stderr is read to the end by a thread, so that a daemon logging every job never
+    blocks on a full pipe.
+    """
 
     proc: subprocess.Popen[bytes]
     host: str
     port: int
     stderr_head: bytes
+    stderr_rest: list[bytes] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        stderr = self.proc.stderr
+        assert stderr is not None
+        self.reader = threading.Thread(target=lambda: self.stderr_rest.extend(stderr), daemon=True)
+        self.reader.start()
 
     @property
     def addr(self) -> str:
@@ -148,8 +161,10 @@ class Daemon:
         self.proc.send_signal(signum)
 
     def wait(self, timeout: float = 30.0) -> tuple[int, bytes]:
-        _, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, self.stderr_head + err
+        code = self.proc.wait(timeout=timeout)
+        assert self.reader is not None
+        self.reader.join(timeout)
+        return code, self.stderr_head + b"".join(self.stderr_rest)
 
 
 def start_daemon(*args: str, timeout: float = 60.0) -> Daemon:
@@ -188,6 +203,8 @@ def stop_daemon(daemon: Daemon) -> None:
         except subprocess.TimeoutExpired:
             daemon.proc.kill()
             daemon.proc.wait()
+    if daemon.reader is not None:
+        daemon.reader.join(10)
     if daemon.proc.stderr is not None:
         daemon.proc.stderr.close()
 

@@ -206,7 +206,7 @@ async def test_metrics_endpoint(make_server: ServerFactory) -> None:
     assert after["governor_executed_total"] == 1
     assert after["governor_yielded_total"] == 1
     assert after["governor_health"] == 1
-    assert after['governor_jobs_finished_total{outcome="done"}'] == 1
+    assert after['governor_jobs_finished_total{lane="-",outcome="done",pool="primary"}'] == 1
     assert after["governor_connections"] == 0
     mhost, mport = server.metrics_address or ("", 0)
     with pytest.raises(urllib.error.HTTPError) as info:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 from protocol.upload import split_payload
 
 from .conftest import RawConn, ServerFactory, wait_until
+from .test_ops import failing, probe, until_ready
 
 N_CTX = 512
 
@@ -279,6 +281,34 @@ async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
         await wait_until(lambda: runner.worker_pids() not in ([], [victim]), timeout=60)
         after = await client.generate(greedy("Hi", max_new_tokens=3))
     assert after.done
+
+
+async def test_a_hung_worker_fails_readiness_while_liveness_holds(llama: Any) -> None:
+    server = await llama(metrics_listen="127.0.0.1:0", probe_interval=0.2, probe_timeout=1.0)
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    await until_ready(server)
+    (victim,) = runner.worker_pids()
+    os.kill(victim, signal.SIGSTOP)  # alive, but silent: the next probe times out
+    try:
+        deadline = time.monotonic() + 30
+        while (ready := await probe(server, "/healthz/ready"))[0] == 200:
+            assert time.monotonic() < deadline, "readiness never failed"
+            await asyncio.sleep(0.05)
+        live = await probe(server, "/healthz/live")
+    except BaseException:
+        os.kill(victim, signal.SIGCONT)
+        raise
+    status, body = ready
+    assert (status, failing(body)) == (503, {"probe"})
+    assert "probe_timeout" in body["checks"]["probe"]["detail"]
+    assert live[0] == 200  # a restart of the daemon would not help: its supervisor is on it
+    assert server.metrics.probes["timeout"] >= 1
+    # The worker never confirms the probe's cancel: it is killed and replaced, and the
+    # replica is ready again.
+    body = await until_ready(server, timeout=60)
+    assert runner.worker_pids() not in ([], [victim])
+    assert runner.restarts == 1
 
 
 @pytest.mark.parametrize("content", [None, b"GGUF but not really a model"])

@@ -1,0 +1,212 @@
+"""The operator's HTTP listener (``metrics_listen``), served by a thread of its own.
+
+    GET  /metrics        Prometheus text, collected on the event loop (503 if it does not answer)
+    GET  /healthz/live   200 or 503, JSON: computed here, off the loop (:mod:`governor.health`)
+    GET  /healthz/ready  200 or 503, JSON: computed on the loop; a loop that does not answer
+                         within a second is not ready
+    POST /drain[?wait=S] from a loopback address only: start the graceful drain, then wait up
+                         to S seconds for running jobs; 200 with ``{"drained": ...}``
+
+Why a thread: a liveness probe served on the event loop cannot tell a blocked loop from a
+slow network; it just gets no answer. Served here, it answers 503 and says how long the loop
+has been stalled. Everything that reads the server's state beyond the heartbeat is handed to
+the loop with ``call_soon_threadsafe``, so the daemon's state has one writer and one reader.
+
+POST /drain is what a Kubernetes preStop hook calls (``governor drain``): only from loopback,
+because the listener is usually bound to every interface for the kubelet and Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ipaddress
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .metrics import registry_for
+
+if TYPE_CHECKING:
+    from .server import Server
+
+log = logging.getLogger("governor.admin")
+
+T = TypeVar("T")
+METRICS_TIMEOUT_S = 5.0
+READY_TIMEOUT_S = 1.0
+REQUEST_TIMEOUT_S = 5.0  # a client that cannot send its request head in time is dropped
+MAX_DRAIN_WAIT_S = 600.0
+JSON = "application/json"
+
+
+class LoopStalled(Exception):
+    """The event loop did not run the call in time."""
+
+
+class AdminListener:
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+        self.registry = registry_for(server)
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, host: str, port: int) -> None:
+        listener = self
+
+        class Handler(_Handler):
+            admin = listener
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        httpd_class = type("AdminHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+        self._httpd = httpd_class((host, port), Handler)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="governor-admin",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._httpd is not None
+        host, port = self._httpd.server_address[:2]
+        return str(host), int(port)
+
+    async def close(self) -> None:
+        if self._httpd is not None:
+            await asyncio.to_thread(self._httpd.shutdown)
+            self._httpd.server_close()
+
+    def on_loop(self, fn: Callable[[], T], timeout: float) -> T:
+        """Run ``fn`` on the event loop and return its result (from this thread)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def call() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        try:
+            self.loop.call_soon_threadsafe(call)
+            return future.result(timeout)
+        except (concurrent.futures.TimeoutError, RuntimeError):  # (RuntimeError: loop closed)
+            future.cancel()
+            raise LoopStalled from None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    admin: AdminListener
+    timeout = REQUEST_TIMEOUT_S
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        path = urllib.parse.urlsplit(self.path).path
+        admin = self.admin
+        health = admin.server.health
+        if path == "/metrics":
+            try:
+                body = admin.on_loop(lambda: generate_latest(admin.registry), METRICS_TIMEOUT_S)
+            except LoopStalled:
+                self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "the event loop is stalled"})
+            else:
+                self._send(HTTPStatus.OK, CONTENT_TYPE_LATEST, body)
+        elif path == "/healthz/live":
+            verdict = health.liveness()
+            self._verdict(verdict.ok, verdict.body())
+        elif path == "/healthz/ready":
+            try:
+                verdict = admin.on_loop(health.readiness, READY_TIMEOUT_S)
+            except LoopStalled:
+                stalled = {
+                    "status": "fail",
+                    "checks": {
+                        "event_loop": {
+                            "ok": False,
+                            "detail": f"the event loop did not answer within {READY_TIMEOUT_S:g} s",
+                        }
+                    },
+                }
+                self._json(HTTPStatus.SERVICE_UNAVAILABLE, stalled)
+            else:
+                self._verdict(verdict.ok, verdict.body())
+        else:
+            self._json(
+                HTTPStatus.NOT_FOUND,
+                {"error": "not found", "try": ["/metrics", "/healthz/live", "/healthz/ready"]},
+            )
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_POST(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        if url.path != "/drain":
+            self._json(HTTPStatus.NOT_FOUND, {"error": "not found", "try": ["/drain"]})
+            return
+        if not _is_loopback(self.client_address[0]):
+            self._json(HTTPStatus.FORBIDDEN, {"error": "POST /drain is taken from loopback only"})
+            return
+        try:
+            wait = float(urllib.parse.parse_qs(url.query).get("wait", ["0"])[0])
+        except ValueError:
+            self._json(HTTPStatus.BAD_REQUEST, {"error": "wait must be a number of seconds"})
+            return
+        server, admin = self.admin.server, self.admin
+        deadline = time.monotonic() + min(max(wait, 0.0), MAX_DRAIN_WAIT_S)
+        try:
+            admin.on_loop(lambda: server.begin_drain("POST /drain"), READY_TIMEOUT_S)
+            inflight = admin.on_loop(lambda: server.inflight, READY_TIMEOUT_S)
+            while inflight and time.monotonic() < deadline:
+                time.sleep(0.05)
+                inflight = admin.on_loop(lambda: server.inflight, READY_TIMEOUT_S)
+        except LoopStalled:
+            self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "the event loop is stalled"})
+            return
+        self._json(
+            HTTPStatus.OK, {"draining": True, "drained": inflight == 0, "inflight": inflight}
+        )
+
+    # Replies -----------------------------------------------------------------------------
+
+    def _verdict(self, ok: bool, body: bytes) -> None:
+        self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, JSON, body)
+
+    def _json(self, status: HTTPStatus, body: dict[str, Any]) -> None:
+        self._send(status, JSON, orjson.dumps(body))
+
+    def _send(self, status: HTTPStatus, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.client_address[0], *args)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
