@@ -20,6 +20,8 @@ Yields come in three kinds, and only one of them is retried freely:
   several clients, given the same one): a token bucket that failures drain and finished jobs
   refill, in the manner of gRPC's retry throttling. A retry the budget refuses ends the upload
   with the yield it got and ``UploadResult.budget_exhausted`` set.
+  A ``breaker_open`` hint (the rest of the cooldown) longer than ``RetryPolicy.max_sleep_s``
+  ends the upload at once: coming back before the breaker may close only spends budget.
 - ``draining``: the server is shutting down and says "go elsewhere"; never retried on this
   connection.
 
@@ -362,6 +364,8 @@ class GovernorClient:
                 if failing and not self._budget.allows_retry():
                     budget_exhausted = True
                     break
+                if failing and (reply.retry_hint_ms or 0) / 1000 > retry.max_sleep_s:
+                    break  # the breaker stays open longer than this client will wait
                 await asyncio.sleep(retry.delay_s(reply.retry_hint_ms, self._rng))
                 whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
         return UploadResult(

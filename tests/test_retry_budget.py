@@ -348,6 +348,17 @@ async def test_busy_yields_are_retried_with_the_budget_spent(
     assert (result.attempts, result.budget_exhausted) == (10, False)
 
 
+async def test_a_cooldown_longer_than_the_client_waits_ends_the_upload(
+    fake: FakeServer, client: GovernorClient
+) -> None:
+    fake.answer = NeedCode.BREAKER_OPEN
+    fake.hint_ms = 10_000  # the rest of a cooldown: more than TEN's max_sleep_s
+    result = await client.upload(b"x", retry=TEN, inline=True)
+    assert (result.attempts, result.reply.need_code) == (1, NeedCode.BREAKER_OPEN)
+    assert not result.budget_exhausted
+    assert client.retry_budget.tokens == 9.0
+
+
 async def test_draining_is_never_retried(fake: FakeServer, client: GovernorClient) -> None:
     fake.answer = NeedCode.DRAINING
     # (the governor sends the maximum hint; a short one makes a wrong retry show at once)
