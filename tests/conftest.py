@@ -179,19 +179,23 @@ def start_daemon(*args: str, timeout: float = 60.0) -> Daemon:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.stderr is not None
+    fd = proc.stderr.fileno()
     head = b""
     deadline = time.monotonic() + timeout
+    # Raw reads: a buffered readline() could take the listening line into Python's buffer,
+    # where select() never sees it, and the wait would run to its timeout.
     with selectors.DefaultSelector() as selector:  # a silent daemon must not hang the test
-        selector.register(proc.stderr, selectors.EVENT_READ)
+        selector.register(fd, selectors.EVENT_READ)
         while (left := deadline - time.monotonic()) > 0 and selector.select(timeout=left):
-            line = proc.stderr.readline()
-            if not line:  # EOF: the daemon exited
+            chunk = os.read(fd, 65536)
+            if not chunk:  # EOF: the daemon exited
                 break
-            head += line
-            if match := LISTEN_LINE.search(line):
+            head += chunk
+            if match := LISTEN_LINE.search(head[: head.rfind(b"\n") + 1]):
                 return Daemon(proc, match[1].decode(), int(match[2]), head)
     proc.kill()
     proc.wait()
+    proc.stderr.close()
     raise AssertionError(f"daemon did not start: {head.decode(errors='replace')}")
 
 
