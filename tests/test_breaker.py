@@ -83,12 +83,18 @@ def test_open_waits_out_the_cooldown_then_lets_one_trial_through(clock: FakeCloc
     assert b.started() is False
 
 
-def test_a_trial_that_succeeds_closes_it(clock: FakeClock) -> None:
+def in_trial(clock: FakeClock) -> CircuitBreaker:
+    """A breaker opened by one failure, its cooldown over, its trial job started."""
     b = breaker(clock, min_failures=1)
     b.record(True)
     clock.now += 5
     assert b.retry_after_s(trial_s=1) is None
     assert b.started()
+    return b
+
+
+def test_a_trial_that_succeeds_closes_it(clock: FakeClock) -> None:
+    b = in_trial(clock)
     b.record(False, trial=True)
     assert state(b) == BreakerState.CLOSED
     assert b.retry_after_s(trial_s=1) is None
@@ -97,11 +103,7 @@ def test_a_trial_that_succeeds_closes_it(clock: FakeClock) -> None:
 
 
 def test_a_trial_that_fails_opens_it_for_another_cooldown(clock: FakeClock) -> None:
-    b = breaker(clock, min_failures=1)
-    b.record(True)
-    clock.now += 5
-    assert b.retry_after_s(trial_s=1) is None
-    assert b.started()
+    b = in_trial(clock)
     b.record(True, trial=True)
     assert state(b) == BreakerState.OPEN
     assert b.retry_after_s(trial_s=1) == pytest.approx(5.0)
@@ -113,11 +115,7 @@ def test_a_trial_that_fails_opens_it_for_another_cooldown(clock: FakeClock) -> N
 
 
 def test_a_trial_without_verdict_frees_the_trial(clock: FakeClock) -> None:
-    b = breaker(clock, min_failures=1)
-    b.record(True)
-    clock.now += 5
-    assert b.retry_after_s(trial_s=1) is None
-    assert b.started()
+    b = in_trial(clock)
     b.record(None, trial=True)  # its client left
     assert state(b) == BreakerState.HALF_OPEN
     assert b.retry_after_s(trial_s=1) is None
