@@ -173,16 +173,21 @@ class Health:
 
     # The loops ---------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Beat until cancelled, probing every ``probe_interval``."""
-        next_probe = self.clock()
+    async def heartbeat(self) -> None:
+        """The heartbeat, until cancelled: from before the runner starts (live while loading).
+
+        The probes have a loop of their own (:meth:`probe_loop`): a probe waiting on a hung
+        worker must not hold the heartbeat back, or a hung worker would fail liveness.
+        """
         while True:
             self._beat()
-            if self.clock() >= next_probe and self.server.started:
-                await self.probe()
-                self._beat()
-                next_probe = self.clock() + self.config.probe_interval
             await asyncio.sleep(BEAT_S)
+
+    async def probe_loop(self) -> None:
+        """Probe every ``probe_interval``, until cancelled: once the runner has started."""
+        while True:
+            await self.probe()
+            await asyncio.sleep(self.config.probe_interval)
 
     def _beat(self) -> None:
         server = self.server

@@ -216,7 +216,8 @@ class Server:
         self.started = False  # the runners are ready and the listener accepts
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: asyncio.Server | None = None
-        self._background: list[asyncio.Task[None]] = []  # the overload watch, the prober
+        # The heartbeat, the prober and the overload watch.
+        self._background: list[asyncio.Task[None]] = []
         self._admin: AdminListener | None = None
         self._drain_deadline: float | None = None
         self._jobs_done = asyncio.Event()
@@ -243,7 +244,7 @@ class Server:
                 self._admin.start(*self.config.metrics_address)
                 mhost, mport = self._admin.address
                 log.info("metrics and health probes on http://%s:%d", mhost, mport)
-            self._background.append(loop.create_task(self.health.run()))
+            self._background.append(loop.create_task(self.health.heartbeat()))
             await self.runner.start()
             if self.fallback is not None:
                 try:
@@ -259,6 +260,7 @@ class Server:
             lambda: GovernorProtocol(self), sock=sock, backlog=LISTEN_BACKLOG
         )
         self.started = True
+        self._background.append(loop.create_task(self.health.probe_loop()))
         host, port = self.address
         log.info(
             "governor listening on %s:%d (max_inflight=%d, runner=%s)",

@@ -19,6 +19,7 @@ import pytest
 
 from clients import NO_RETRY, GovernorClient, connect
 from governor.admin import _is_loopback
+from governor.runners import StubRunner
 from governor.server import Server
 from protocol.spec import JobSpec
 
@@ -100,6 +101,27 @@ async def test_liveness_fails_while_the_event_loop_is_blocked(make_server: Serve
     deadline = time.monotonic() + 5
     while (await probe(server, "/healthz/live"))[0] != 200:
         assert time.monotonic() < deadline
+
+
+class HangingProbe(StubRunner):
+    """Its probe never answers, as a hung worker's would not."""
+
+    async def probe(self) -> bool:
+        await asyncio.Event().wait()
+        return True
+
+
+async def test_a_hung_probe_holds_neither_the_heartbeat_nor_liveness(
+    make_server: ServerFactory,
+) -> None:
+    server = await ops_server(
+        make_server, instance=HangingProbe(0.01), loop_stall_limit=0.5, probe_timeout=30
+    )
+    await asyncio.sleep(1.0)  # twice loop_stall_limit, with the first probe still waiting
+    status, body = await probe(server, "/healthz/live")
+    assert status == 200, body
+    status, body = await probe(server, "/healthz/ready")
+    assert (status, failing(body)) == (503, {"probe"})  # no probe has succeeded yet
 
 
 # Readiness -----------------------------------------------------------------------------
