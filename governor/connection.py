@@ -604,8 +604,8 @@ class GovernorProtocol(asyncio.Protocol):
             state.tenant.starts.remove(slot.started)
             if self.jobs.get(job.id) is state:
                 self._forget(job.id)
-            self._job_ended(state, pool, held_s)
             self.server.job_finished()
+            self._job_ended(state, pool, held_s)
 
     def _job_ended(self, state: JobState, pool: Pool, held_s: float) -> None:
         """The job's measurements, and its one log line."""

@@ -4,7 +4,7 @@ An event is a message with fields: one per job outcome (``event="job"``) and one
 change (``readiness``, ``liveness``, ``breaker``, ``overload``, ``worker``, ``drain``). With
 ``log_format = "json"`` each record is one JSON object on one line::
 
-    {"ts": "2026-11-22T12:00:00.123Z", "level": "info", "logger": "governor.jobs",
+    {"ts": "2026-11-22T12:00:00.123+00:00", "level": "info", "logger": "governor.jobs",
      "msg": "job done", "event": "job", "job": "J_1", "tenant": "default", ...}
 
 and with ``text`` the fields follow the message as ``key=value``. Records go through a bounded
