@@ -24,9 +24,8 @@ import ipaddress
 import logging
 import socket
 import threading
-import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -59,7 +58,6 @@ class AdminListener:
         self.loop = loop
         self.registry = registry_for(server)
         self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self, host: str, port: int) -> None:
         listener = self
@@ -70,13 +68,12 @@ class AdminListener:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         httpd_class = type("AdminHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
         self._httpd = httpd_class((host, port), Handler)
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.1},
             name="governor-admin",
             daemon=True,
-        )
-        self._thread.start()
+        ).start()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -89,23 +86,23 @@ class AdminListener:
             await asyncio.to_thread(self._httpd.shutdown)
             self._httpd.server_close()
 
-    def on_loop(self, fn: Callable[[], T], timeout: float) -> T:
-        """Run ``fn`` on the event loop and return its result (from this thread)."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def call() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:
-                    future.set_exception(exc)
-
+    def on_loop(self, make: Callable[[], Coroutine[Any, Any, T]], timeout: float) -> T:
+        """Run the coroutine ``make()`` on the event loop; its result, from this thread."""
+        coro = make()
         try:
-            self.loop.call_soon_threadsafe(call)
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed
+            coro.close()
+            raise LoopStalled from None
+        try:
             return future.result(timeout)
-        except (concurrent.futures.TimeoutError, RuntimeError):  # (RuntimeError: loop closed)
+        except concurrent.futures.TimeoutError:
             future.cancel()
             raise LoopStalled from None
+
+
+async def _call(fn: Callable[[], T]) -> T:
+    return fn()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -119,7 +116,9 @@ class _Handler(BaseHTTPRequestHandler):
         health = admin.server.health
         if path == "/metrics":
             try:
-                body = admin.on_loop(lambda: generate_latest(admin.registry), METRICS_TIMEOUT_S)
+                body = admin.on_loop(
+                    lambda: _call(lambda: generate_latest(admin.registry)), METRICS_TIMEOUT_S
+                )
             except LoopStalled:
                 self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "the event loop is stalled"})
             else:
@@ -129,7 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._verdict(verdict.ok, verdict.body())
         elif path == "/healthz/ready":
             try:
-                verdict = admin.on_loop(health.readiness, READY_TIMEOUT_S)
+                verdict = admin.on_loop(lambda: _call(health.readiness), READY_TIMEOUT_S)
             except LoopStalled:
                 stalled = {
                     "status": "fail",
@@ -165,14 +164,15 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._json(HTTPStatus.BAD_REQUEST, {"error": "wait must be a number of seconds"})
             return
-        server, admin = self.admin.server, self.admin
-        deadline = time.monotonic() + min(max(wait, 0.0), MAX_DRAIN_WAIT_S)
+        server = self.admin.server
+        wait = min(max(wait, 0.0), MAX_DRAIN_WAIT_S)
+
+        async def drain() -> int:
+            server.begin_drain("POST /drain")
+            return await server.wait_for_jobs(wait)
+
         try:
-            admin.on_loop(lambda: server.begin_drain("POST /drain"), READY_TIMEOUT_S)
-            inflight = admin.on_loop(lambda: server.inflight, READY_TIMEOUT_S)
-            while inflight and time.monotonic() < deadline:
-                time.sleep(0.05)
-                inflight = admin.on_loop(lambda: server.inflight, READY_TIMEOUT_S)
+            inflight = self.admin.on_loop(drain, wait + READY_TIMEOUT_S)
         except LoopStalled:
             self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "the event loop is stalled"})
             return

@@ -45,12 +45,9 @@ class BreakerSettings:
 
 
 class CircuitBreaker:
-    def __init__(
-        self, settings: BreakerSettings, clock: Callable[[], float], name: str = "primary"
-    ) -> None:
+    def __init__(self, settings: BreakerSettings, clock: Callable[[], float]) -> None:
         self.settings = settings
         self.clock = clock
-        self.name = name
         self.state = BreakerState.CLOSED
         self.opened_at = 0.0
         self.trial = False  # a half-open trial is running
@@ -95,8 +92,7 @@ class CircuitBreaker:
             if failed:
                 self._open(now=self.clock(), why="the trial job failed")
             else:
-                self._outcomes.clear()
-                self._failures = 0
+                self._forget_window()
                 self._move(BreakerState.CLOSED, "the trial job succeeded")
             return
         if failed is None or not self.enabled or self.state != BreakerState.CLOSED:
@@ -118,9 +114,13 @@ class CircuitBreaker:
 
     def _open(self, now: float, why: str) -> None:
         self.opened_at = now
+        self._forget_window()
+        self._move(BreakerState.OPEN, why)
+
+    def _forget_window(self) -> None:
+        """A new state starts counting afresh: old failures do not linger."""
         self._outcomes.clear()
         self._failures = 0
-        self._move(BreakerState.OPEN, why)
 
     def _move(self, state: BreakerState, why: str) -> None:
         before, self.state = self.state, state

@@ -225,11 +225,8 @@ class Health:
             metrics.probes["skipped"] += 1  # busy: its jobs' tokens are the evidence
             return
         breaker = pool.breaker
-        trial = (
-            breaker.retry_after_s(pool.ledger.service_s) is None
-            and breaker.state == BreakerState.HALF_OPEN
-            and breaker.started()
-        )
+        # (retry_after_s moves an open breaker whose cooldown is over to half-open.)
+        trial = breaker.retry_after_s(pool.ledger.service_s) is None and breaker.started()
         failed: bool | None = None
         started = self.clock()
         try:

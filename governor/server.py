@@ -146,7 +146,6 @@ def build_breaker(config: Config, ledger: SlotLedger, name: str) -> CircuitBreak
             cooldown_s=config.breaker_cooldown,
         ),
         ledger.clock,
-        name,
     )
 
     def changed(before: BreakerState, after: BreakerState, why: str) -> None:
@@ -330,13 +329,7 @@ class Server:
         """
         self.begin_drain("shutdown", grace)
         assert self._drain_deadline is not None
-        left = self._drain_deadline - asyncio.get_running_loop().time()
-        if self.inflight and left > 0:
-            waits = [asyncio.ensure_future(e.wait()) for e in (self._jobs_done, self._force)]
-            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
-        aborted = self.inflight
+        aborted = await self.wait_for_jobs(self._drain_deadline - asyncio.get_running_loop().time())
         if aborted:
             log.warning("aborting %d job(s) still running at the end of the grace period", aborted)
             for conn in list(self.connections):
@@ -347,6 +340,16 @@ class Server:
                 )
         await self.close()
         return aborted
+
+    async def wait_for_jobs(self, timeout: float) -> int:
+        """Wait at most ``timeout`` seconds for running jobs to end (a second signal cuts the
+        wait short); returns how many still run."""
+        if self.inflight and timeout > 0:
+            waits = [asyncio.ensure_future(e.wait()) for e in (self._jobs_done, self._force)]
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        return self.inflight
 
     def force(self) -> None:
         """Cut a drain's grace period short (a second signal)."""
