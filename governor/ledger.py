@@ -12,20 +12,23 @@ to come back (its *promise*), so that the clients it turned away are spread over
 slot releases instead of all returning at the same instant.
 
 * ``S`` is the expected service time: an exponentially weighted mean of the observed times
-  of completed jobs (``alpha`` = 0.2), starting from the runner's own estimate.
-* Each running job ``i`` is expected to end at ``e_i = start_i + S``, or, once it has run
-  ``ran_i >= S``, at ``now + ran_i / 4``: a job that has outlived the estimate is likely a long
-  one, so it is given a quarter more of what it has run. Never sooner than ``now + floor``
-  (``min_hint_ms``); a free slot counts as releasing at ``now + floor``. Sorted, the ``e_i`` are the next ``n = cap``
-  releases. After that each slot frees every ``S + T`` seconds, ``T`` being the turnaround:
-  how long a released slot waits for the returning client it was promised to (an
-  exponentially weighted mean, from ``min_hint_ms``). The ``k``-th release from now is
-  ``e[k mod n] + (k div n) * (S + T)``.
+  of completed jobs (``alpha`` = 0.2), starting from the runner's own estimate. Under a lane
+  policy each lane has its own ``S`` (from its first completed job; the pool's until then):
+  a chat is not expected to run as long as a document rewrite.
+* Each running job ``i`` is expected to end at ``e_i = start_i + S`` (its lane's ``S``),
+  or, once it has run ``ran_i >= S``, at ``now + ran_i / 4``: a job that has outlived the
+  estimate is likely a long one, so it is given a quarter more of what it has run. Never
+  sooner than ``now + floor`` (``min_hint_ms``); a free slot counts as releasing at
+  ``now + floor``. After its release each slot frees again every ``S + T`` seconds (``S`` of
+  the waiting client's lane), ``T`` being the turnaround: how long a released slot waits for
+  the returning client it was promised to (an exponentially weighted mean, from
+  ``min_hint_ms``). The ``k``-th release from now is the ``k``-th smallest of the times
+  ``e_i + j * (S + T)``: a slot that frees long before another turns over many times first.
 * ``P`` is the number of promises still outstanding. A promise belongs to a held payload: it
   is withdrawn when the client comes back or the payload is dropped (client gone, new
   manifest), and it lapses ``grace = max(S/4, 20 ms)`` after its time (the client's jitter).
-* A new yield is promised release number ``P``:
-  ``hint = e[P mod n] + (P div n) * (S + T) - now``, clamped to ``[min_hint_ms, max_hint_ms]``.
+* A new yield is promised release number ``P``: ``hint`` is that release's time less ``now``,
+  clamped to ``[min_hint_ms, max_hint_ms]``.
 * Promises are kept in order, a line that lives on the clients' side. A slot that frees is
   held for the clients whose promised time is within ``hold = min(2 T, grace)`` of now: a
   newcomer gets a free slot only if more slots are free than such clients. A client later
@@ -135,6 +138,7 @@ class SlotLedger:
         self.max_hint_ms = max_hint_ms
         self.clock = clock
         self.service_s = expected_service_s
+        self.lane_service_s: dict[Lane, float] = {}  # under a lane policy, once a lane's job ends
         # How long a released slot waits for the returning client it was promised to.
         self.turnaround_s = min_hint_ms / 1000
         self._freed: deque[float] = deque()  # when each free slot was released, oldest first
@@ -227,25 +231,35 @@ class SlotLedger:
 
     def _next_end(self, now: float) -> float:
         """When the first running job is expected to end (a free slot frees nothing more)."""
-        return min((self.expected_end(slot.started, now) for slot in self._running), default=now)
+        return min((self._slot_end(slot, now) for slot in self._running), default=now)
 
     def _lane_release(self, now: float, lane: Lane) -> float:
         """When the first running job of ``lane`` is expected to end."""
         return min(
-            self.expected_end(slot.started, now)
+            self._slot_end(slot, now)
             for slot in self._running
             if slot.demand is not None and slot.demand.lane == lane
         )
 
-    def expected_end(self, started: float, now: float) -> float:
-        """When a job started at ``started`` is expected to end: ``started + S``; for a job
-        already past that, a quarter more of what it has run.
+    def service_for(self, lane: Lane | None) -> float:
+        """The expected service time of a job of ``lane`` (``None``: of any job)."""
+        return self.lane_service_s.get(lane, self.service_s) if lane is not None else self.service_s
+
+    def _slot_end(self, slot: Slot, now: float) -> float:
+        lane = slot.demand.lane if slot.demand is not None else None
+        return self.expected_end(slot.started, now, self.service_for(lane))
+
+    def expected_end(self, started: float, now: float, service_s: float | None = None) -> float:
+        """When a job started at ``started`` is expected to end: ``started + S`` (``service_s``,
+        the pool's estimate by default); for a job already past that, a quarter more of what it
+        has run.
 
         (Service times are long-tailed: a job that has outlived the estimate is likely a long
         one, and telling its waiters "any moment now" would have them retry in a busy loop.)
         """
+        service = self.service_s if service_s is None else service_s
         ran = now - started
-        expected = started + self.service_s if ran < self.service_s else now + ran / 4
+        expected = started + service if ran < service else now + ran / 4
         return max(expected, now + self.min_hint_ms / 1000)
 
     def hint_ms(self, now: float, at: float) -> int:
@@ -269,6 +283,10 @@ class SlotLedger:
         held = now - slot.started
         if completed:
             self.service_s += EWMA_ALPHA * (held - self.service_s)
+            if slot.demand is not None:
+                lane = slot.demand.lane
+                last = self.lane_service_s.get(lane, held)
+                self.lane_service_s[lane] = last + EWMA_ALPHA * (held - last)
         return held
 
     def _lapse(self, now: float) -> None:
@@ -314,7 +332,7 @@ class SlotLedger:
             ahead += p.rank <= rank
         else:
             promise = None  # a newcomer, or a client whose promise lapsed: to the back
-        hint_ms = self.hint_ms(now, self._release_time(now, ahead))
+        hint_ms = self.hint_ms(now, self._release_time(now, ahead, rank))
         at = now + hint_ms / 1000
         lapses = at + self._grace()
         if promise is not None:
@@ -326,12 +344,36 @@ class SlotLedger:
         promises.append(promise)
         return hint_ms, promise
 
-    def _release_time(self, now: float, k: int) -> float:
-        """When the ``k``-th slot release from now is expected (``k`` = 0: the next one)."""
-        ends = [self.expected_end(slot.started, now) for slot in self._running]
+    def _release_time(self, now: float, k: int, rank: int = 0) -> float:
+        """When the ``k``-th slot release from now is expected (``k`` = 0: the next one), for
+        a client of the lane ranked ``rank``: the ``k``-th smallest of the times
+        ``e_i + j * (S + T)``, ``j >= 0``.
+
+        Each later turn of a slot starts when its promised client is back, not at once, and is
+        taken by a job like the waiting client's. A slot that frees long before another (a chat
+        beside a rewrite) turns over many times first, so the releases are counted in rounds of
+        one period from the first: in round ``r``, slot ``i`` frees at ``e_0 + r * (S + T) +
+        o_i`` once ``r >= q_i``, where ``e_i - e_0 = q_i * (S + T) + o_i``.
+        """
+        ends = [self._slot_end(slot, now) for slot in self._running]
         floor = now + self.min_hint_ms / 1000
         ends += [floor] * (self.cap - len(ends))  # a free slot is held for a promise due now
         ends.sort()
-        rounds, i = divmod(k, len(ends))
-        # Each later turn of a slot starts when its promised client is back, not at once.
-        return ends[i] + rounds * (self.service_s + self.turnaround_s)
+        lane = LANES[rank] if self.policy is not None else None
+        period = self.service_for(lane) + self.turnaround_s
+        first = ends[0]
+        rounds = [int((end - first) // period) for end in ends]  # q_i, ascending
+        # Walk to the round holding release k: the slots in turn (q_i <= r) free once a round.
+        turning = before = r = 0
+        while True:
+            while turning < len(ends) and rounds[turning] <= r:
+                turning += 1
+            until = rounds[turning] if turning < len(ends) else None  # when the next slot joins
+            if until is None or k < before + turning * (until - r):
+                skip = (k - before) // turning
+                r, before = r + skip, before + skip * turning
+                break
+            before += turning * (until - r)
+            r = until
+        offsets = sorted(ends[i] - first - rounds[i] * period for i in range(turning))
+        return first + r * period + offsets[k - before]

@@ -119,6 +119,46 @@ def test_hints_spread_refused_clients_over_coming_releases(clock: FakeClock) -> 
     assert hints == [500, 1000, 1505, 2005, 2510, 3010]
 
 
+def test_a_slot_that_frees_early_turns_over_before_a_long_job_ends(clock: FakeClock) -> None:
+    ledger = SlotLedger(2, expected_service_s=1.0, clock=clock)
+    ledger.admit()
+    clock.now += 16.0  # past its estimate: expected to end in 4 s
+    ledger.admit()  # expected to end in 1 s, then every 1.005 s
+    hints = []
+    for _ in range(4):
+        refusal = ledger.admit()
+        assert isinstance(refusal, Refusal)
+        hints.append(refusal.retry_hint_ms)
+    # Not 1000, 4000, 2005, ...: the second slot turns over twice before the long job ends.
+    assert hints == [1000, 2005, 3010, 4000]
+
+
+def brute_force_release(ends: list[float], period: float, k: int) -> float:
+    """The k-th release, one at a time: the earliest slot frees and is retaken."""
+    times = sorted(ends)
+    for _ in range(k):
+        times[0] += period
+        times.sort()
+    return times[0]
+
+
+def test_release_times_match_taking_the_slots_one_by_one(clock: FakeClock) -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        cap = rng.randint(1, 6)
+        ledger = SlotLedger(cap, expected_service_s=rng.choice([0.05, 0.5, 3.0]), clock=clock)
+        for _ in range(rng.randint(0, cap)):
+            ledger.admit()
+            clock.now += rng.random() * 10
+        now = clock.now
+        ends = [ledger.expected_end(slot.started, now) for slot in ledger._running]
+        ends += [now + ledger.min_hint_ms / 1000] * (cap - len(ends))
+        period = ledger.service_s + ledger.turnaround_s
+        for k in range(0, 40, 3):
+            expected = brute_force_release(ends, period, k)
+            assert ledger._release_time(now, k) == pytest.approx(expected, abs=1e-9)
+
+
 def test_hint_never_constant_across_load(clock: FakeClock) -> None:
     """Heptamini always says 500 ms; here the hint follows the service time."""
     short = SlotLedger(1, expected_service_s=0.05, clock=clock)

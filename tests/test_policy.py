@@ -153,3 +153,31 @@ def test_a_heavy_job_kept_off_the_reserve_is_told_when_a_running_job_ends(
     assert isinstance(refused, Refusal)
     assert refused.need_code == "lane_full"
     assert refused.retry_hint_ms == 600  # the running job's expected end, not "now"
+
+
+def test_each_lane_has_its_own_service_estimate(clock: FakeClock) -> None:
+    """A chat refused while chats and a rewrite run is told when a chat ends, not when the
+    pool's mean job (half chats, half rewrites) would."""
+    ledger = ledger_with(clock, cap=2, interactive_reserve=0)
+    for _ in range(10):  # the pool's estimate stays between the two
+        for lane, seconds in ((Lane.HEAVY, 2.0), (Lane.INTERACTIVE, 0.1)):
+            slot = ledger.admit(demand=Demand(lane, 100))
+            assert isinstance(slot, Slot)
+            clock.now += seconds
+            slot.release(completed=True)
+    assert ledger.service_for(Lane.HEAVY) == pytest.approx(2.0)
+    assert ledger.service_for(Lane.INTERACTIVE) == pytest.approx(0.1)
+    assert 0.5 < ledger.service_s < 1.5
+    assert ledger.service_for(Lane.BACKGROUND) == ledger.service_s  # none finished yet
+    assert isinstance(ledger.admit(demand=HEAVY), Slot)
+    assert isinstance(ledger.admit(demand=INTERACTIVE), Slot)
+    clock.now += 0.02
+    refused = ledger.admit(demand=INTERACTIVE)
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == "server_busy"
+    assert refused.retry_hint_ms == 80  # the running chat's end; the rewrite's is 1.98 s away
+    # The next chat in line is told of the chat slot's next turn (one more chat and the 5 ms
+    # turnaround), which comes long before the rewrite ends.
+    second = ledger.admit(demand=INTERACTIVE)
+    assert isinstance(second, Refusal)
+    assert second.retry_hint_ms == 80 + 100 + 5
