@@ -50,7 +50,6 @@ retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures bot
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import time
 from collections import deque
@@ -74,12 +73,13 @@ class Promise:
     behind promises of its own lane or a higher one.
     """
 
-    __slots__ = ("at", "lapses", "rank")
+    __slots__ = ("at", "lapses", "queued", "rank")
 
     def __init__(self, at: float, lapses: float, rank: int = 0) -> None:
         self.at = at
         self.lapses = lapses
         self.rank = rank
+        self.queued = True  # still in the line: neither withdrawn nor lapsed
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +148,7 @@ class SlotLedger:
         self.draining = False
         self._running: dict[Slot, None] = {}  # insertion-ordered set
         self._promises: deque[Promise] = deque()  # in the order of their times
+        self._promised = [0] * len(LANES)  # promises in the line, by rank
 
     @property
     def inflight(self) -> int:
@@ -270,8 +271,13 @@ class SlotLedger:
 
     def withdraw(self, promise: Promise) -> None:
         """Forget a promise: its client came back, or will not."""
-        with contextlib.suppress(ValueError):  # it had lapsed
+        if promise.queued:
             self._promises.remove(promise)
+            self._dequeued(promise)
+
+    def _dequeued(self, promise: Promise) -> None:
+        promise.queued = False
+        self._promised[promise.rank] -= 1
 
     def _release(self, slot: Slot, completed: bool) -> float:
         del self._running[slot]
@@ -292,7 +298,7 @@ class SlotLedger:
     def _lapse(self, now: float) -> None:
         promises = self._promises
         while promises and promises[0].lapses < now:
-            promises.popleft()
+            self._dequeued(promises.popleft())
 
     def _due_ahead(self, now: float, promise: Promise | None, rank: int) -> int:
         """Clients ahead of ``promise``'s (of all, for a newcomer) a free slot is held for.
@@ -321,17 +327,20 @@ class SlotLedger:
         """The hint for a refusal, and the promise that goes with it.
 
         A returning client keeps its place in line and is re-timed to the release of that
-        place; a newcomer is promised the release after every promise outstanding (of its own
-        lane or a higher one).
+        place (it is found by walking the line, usually from near its head: clients come back
+        in the order they were told); a newcomer, in constant time, is promised the release
+        after every promise outstanding of its own lane or a higher one.
         """
         promises = self._promises
-        ahead = 0
-        for p in promises:
-            if p is promise:
-                break
-            ahead += p.rank <= rank
-        else:
-            promise = None  # a newcomer, or a client whose promise lapsed: to the back
+        if promise is not None and promise.queued:
+            ahead = 0
+            for p in promises:
+                if p is promise:
+                    break
+                ahead += p.rank <= rank
+        else:  # a newcomer, or a client whose promise lapsed: to the back
+            promise = None
+            ahead = sum(self._promised[: rank + 1])
         hint_ms = self.hint_ms(now, self._release_time(now, ahead, rank))
         at = now + hint_ms / 1000
         lapses = at + self._grace()
@@ -342,6 +351,7 @@ class SlotLedger:
             return hint_ms, None
         promise = Promise(at, lapses, rank)
         promises.append(promise)
+        self._promised[rank] += 1
         return hint_ms, promise
 
     def _release_time(self, now: float, k: int, rank: int = 0) -> float:
@@ -361,19 +371,21 @@ class SlotLedger:
         ends.sort()
         lane = LANES[rank] if self.policy is not None else None
         period = self.service_for(lane) + self.turnaround_s
-        first = ends[0]
+        first, n = ends[0], len(ends)
+        if ends[-1] - first < period:  # the usual case: each slot frees once before any twice
+            r, i = divmod(k, n)
+            return ends[i] + r * period
         rounds = [int((end - first) // period) for end in ends]  # q_i, ascending
         # Walk to the round holding release k: the slots in turn (q_i <= r) free once a round.
         turning = before = r = 0
         while True:
-            while turning < len(ends) and rounds[turning] <= r:
+            while turning < n and rounds[turning] <= r:
                 turning += 1
-            until = rounds[turning] if turning < len(ends) else None  # when the next slot joins
-            if until is None or k < before + turning * (until - r):
+            if turning == n or k < before + turning * (rounds[turning] - r):
                 skip = (k - before) // turning
                 r, before = r + skip, before + skip * turning
                 break
-            before += turning * (until - r)
-            r = until
+            before += turning * (rounds[turning] - r)
+            r = rounds[turning]
         offsets = sorted(ends[i] - first - rounds[i] * period for i in range(turning))
         return first + r * period + offsets[k - before]

@@ -60,6 +60,8 @@ def test_random_admit_release_never_exceeds_cap(clock: FakeClock) -> None:
         if held and rng.random() < 0.45:
             held.pop(rng.randrange(len(held))).release(completed=rng.random() < 0.5)
             continue
+        if waiting and rng.random() < 0.05:  # a client that gives up
+            ledger.withdraw(waiting.pop(rng.randrange(len(waiting))))
         returning = (
             waiting.pop(rng.randrange(len(waiting))) if waiting and rng.random() < 0.5 else None
         )
@@ -73,6 +75,8 @@ def test_random_admit_release_never_exceeds_cap(clock: FakeClock) -> None:
             waiting.append(decision.promise)
             refused += 1
         assert ledger.inflight == len(held) <= 4
+        # The count a newcomer's place is read from is the line's length.
+        assert sum(ledger._promised) == len(ledger._promises)
     assert ledger.peak_inflight == 4
     assert (ledger.executed_total, ledger.yielded_total) == (admitted, refused)
     assert refused > 0

@@ -181,3 +181,18 @@ def test_each_lane_has_its_own_service_estimate(clock: FakeClock) -> None:
     second = ledger.admit(demand=INTERACTIVE)
     assert isinstance(second, Refusal)
     assert second.retry_hint_ms == 80 + 100 + 5
+
+
+def test_a_newcomer_waits_only_behind_its_own_lane_or_a_higher_one(clock: FakeClock) -> None:
+    ledger = ledger_with(clock, cap=1, interactive_reserve=0)
+    assert isinstance(ledger.admit(demand=HEAVY), Slot)  # ends in 1 s; each turn after, 1.005 s
+
+    def hint(demand: Demand) -> int:
+        refused = ledger.admit(demand=demand)
+        assert isinstance(refused, Refusal)
+        assert refused.need_code == "server_busy"
+        return refused.retry_hint_ms
+
+    assert [hint(HEAVY) for _ in range(3)] == [1000, 2005, 3010]
+    assert [hint(INTERACTIVE) for _ in range(2)] == [1000, 2005]  # the heavy ones do not count
+    assert hint(BACKGROUND) == 1000 + 5 * 1005  # all five do
