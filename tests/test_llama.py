@@ -376,3 +376,33 @@ async def test_the_embedded_model_stands_in_as_the_fallback_pool(llama: Any) -> 
     assert too_long.done  # over the fallback's 256-token context: run on the primary pool
     assert too_long.reply.result is not None
     assert "degraded" not in too_long.reply.result
+
+
+async def test_a_worker_lost_for_good_fails_liveness(
+    llama: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fault in the supervisor itself leaves a worker neither running nor being restarted:
+    only a restart of the daemon would bring it back, which is what liveness is for."""
+    server = await llama(metrics_listen="127.0.0.1:0", probe_interval=0.2)
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    await until_ready(server)
+    assert (await probe(server, "/healthz/live"))[0] == 200
+
+    async def broken_restart(self: LlamaRunner, dead: Any) -> None:
+        raise RuntimeError("injected supervisor fault")
+
+    monkeypatch.setattr(LlamaRunner, "_restart", broken_restart)
+    (victim,) = runner.worker_pids()
+    os.kill(victim, signal.SIGKILL)  # the next probe finds it dead, and the restart fails
+    deadline = time.monotonic() + 30
+    while (live := await probe(server, "/healthz/live"))[0] == 200:
+        assert time.monotonic() < deadline, "liveness never failed"
+        await asyncio.sleep(0.05)
+    status, body = live
+    assert (status, failing(body)) == (503, {"supervisor"})
+    assert "lost" in body["checks"]["supervisor"]["detail"]
+    assert any(
+        r.getMessage().startswith("worker supervision failed: RuntimeError('injected")
+        for r in caplog.records
+    )

@@ -434,7 +434,20 @@ class LlamaRunner:
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._supervision_ended)
+
+    def _supervision_ended(self, task: asyncio.Task[None]) -> None:
+        """A settle or replace task ended: say so loudly if it failed (liveness fails too)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            event(
+                log,
+                logging.CRITICAL,
+                f"worker supervision failed: {exc!r}; a worker is lost until the daemon restarts",
+                event="worker",
+                lost=True,
+                error=repr(exc),
+            )
 
     def worker_pids(self) -> list[int]:
         """The pids of the live workers (for tests and operators)."""
