@@ -78,7 +78,10 @@ async def one_run(args: argparse.Namespace, lanes: bool) -> dict[str, Any]:
         nonlocal rewrites
         async with await GovernorClient.connect(host, port) as client:
             while time.monotonic() < deadline:
-                rewrites += (await client.generate(REWRITE, retry=retry)).done
+                # (Not ``rewrites += await ...``: that reads the count before the await, and
+                # the rewriters would overwrite each other's finished jobs.)
+                result = await client.generate(REWRITE, retry=retry)
+                rewrites += result.done
 
     async def chatter() -> None:
         await asyncio.sleep(1.0)  # the rewrites arrive first
