@@ -10,7 +10,7 @@
 Why a thread: a liveness probe served on the event loop cannot tell a blocked loop from a
 slow network; it just gets no answer. Served here, it answers 503 and says how long the loop
 has been stalled. Everything that reads the server's state beyond the heartbeat is handed to
-the loop with ``call_soon_threadsafe``, so the daemon's state has one writer and one reader.
+the loop with ``run_coroutine_threadsafe``, so the daemon's state has one writer and one reader.
 
 POST /drain is what a Kubernetes preStop hook calls (``governor drain``): only from loopback,
 because the listener is usually bound to every interface for the kubelet and Prometheus.

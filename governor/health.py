@@ -77,7 +77,8 @@ class Verdict:
 
 
 class Health:
-    """The probes' state for one server; :meth:`run` is its heartbeat and probe loop."""
+    """The probes' state for one server; :meth:`heartbeat` and :meth:`probe_loop` are its
+    loops."""
 
     def __init__(self, server: Server, clock: Callable[[], float] = time.monotonic) -> None:
         self.server = server

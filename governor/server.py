@@ -421,7 +421,7 @@ class Server:
     @property
     def inflight(self) -> int:
         """Jobs running, in the primary pool and the fallback pool."""
-        return self.ledger.inflight + (self.fallback.ledger.inflight if self.fallback else 0)
+        return sum(pool.ledger.inflight for pool in self.pools)
 
     @property
     def outcomes(self) -> collections.Counter[str]:
