@@ -24,7 +24,8 @@ from governor.runners.llama import embedded_model_path
 from loadtest import baseline
 from protocol.spec import JobSpec, Message
 
-from .conftest import ServerFactory
+from .conftest import ServerFactory, wait_until
+from .test_ops import failing, ops_server, probe, until_ready
 
 
 def greedy(prompt: str | None = None, **fields: Any) -> JobSpec:
@@ -168,3 +169,23 @@ async def test_an_unreachable_upstream_stops_startup() -> None:
     )
     with pytest.raises(RunnerStartError, match="cannot be reached"):
         await runner.start()
+
+
+async def test_readiness_probes_the_upstream(make_server: ServerFactory, upstream: str) -> None:
+    server = await ops_server(make_server, runner="http", upstream=upstream)
+    body = await until_ready(server, timeout=60)
+    assert body["checks"]["probe"]["ok"]
+    assert server.metrics.probes["ok"] >= 1
+
+
+async def test_an_upstream_that_fails_its_probes_fails_readiness(
+    make_server: ServerFactory,
+) -> None:
+    async with fake_upstream("500") as url:
+        server = await ops_server(make_server, runner="http", upstream=url)
+        await wait_until(lambda: server.metrics.probes["failed"] >= 1)
+        status, body = await probe(server, "/healthz/ready")
+        live = await probe(server, "/healthz/live")
+    assert (status, failing(body)) == (503, {"probe"})
+    assert "the upstream answered 500" in body["checks"]["probe"]["detail"]
+    assert live[0] == 200  # a restart of the governor would not mend its upstream

@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol.codes import NeedCode
-from protocol.spec import JobSpec
+from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
+
+# The health probe's job, the smallest real one: one greedy token (see :meth:`Runner.probe`).
+PROBE_SPEC = b'{"prompt": "Hi", "max_new_tokens": 1, "temperature": 0}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,3 +105,8 @@ class Runner(Protocol):
         ...
 
     def health(self) -> RunnerHealth: ...
+
+
+def probe_job(runner: Runner) -> Job:
+    """The job :meth:`Runner.probe` runs, prepared as a client's would be."""
+    return runner.prepare("probe", PROBE_SPEC, SPEC_CONTENT_TYPE)

