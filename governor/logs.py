@@ -9,7 +9,8 @@ change (``readiness``, ``liveness``, ``breaker``, ``overload``, ``worker``, ``dr
 
 and with ``text`` the fields follow the message as ``key=value``. Records go through a bounded
 queue to a writer thread: a stderr pipe that a log collector drains slowly must never stall
-admission. When the queue is full, records are dropped and counted, never waited for.
+admission. When the queue is full, records are dropped and counted, never waited for
+(``governor_log_records_dropped_total``).
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ class DroppingQueueHandler(logging.handlers.QueueHandler):
             self.queue.put_nowait(record)
         except queue.Full:
             self.dropped += 1
+
+
+def dropped_records() -> int:
+    """Records dropped so far because the writer fell behind (0 before :func:`configure`)."""
+    return sum(
+        h.dropped for h in logging.getLogger().handlers if isinstance(h, DroppingQueueHandler)
+    )
 
 
 def configure(level: str, fmt: str) -> Callable[[], None]:

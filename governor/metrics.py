@@ -26,6 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .logs import dropped_records
 from .policy import LANES
 
 if TYPE_CHECKING:
@@ -279,6 +280,11 @@ class GovernorCollector(Collector):
         probe.add_metric([], jobs.probe.buckets(), jobs.probe.sum)
         yield probe
         yield from jobs.lane_families()
+        yield CounterMetricFamily(
+            "governor_log_records_dropped",
+            "Log records dropped because the log writer fell behind (a slow stderr reader).",
+            value=dropped_records(),
+        )
         yield _counter(
             "governor_bad_frames",
             "Lines refused before any upload, by need code.",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import queue
 import re
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import pytest
 
 from clients import NO_RETRY, GovernorClient, connect
 from governor.admin import _is_loopback
+from governor.logs import DroppingQueueHandler
 from governor.runners import StubRunner
 from governor.server import Server
 from protocol.spec import JobSpec
@@ -290,6 +293,22 @@ async def test_metrics_after_a_scripted_run(make_server: ServerFactory) -> None:
     assert m['governor_lane_inflight{lane="interactive"}'] == 0
     assert m["governor_kv_capacity_tokens"] == 0
     assert m['governor_tenant_inflight{tenant="default"}'] == 0
+
+
+async def test_log_records_the_writer_cannot_take_are_dropped_and_counted(
+    make_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = await ops_server(make_server)
+    full: queue.Queue[Any] = queue.Queue(1)
+    full.put_nowait(None)  # a writer that has fallen behind
+    handler = DroppingQueueHandler(full)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [*root.handlers, handler])
+    for n in range(3):
+        logging.getLogger("governor.test").warning("record %d", n)  # never blocks
+    m = await asyncio.to_thread(_scrape, server)
+    assert handler.dropped >= 3
+    assert m["governor_log_records_dropped_total"] == handler.dropped
 
 
 # The daemon: governor drain, JSON logs --------------------------------------------------
