@@ -145,7 +145,7 @@ class Daemon:
     port: int
     stderr_head: bytes
     stderr_rest: list[bytes] = field(default_factory=list)
-    reader: threading.Thread | None = None
+    reader: threading.Thread = field(init=False)
 
     def __post_init__(self) -> None:
         stderr = self.proc.stderr
@@ -162,7 +162,6 @@ class Daemon:
 
     def wait(self, timeout: float = 30.0) -> tuple[int, bytes]:
         code = self.proc.wait(timeout=timeout)
-        assert self.reader is not None
         self.reader.join(timeout)
         return code, self.stderr_head + b"".join(self.stderr_rest)
 
@@ -207,8 +206,7 @@ def stop_daemon(daemon: Daemon) -> None:
         except subprocess.TimeoutExpired:
             daemon.proc.kill()
             daemon.proc.wait()
-    if daemon.reader is not None:
-        daemon.reader.join(10)
+    daemon.reader.join(10)
     if daemon.proc.stderr is not None:
         daemon.proc.stderr.close()
 
