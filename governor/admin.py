@@ -28,15 +28,14 @@ import urllib.parse
 from collections.abc import Callable, Coroutine
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .metrics import registry_for
-
-if TYPE_CHECKING:
-    from .server import Server
+from .exporter import registry_for
+from .health import Health
+from .state import ServerState
 
 log = logging.getLogger("governor.admin")
 
@@ -52,11 +51,22 @@ class LoopStalled(Exception):
     """The event loop did not run the call in time."""
 
 
+# POST /drain: begin the drain, then wait up to that many seconds; returns the jobs still running.
+Drain = Callable[[float], Coroutine[Any, Any, int]]
+
+
 class AdminListener:
-    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
-        self.server = server
+    def __init__(
+        self,
+        state: ServerState,
+        health: Health,
+        drain: Drain,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.health = health
+        self.drain = drain
         self.loop = loop
-        self.registry = registry_for(server)
+        self.registry = registry_for(state, health)
         self._httpd: ThreadingHTTPServer | None = None
 
     def start(self, host: str, port: int) -> None:
@@ -113,7 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = urllib.parse.urlsplit(self.path).path
         admin = self.admin
-        health = admin.server.health
+        health = admin.health
         if path == "/metrics":
             try:
                 body = admin.on_loop(
@@ -164,15 +174,9 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._json(HTTPStatus.BAD_REQUEST, {"error": "wait must be a number of seconds"})
             return
-        server = self.admin.server
         wait = min(max(wait, 0.0), MAX_DRAIN_WAIT_S)
-
-        async def drain() -> int:
-            server.begin_drain("POST /drain")
-            return await server.wait_for_jobs(wait)
-
         try:
-            inflight = self.admin.on_loop(drain, wait + READY_TIMEOUT_S)
+            inflight = self.admin.on_loop(lambda: self.admin.drain(wait), wait + READY_TIMEOUT_S)
         except LoopStalled:
             self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "the event loop is stalled"})
             return

@@ -32,16 +32,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import orjson
 
 from .breaker import BreakerState
 from .logs import event
 from .runners import RunnerError, RunnerHealth
-
-if TYPE_CHECKING:
-    from .server import Server
+from .state import ServerState
 
 log = logging.getLogger("governor.health")
 
@@ -80,23 +77,21 @@ class Health:
     """The probes' state for one server; :meth:`heartbeat` and :meth:`probe_loop` are its
     loops."""
 
-    def __init__(self, server: Server, clock: Callable[[], float] = time.monotonic) -> None:
-        self.server = server
-        self.config = server.config
+    def __init__(self, state: ServerState, clock: Callable[[], float] = time.monotonic) -> None:
+        self.server = state
+        self.config = state.config
         self.clock = clock
         self.beat = clock()  # the event loop's last heartbeat, read by the HTTP thread
         # Snapshots taken on the loop at each beat, for liveness computed off it.
         self.listening = True
         self.supervisor = RunnerHealth(supervisor_alive=True, workers_live=0, workers=0)
-        self.last_ok: float | None = None  # a probe succeeded, or a job generated a token
+        self.orphans = 0  # slots held with no live execution (a leak: never, by design)
+        self.orphaned_since: float | None = None
+        self.last_ok: float | None = None  # a probe succeeded
         self.last_failure: float | None = None  # a probe failed
         self.failure_detail = ""
         self._ready: bool | None = None
         self._live: bool | None = None
-
-    def progress(self, now: float) -> None:
-        """A client's job generated a token: the path works."""
-        self.last_ok = now
 
     # The verdicts ------------------------------------------------------------------------
 
@@ -112,6 +107,7 @@ class Health:
                 "listener": Check(
                     self.listening, "accepting" if self.listening else "the listener is closed"
                 ),
+                "slots": self._slots_check(),
                 "supervisor": Check(
                     s.supervisor_alive,
                     f"{s.workers_live} of {s.workers} workers live, {s.restarts} restarts"
@@ -121,6 +117,18 @@ class Health:
             }
         )
 
+    def _slots_check(self) -> Check:
+        """Every slot held has a live execution; a slot without one for longer than
+        ``job_timeout`` has leaked, and only a restart gives it back."""
+        since, limit = self.orphaned_since, self.config.job_timeout
+        if since is None:
+            return Check(True, "every slot held has a live job")
+        age = self.clock() - since
+        return Check(
+            age <= limit,
+            f"{self.orphans} slot(s) held with no live job for {age:.1f} s (job_timeout {limit:g} s)",
+        )
+
     def readiness(self) -> Verdict:
         """Computed on the event loop (a stalled loop cannot answer: unready)."""
         server, config = self.server, self.config
@@ -128,7 +136,7 @@ class Health:
         checks: dict[str, Check] = {}
         if not server.started:
             checks["started"] = Check(False, "starting: the runner is loading")
-        runner = server.runner.health()
+        runner = server.primary.runner.health()
         if runner.workers:
             checks["workers"] = Check(
                 runner.workers_live > 0,
@@ -162,7 +170,10 @@ class Health:
 
     def _probe_check(self, now: float) -> Check:
         max_age = self.config.probe_max_age
-        last_ok, last_failure = self.last_ok, self.last_failure
+        last_failure = self.last_failure
+        # A probe that succeeded, or a client's job that generated a token: the path works.
+        tokens = [t for t in (self.last_ok, self.server.last_token_at) if t is not None]
+        last_ok = max(tokens) if tokens else None
         if last_ok is None:
             return Check(False, self.failure_detail or "no probe has succeeded yet")
         if last_failure is not None and last_failure > last_ok:
@@ -194,7 +205,12 @@ class Health:
         server = self.server
         self.beat = self.clock()
         self.listening = server.listening
-        self.supervisor = server.runner.health()
+        self.supervisor = server.primary.runner.health()
+        self.orphans = server.inflight - server.live_jobs
+        if self.orphans <= 0:
+            self.orphaned_since = None
+        elif self.orphaned_since is None:
+            self.orphaned_since = self.beat
         live, ready = self.liveness(), self.readiness()
         self._note("liveness", live, self._live)
         self._note("readiness", ready, self._ready)

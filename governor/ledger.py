@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from protocol.codes import NeedCode
 
 from .policy import LANES, Demand, Lane, LanePolicy
+from .service import JobSize
 
 Clock = Callable[[], float]
 
@@ -91,22 +92,32 @@ class Refusal:
     promise: Promise | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """What a finished job measured, for the service-time estimates."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+
+
 class Slot:
     """One taken execution slot. :meth:`release` gives it back; calling it again does nothing."""
 
-    __slots__ = ("_ledger", "_released", "demand", "started")
+    __slots__ = ("_ledger", "_released", "demand", "expected_s", "started")
 
     def __init__(self, ledger: SlotLedger, started: float, demand: Demand | None) -> None:
         self._ledger = ledger
         self.started = started
         self.demand = demand  # its lane and KV reservation, under a lane policy
+        self.expected_s: float | None = None
         self._released = False
 
     @property
     def released(self) -> bool:
         return self._released
 
-    def release(self, *, completed: bool) -> float:
+    def release(self, *, done: Completed | None = None) -> float:
         """Free the slot; ``completed`` jobs feed the service-time estimate.
 
         Returns the seconds the slot was held.
@@ -114,7 +125,7 @@ class Slot:
         if self._released:
             return 0.0
         self._released = True
-        return self._ledger._release(self, completed)
+        return self._ledger._release(self, done is not None)
 
 
 class SlotLedger:
@@ -163,7 +174,12 @@ class SlotLedger:
         """Would a job be admitted now? (``server.health`` 1.)"""
         return not self.draining and not self.saturated
 
-    def admit(self, promise: Promise | None = None, demand: Demand | None = None) -> Slot | Refusal:
+    def admit(
+        self,
+        promise: Promise | None = None,
+        demand: Demand | None = None,
+        size: JobSize | None = None,
+    ) -> Slot | Refusal:
         """Take a slot, or say why not and when to come back.
 
         ``promise`` is the one a returning client was given when it was last refused;
@@ -202,6 +218,11 @@ class SlotLedger:
         if len(self._running) > self.peak_inflight:
             self.peak_inflight = len(self._running)
         return slot
+
+    def waiting(self, rank: int) -> int:
+        """Promises in the line of rank <= ``rank`` (that lane or a higher one)."""
+        self._lapse(self.clock())
+        return sum(self._promised[: rank + 1]) if rank >= 0 else 0
 
     def refused(self, refusal: Refusal) -> Refusal:
         """Count a refusal (also one decided outside the ledger, for a tenant's limits)."""

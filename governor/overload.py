@@ -156,6 +156,11 @@ class OverloadController:
             return self.state >= State.INTERACTIVE_ONLY
         return False
 
+    def pause_hint_s(self, lane: Lane, attempt: int) -> float:
+        """When a pause on ``lane`` may end; longer for a job refused ``attempt`` times."""
+        rest = self.changed_at + self.settings.min_dwell_s - self.clock()
+        return float(min(max(rest, 1.0) * 2.0 ** (attempt - 1), self.settings.window_s))
+
     def max_new_tokens(self, lane: Lane, asked: int) -> int | None:
         """A lowered max_new_tokens for this job, or None to leave it as asked."""
         cap = self.settings.degraded_max_new_tokens

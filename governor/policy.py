@@ -30,6 +30,7 @@ class Lane(StrEnum):
 
 
 LANES = (Lane.INTERACTIVE, Lane.HEAVY, Lane.BACKGROUND)  # highest priority first
+NO_LANE = "-"  # the lane label of a job that has none (no lane policy, or not classified)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,28 +13,25 @@ routed here late gets that answer rather than a refused connection), running job
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import socket
-from collections.abc import Coroutine
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from protocol.codes import ErrorCode, NeedCode, Receipt
+from protocol.codes import ErrorCode, NeedCode
 
 from .admin import AdminListener
+from .admission import Admission, Pool
 from .breaker import BreakerSettings, BreakerState, CircuitBreaker
 from .config import Config
 from .connection import GovernorProtocol
 from .health import Health
 from .ledger import SlotLedger
 from .logs import event
-from .metrics import JobMetrics
 from .overload import OverloadController, OverloadSettings
 from .policy import Lane, LanePolicy
 from .runners import Runner, StubRunner
+from .state import ServerState
 from .tenants import Tenants
 
 log = logging.getLogger("governor")
@@ -127,16 +124,6 @@ def build_fallback(config: Config) -> Runner | None:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Pool:
-    """A runner, the slots it has and its circuit breaker: the primary pool, or the fallback."""
-
-    name: str
-    runner: Runner
-    ledger: SlotLedger
-    breaker: CircuitBreaker
-
-
 def build_breaker(config: Config, ledger: SlotLedger, name: str) -> CircuitBreaker:
     breaker = CircuitBreaker(
         BreakerSettings(
@@ -165,6 +152,8 @@ def build_breaker(config: Config, ledger: SlotLedger, name: str) -> CircuitBreak
 
 
 class Server:
+    """The lifecycle around the :class:`~governor.state.ServerState` it builds."""
+
     def __init__(self, config: Config, runner: Runner | None = None) -> None:
         self.config = config
         self.runner = runner if runner is not None else build_runner(config)
@@ -187,7 +176,6 @@ class Server:
             self.fallback = Pool(
                 "fallback", fallback, ledger, build_breaker(config, ledger, "fallback")
             )
-        self.pools = [self.primary] if self.fallback is None else [self.primary, self.fallback]
         self.overload = (
             OverloadController(
                 OverloadSettings(
@@ -204,24 +192,20 @@ class Server:
             if config.lanes
             else None
         )
-        self.ladder: collections.Counter[str] = collections.Counter()  # fallback steps taken
-        # Every yield, by need code, lane ('-' without lanes) and tenant.
-        self.refusals: collections.Counter[tuple[str, str, str]] = collections.Counter()
-        self.connections: set[GovernorProtocol] = set()
-        self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
-        self.metrics = JobMetrics()
-        self.health = Health(self)
-        self.buffered_bytes = 0
-        self.started = False  # the runners are ready and the listener accepts
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.admission = Admission(
+            self.primary, self.tenants, fallback=self.fallback, overload=self.overload
+        )
+        self.state = ServerState(config, self.admission)
+        self.pools = self.admission.pools
+        self.metrics = self.state.metrics
+        self.connections = self.state.connections
+        self.health = Health(self.state)
         self._listener: asyncio.Server | None = None
         # The heartbeat, the prober and the overload watch.
         self._background: list[asyncio.Task[None]] = []
         self._admin: AdminListener | None = None
         self._drain_deadline: float | None = None
-        self._jobs_done = asyncio.Event()
         self._force = asyncio.Event()
-        self._jobs_done.set()
 
     # Lifecycle -----------------------------------------------------------------------
 
@@ -239,7 +223,7 @@ class Server:
         loop = asyncio.get_running_loop()
         try:
             if self.config.metrics_address is not None:
-                self._admin = AdminListener(self, loop)
+                self._admin = AdminListener(self.state, self.health, self._drain_for_admin, loop)
                 self._admin.start(*self.config.metrics_address)
                 mhost, mport = self._admin.address
                 log.info("metrics and health probes on http://%s:%d", mhost, mport)
@@ -255,10 +239,10 @@ class Server:
             sock.close()
             await self._stop_background()
             raise
-        self._listener = await loop.create_server(
-            lambda: GovernorProtocol(self), sock=sock, backlog=LISTEN_BACKLOG
+        self._listener = self.state.listener = await loop.create_server(
+            lambda: GovernorProtocol(self.state), sock=sock, backlog=LISTEN_BACKLOG
         )
-        self.started = True
+        self.state.started = True
         self._background.append(loop.create_task(self.health.probe_loop()))
         host, port = self.address
         log.info(
@@ -298,11 +282,22 @@ class Server:
         return None if self._admin is None else self._admin.address
 
     @property
-    def listening(self) -> bool:
-        """The listener accepts connections (or has yet to open: the runner is loading)."""
-        if self._listener is None:
-            return not self.started
-        return self._listener.is_serving()
+    def inflight(self) -> int:
+        """Jobs holding a slot, in the primary pool and the fallback pool."""
+        return self.state.inflight
+
+    @property
+    def live_jobs(self) -> int:
+        """Jobs whose execution has not ended (equal to :attr:`inflight`: no slot leaks)."""
+        return self.state.live_jobs
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self.state.buffers.used
+
+    async def _drain_for_admin(self, wait: float) -> int:
+        self.begin_drain("POST /drain")
+        return await self.wait_for_jobs(wait)
 
     def begin_drain(self, reason: str, grace: float | None = None) -> None:
         """Refuse new jobs from now on; running ones have until the drain's deadline."""
@@ -345,7 +340,8 @@ class Server:
         """Wait at most ``timeout`` seconds for running jobs to end (a second signal cuts the
         wait short); returns how many still run."""
         if self.inflight and timeout > 0:
-            waits = [asyncio.ensure_future(e.wait()) for e in (self._jobs_done, self._force)]
+            events = (self.state.jobs_done, self._force)
+            waits = [asyncio.ensure_future(e.wait()) for e in events]
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
@@ -369,10 +365,11 @@ class Server:
             self._listener.close()
         for conn in list(self.connections):
             conn.close()
-        for task in list(self._tasks):
+        jobs = list(self.state.jobs)
+        for task in jobs:
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if jobs:
+            await asyncio.gather(*jobs, return_exceptions=True)
         for pool in self.pools:
             await pool.runner.close()
 
@@ -398,57 +395,3 @@ class Server:
                     after=overload.state.label,
                     **signals,
                 )
-
-    # Called by connections -----------------------------------------------------------
-
-    def accept_connection(self, conn: GovernorProtocol) -> bool:
-        if len(self.connections) >= self.config.max_connections:
-            return False
-        self.connections.add(conn)
-        return True
-
-    def connection_closed(self, conn: GovernorProtocol) -> None:
-        self.connections.discard(conn)
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """Run a job's coroutine as a task the server owns."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        self._jobs_done.clear()
-        return task
-
-    @property
-    def inflight(self) -> int:
-        """Jobs running, in the primary pool and the fallback pool."""
-        return sum(pool.ledger.inflight for pool in self.pools)
-
-    @property
-    def outcomes(self) -> collections.Counter[str]:
-        """Admitted jobs' ends by outcome, over every lane and pool."""
-        counts: collections.Counter[str] = collections.Counter()
-        for (outcome, _, _), n in self.metrics.finished.items():
-            counts[outcome] += n
-        return counts
-
-    def job_finished(self) -> None:
-        if self.inflight == 0:
-            self._jobs_done.set()
-
-    def reserve_buffer(self, nbytes: int) -> bool:
-        if self.buffered_bytes + nbytes > self.config.max_buffer_bytes:
-            return False
-        self.buffered_bytes += nbytes
-        return True
-
-    def release_buffer(self, nbytes: int) -> None:
-        self.buffered_bytes -= nbytes
-
-    def ping_receipts(self) -> tuple[tuple[str, int], ...]:
-        state = self.overload.state if self.overload is not None else 0
-        return (
-            (Receipt.INFLIGHT_PEAK, self.ledger.peak_inflight),
-            (Receipt.DRAINING, int(self.ledger.draining)),
-            (Receipt.CONNECTIONS, len(self.connections)),
-            (Receipt.OVERLOAD_STATE, int(state)),
-        )

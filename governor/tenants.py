@@ -13,6 +13,10 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .ledger import Slot
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 DEFAULT_TENANT = "default"
@@ -73,7 +77,7 @@ class Tenant:
         self.name = config.name
         self.inflight = 0
         self.waiting = 0  # its refused payloads held for a retry
-        self.starts: list[float] = []  # when each of its running jobs was admitted
+        self.running: list[Slot] = []  # its running jobs' slots (for the hint at its cap)
         self.requests = TokenBucket(config.requests_per_s, config.request_burst, now)
         self.tokens = TokenBucket(config.tokens_per_s, config.token_burst, now)
 

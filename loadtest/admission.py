@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from governor.ledger import Refusal, Slot, SlotLedger
+from governor.ledger import Completed, Refusal, Slot, SlotLedger
 
 from .common import positive_int
 
@@ -48,7 +48,7 @@ def measure(cap: int, waiting: int, iterations: int) -> dict[str, Any]:
     def admit_and_release() -> None:
         slot = free.admit()
         assert isinstance(slot, Slot)
-        slot.release(completed=True)
+        slot.release(done=Completed())
 
     full = SlotLedger(cap, expected_service_s=3600.0)  # nothing lapses while we measure
     for _ in range(cap):

@@ -7,6 +7,7 @@ real-model tests, which run on uvloop alone.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import re
@@ -107,6 +108,14 @@ class RawConn:
         self.writer.close()
         with contextlib.suppress(OSError):
             await self.writer.wait_closed()
+
+
+def outcomes(server: Server) -> collections.Counter[str]:
+    """Admitted jobs' ends by outcome, over every lane and pool (the exported counter)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for (outcome, _, _), n in server.metrics.finished.items():
+        counts[outcome] += n
+    return counts
 
 
 def receipt(frame: Mapping[str, Any], kind: str) -> int | None:

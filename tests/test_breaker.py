@@ -168,7 +168,7 @@ async def test_the_breaker_trips_under_an_injected_error_rate_and_recovers(
         ("open", "half_open"): 1,
         ("half_open", "closed"): 1,
     }
-    assert server.refusals[("breaker_open", "-", "default")] >= 1
+    assert server.admission.refusals[("breaker_open", "-", "default")] >= 1
 
 
 async def test_the_probe_is_the_trial_when_no_job_comes(make_server: ServerFactory) -> None:
@@ -211,7 +211,7 @@ async def test_while_open_jobs_go_to_the_fallback_pool(make_server: ServerFactor
     assert rescued.reply.result is not None
     assert rescued.reply.result["degraded"] == ["breaker_fallback"]
     assert server.fallback.ledger.executed_total == 1
-    assert server.ladder == {"breaker_fallback": 1}
+    assert server.admission.ladder == {"breaker_fallback": 1}
     assert server.metrics.finished[("done", "-", "fallback")] == 1
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from governor.ledger import Refusal, Slot, SlotLedger
+from governor.ledger import Completed, Refusal, Slot, SlotLedger
 from governor.policy import Demand, Lane, LanePolicy, Rejection
 
 from .test_ledger import FakeClock
@@ -101,7 +101,7 @@ def test_lane_quota_and_its_hint(clock: FakeClock) -> None:
     assert refused.need_code == "lane_full"
     assert refused.retry_hint_ms == 750  # when the lane's running job is expected to end
     assert isinstance(ledger.admit(demand=HEAVY), Slot)  # other lanes are not held up
-    first.release(completed=True)
+    first.release(done=Completed())
     assert isinstance(ledger.admit(demand=BACKGROUND), Slot)
 
 
@@ -127,7 +127,7 @@ def test_kv_budget_keeps_a_share_for_interactive_work(clock: FakeClock) -> None:
     assert too_big.need_code == "kv_pressure"  # never past the capacity itself
     for slot in long_jobs[:2]:
         assert isinstance(slot, Slot)
-        slot.release(completed=True)
+        slot.release(done=Completed())
     assert ledger.kv_reserved == 3500
 
 
@@ -164,7 +164,7 @@ def test_each_lane_has_its_own_service_estimate(clock: FakeClock) -> None:
             slot = ledger.admit(demand=Demand(lane, 100))
             assert isinstance(slot, Slot)
             clock.now += seconds
-            slot.release(completed=True)
+            slot.release(done=Completed())
     assert ledger.service_for(Lane.HEAVY) == pytest.approx(2.0)
     assert ledger.service_for(Lane.INTERACTIVE) == pytest.approx(0.1)
     assert 0.5 < ledger.service_s < 1.5

@@ -116,8 +116,8 @@ async def test_noisy_neighbour_gets_only_its_cap(make_server: ServerFactory) -> 
     # The quiet tenant kept its share and its latency: all three ran at once.
     assert [r[0] for r in quiet] == ["done"] * 3
     assert max(r[1] for r in quiet) < 1.0
-    assert server.refusals[("tenant_busy", "-", "noisy")] >= 1
-    assert not any(t == "quiet" for (_, _, t) in server.refusals)
+    assert server.admission.refusals[("tenant_busy", "-", "noisy")] >= 1
+    assert not any(t == "quiet" for (_, _, t) in server.admission.refusals)
 
 
 async def test_contended_slots_are_shared_by_weight(make_server: ServerFactory) -> None:
@@ -161,4 +161,4 @@ async def test_contended_slots_are_shared_by_weight(make_server: ServerFactory) 
     contended = [s for s in samples if s[0] >= settled and s[2] > 0]
     assert contended
     assert all(big_running <= 3 for _, big_running, _ in contended)  # 4 x 3 / 4
-    assert server.refusals[("tenant_share", "-", "big")] > 0
+    assert server.admission.refusals[("tenant_share", "-", "big")] > 0

@@ -1,0 +1,487 @@
+"""Admission: may this job run now? One pure decision, and the ticket that gives back what it took.
+
+:meth:`Admission.decide` is synchronous, with no ``await`` between checking and taking, over
+the pools' slot ledgers, the tenants, the overload state and the breakers (all pure, on one
+injected clock), so the cap holds by construction. Its order is written once, here:
+
+1. draining                 yield ``draining`` (whatever else is wrong with the job)
+2. what the spec and the    abort: the runner's spec codes (``spec_invalid``, ...), the lane
+   tenant's key allow       policy's rejections, ``lane_not_allowed``
+3. the ladder               degraded: an interactive job's ``max_new_tokens`` is lowered
+4. pauses                   batch_paused: background, interactive_only: heavy too, yield
+                            ``lane_paused`` while clients of a higher lane wait; a paused lane
+                            still takes a slot that would otherwise sit idle
+5. the tenant's limits      yield ``tenant_busy``, ``tenant_share``, ``rate_limited``
+6. breaker and fallback     an open primary breaker sends the job to the fallback pool, else
+                            yield ``breaker_open``; while degraded, heavy and background work
+                            goes to the fallback pool when it has a slot
+7. the ledger               a slot, or yield ``server_busy``, ``lane_full``, ``kv_pressure``
+
+Nothing changes unless the answer is :class:`Admitted`: a refused job keeps its
+``max_new_tokens``, the ladder counts no activation for it, the tenant's buckets are not
+charged. A refusal is counted (the yield totals, the overload state's yield rate) and gives the
+client a place in line (its :class:`~governor.ledger.Promise`), nothing more.
+
+What admission takes (the slot, the tenant's count, the payload's buffer reservation, a breaker
+trial) is held by the :class:`Ticket`. :meth:`Ticket.release` gives all of it back exactly
+once, and records the job's outcome with the breaker and the overload state; the execution
+that owns the ticket calls it from its task's done-callback, which runs whatever ends the task,
+a cancel before its first step included.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.codes import ErrorCode, NeedCode
+from protocol.spec import SpecInvalid
+
+from .breaker import CircuitBreaker
+from .ledger import Completed, Promise, Refusal, Slot, SlotLedger
+from .overload import OverloadController, State
+from .policy import LANES, NO_LANE, Demand, Lane
+from .runners import Job, Runner
+from .service import JobSize
+from .tenants import Tenant, Tenants
+
+# Outcomes that say the backend failed: the circuit breaker counts these as failures and
+# "done" as a success; any other end (cancelled, out of ttl_ms, its client gone, shutdown)
+# says nothing about the pool.
+BACKEND_FAILURES = frozenset(
+    {
+        NeedCode.BACKEND_ERROR,
+        NeedCode.RUNNER_CRASHED,
+        NeedCode.RUNNER_TIMEOUT,
+        NeedCode.RUNNER_UNAVAILABLE,
+        NeedCode.UPSTREAM_ERROR,
+        NeedCode.UPSTREAM_TIMEOUT,
+    }
+)
+# Ends that say nothing of the pool's health or load: not counted by the overload state.
+NEUTRAL_OUTCOMES = frozenset({"cancelled", "client_gone"})
+UNAVAILABLE_CODES = frozenset({NeedCode.DRAINING, NeedCode.BREAKER_OPEN})
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A runner, the slots it has and its circuit breaker: the primary pool, or the fallback."""
+
+    name: str
+    runner: Runner
+    ledger: SlotLedger
+    breaker: CircuitBreaker
+
+
+class Reservation:
+    """Payload bytes counted against a connection's budget and the server's; released once."""
+
+    __slots__ = ("_budgets", "nbytes")
+
+    def __init__(self, budgets: tuple[Budget, ...], nbytes: int) -> None:
+        self._budgets = budgets
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        nbytes, self.nbytes = self.nbytes, 0
+        for budget in self._budgets:
+            budget.used -= nbytes
+
+
+class Budget:
+    """A bound on bytes held: the server's payload buffers, or one connection's."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+
+def reserve(nbytes: int, *budgets: Budget) -> Reservation | Budget:
+    """Reserve ``nbytes`` in every budget, or none: returns the first budget it would overflow."""
+    for budget in budgets:
+        if budget.used + nbytes > budget.limit:
+            return budget
+    for budget in budgets:
+        budget.used += nbytes
+    return Reservation(budgets, nbytes)
+
+
+def prompt_tokens(job: Job) -> int:
+    """The job's prompt in tokens: counted by the runner's tokenizer, else estimated."""
+    if job.tokens:
+        return len(job.tokens)
+    return job.spec.estimated_prompt_tokens() if job.spec is not None else 0
+
+
+@dataclass(slots=True, eq=False)
+class Attempt:
+    """One try at admission: the job as its runner prepared it (or why it could not be), its
+    tenant, and what its earlier tries left: its place in line, how often it was refused."""
+
+    tenant: Tenant
+    job: Job | None
+    spec_error: SpecInvalid | None = None
+    promise: Promise | None = None
+    refusals: int = 0
+    paused: bool = False  # a pause has refused it (the ladder counts a pause once per job)
+    lane: str = NO_LANE  # the lane it was given, once classified
+
+
+class Ticket:
+    """What an admitted job holds. :meth:`release` gives it all back; again, it does nothing."""
+
+    __slots__ = (
+        "_released",
+        "degraded",
+        "demand",
+        "job",
+        "lane",
+        "pool",
+        "reservation",
+        "slot",
+        "tenant",
+        "trial",
+    )
+
+    def __init__(
+        self,
+        *,
+        pool: Pool,
+        slot: Slot,
+        job: Job,
+        tenant: Tenant,
+        demand: Demand | None,
+        degraded: tuple[str, ...],
+        trial: bool,
+        overload: OverloadController | None,
+    ) -> None:
+        self.pool = pool
+        self.slot = slot
+        self.job = job
+        self.tenant = tenant
+        self.demand = demand
+        self.lane: str = demand.lane if demand is not None else NO_LANE
+        self.degraded = degraded
+        self.trial = trial
+        self.reservation: Reservation | None = None
+        self._released: OverloadController | bool | None = overload  # False once released
+        tenant.inflight += 1
+        tenant.running.append(slot)
+
+    @property
+    def released(self) -> bool:
+        return self._released is False
+
+    def release(self, outcome: str, done: Completed | None = None) -> float:
+        """Free the slot, the tenant's count and the payload's buffers; record ``outcome``
+        (``"done"``, a need code, ``"client_gone"``) with the breaker and the overload state.
+
+        ``done`` is what a finished job measured, for the service-time estimates; a job that
+        did not finish (failed, cancelled, timed out) passes None and teaches them nothing.
+        Returns the seconds the slot was held (0.0 when already released).
+        """
+        overload = self._released
+        if overload is False:
+            return 0.0
+        self._released = False
+        failed = outcome in BACKEND_FAILURES
+        self.pool.breaker.record(
+            True if failed else False if outcome == "done" else None, trial=self.trial
+        )
+        if isinstance(overload, OverloadController) and outcome not in NEUTRAL_OUTCOMES:
+            overload.observe_outcome(failed=outcome != "done")
+        self.tenant.inflight -= 1
+        self.tenant.running.remove(self.slot)
+        if self.reservation is not None:
+            self.reservation.release()
+        return self.slot.release(done=done if outcome == "done" else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class Yielded:
+    """Not now: ``yield`` with this code and hint; ``promise`` is the client's place in line."""
+
+    need_code: NeedCode
+    retry_hint_ms: int
+    promise: Promise | None = None
+
+    @property
+    def error_code(self) -> ErrorCode:
+        return ErrorCode.UNAVAILABLE if self.need_code in UNAVAILABLE_CODES else ErrorCode.BUSY
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Never: the spec is invalid (``error``: answered as the codec answers bad input), or the
+    policy refuses it for good (``confirm abort`` with this code and ``error_code`` policy)."""
+
+    need_code: str
+    detail: str
+    error: SpecInvalid | None = None
+
+
+Decision = Admitted | Yielded | Rejected
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The job as it would run: its lane, KV reservation, size and the ladder's change."""
+
+    job: Job
+    demand: Demand | None
+    size: JobSize | None
+    tokens: int  # what it costs its tenant's token rate: prompt + max_new_tokens
+    degraded: tuple[str, ...] = ()
+
+
+class Admission:
+    """The decision over the pools, the tenants, the overload state and the breakers."""
+
+    def __init__(
+        self,
+        primary: Pool,
+        tenants: Tenants,
+        *,
+        fallback: Pool | None = None,
+        overload: OverloadController | None = None,
+    ) -> None:
+        self.primary = primary
+        self.fallback = fallback
+        self.pools = (primary,) if fallback is None else (primary, fallback)
+        self.tenants = tenants
+        self.overload = overload
+        self.ledger = primary.ledger
+        self.clock: Callable[[], float] = primary.ledger.clock
+        self.policy = primary.ledger.policy
+        self.ladder: collections.Counter[str] = collections.Counter()  # activations by step
+        # Every yield, by need code, lane ('-' without lanes) and tenant.
+        self.refusals: collections.Counter[tuple[str, str, str]] = collections.Counter()
+
+    @property
+    def draining(self) -> bool:
+        return self.ledger.draining
+
+    def decide(self, attempt: Attempt) -> Decision:
+        """Admit, yield or reject ``attempt``, in the order of the module docstring."""
+        ledger, now = self.ledger, self.clock()
+        promise, attempt.promise = attempt.promise, None
+        # 1. Draining.
+        if ledger.draining:
+            return self._refuse(attempt, promise, Refusal(NeedCode.DRAINING, ledger.max_hint_ms))
+        # 2. What the spec and the tenant's key allow.
+        plan = self._plan(attempt)
+        if isinstance(plan, Rejected):
+            self._withdraw(promise)
+            return plan
+        # 3. The ladder's first step (applied only if admitted).
+        plan = self._ladder(plan)
+        # 4. Pauses.
+        refusal = self._paused(attempt, plan, now)
+        # 5. The tenant's limits.
+        if refusal is None:
+            refusal = self._tenant_refusal(attempt.tenant, plan.tokens, now)
+        if refusal is not None:
+            return self._refuse(attempt, promise, refusal)
+        # 6. Breaker and fallback, then 7. the ledger.
+        placed = self._place(plan, promise, now)
+        if isinstance(placed, Refusal):
+            return self._refuse(attempt, None, placed, counted=True)
+        pool, slot, plan, trial = placed
+        if self.overload is not None:
+            self.overload.observe_admission(yielded=False)
+        for step in plan.degraded:
+            self.ladder[step] += 1
+        attempt.tenant.charge(plan.tokens, now)
+        ticket = Ticket(
+            pool=pool,
+            slot=slot,
+            job=plan.job,
+            tenant=attempt.tenant,
+            demand=plan.demand,
+            degraded=plan.degraded,
+            trial=trial,
+            overload=self.overload,
+        )
+        return Admitted(ticket)
+
+    # The steps ---------------------------------------------------------------------------
+
+    def _plan(self, attempt: Attempt) -> _Plan | Rejected:
+        """The job priced and given a lane under a lane policy, or why it can never run."""
+        if attempt.spec_error is not None or attempt.job is None:
+            error = attempt.spec_error or SpecInvalid(NeedCode.SPEC_INVALID, "no job")
+            return Rejected(error.need_code, error.detail, error)
+        job, policy = attempt.job, self.policy
+        spec = job.spec
+        if spec is None:
+            return _Plan(job, None, None, 0)
+        prompt = prompt_tokens(job)
+        size = JobSize(prompt, spec.max_new_tokens)
+        tokens = prompt + spec.max_new_tokens
+        if policy is None:
+            return _Plan(job, None, size, tokens)
+        requested = None
+        if spec.lane is not None:
+            if spec.lane not in LANES:
+                return Rejected(NeedCode.SPEC_INVALID, f"no lane {spec.lane!r}")
+            requested = Lane(spec.lane)
+        decision = policy.classify(prompt, spec.max_new_tokens, requested, spec.tool_risk)
+        if not isinstance(decision, Demand):
+            return Rejected(decision.need_code, decision.detail)
+        # A tenant pinned to some lanes runs in the first of them at or below the job's own.
+        tenant = attempt.tenant
+        allowed = [lane for lane in LANES[LANES.index(decision.lane) :] if tenant.allows_lane(lane)]
+        if not allowed:
+            return Rejected(
+                NeedCode.LANE_NOT_ALLOWED, f"the {decision.lane} lane is not open to this tenant"
+            )
+        attempt.lane = allowed[0]
+        return _Plan(job, Demand(allowed[0], decision.kv_tokens), size, tokens)
+
+    def _ladder(self, plan: _Plan) -> _Plan:
+        """The degraded state's step: a lower max_new_tokens for interactive work."""
+        overload, demand, spec = self.overload, plan.demand, plan.job.spec
+        if overload is None or demand is None or spec is None:
+            return plan
+        cap = overload.max_new_tokens(demand.lane, spec.max_new_tokens)
+        if cap is None:
+            return plan
+        cut = spec.max_new_tokens - cap
+        job = dataclasses.replace(plan.job, spec=dataclasses.replace(spec, max_new_tokens=cap))
+        size = None if plan.size is None else JobSize(plan.size.prompt_tokens, cap)
+        return _Plan(
+            job,
+            Demand(demand.lane, demand.kv_tokens - cut),
+            size,
+            plan.tokens - cut,
+            ("interactive_max_new_tokens",),
+        )
+
+    def _paused(self, attempt: Attempt, plan: _Plan, now: float) -> Refusal | None:
+        """A paused lane yields to the higher lanes' waiting clients, but is not left idle: with
+        none of them waiting, its job goes on to the ledger like any other (work-conserving).
+
+        The hint is when the pause can end, longer for a job refused again and again.
+        """
+        overload, demand = self.overload, plan.demand
+        if overload is None or demand is None or not overload.paused(demand.lane):
+            return None
+        if not self.ledger.waiting(LANES.index(demand.lane) - 1):
+            return None
+        if not attempt.paused:
+            attempt.paused = True
+            step = "pause_background" if demand.lane == Lane.BACKGROUND else "interactive_only"
+            self.ladder[step] += 1
+        wait_s = overload.pause_hint_s(demand.lane, attempt.refusals + 1)
+        return Refusal(NeedCode.LANE_PAUSED, self.ledger.hint_ms(now, now + wait_s))
+
+    def _tenant_refusal(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
+        """The tenant's concurrency cap, its weighted share, then its request and token rates."""
+        ledger, cap = self.ledger, tenant.config.max_inflight
+        share = self.tenants.fair_share(tenant, ledger.cap)
+        for limit, code in ((cap, NeedCode.TENANT_BUSY), (share, NeedCode.TENANT_SHARE)):
+            if limit and tenant.inflight >= limit:  # (a share is contention: shared by weight)
+                first_end = min(
+                    ledger.expected_end(slot.started, now, slot.expected_s)
+                    for slot in tenant.running
+                )
+                return Refusal(code, ledger.hint_ms(now, first_end))
+        wait = tenant.wait_s(tokens, now)
+        if wait > 0:
+            return Refusal(NeedCode.RATE_LIMITED, ledger.hint_ms(now, now + wait))
+        return None
+
+    def _place(
+        self, plan: _Plan, promise: Promise | None, now: float
+    ) -> tuple[Pool, Slot, _Plan, bool] | Refusal:
+        """A slot in the fallback pool when the breaker or the ladder sends the job there, else
+        in the primary pool; or a refusal with its hint.
+
+        While the primary pool's breaker is open its jobs, whatever their lane, go to the
+        fallback pool if there is one and it has a slot, else yield ``breaker_open`` with a
+        hint set by the cooldown.
+        """
+        ledger, breaker = self.ledger, self.primary.breaker
+        blocked = breaker.retry_after_s(ledger.service_s)
+        if blocked is not None or self._ladder_falls_back(plan):
+            step = "breaker_fallback" if blocked is not None else "fallback_model"
+            placed = self._to_fallback(plan, step)
+            if placed is not None:
+                self._withdraw(promise)
+                return placed
+            if blocked is not None:
+                self._withdraw(promise)
+                return Refusal(NeedCode.BREAKER_OPEN, ledger.hint_ms(now, now + blocked))
+        decision = ledger.admit(promise, plan.demand, plan.size)
+        if isinstance(decision, Refusal):
+            return decision
+        return self.primary, decision, plan, breaker.started()
+
+    def _ladder_falls_back(self, plan: _Plan) -> bool:
+        """The ladder's step: heavy and background work to the fallback pool while degraded."""
+        overload, demand = self.overload, plan.demand
+        return (
+            self.fallback is not None
+            and overload is not None
+            and demand is not None
+            and overload.state >= State.DEGRADED
+            and demand.lane != Lane.INTERACTIVE
+        )
+
+    def _to_fallback(self, plan: _Plan, step: str) -> tuple[Pool, Slot, _Plan, bool] | None:
+        """The fallback pool's smaller model, if it has a slot and will take the job."""
+        pool = self.fallback
+        if pool is None or pool.ledger.saturated:  # (no need to prepare a job for a full pool)
+            return None
+        if pool.breaker.retry_after_s(pool.ledger.service_s) is not None:
+            return None
+        job = plan.job
+        try:  # the pool's own check: its context may be smaller
+            fallback_job = pool.runner.prepare(job.id, job.payload, job.content_type)
+        except SpecInvalid:
+            return None
+        slot = pool.ledger.admit(size=plan.size)
+        if not isinstance(slot, Slot):
+            return None
+        plan = dataclasses.replace(plan, job=fallback_job, degraded=(*plan.degraded, step))
+        return pool, slot, plan, pool.breaker.started()
+
+    # Refusals ----------------------------------------------------------------------------
+
+    def _refuse(
+        self, attempt: Attempt, promise: Promise | None, refusal: Refusal, *, counted: bool = False
+    ) -> Yielded:
+        """Count a refusal (``counted``: the ledger has, its own); ``promise``, a place in line
+        the refusal did not keep, is withdrawn."""
+        self._withdraw(promise)
+        if not counted:
+            self.ledger.refused(refusal)
+        if self.overload is not None:
+            self.overload.observe_admission(yielded=True)
+        self.refusals[(refusal.need_code, attempt.lane, attempt.tenant.name)] += 1
+        attempt.refusals += 1
+        attempt.promise = refusal.promise
+        return Yielded(refusal.need_code, refusal.retry_hint_ms, refusal.promise)
+
+    def _withdraw(self, promise: Promise | None) -> None:
+        if promise is not None:
+            self.ledger.withdraw(promise)
+
+    def forget(self, attempt: Attempt) -> None:
+        """The attempt will not come back (its payload was dropped): give up its place."""
+        self._withdraw(attempt.promise)
+        attempt.promise = None
+
+    @property
+    def inflight(self) -> int:
+        """Jobs running, in the primary pool and the fallback pool."""
+        return sum(pool.ledger.inflight for pool in self.pools)

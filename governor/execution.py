@@ -1,0 +1,276 @@
+"""One admitted job's run: the runner's events, the stream, the one terminal frame, the release.
+
+An :class:`Execution` is made the moment admission issues its ticket, and makes its task and
+that task's done-callback in the same synchronous step, so the ticket is given back by
+:meth:`Execution._ended` whatever ends the task: the runner finishing or failing, ``ttl_ms``,
+a cancel (the client's, a fatal frame's, a drain's), the client leaving, or a cancel that
+comes before the task's first step, which no ``finally`` inside the coroutine would see.
+
+Every admitted job gets exactly one terminal frame (``confirm done`` or ``confirm abort``)
+while its client is there to read it: :meth:`Execution.end` sends it once, and a task that
+ended without one (the server closing it, say) gets an abort from the done-callback.
+
+Timings have one definition, here: time to first token from admission (the slot's start) to
+the first generated text; time per output token the rest of the job's time over the output
+tokens after the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Protocol
+
+from protocol.codes import ErrorCode, NeedCode
+from protocol.frames import Request
+
+from .admission import Attempt, Ticket
+from .ledger import Completed
+from .logs import event
+from .policy import Lane
+from .runners import RunnerError, Token
+from .state import ServerState
+
+log = logging.getLogger("governor.connection")
+jobs_log = logging.getLogger("governor.jobs")
+
+
+class Replies(Protocol):
+    """Where a job's frames go: the session that admitted it (``id`` names it in logs)."""
+
+    id: int
+
+    def send_delta(self, execution: Execution, text: str) -> None: ...
+
+    def send_terminal(
+        self,
+        execution: Execution,
+        *,
+        need_code: str | None,
+        error_code: str | None,
+        detail: str | None,
+        result: dict[str, Any] | None,
+    ) -> None: ...
+
+    def job_ended(self, execution: Execution) -> None: ...
+
+
+def timings(
+    started: float, first_token: float | None, ended: float, completion_tokens: object
+) -> tuple[float | None, float | None]:
+    """(time to first token, time per output token) in seconds; None where undefined."""
+    if first_token is None:
+        return None, None
+    ttft = first_token - started
+    if isinstance(completion_tokens, int) and completion_tokens > 1:
+        return ttft, (ended - first_token) / (completion_tokens - 1)
+    return ttft, None
+
+
+class Execution:
+    __slots__ = (
+        "attempt",
+        "first_token",
+        "outcome",
+        "replies",
+        "request",
+        "result",
+        "state",
+        "task",
+        "terminal_sent",
+        "ticket",
+        "tpot_s",
+        "waited_s",
+    )
+
+    def __init__(
+        self,
+        state: ServerState,
+        ticket: Ticket,
+        request: Request,
+        attempt: Attempt,
+        replies: Replies,
+        waited_s: float | None,
+    ) -> None:
+        self.state = state
+        self.ticket = ticket
+        self.request = request  # the frame that completed the payload: the terminal answers it
+        self.attempt = attempt
+        self.replies = replies
+        self.waited_s = waited_s  # from its first refusal to its admission
+        self.first_token: float | None = None
+        self.tpot_s: float | None = None  # once it finished
+        self.result: dict[str, Any] | None = None
+        self.terminal_sent = False
+        self.outcome = "cancelled"  # "done", a need_code, or "client_gone"
+        # The task and the callback that releases its ticket, in one step: nothing can run
+        # between them, so no cancel can come before the callback is there.
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        self.task.add_done_callback(self._ended)
+        state.job_started(self.task)
+
+    # Ending it ---------------------------------------------------------------------------
+
+    def end(
+        self,
+        *,
+        need_code: str | None = None,
+        error_code: str | None = None,
+        detail: str | None = None,
+        result: dict[str, Any] | None = None,
+    ) -> None:
+        """The job's one terminal frame: done without a ``need_code``, abort with one."""
+        if self.terminal_sent:
+            return
+        self.terminal_sent = True
+        self.outcome = need_code or "done"
+        self.replies.send_terminal(
+            self, need_code=need_code, error_code=error_code, detail=detail, result=result
+        )
+
+    def abort(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
+        """Send the terminal abort now, then stop the work."""
+        self.end(need_code=need_code, error_code=error_code, detail=detail)
+        self.task.cancel()
+
+    def client_gone(self) -> None:
+        """Nobody is left to tell: stop the work."""
+        if not self.terminal_sent:
+            self.terminal_sent = True
+            self.outcome = "client_gone"
+        self.task.cancel()
+
+    # The run -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        ttl_ms = self.request.ttl_ms
+        try:
+            async with asyncio.timeout(ttl_ms / 1000 if ttl_ms else None):
+                result = await self._execute()
+        except TimeoutError:
+            self.end(
+                need_code=NeedCode.TTL_EXPIRED,
+                error_code=ErrorCode.TIMEOUT,
+                detail=f"ttl_ms of {ttl_ms} ran out",
+            )
+        except RunnerError as exc:
+            self.end(need_code=exc.code, error_code=ErrorCode.BACKEND_ERROR, detail=exc.detail)
+        except Exception:
+            log.exception("runner failed on job %r", self.ticket.job.id)
+            self.end(
+                need_code=NeedCode.BACKEND_ERROR,
+                error_code=ErrorCode.BACKEND_ERROR,
+                detail="the runner failed unexpectedly",
+            )
+        else:
+            self.result = result
+            self.end(result=result)
+
+    async def _execute(self) -> dict[str, Any]:
+        ticket, state = self.ticket, self.state
+        job, clock = ticket.job, state.clock
+        stream = job.spec is not None and job.spec.stream
+        parts: list[str] = []
+        # aclosing: the runner's clean-up runs now, not whenever the generator is collected.
+        async with contextlib.aclosing(ticket.pool.runner.run(job)) as events:
+            async for item in events:
+                if isinstance(item, Token):
+                    now = state.last_token_at = clock()
+                    if self.first_token is None:
+                        self.first_token = now
+                        self._first_token(now - ticket.slot.started)
+                    parts.append(item.text)
+                    if stream and not self.terminal_sent:
+                        self.replies.send_delta(self, item.text)
+                    continue
+                result = dict(item.result)
+                if parts:
+                    result.setdefault("text", "".join(parts))
+                    ttft_s, self.tpot_s = timings(
+                        ticket.slot.started,
+                        self.first_token,
+                        clock(),
+                        result.get("completion_tokens"),
+                    )
+                    result["ttft_ms"] = _ms(ttft_s)
+                    result["tpot_ms"] = _ms(self.tpot_s)
+                if ticket.degraded:
+                    result["degraded"] = list(ticket.degraded)
+                return result
+        raise RunnerError("the runner ended the job without finishing it")
+
+    def _first_token(self, ttft_s: float) -> None:
+        """Interactive time to first token feeds the overload state."""
+        overload, demand = self.state.overload, self.ticket.demand
+        if overload is not None and demand is not None and demand.lane == Lane.INTERACTIVE:
+            overload.observe_ttft(ttft_s * 1000)
+
+    # The end, whatever it was ------------------------------------------------------------
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The done-callback: the terminal frame if none went out, the release, the record."""
+        if not self.terminal_sent:
+            self.end(
+                need_code=NeedCode.SHUTDOWN,
+                error_code=ErrorCode.UNAVAILABLE,
+                detail="the job was stopped before it finished",
+            )
+        ticket, result = self.ticket, self.result
+        prompt = completion = None
+        if result is not None:
+            prompt, completion = result.get("prompt_tokens"), result.get("completion_tokens")
+        ttft_s = None if self.first_token is None else self.first_token - ticket.slot.started
+        done = Completed(
+            prompt_tokens=prompt if isinstance(prompt, int) else None,
+            completion_tokens=completion if isinstance(completion, int) else None,
+            ttft_s=ttft_s,
+        )
+        held_s = ticket.release(self.outcome, done)
+        self.replies.job_ended(self)
+        self.state.job_ended(task)
+        self._record(held_s, ttft_s, prompt, completion)
+
+    def _record(
+        self, held_s: float, ttft_s: float | None, prompt: object, completion: object
+    ) -> None:
+        """The job's measurements, and its one log line."""
+        ticket, metrics = self.ticket, self.state.metrics
+        lane = ticket.lane
+        metrics.finished[(self.outcome, lane, ticket.pool.name)] += 1
+        metrics.e2e.observe(lane, held_s)
+        tpot_s = self.tpot_s
+        if ttft_s is not None:
+            metrics.ttft.observe(lane, ttft_s)
+        if tpot_s is not None:
+            metrics.tpot.observe(lane, tpot_s)
+        if isinstance(prompt, int):
+            metrics.prompt_tokens.observe(lane, prompt)
+        if isinstance(completion, int):
+            metrics.output_tokens.observe(lane, completion)
+        if not jobs_log.isEnabledFor(logging.INFO):
+            return
+        event(
+            jobs_log,
+            logging.INFO,
+            f"job {self.outcome}",
+            event="job",
+            conn=self.replies.id,
+            job=self.request.job,
+            tenant=ticket.tenant.name,
+            lane=lane,
+            pool=ticket.pool.name,
+            outcome=self.outcome,
+            degraded=list(ticket.degraded),
+            yields=self.attempt.refusals,
+            wait_ms=_ms(self.waited_s),
+            ttft_ms=_ms(ttft_s),
+            tpot_ms=_ms(tpot_s),
+            e2e_ms=_ms(held_s),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+        )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

@@ -1,0 +1,203 @@
+"""The Prometheus collector: the server's state read at scrape time, on the event loop.
+
+Labels are bounded: lanes, pools, wire codes and tenants from the config; never a job id.
+Lane ``-`` is a job with lanes off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from .health import Health
+from .logs import dropped_records
+from .policy import LANES
+from .state import ServerState
+
+
+class GovernorCollector(Collector):
+    def __init__(self, state: ServerState, health: Health) -> None:
+        self.state = state
+        self.health = health
+
+    def collect(self) -> Iterator[Metric]:
+        server, ledger, jobs, health = (
+            self.state,
+            self.state.ledger,
+            self.state.metrics,
+            self.health,
+        )
+        pools = server.pools
+        gauges = (
+            ("governor_inflight", "Jobs executing now, in every pool.", server.inflight),
+            (
+                "governor_inflight_cap",
+                "The hard cap on executing jobs (max_inflight, and the fallback pool's workers).",
+                sum(pool.ledger.cap for pool in pools),
+            ),
+            ("governor_inflight_peak", "Highest inflight since start.", ledger.peak_inflight),
+            ("governor_health", "1 when a job would be admitted now, else 0.", int(ledger.ready)),
+            ("governor_draining", "1 while shutting down.", int(ledger.draining)),
+            ("governor_connections", "Open client connections.", len(server.connections)),
+            (
+                "governor_buffered_payload_bytes",
+                "Payload bytes reserved by uploads in progress and payloads held after a yield.",
+                server.buffers.used,
+            ),
+            (
+                "governor_expected_service_seconds",
+                "The service-time estimate behind retry hints.",
+                ledger.service_s,
+            ),
+            ("governor_ready", "1 when /healthz/ready passes.", int(health.readiness().ok)),
+            ("governor_live", "1 when /healthz/live passes.", int(health.liveness().ok)),
+        )
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(name, documentation, value=value)
+        yield CounterMetricFamily(
+            "governor_executed",
+            "Jobs admitted to execute, in every pool.",
+            value=sum(pool.ledger.executed_total for pool in pools),
+        )
+        yield CounterMetricFamily(
+            "governor_yielded",
+            "Admission attempts answered with yield.",
+            value=ledger.yielded_total,
+        )
+        yield _counter(
+            "governor_yields",
+            "Admission attempts answered with yield, by reason (need code), lane and tenant.",
+            ["reason", "lane", "tenant"],
+            server.admission.refusals.items(),
+        )
+        yield _counter(
+            "governor_jobs_finished",
+            "Admitted jobs that ended, by outcome (done, the abort's need code, or client_gone), "
+            "lane and pool.",
+            ["outcome", "lane", "pool"],
+            jobs.finished.items(),
+        )
+        yield _counter(
+            "governor_aborts",
+            "Abort frames sent, by reason (need code): admitted jobs that failed, jobs refused "
+            "for good, and connections closed.",
+            ["reason"],
+            (((k,), v) for k, v in jobs.aborts.items()),
+        )
+        tenants = GaugeMetricFamily(
+            "governor_tenant_inflight", "Jobs executing now, by tenant.", labels=["tenant"]
+        )
+        for t in server.tenants.all():
+            tenants.add_metric([t.name], t.inflight)
+        yield tenants
+        if ledger.policy is not None:
+            lanes = GaugeMetricFamily(
+                "governor_lane_inflight", "Jobs executing now, by lane.", labels=["lane"]
+            )
+            for lane in LANES:
+                lanes.add_metric([lane], ledger.lane_inflight[lane])
+            yield lanes
+            yield GaugeMetricFamily(
+                "governor_kv_reserved_tokens",
+                "KV cache tokens reserved by running jobs (prompt + max_new_tokens).",
+                value=ledger.kv_reserved,
+            )
+            yield GaugeMetricFamily(
+                "governor_kv_capacity_tokens",
+                "The KV budget's capacity (0: no budget).",
+                value=ledger.policy.kv_capacity,
+            )
+        if server.overload is not None:
+            yield GaugeMetricFamily(
+                "governor_overload_state",
+                "0 normal, 1 degraded, 2 batch_paused, 3 interactive_only.",
+                value=int(server.overload.state),
+            )
+            yield _counter(
+                "governor_overload_transitions",
+                "Overload state changes.",
+                ["from", "to"],
+                server.overload.transitions.items(),
+            )
+        yield _counter(
+            "governor_fallback_activations",
+            "Fallback ladder steps taken, by step.",
+            ["step"],
+            (((k,), v) for k, v in server.admission.ladder.items()),
+        )
+        breaker = GaugeMetricFamily(
+            "governor_breaker_state",
+            "The runner pool's circuit breaker: 0 closed, 1 half_open, 2 open.",
+            labels=["pool"],
+        )
+        moves = CounterMetricFamily(
+            "governor_breaker_transitions",
+            "Circuit breaker state changes, by pool.",
+            labels=["pool", "from", "to"],
+        )
+        restarts = CounterMetricFamily(
+            "governor_worker_restarts", "Worker processes started again, by pool.", labels=["pool"]
+        )
+        workers = GaugeMetricFamily(
+            "governor_workers_live",
+            "Worker processes loaded and able to take a job, by pool.",
+            labels=["pool"],
+        )
+        for pool in server.pools:
+            breaker.add_metric([pool.name], int(pool.breaker.state))
+            for (before, after), count in sorted(pool.breaker.transitions.items()):
+                moves.add_metric([pool.name, before, after], count)
+            state = pool.runner.health()
+            restarts.add_metric([pool.name], state.restarts)
+            workers.add_metric([pool.name], state.workers_live)
+        yield from (breaker, moves, restarts, workers)
+        yield _counter(
+            "governor_probes",
+            "Readiness probes, by result (ok, failed, timeout, skipped: every worker busy).",
+            ["result"],
+            (((k,), v) for k, v in jobs.probes.items()),
+        )
+        probe = HistogramMetricFamily(
+            "governor_probe_duration_seconds", "Readiness probes that succeeded, by duration."
+        )
+        probe.add_metric([], jobs.probe.buckets(), jobs.probe.sum)
+        yield probe
+        yield from jobs.lane_families()
+        yield CounterMetricFamily(
+            "governor_log_records_dropped",
+            "Log records dropped because the log writer fell behind (a slow stderr reader).",
+            value=dropped_records(),
+        )
+        yield _counter(
+            "governor_bad_frames",
+            "Lines refused before any upload, by need code.",
+            ["code"],
+            (((k,), v) for k, v in server.bad_frames.items()),
+        )
+
+
+def _counter(
+    name: str,
+    documentation: str,
+    labels: list[str],
+    counts: Iterable[tuple[tuple[str, ...], int]],
+) -> CounterMetricFamily:
+    """A labelled counter family from ``(label values, count)`` pairs."""
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for values, count in sorted(counts):
+        family.add_metric(list(values), count)
+    return family
+
+
+def registry_for(state: ServerState, health: Health) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(GovernorCollector(state, health))
+    return registry

@@ -1,0 +1,548 @@
+"""One connection's protocol session, with no IO: bytes in, frames out, jobs admitted.
+
+As in h11's ``Connection``, nothing here touches a socket: :meth:`Session.receive_data`
+takes bytes and answers through the ``write`` and ``close`` callables it was given. Each line
+is decoded, its upload advanced and, when a payload is complete, admission decided, before
+the next line is looked at; an admitted job's run is its :class:`~governor.execution.Execution`.
+
+A job id on a connection moves through phases, by this table alone (:data:`TRANSITIONS`)::
+
+    (new) ──manifest or inline──▶ UPLOADING ──verified, admitted──▶ RUNNING ──ended──▶ (gone)
+                                      │  ▲                             ▲
+                       yielded, kept  ▼  │ a new manifest or payload   │ its retry admitted
+                                     HELD ─────────────────────────────┘
+
+A job not running leaves on an error, a cancel or a yield whose payload is not kept; a running
+one leaves only when its execution has ended and given back its ticket.
+
+Sequence numbers: an answer to a frame has the frame's ``seq`` + 1, but every answer to a
+frame that completes a payload (its yield, its stream, its terminal frame) has the final
+chunk's ``seq`` + 2 (v0), or an inline payload's + 1; a bad line is answered with the last
+valid frame's job and ``seq`` + 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from protocol.codes import UNKNOWN_JOB, ErrorCode, NeedCode, Receipt, Status, Verb
+from protocol.errors import (
+    EnvelopeInvalid,
+    LineTooLong,
+    ManifestInvalid,
+    RemoteProtocolError,
+    UploadNeed,
+)
+from protocol.frames import Reply, Request, decode_request, encode_reply, error_reply
+from protocol.lines import LineReader
+from protocol.spec import SpecInvalid
+from protocol.upload import Upload
+
+from .admission import Admitted, Attempt, Budget, Rejected, Reservation, reserve
+from .execution import Execution
+from .state import ServerState
+
+log = logging.getLogger("governor.connection")
+
+
+class Phase(Enum):
+    UPLOADING = "uploading"
+    HELD = "held"  # a verified payload kept after a yield, for the client's retry
+    RUNNING = "running"
+
+
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.UPLOADING: frozenset({Phase.UPLOADING, Phase.HELD, Phase.RUNNING}),
+    Phase.HELD: frozenset({Phase.UPLOADING, Phase.RUNNING}),
+    Phase.RUNNING: frozenset(),
+}
+
+
+@dataclass(slots=True, eq=False)
+class JobState:
+    """What a connection holds for one job id."""
+
+    upload: Upload
+    attempt: Attempt
+    phase: Phase = Phase.UPLOADING
+    reservation: Reservation | None = None  # its payload bytes against the buffer budgets
+    first_refusal: float | None = None
+    execution: Execution | None = None
+
+    def move(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise AssertionError(f"no transition {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+
+def _final_seq(req: Request) -> int:
+    """The seq of every answer to the frame that completes a payload: the final chunk's + 2 (v0),
+    an inline payload's + 1."""
+    return req.seq + (1 if req.inline is not None else 2)
+
+
+class Session:
+    def __init__(
+        self,
+        state: ServerState,
+        write: Callable[[bytes], None],
+        close: Callable[[], None],
+        conn_id: int,
+    ) -> None:
+        self.state = state
+        self.config = config = state.config
+        self.admission = state.admission
+        self.id = conn_id  # names the connection in logs
+        self._write = write
+        self._close = close
+        self.reader = LineReader(config.max_line_bytes)
+        self.jobs: dict[str, JobState] = {}
+        self.buffers = Budget(config.max_conn_buffer_bytes)  # payload bytes on this connection
+        self.held = 0  # payloads kept after a yield
+        self.lines = 0  # lines received: the idle timer's evidence of a live client
+        # Replies to a bad line name the last valid frame's job and seq.
+        self.last_job = UNKNOWN_JOB
+        self.last_seq = 0
+        self.last_ttl_ms = 0
+        self.closed = False
+
+    @property
+    def running(self) -> int:
+        return sum(1 for s in self.jobs.values() if s.phase is Phase.RUNNING)
+
+    # Events from the connection ----------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        reader = self.reader
+        reader.feed(data)
+        try:
+            while not self.closed and (line := reader.next_line()) is not None:
+                self.lines += 1
+                if line.strip():
+                    self._handle_line(line)
+        except LineTooLong as exc:
+            self.fatal(exc.need_code, exc.error_code, exc.detail)
+
+    def connection_lost(self) -> None:
+        """The client is gone: stop its work now; each execution gives back its own ticket."""
+        self.closed = True
+        for job, state in list(self.jobs.items()):
+            if state.execution is None:
+                self._forget(job)
+            else:
+                state.execution.client_gone()
+
+    def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
+        """Send each running job its terminal abort now, then cancel it."""
+        for state in list(self.jobs.values()):
+            if state.execution is not None:
+                state.execution.abort(need_code, error_code, detail)
+
+    def fatal(
+        self,
+        need_code: NeedCode,
+        error_code: ErrorCode,
+        detail: str,
+        *,
+        job: str | None = None,
+        seq: int | None = None,
+    ) -> None:
+        """One abort frame for the connection, one for each running job, then close."""
+        if self.closed:
+            return
+        self._send(
+            Reply(
+                Verb.CONFIRM,
+                job or self.last_job,
+                seq if seq is not None else self.last_seq + 1,
+                Status.ABORT,
+                ttl_ms=self.last_ttl_ms,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+                receipts=self._receipts(),
+            )
+        )
+        self.abort_running(need_code, error_code, "the connection is closing: " + detail)
+        self.closed = True
+        self._close()
+
+    # Frames ------------------------------------------------------------------------------
+
+    def _handle_line(self, line: bytes) -> None:
+        try:
+            req = decode_request(line)
+        except RemoteProtocolError as exc:
+            self.state.bad_frames[exc.need_code] += 1
+            job, seq = self.last_job, self.last_seq
+            if isinstance(exc, EnvelopeInvalid):  # it may name its own job and seq
+                job = exc.job or job
+                seq = seq if exc.seq is None else exc.seq
+            self._send(error_reply(exc, job, seq + 1, self.last_ttl_ms, self._receipts()))
+            return
+        self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
+        if req.verb == Verb.PING:
+            self._send(self._reply(req, Verb.CONFIRM, Status.OK, extra=self.state.ping_receipts()))
+            return
+        if req.verb == Verb.CANCEL:
+            self._on_cancel(req)
+            return
+        state = self.jobs.get(req.job)
+        if state is not None and state.phase is Phase.RUNNING:
+            self._need(
+                req,
+                NeedCode.JOB_RUNNING,
+                ErrorCode.CONFLICT,
+                f"job {req.job!r} is running; use another job id",
+            )
+        elif req.manifest is not None:
+            self._on_manifest(req, state)
+        elif req.chunk is not None:
+            self._on_chunk(req, state)
+        else:
+            self._on_inline(req, state)
+
+    def _on_manifest(self, req: Request, state: JobState | None) -> None:
+        assert req.manifest is not None
+        if state is None:
+            state = self._new_job(req)
+            if state is None:
+                return
+        elif state.phase is Phase.HELD:  # a new manifest replaces the payload held for a retry
+            self._unhold(state)
+        try:
+            manifest = state.upload.apply_manifest(req.manifest)
+            self._reserve(state, manifest.total_bytes)
+        except UploadNeed as exc:
+            self._forget(req.job)
+            self._send(self._error(req, exc))
+            return
+        self._send(self._reply(req, Verb.CLARIFY, Status.OK))
+
+    def _on_chunk(self, req: Request, state: JobState | None) -> None:
+        assert req.chunk is not None
+        if state is None:
+            missing = UploadNeed(NeedCode.MANIFEST_MISSING, "send 'payload_manifest' first")
+            self._send(self._error(req, missing))
+            return
+        upload = state.upload
+        if state.phase is Phase.HELD and upload.is_final_chunk_again(req.chunk):
+            # A retry after a yield: the payload was kept, so admission is tried again.
+            self._admit(req, state)
+            return
+        try:
+            payload = upload.apply_chunk(req.chunk)
+        except UploadNeed as exc:
+            self._send(self._error(req, exc))
+            return
+        if payload is None:
+            self._send(self._reply(req, Verb.CLARIFY, Status.OK))
+        else:
+            self._complete(req, state, payload)
+
+    def _on_inline(self, req: Request, state: JobState | None) -> None:
+        assert req.inline is not None
+        if state is None:
+            state = self._new_job(req)
+            if state is None:
+                return
+        manifest = state.upload.manifest
+        digest = req.inline.get("sha256")
+        # The same payload again after a yield is a returning client, like a resent final chunk.
+        returning = (
+            state.phase is Phase.HELD
+            and manifest is not None
+            and isinstance(digest, str)
+            and digest.lower() == manifest.sha256
+        )
+        if state.phase is Phase.HELD and not returning:
+            self._unhold(state)
+        try:  # (a returning payload is checked again: its digest alone proves nothing)
+            payload = state.upload.apply_inline(req.inline)
+            self._reserve(state, len(payload))
+        except UploadNeed as exc:
+            self._forget(req.job)
+            self._send(self._error(req, exc))
+            return
+        if returning:
+            self._admit(req, state)
+        else:
+            self._complete(req, state, payload)
+
+    def _on_cancel(self, req: Request) -> None:
+        state = self.jobs.get(req.job)
+        if state is None:
+            self._need(
+                req,
+                NeedCode.JOB_UNKNOWN,
+                ErrorCode.BAD_ENVELOPE,
+                f"no job {req.job!r} on this connection",
+            )
+        elif state.execution is not None:  # its terminal abort is the answer
+            state.execution.abort(
+                NeedCode.CANCELLED, ErrorCode.CANCELLED, "cancelled by the client"
+            )
+        else:  # uploading, or held after a yield: dropped
+            self._forget(req.job)
+            self._abort(
+                req,
+                NeedCode.CANCELLED,
+                ErrorCode.CANCELLED,
+                "cancelled by the client before it ran",
+            )
+
+    def _new_job(self, req: Request) -> JobState | None:
+        """A job id not seen before on this connection; None if refused (its reply is sent)."""
+        tenant = self.state.tenants.find(req.api_key)
+        if tenant is None:  # says nothing of which tenants exist
+            self._abort(
+                req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, "a valid api_key is needed"
+            )
+            return None
+        if len(self.jobs) >= self.config.max_jobs_per_conn:
+            self.fatal(
+                NeedCode.TOO_MANY_JOBS,
+                ErrorCode.QUOTA,
+                f"more than {self.config.max_jobs_per_conn} jobs open on one connection",
+                job=req.job,
+                seq=req.seq + 1,
+            )
+            return None
+        upload = Upload(self.config.max_payload_bytes)
+        state = self.jobs[req.job] = JobState(upload, Attempt(tenant, None))
+        return state
+
+    # Admission ---------------------------------------------------------------------------
+
+    def _complete(self, req: Request, state: JobState, payload: bytes) -> None:
+        """A verified payload: the runner prepares it (a bad spec never takes a slot), then
+        admission decides."""
+        manifest = state.upload.manifest
+        assert manifest is not None
+        attempt = state.attempt
+        attempt.job, attempt.spec_error = None, None
+        try:
+            attempt.job = self.admission.primary.runner.prepare(
+                req.job, payload, manifest.content_type
+            )
+        except SpecInvalid as exc:
+            attempt.spec_error = exc
+        except Exception:  # a runner bug must cost this job, not the connection
+            log.exception("runner failed to prepare job %r", req.job)
+            attempt.spec_error = SpecInvalid(
+                NeedCode.SPEC_INVALID, "the runner cannot run this payload"
+            )
+        self._admit(req, state)
+
+    def _admit(self, req: Request, state: JobState) -> None:
+        attempt, metrics = state.attempt, self.state.metrics
+        started = time.perf_counter()
+        decision = self.admission.decide(attempt)
+        metrics.decision.observe(attempt.lane, time.perf_counter() - started)
+        if isinstance(decision, Admitted):
+            ticket = decision.ticket
+            ticket.reservation, state.reservation = state.reservation, None
+            if state.phase is Phase.HELD:
+                self._unhold(state)
+            first = state.first_refusal
+            waited = None if first is None else ticket.slot.started - first
+            metrics.wait.observe(ticket.lane, waited or 0.0)
+            state.move(Phase.RUNNING)
+            state.execution = Execution(self.state, ticket, req, attempt, self, waited)
+            return
+        if isinstance(decision, Rejected):
+            self._forget(req.job)
+            if decision.error is not None:
+                self._send(self._error(req, decision.error, seq=_final_seq(req)))
+            else:
+                self._abort(
+                    req, decision.need_code, ErrorCode.POLICY, decision.detail, seq=_final_seq(req)
+                )
+            return
+        if state.first_refusal is None:
+            state.first_refusal = self.state.clock()
+        held = self._hold(state)
+        if held:
+            detail = "no execution slot free; resend the final chunk after retry_hint_ms"
+        else:
+            self._forget(req.job)
+            detail = "no execution slot free, and the payload was not kept; resend it"
+        self._send(
+            self._reply(
+                req,
+                Verb.CLARIFY,
+                Status.YIELD,
+                seq=_final_seq(req),
+                need_code=decision.need_code,
+                error_code=decision.error_code,
+                retry_hint_ms=decision.retry_hint_ms,
+                detail=detail,
+                extra=(
+                    (Receipt.RETRY_HINT_MS, decision.retry_hint_ms),
+                    (Receipt.PAYLOAD_HELD, int(held)),
+                ),
+            )
+        )
+
+    def _hold(self, state: JobState) -> bool:
+        """Keep a refused payload for the client's retry, within this connection's bound."""
+        if state.phase is Phase.HELD:
+            return True
+        if self.held >= self.config.held_payloads_per_conn:
+            return False
+        state.move(Phase.HELD)
+        self.held += 1
+        state.attempt.tenant.waiting += 1
+        return True
+
+    def _unhold(self, state: JobState) -> None:
+        state.move(Phase.UPLOADING)
+        self.held -= 1
+        state.attempt.tenant.waiting -= 1
+        self.admission.forget(state.attempt)
+
+    def _reserve(self, state: JobState, nbytes: int) -> None:
+        """Count a payload's bytes against the connection's and the server's budgets (what the
+        job held before, for an earlier payload, is given back first)."""
+        if state.reservation is not None:
+            state.reservation.release()
+            state.reservation = None
+        reserved = reserve(nbytes, self.buffers, self.state.buffers)
+        if isinstance(reserved, Reservation):
+            state.reservation = reserved
+        elif reserved is self.buffers:
+            raise ManifestInvalid(
+                f"this connection already buffers {self.buffers.used} payload bytes; "
+                f"its limit is {self.buffers.limit}"
+            )
+        else:
+            raise ManifestInvalid("the server's payload buffers are full; retry later")
+
+    def _forget(self, job: str) -> None:
+        """Drop a job that is not running: its hold, its place in line, its buffers."""
+        state = self.jobs.pop(job)
+        assert state.execution is None
+        if state.phase is Phase.HELD:
+            self._unhold(state)  # (and its place in line: only a held job has one)
+        if state.reservation is not None:
+            state.reservation.release()
+
+    # Replies for executions (execution.Replies) ------------------------------------------
+
+    def send_delta(self, execution: Execution, text: str) -> None:
+        req = execution.request
+        # Small on purpose: no receipts on a stream frame.
+        self._send(
+            Reply(Verb.CLARIFY, req.job, _final_seq(req), Status.OK, ttl_ms=req.ttl_ms, delta=text)
+        )
+
+    def send_terminal(
+        self,
+        execution: Execution,
+        *,
+        need_code: str | None,
+        error_code: str | None,
+        detail: str | None,
+        result: dict[str, Any] | None,
+    ) -> None:
+        req = execution.request
+        held_ms = round((self.state.clock() - execution.ticket.slot.started) * 1000)
+        self._send(
+            self._reply(
+                req,
+                Verb.CONFIRM,
+                Status.DONE if need_code is None else Status.ABORT,
+                seq=_final_seq(req),
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+                result=result,
+                extra=((Receipt.BACKEND_MS, held_ms),),
+            )
+        )
+
+    def job_ended(self, execution: Execution) -> None:
+        job = execution.request.job
+        state = self.jobs.get(job)
+        if state is not None and state.execution is execution:
+            del self.jobs[job]
+
+    # Replies -----------------------------------------------------------------------------
+
+    def _send(self, reply: Reply) -> None:
+        if reply.status == Status.ABORT and reply.need_code is not None:
+            self.state.metrics.aborts[reply.need_code] += 1
+        self._write(encode_reply(reply))
+
+    def _receipts(self, bytes_in: int = 0) -> tuple[tuple[str, int], ...]:
+        return (*self.state.receipts(), (Receipt.BYTES_IN, bytes_in))
+
+    def _reply(
+        self,
+        req: Request,
+        verb: Verb,
+        status: Status,
+        *,
+        seq: int | None = None,
+        need_code: str | None = None,
+        error_code: str | None = None,
+        retry_hint_ms: int | None = None,
+        detail: str | None = None,
+        result: dict[str, Any] | None = None,
+        extra: tuple[tuple[str, int], ...] = (),
+    ) -> Reply:
+        """A reply to ``req``; ``cdr.bytes_in`` is its job's payload bytes received so far."""
+        return Reply(
+            verb,
+            req.job,
+            req.seq + 1 if seq is None else seq,
+            status,
+            ttl_ms=req.ttl_ms,
+            need_code=need_code,
+            error_code=error_code,
+            retry_hint_ms=retry_hint_ms,
+            detail=detail,
+            receipts=(*self._receipts(self._bytes_in(req.job)), *extra),
+            result=result,
+        )
+
+    def _need(self, req: Request, need_code: str, error_code: str, detail: str) -> None:
+        self._send(
+            self._reply(
+                req,
+                Verb.CLARIFY,
+                Status.NEED,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+            )
+        )
+
+    def _abort(
+        self, req: Request, need_code: str, error_code: str, detail: str, *, seq: int | None = None
+    ) -> None:
+        self._send(
+            self._reply(
+                req,
+                Verb.CONFIRM,
+                Status.ABORT,
+                seq=seq,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+            )
+        )
+
+    def _error(self, req: Request, exc: RemoteProtocolError, *, seq: int | None = None) -> Reply:
+        receipts = self._receipts(self._bytes_in(req.job))
+        seq = req.seq + 1 if seq is None else seq
+        return error_reply(exc, req.job, seq, req.ttl_ms, receipts)
+
+    def _bytes_in(self, job: str) -> int:
+        state = self.jobs.get(job)
+        return 0 if state is None else state.upload.bytes_received

@@ -1,0 +1,99 @@
+"""What connections, the probes, the exporter and the operator's listener see of the server.
+
+:class:`ServerState` is the daemon's shared state without its lifecycle (uvicorn's
+``ServerState``): the configuration, the admission (pools, tenants, overload state), the
+measurements, the open connections, the job tasks and the payload buffers' budget.
+:class:`~governor.server.Server` builds it, starts and stops everything around it, and is the
+only module that imports the others' classes; they import this one, so nothing inside
+``governor/`` imports in a circle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Protocol
+
+from protocol.codes import ErrorCode, NeedCode, Receipt
+
+from .admission import Admission, Budget
+from .config import Config
+from .metrics import JobMetrics
+
+
+class Connection(Protocol):
+    """What the server does to a connection: abort its running jobs, close it."""
+
+    def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ServerState:
+    def __init__(self, config: Config, admission: Admission) -> None:
+        self.config = config
+        self.admission = admission
+        self.pools = admission.pools
+        self.primary = admission.primary
+        self.fallback = admission.fallback
+        self.ledger = admission.ledger
+        self.clock = self.ledger.clock
+        self.tenants = admission.tenants
+        self.overload = admission.overload
+        self.metrics = JobMetrics()
+        self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
+        self.connections: set[Connection] = set()
+        self.jobs: set[asyncio.Task[None]] = set()  # every admitted job's execution
+        self.buffers = Budget(config.max_buffer_bytes)  # payload bytes held, server-wide
+        self.last_token_at: float | None = None  # a client's job generated a token
+        self.started = False  # the runners are ready and the listener accepts
+        self.listener: asyncio.Server | None = None
+        self.jobs_done = asyncio.Event()
+        self.jobs_done.set()
+
+    @property
+    def inflight(self) -> int:
+        """Jobs holding a slot, in the primary pool and the fallback pool."""
+        return self.admission.inflight
+
+    @property
+    def live_jobs(self) -> int:
+        """Jobs whose execution has not ended: equal to :attr:`inflight` unless a slot leaked."""
+        return sum(1 for task in self.jobs if not task.done())
+
+    @property
+    def listening(self) -> bool:
+        """The listener accepts connections (or has yet to open: the runner is loading)."""
+        if self.listener is None:
+            return not self.started
+        return self.listener.is_serving()
+
+    def job_started(self, task: asyncio.Task[None]) -> None:
+        self.jobs.add(task)
+        self.jobs_done.clear()
+
+    def job_ended(self, task: asyncio.Task[None]) -> None:
+        """Called once a job has given back its ticket."""
+        self.jobs.discard(task)
+        if not self.jobs:
+            self.jobs_done.set()
+
+    def receipts(self) -> tuple[tuple[str, int], ...]:
+        """The receipts every reply carries but ``cdr.bytes_in``, over both pools."""
+        pools = self.pools
+        return (
+            (Receipt.HEALTH, int(self.ledger.ready)),
+            (Receipt.INFLIGHT, sum(p.ledger.inflight for p in pools)),
+            (Receipt.CAP, sum(p.ledger.cap for p in pools)),
+            (Receipt.EXECUTED_TOTAL, sum(p.ledger.executed_total for p in pools)),
+            (Receipt.YIELDED_TOTAL, sum(p.ledger.yielded_total for p in pools)),
+        )
+
+    def ping_receipts(self) -> tuple[tuple[str, int], ...]:
+        state = self.overload.state if self.overload is not None else 0
+        return (
+            (Receipt.INFLIGHT_PEAK, self.ledger.peak_inflight),
+            (Receipt.DRAINING, int(self.ledger.draining)),
+            (Receipt.CONNECTIONS, len(self.connections)),
+            (Receipt.OVERLOAD_STATE, int(state)),
+        )

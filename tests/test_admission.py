@@ -1,0 +1,291 @@
+"""The admission decision, without sockets: its order, what a refusal leaves unchanged, and the
+ticket's release, on an injected clock; then a property over random decide/release sequences."""
+
+from __future__ import annotations
+
+import hashlib
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from governor.admission import (
+    Admission,
+    Admitted,
+    Attempt,
+    Budget,
+    Pool,
+    Rejected,
+    Reservation,
+    Ticket,
+    Yielded,
+    reserve,
+)
+from governor.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from governor.ledger import SlotLedger
+from governor.overload import OverloadController, OverloadSettings, State
+from governor.policy import Lane, LanePolicy
+from governor.runners import Job, StubRunner
+from governor.tenants import TenantConfig, Tenants
+from protocol.codes import NeedCode
+from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid
+
+from .test_ledger import FakeClock
+
+RUNNER = StubRunner(1.0)
+
+
+def key_sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def make(
+    clock: FakeClock,
+    *,
+    cap: int = 2,
+    lanes: bool = False,
+    tenants: tuple[TenantConfig, ...] = (),
+    overload: bool = False,
+    fallback: bool = False,
+) -> Admission:
+    policy = LanePolicy(interactive_reserve=1) if lanes else None
+
+    def pool(name: str, slots: int) -> Pool:
+        ledger = SlotLedger(slots, expected_service_s=1.0, clock=clock, policy=policy)
+        breaker = CircuitBreaker(
+            BreakerSettings(window_s=10, min_failures=2, error_rate=0.5, cooldown_s=5), clock
+        )
+        return Pool(name, RUNNER, ledger, breaker)
+
+    controller = OverloadController(OverloadSettings(min_dwell_s=10), clock) if overload else None
+    return Admission(
+        pool("primary", cap),
+        Tenants(tenants, clock),
+        fallback=pool("fallback", 1) if fallback else None,
+        overload=controller,
+    )
+
+
+def job(max_new_tokens: int = 16, prompt: str = "hello", **spec: object) -> Job:
+    payload = orjson.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens, **spec})
+    return RUNNER.prepare("j", payload, SPEC_CONTENT_TYPE)
+
+
+def attempt(admission: Admission, key: str | None = None, **spec: object) -> Attempt:
+    tenant = admission.tenants.find(key)
+    assert tenant is not None
+    return Attempt(tenant, job(**spec))  # type: ignore[arg-type]
+
+
+def admitted(decision: object) -> Ticket:
+    assert isinstance(decision, Admitted), decision
+    return decision.ticket
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+NOISY = TenantConfig(name="noisy", key_sha256=key_sha("k-noisy"), max_inflight=1)
+
+
+# The order -------------------------------------------------------------------------------
+
+
+def test_draining_comes_before_a_tenant_at_its_cap(clock: FakeClock) -> None:
+    admission = make(clock, tenants=(NOISY,))
+    admitted(admission.decide(attempt(admission, "k-noisy")))
+    assert admission.decide(attempt(admission, "k-noisy")).need_code == "tenant_busy"  # type: ignore[union-attr]
+    admission.ledger.draining = True
+    decision = admission.decide(attempt(admission, "k-noisy"))
+    assert isinstance(decision, Yielded)
+    assert decision.need_code == "draining"
+
+
+def test_draining_comes_before_an_open_breaker_and_a_bad_spec(clock: FakeClock) -> None:
+    admission = make(clock)
+    breaker = admission.primary.breaker
+    for _ in range(3):
+        breaker.started()
+        breaker.record(True)
+    assert breaker.state == BreakerState.OPEN
+    assert admission.decide(attempt(admission)).need_code == "breaker_open"  # type: ignore[union-attr]
+    admission.ledger.draining = True
+    assert admission.decide(attempt(admission)).need_code == "draining"  # type: ignore[union-attr]
+    bad = Attempt(attempt(admission).tenant, None, SpecInvalid(NeedCode.SPEC_INVALID, "no prompt"))
+    assert admission.decide(bad).need_code == "draining"  # type: ignore[union-attr]
+    admission.ledger.draining = False
+    rejected = admission.decide(bad)
+    assert isinstance(rejected, Rejected)
+    assert rejected.error is not None
+
+
+def test_a_lane_the_tenant_may_not_use_is_rejected_before_any_limit(clock: FakeClock) -> None:
+    pinned = TenantConfig(name="pinned", key_sha256=key_sha("k-pinned"), lanes=("interactive",))
+    admission = make(clock, lanes=True, tenants=(pinned,))
+    decision = admission.decide(attempt(admission, "k-pinned", max_new_tokens=900))
+    assert isinstance(decision, Rejected)
+    assert decision.need_code == "lane_not_allowed"
+
+
+# A refusal changes nothing the job would hold --------------------------------------------
+
+
+def test_a_refused_job_keeps_its_max_new_tokens_and_counts_no_ladder_step(
+    clock: FakeClock,
+) -> None:
+    admission = make(clock, cap=2, lanes=True, overload=True)
+    assert admission.overload is not None
+    admission.overload.state = State.DEGRADED  # the ladder lowers interactive max_new_tokens
+    running = [admitted(admission.decide(attempt(admission))) for _ in range(2)]
+    assert running[0].job.spec is not None
+    assert running[0].job.spec.max_new_tokens == 16  # under the degraded cap of 128: as asked
+    asks_much = attempt(admission, max_new_tokens=200)
+    before = dict(admission.ladder)
+    decision = admission.decide(asks_much)
+    assert isinstance(decision, Yielded)
+    assert admission.ladder == before  # refused: no activation counted
+    assert asks_much.job is not None
+    assert asks_much.job.spec is not None
+    assert asks_much.job.spec.max_new_tokens == 200  # and the job as it was
+    running[0].release("done")
+    ticket = admitted(admission.decide(asks_much))
+    assert ticket.job.spec is not None
+    assert ticket.job.spec.max_new_tokens == 128
+    assert ticket.degraded == ("interactive_max_new_tokens",)
+    assert admission.ladder["interactive_max_new_tokens"] == 1
+
+
+def test_a_refused_job_is_not_charged_to_its_tenants_rate(clock: FakeClock) -> None:
+    rated = TenantConfig(
+        name="rated", key_sha256=key_sha("k-rated"), requests_per_s=1.0, request_burst=2
+    )
+    admission = make(clock, cap=1, tenants=(rated,))
+    admitted(admission.decide(attempt(admission, "k-rated")))
+    tenant = admission.tenants.find("k-rated")
+    assert tenant is not None
+    level = tenant.requests.level
+    for _ in range(5):
+        assert isinstance(admission.decide(attempt(admission, "k-rated")), Yielded)
+    assert tenant.requests.level == level
+
+
+def test_a_pause_counts_one_activation_per_job_and_its_hint_grows(clock: FakeClock) -> None:
+    admission = make(clock, cap=4, lanes=True, overload=True)
+    overload = admission.overload
+    assert overload is not None
+    # An interactive client waits in line: four running interactive jobs, one refused.
+    running = [admitted(admission.decide(attempt(admission))) for _ in range(4)]
+    waiting = admission.decide(attempt(admission))
+    assert isinstance(waiting, Yielded)
+    assert waiting.need_code == "server_busy"
+    overload.state = State.INTERACTIVE_ONLY
+    heavy = attempt(admission, max_new_tokens=900)
+    hints = []
+    for _ in range(4):
+        decision = admission.decide(heavy)
+        assert isinstance(decision, Yielded)
+        assert decision.need_code == "lane_paused"
+        hints.append(decision.retry_hint_ms)
+    assert admission.ladder["interactive_only"] == 1
+    assert hints == sorted(hints)
+    assert hints[-1] > hints[0]
+    del running
+
+
+def test_a_paused_lane_takes_a_slot_that_would_sit_idle(clock: FakeClock) -> None:
+    admission = make(clock, cap=2, lanes=True, overload=True)
+    assert admission.overload is not None
+    admission.overload.state = State.INTERACTIVE_ONLY
+    # Nobody of a higher lane waits: the heavy job runs, within the interactive reserve.
+    ticket = admitted(admission.decide(attempt(admission, max_new_tokens=900)))
+    assert ticket.lane == Lane.HEAVY
+    second = admission.decide(attempt(admission, max_new_tokens=900))
+    assert isinstance(second, Yielded)
+    assert second.need_code == "lane_full"  # the reserve keeps the last slot for interactive
+    assert admission.ladder["interactive_only"] == 0
+
+
+# The ticket ------------------------------------------------------------------------------
+
+
+def test_a_ticket_gives_everything_back_exactly_once(clock: FakeClock) -> None:
+    admission = make(clock, cap=1, tenants=(NOISY,))
+    connection, server = Budget(100), Budget(1000)
+    reservation = reserve(60, connection, server)
+    assert isinstance(reservation, Reservation)
+    assert reserve(60, connection, server) is connection  # the connection's budget overflows
+    ticket = admitted(admission.decide(attempt(admission, "k-noisy")))
+    ticket.reservation = reservation
+    tenant = ticket.tenant
+    assert (admission.inflight, tenant.inflight, server.used) == (1, 1, 60)
+    clock.now += 2.0
+    assert ticket.release("backend_error") == 2.0
+    for outcome in ("done", "backend_error", "client_gone"):
+        assert ticket.release(outcome) == 0.0
+    assert (admission.inflight, tenant.inflight, connection.used, server.used) == (0, 0, 0, 0)
+    assert tenant.running == []
+    # The breaker heard one failure, not four (two more and it would open: min_failures 2).
+    assert admission.primary.breaker._failures == 1
+
+
+def test_a_failure_teaches_the_service_estimate_nothing(clock: FakeClock) -> None:
+    admission = make(clock, cap=1)
+    ledger = admission.ledger
+    before = ledger.service_s
+    ticket = admitted(admission.decide(attempt(admission)))
+    clock.now += 30.0
+    ticket.release("backend_error")
+    assert ledger.service_s == before
+
+
+# Every sequence --------------------------------------------------------------------------
+
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("decide"), st.sampled_from([None, "k-noisy"]), st.integers(1, 900)),
+        st.tuples(st.just("release"), st.integers(0, 7), st.sampled_from(["done", "x"])),
+        st.tuples(st.just("tick"), st.floats(0.0, 3.0), st.just("")),
+        st.tuples(st.just("state"), st.integers(0, 3), st.just("")),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(actions=ACTIONS, lanes=st.booleans())
+def test_every_sequence_keeps_the_caps_and_gives_everything_back(
+    actions: list[tuple[str, object, object]], lanes: bool
+) -> None:
+    clock = FakeClock()
+    other = TenantConfig(name="other", key_sha256=key_sha("k-other"))
+    admission = make(clock, cap=3, lanes=lanes, tenants=(NOISY, other), overload=lanes)
+    tickets: list[Ticket] = []
+    for kind, a, b in actions:
+        if kind == "decide":
+            key = a if a is not None else "k-other"
+            tenant = admission.tenants.find(key)  # type: ignore[arg-type]
+            assert tenant is not None
+            decision = admission.decide(Attempt(tenant, job(max_new_tokens=b)))  # type: ignore[arg-type]
+            if isinstance(decision, Admitted):
+                tickets.append(decision.ticket)
+            else:
+                admission.forget(Attempt(tenant, None, promise=getattr(decision, "promise", None)))
+        elif kind == "release" and tickets:
+            ticket = tickets.pop(int(a) % len(tickets))  # type: ignore[call-overload]
+            ticket.release(str(b))
+        elif kind == "tick":
+            clock.now += float(a)  # type: ignore[arg-type]
+        elif kind == "state" and admission.overload is not None:
+            admission.overload.state = State(int(a))  # type: ignore[call-overload]
+        noisy = admission.tenants.find("k-noisy")
+        assert noisy is not None
+        assert admission.inflight == len(tickets) <= admission.ledger.cap
+        assert noisy.inflight <= 1
+    for ticket in tickets:
+        ticket.release("done")
+    assert admission.inflight == 0
+    assert all(t.inflight == 0 and not t.running for t in admission.tenants.all())
+    assert admission.ledger.kv_reserved == 0
