@@ -11,6 +11,11 @@ and with ``text`` the fields follow the message as ``key=value``. Records go thr
 queue to a writer thread: a stderr pipe that a log collector drains slowly must never stall
 admission. When the queue is full, records are dropped and counted, never waited for
 (``governor_log_records_dropped_total``).
+
+What a record costs the event loop is kept small, since every job writes one: no caller,
+thread or process lookups (nothing prints them; the logging HOWTO's "Optimization"), and the
+writer formats and writes whatever has queued up in one write, not one system call a line
+(``docs/BENCHMARKS.md`` measures the per-job line).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import logging
 import logging.handlers
 import queue
 import sys
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 
 QUEUE_SIZE = 10_000
+MAX_BATCH = 512  # records written at once
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -103,14 +110,54 @@ def dropped_records() -> int:
     )
 
 
+class BatchWriter:
+    """The writer thread: takes what has queued up, formats it, and writes it in one go."""
+
+    def __init__(self, q: queue.Queue[Any], formatter: logging.Formatter, stream: TextIO) -> None:
+        self.queue = q
+        self.formatter = formatter
+        self.stream = stream
+        self._thread = threading.Thread(target=self._run, name="governor-log", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.queue.put(None)  # (blocks only until the writer has made room)
+        self._thread.join()
+
+    def _run(self) -> None:
+        q, running = self.queue, True
+        while running:
+            batch = [q.get()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            lines = []
+            for record in batch:
+                if record is None:
+                    running = False
+                else:
+                    lines.append(self.formatter.format(record))
+            if lines:
+                try:
+                    self.stream.write("\n".join(lines) + "\n")
+                    self.stream.flush()
+                except (OSError, ValueError):  # a closed or broken stderr: nothing to tell
+                    pass
+
+
 def configure(level: str, fmt: str) -> Callable[[], None]:
     """Send the process's logs to stderr through a writer thread; returns the stop function."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    # Nothing here prints a record's source line, thread or process: don't look them up.
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     q: queue.Queue[Any] = queue.Queue(QUEUE_SIZE)
     root = logging.getLogger()
     root.handlers[:] = [DroppingQueueHandler(q)]
     root.setLevel(level.upper())
-    listener = logging.handlers.QueueListener(q, handler, respect_handler_level=False)
-    listener.start()
-    return listener.stop
+    writer = BatchWriter(q, JsonFormatter() if fmt == "json" else TextFormatter(), sys.stderr)
+    writer.start()
+    return writer.stop
