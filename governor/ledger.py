@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from protocol.codes import NeedCode
 
 from .policy import LANES, Demand, Lane, LanePolicy
-from .service import JobSize
+from .service import JobSize, ServiceModel
 
 Clock = Callable[[], float]
 
@@ -104,13 +104,18 @@ class Completed:
 class Slot:
     """One taken execution slot. :meth:`release` gives it back; calling it again does nothing."""
 
-    __slots__ = ("_ledger", "_released", "demand", "expected_s", "started")
+    __slots__ = ("_ledger", "_released", "demand", "expected_s", "size", "started")
 
-    def __init__(self, ledger: SlotLedger, started: float, demand: Demand | None) -> None:
+    def __init__(
+        self, ledger: SlotLedger, started: float, demand: Demand | None, size: JobSize | None
+    ) -> None:
         self._ledger = ledger
         self.started = started
         self.demand = demand  # its lane and KV reservation, under a lane policy
-        self.expected_s: float | None = None
+        self.size = size  # its prompt and max_new_tokens, when it is an inference job
+        # Its own predicted service time, once the pool's model has learnt its rates (else the
+        # lane's or the pool's mean is used).
+        self.expected_s = ledger.model.predict_s(size) if ledger.model.knows(size) else None
         self._released = False
 
     @property
@@ -118,14 +123,15 @@ class Slot:
         return self._released
 
     def release(self, *, done: Completed | None = None) -> float:
-        """Free the slot; ``completed`` jobs feed the service-time estimate.
+        """Free the slot; a job that finished (``done``: what it measured) teaches the
+        service-time estimates, one that did not (None) teaches them nothing.
 
         Returns the seconds the slot was held.
         """
         if self._released:
             return 0.0
         self._released = True
-        return self._ledger._release(self, done is not None)
+        return self._ledger._release(self, done)
 
 
 class SlotLedger:
@@ -149,6 +155,7 @@ class SlotLedger:
         self.max_hint_ms = max_hint_ms
         self.clock = clock
         self.service_s = expected_service_s
+        self.model = ServiceModel(expected_service_s)  # a job's service time from its size
         self.lane_service_s: dict[Lane, float] = {}  # under a lane policy, once a lane's job ends
         # How long a released slot waits for the returning client it was promised to.
         self.turnaround_s = min_hint_ms / 1000
@@ -209,7 +216,7 @@ class SlotLedger:
             # Only a client that came when it was told says how long a slot waits for it.
             if freed is not None and abs(now - promise.at) <= self._grace():
                 self.turnaround_s += EWMA_ALPHA * (now - freed - self.turnaround_s)
-        slot = Slot(self, now, demand)
+        slot = Slot(self, now, demand, size)
         self._running[slot] = None
         if demand is not None:
             self.lane_inflight[demand.lane] += 1
@@ -268,6 +275,10 @@ class SlotLedger:
         return self.lane_service_s.get(lane, self.service_s) if lane is not None else self.service_s
 
     def _slot_end(self, slot: Slot, now: float) -> float:
+        """A running job's expected end: from its own size when the model can tell, else
+        from its lane's (or the pool's) mean."""
+        if slot.expected_s is not None:
+            return self.expected_end(slot.started, now, slot.expected_s)
         lane = slot.demand.lane if slot.demand is not None else None
         return self.expected_end(slot.started, now, self.service_for(lane))
 
@@ -300,7 +311,7 @@ class SlotLedger:
         promise.queued = False
         self._promised[promise.rank] -= 1
 
-    def _release(self, slot: Slot, completed: bool) -> float:
+    def _release(self, slot: Slot, done: Completed | None) -> float:
         del self._running[slot]
         if slot.demand is not None:
             self.lane_inflight[slot.demand.lane] -= 1
@@ -308,7 +319,8 @@ class SlotLedger:
         now = self.clock()
         self._freed.append(now)
         held = now - slot.started
-        if completed:
+        if done is not None:
+            self.model.observe(slot.size, held, done.ttft_s, done.completion_tokens)
             self.service_s += EWMA_ALPHA * (held - self.service_s)
             if slot.demand is not None:
                 lane = slot.demand.lane

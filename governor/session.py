@@ -152,22 +152,28 @@ class Session:
         job: str | None = None,
         seq: int | None = None,
     ) -> None:
-        """One abort frame for the connection, one for each running job, then close."""
+        """One abort frame for each running job and one for the connection, then close.
+
+        The connection's frame names the last frame's job; when that job is running, its own
+        abort is the answer (a job gets one terminal frame, never two).
+        """
         if self.closed:
             return
-        self._send(
-            Reply(
-                Verb.CONFIRM,
-                job or self.last_job,
-                seq if seq is not None else self.last_seq + 1,
-                Status.ABORT,
-                ttl_ms=self.last_ttl_ms,
-                need_code=need_code,
-                error_code=error_code,
-                detail=detail,
-                receipts=self._receipts(),
+        named = self.jobs.get(job or self.last_job)
+        if named is None or named.execution is None:
+            self._send(
+                Reply(
+                    Verb.CONFIRM,
+                    job or self.last_job,
+                    seq if seq is not None else self.last_seq + 1,
+                    Status.ABORT,
+                    ttl_ms=self.last_ttl_ms,
+                    need_code=need_code,
+                    error_code=error_code,
+                    detail=detail,
+                    receipts=self._receipts(),
+                )
             )
-        )
         self.abort_running(need_code, error_code, "the connection is closing: " + detail)
         self.closed = True
         self._close()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from governor.ledger import EWMA_ALPHA, Promise, Refusal, Slot, SlotLedger
+from governor.ledger import EWMA_ALPHA, Completed, Promise, Refusal, Slot, SlotLedger
 from protocol.codes import NeedCode
 
 
@@ -42,8 +42,8 @@ def test_release_is_idempotent(clock: FakeClock) -> None:
     slot = ledger.admit()
     assert isinstance(slot, Slot)
     clock.now += 2.0
-    assert slot.release(completed=False) == pytest.approx(2.0)
-    assert slot.release(completed=False) == 0.0
+    assert slot.release() == pytest.approx(2.0)
+    assert slot.release() == 0.0
     assert ledger.inflight == 0
     assert slot.released
     assert isinstance(ledger.admit(), Slot)
@@ -58,7 +58,9 @@ def test_random_admit_release_never_exceeds_cap(clock: FakeClock) -> None:
     for _ in range(5000):
         clock.now += rng.random() / 10
         if held and rng.random() < 0.45:
-            held.pop(rng.randrange(len(held))).release(completed=rng.random() < 0.5)
+            held.pop(rng.randrange(len(held))).release(
+                done=Completed() if rng.random() < 0.5 else None
+            )
             continue
         if waiting and rng.random() < 0.05:  # a client that gives up
             ledger.withdraw(waiting.pop(rng.randrange(len(waiting))))
@@ -87,13 +89,13 @@ def test_service_time_follows_completed_jobs_only(clock: FakeClock) -> None:
     slot = ledger.admit()
     assert isinstance(slot, Slot)
     clock.now += 3.0
-    slot.release(completed=True)
+    slot.release(done=Completed())
     assert ledger.service_s == pytest.approx(1.0 + EWMA_ALPHA * 2.0)
     before = ledger.service_s
     slot = ledger.admit()
     assert isinstance(slot, Slot)
     clock.now += 100.0
-    slot.release(completed=False)  # cancelled: says nothing about service time
+    slot.release()  # cancelled: says nothing about service time
     assert ledger.service_s == before
 
 
@@ -226,7 +228,7 @@ def test_a_freed_slot_is_held_for_the_client_it_was_promised_to(clock: FakeClock
     assert isinstance(running, Slot)
     assert isinstance(waiting, Refusal)
     clock.now += 1.0
-    running.release(completed=True)
+    running.release(done=Completed())
     newcomer = ledger.admit()
     assert isinstance(newcomer, Refusal)  # the slot is the waiting client's
     assert ledger.inflight == 0
@@ -243,7 +245,7 @@ def test_a_late_client_keeps_its_place_but_not_the_slot(clock: FakeClock) -> Non
     assert isinstance(running, Slot)
     assert isinstance(late, Refusal)
     clock.now += 1.0
-    running.release(completed=True)
+    running.release(done=Completed())
     hold = 2 * ledger.turnaround_s
     clock.now += hold + 0.001  # the promised client is later than the hold window
     taken = ledger.admit()  # so a newcomer gets the slot
@@ -261,7 +263,7 @@ def test_turnaround_learns_only_from_clients_that_came_on_time(clock: FakeClock)
     assert isinstance(running, Slot)
     assert isinstance(early, Refusal)
     clock.now += 0.4
-    running.release(completed=True)
+    running.release(done=Completed())
     clock.now += 0.1  # comes back half a second early (it ignored its hint) and finds a slot
     assert isinstance(ledger.admit(early.promise), Slot)
     assert ledger.turnaround_s == 0.005  # its wait says nothing about clients that listen
@@ -273,7 +275,7 @@ def test_a_promise_that_lapses_frees_its_slot_for_others(clock: FakeClock) -> No
     assert isinstance(running, Slot)
     assert isinstance(ledger.admit(), Refusal)  # promised +1 s; never comes back
     clock.now += 1.0
-    running.release(completed=True)
+    running.release(done=Completed())
     assert isinstance(ledger.admit(), Refusal)
     clock.now += 0.3  # past the promise's grace (S/4)
     assert isinstance(ledger.admit(), Slot)
@@ -286,7 +288,7 @@ def test_promises_lapse_and_are_withdrawn(clock: FakeClock) -> None:
     refusals = [ledger.admit() for _ in range(3)]
     assert [r.retry_hint_ms for r in refusals if isinstance(r, Refusal)] == [1000, 2005, 3010]
     clock.now += 1.0
-    slot.release(completed=True)
+    slot.release(done=Completed())
     first = refusals[0]
     assert isinstance(first, Refusal)
     assert isinstance(ledger.admit(first.promise), Slot)  # comes back: its promise is done

@@ -28,7 +28,7 @@ from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 from protocol.upload import split_payload
 
-from .conftest import RawConn, ServerFactory, wait_until
+from .conftest import RawConn, ServerFactory, outcomes, wait_until
 from .test_ops import failing, probe, until_ready
 
 N_CTX = 512
@@ -207,7 +207,7 @@ async def test_cancel_frame_stops_the_job_and_frees_the_slot(llama: Any) -> None
         assert server.ledger.inflight == 0
         after = await client.generate(greedy("Hi", max_new_tokens=3))
     assert after.done  # the worker took new work: it had stopped the cancelled one
-    assert server.outcomes["cancelled"] == 1
+    assert outcomes(server)["cancelled"] == 1
 
 
 async def test_ttl_running_out_stops_generation(llama: Any) -> None:
