@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
+from protocol.addresses import parse_address
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
@@ -471,17 +472,9 @@ class _Expecting:
         del self.client._inbox[self.job]
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts; raises ``ValueError``."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
 async def connect(
     address: str, *, timeout: float = 10.0, retry_budget: RetryBudget | None = None
 ) -> GovernorClient:
     """Connect to ``HOST:PORT``; ``retry_budget`` as for :class:`GovernorClient`."""
-    host, port = parse_address(address)
+    host, port = parse_address(address, allow_port_zero=False)
     return await GovernorClient.connect(host, port, timeout=timeout, retry_budget=retry_budget)

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def drain(address: str, wait: float) -> int:
     try:
-        host, port = parse_address(address, what="--metrics-addr")
+        host, port = parse_address(address, what="--metrics-addr", allow_port_zero=False)
     except ConfigError as exc:
         print(f"governor: {exc}", file=sys.stderr)
         return 1

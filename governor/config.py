@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol import addresses
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
 from .tenants import TenantConfig
@@ -27,14 +28,15 @@ class ConfigError(ValueError):
     """A configuration that cannot be served; the message says which key and why."""
 
 
-def parse_address(text: str, *, what: str = "address") -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts; port 0 asks for any free port."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{what} {text!r} is not HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
+def parse_address(
+    text: str, *, what: str = "address", allow_port_zero: bool = True
+) -> tuple[str, int]:
+    """:func:`protocol.addresses.parse_address`, its error a :class:`ConfigError` naming
+    ``what``; port 0 (any free port) by default, since the daemon's addresses are listened on."""
+    try:
+        return addresses.parse_address(text, allow_port_zero=allow_port_zero)
+    except ValueError:
+        raise ConfigError(f"{what} {text!r} is not HOST:PORT") from None
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -50,7 +52,7 @@ class Config:
     max_inflight: int = _opt(4, "Hard cap on jobs executing at once, across all connections.")
     runner: str = _opt(
         "llama",
-        "Which runner executes admitted jobs: llama (a local GGUF model in worker processes) or stub (only takes time).",
+        "Which runner executes admitted jobs: llama (a local GGUF model in worker processes), http (a sidecar to an OpenAI-compatible server at upstream) or stub (only takes time).",
     )
     model: str | None = _opt(
         None,

@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from clients.client import NO_RETRY, GovernorClient, RetryPolicy, parse_address
+from clients.client import NO_RETRY, GovernorClient, RetryPolicy
+from protocol.addresses import parse_address
 
 DEFAULT_ADDR = "127.0.0.1:7777"
 RETRY_MODES = ("none", "hint", "naive", "fixed")
@@ -27,9 +28,9 @@ class StartError(Exception):
 
 
 def parse_addr(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` for argparse (the client library's parser)."""
+    """``HOST:PORT`` of a daemon to connect to, for argparse (port 0 is no such address)."""
     try:
-        return parse_address(text)
+        return parse_address(text, allow_port_zero=False)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -247,7 +247,7 @@ def load_trace(path: Path) -> list[TraceRow]:
 class Scaling:
     """How a trace is fitted to a small model and machine; every field is reported with the run."""
 
-    start_s: float = 0.0  # skip the trace's first seconds
+    start_s: float = 0.0  # skip the trace's first seconds: its first request from then is t=0
     time_scale: float = 1.0  # arrival gaps are multiplied by this (2: half the rate)
     token_scale: float = 1.0  # prompt and output lengths are multiplied by this
     max_prompt_tokens: int = 1024
@@ -257,12 +257,20 @@ class Scaling:
 
 
 def replay(rows: Sequence[TraceRow], scaling: Scaling) -> list[Request]:
-    """The trace's requests from ``start_s`` on, scaled and capped, as one class ``trace``."""
+    """The trace's requests from ``start_s`` on, scaled and capped, as one class ``trace``.
+
+    Time starts at the first request at or after ``start_s``, not at ``start_s`` itself: a
+    start in a gap of the trace would otherwise open with that gap's rest of silence, and
+    replay nothing if the gap is longer than ``max_duration_s``.
+    """
     out: list[Request] = []
+    origin: float | None = None
     for row in rows:
         if row.at_s < scaling.start_s:
             continue
-        at_s = (row.at_s - scaling.start_s) * scaling.time_scale
+        if origin is None:
+            origin = row.at_s
+        at_s = (row.at_s - origin) * scaling.time_scale
         if at_s > scaling.max_duration_s or len(out) >= scaling.max_requests:
             break
         prompt = min(

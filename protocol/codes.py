@@ -43,10 +43,10 @@ class NeedCode(StrEnum):
     NOT_JSON = "not_json"
     # A JSON object that breaks an envelope rule.
     ENVELOPE_INVALID = "envelope_invalid"
-    # Upload problems, answered with clarify/need; the connection stays open.
+    # Upload problems, answered with clarify/need; the connection stays open. (heptamini's
+    # list also names chunk_missing; no check here answers it, so it has no member.)
     MANIFEST_INVALID = "manifest_invalid"
     MANIFEST_MISSING = "manifest_missing"
-    CHUNK_MISSING = "chunk_missing"
     PAYLOAD_ID_MISMATCH = "payload_id_mismatch"
     CHUNK_EXPECTED_INDEX = "chunk_expected_index"
     CHUNK_B64_INVALID = "chunk_b64_invalid"

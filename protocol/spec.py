@@ -100,6 +100,12 @@ class JobSpec:
         return orjson.dumps(self.to_wire())
 
 
+def is_json_content_type(content_type: str) -> bool:
+    """Whether a payload of ``content_type`` is a JSON job spec (parameters such as
+    ``; charset=utf-8`` and case aside); any other payload is a text prompt."""
+    return content_type.split(";")[0].strip().lower() in JSON_CONTENT_TYPES
+
+
 def _invalid(detail: str) -> SpecInvalid:
     return SpecInvalid(NeedCode.SPEC_INVALID, detail)
 
@@ -117,7 +123,7 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
         text = payload.decode("utf-8")
     except UnicodeDecodeError:
         raise _invalid("the payload is neither a JSON job spec nor UTF-8 text") from None
-    if content_type.split(";")[0].strip().lower() not in JSON_CONTENT_TYPES:
+    if not is_json_content_type(content_type):
         if not text.strip():
             raise _invalid("the prompt is empty")
         return JobSpec(prompt=text, max_new_tokens=min(128, max_new_tokens_ceiling))

@@ -114,10 +114,12 @@ class Chunk:
         return cls(cast(str, payload_id), cast(int, index), offset, digest, data)
 
     def decode(self, limit: int) -> bytes:
-        """The chunk's bytes, refused when not base64 or longer than ``limit``."""
-        if len(self.bytes_b64) > 4 * ((limit + 2) // 3):
-            # Too long to decode to at most `limit` bytes: refuse before decoding it.
-            raise UploadNeed(NeedCode.CHUNK_TOO_LARGE, f"chunk {self.index} is over {limit} bytes")
+        """The chunk's bytes, refused when not base64, then when longer than ``limit``.
+
+        heptamini checks in that order, so a string both over-long and not base64 is
+        ``chunk_b64_invalid``. Decoding an over-long string first costs no more than the line
+        that carried it (``max_line_bytes``) allows.
+        """
         try:
             data = base64.b64decode(self.bytes_b64, validate=True)
         except (binascii.Error, ValueError):

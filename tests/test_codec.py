@@ -1,8 +1,8 @@
 """Unit tests of the sans-IO wire codec (``protocol/``): no sockets, no event loop.
 
 Covers the bounded line reader, request decoding with every envelope rule, the bad-line
-classifier, reply encoding and decoding, the error-to-reply table, and upload assembly with
-each need code in the order the assembler checks them.
+classifier, reply encoding and decoding, the error-to-reply table, upload assembly with
+each need code in the order the assembler checks them, and which content types are job specs.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from protocol.frames import (
     error_reply,
 )
 from protocol.lines import LineReader
+from protocol.spec import SPEC_CONTENT_TYPE, is_json_content_type, parse_spec
 from protocol.upload import PreparedUpload, Upload, split_payload
 
 _DROP = object()  # a field value meaning "leave this field out"
@@ -930,17 +931,19 @@ def test_chunk_too_large_after_decoding() -> None:
     assert upload.bytes_received == 0
 
 
-def test_an_overlong_base64_string_is_refused_before_decoding() -> None:
+def test_an_overlong_string_that_is_not_base64_is_chunk_b64_invalid() -> None:
+    """heptamini checks base64 before size: a string both too long for chunk_bytes and not
+    base64 is chunk_b64_invalid, whatever its length."""
     prep = prepared()
     upload = started(prep)
-    # 12 characters cannot decode to at most 4 bytes, valid base64 or not; were it decoded
-    # first, the invalid one would be answered chunk_b64_invalid.
+    # 12 characters cannot decode to at most 4 bytes.
     assert need(upload, make_chunk(b"0123456", 0, 0)) is NeedCode.CHUNK_TOO_LARGE
-    assert need(upload, with_fields(prep.chunks[0], bytes_b64="!" * 12)) is NeedCode.CHUNK_TOO_LARGE
-    # A string of 8 characters may still decode to 4 bytes, so that one is decoded.
-    assert (
-        need(upload, with_fields(prep.chunks[0], bytes_b64="!" * 8)) is NeedCode.CHUNK_B64_INVALID
-    )
+    for bad in ("!" * 12, b64(b"0123456")[:-1], b64(b"0123456") + "!"):
+        assert need(upload, with_fields(prep.chunks[0], bytes_b64=bad)) is (
+            NeedCode.CHUNK_B64_INVALID
+        ), bad
+    assert upload.bytes_received == 0
+    assert upload.apply_chunk(prep.chunks[0]) is None  # and the upload keeps its place
 
 
 def test_payload_too_large() -> None:
@@ -1026,9 +1029,7 @@ def test_need_codes_in_the_order_the_assembler_checks_them() -> None:
     chunk["index"] = 1
     assert need(upload, chunk) is NeedCode.CHUNK_OFFSET_MISMATCH
     chunk["offset"] = 4
-    assert need(upload, chunk) is NeedCode.CHUNK_TOO_LARGE  # too long to decode
-    chunk["bytes_b64"] = "!!!!"
-    assert need(upload, chunk) is NeedCode.CHUNK_B64_INVALID
+    assert need(upload, chunk) is NeedCode.CHUNK_B64_INVALID  # over-long too: base64 first
     chunk["bytes_b64"] = b64(b"wxyz5")
     assert need(upload, chunk) is NeedCode.CHUNK_TOO_LARGE  # decoded to 5 > 4
     chunk["bytes_b64"] = b64(b"wxyz")
@@ -1262,3 +1263,25 @@ def test_payload_raises_after_a_failed_final_chunk() -> None:
     need(upload, prep.chunks[-1])
     with pytest.raises(RuntimeError):
         _ = upload.payload
+
+
+# Job specs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content_type", "is_json"),
+    [
+        (SPEC_CONTENT_TYPE, True),
+        ("application/json", True),
+        (" Application/JSON ; charset=utf-8", True),
+        ("application/vnd.governor.job+json;v=1", True),
+        ("text/plain", False),
+        ("application/octet-stream", False),
+        ("application/jsonx", False),
+        ("", False),
+    ],
+)
+def test_which_content_types_are_json_job_specs(content_type: str, is_json: bool) -> None:
+    assert is_json_content_type(content_type) is is_json
+    spec = parse_spec(b'{"prompt": "hi"}', content_type, max_new_tokens_ceiling=64)
+    assert spec.prompt == ("hi" if is_json else '{"prompt": "hi"}')

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import dataclasses
 import types
 from pathlib import Path
@@ -10,8 +12,10 @@ import pytest
 
 import clients
 import protocol
-from governor.cli import build_parser, config_from_args
-from governor.config import Config, ConfigError, parse_address, reference_markdown
+from governor.cli import build_parser, config_from_args, drain
+from governor.config import RUNNERS, Config, ConfigError, parse_address, reference_markdown
+from loadtest.common import parse_addr
+from protocol import addresses
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,10 +33,31 @@ def test_parse_address(text: str, expected: tuple[str, int]) -> None:
     assert parse_address(text) == expected
 
 
-@pytest.mark.parametrize("text", ["7777", ":7777", "host:", "host:port", "host:65536", "host:-1"])
+@pytest.mark.parametrize(
+    "text", ["7777", ":7777", "host:", "host:port", "host:65536", "host:-1", "host:\u00b2"]
+)
 def test_parse_address_rejects(text: str) -> None:
     with pytest.raises(ConfigError, match="HOST:PORT"):
         parse_address(text)
+
+
+def test_port_zero_is_for_listening_not_for_connecting() -> None:
+    """One parser, two rules: the daemon may listen on port 0 (any free port); nothing can be
+    reached there, so a client's target, the load tester's and ``governor drain``'s may not."""
+    assert addresses.parse_address("[::1]:0", allow_port_zero=True) == ("::1", 0)
+    assert addresses.parse_address("[::1]:1", allow_port_zero=False) == ("::1", 1)
+    with pytest.raises(ValueError, match=r"^'\[::1\]:0' is not HOST:PORT$"):
+        addresses.parse_address("[::1]:0", allow_port_zero=False)
+    assert Config(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0").listen_address[1] == 0
+    with pytest.raises(ValueError, match=r"^'127.0.0.1:0' is not HOST:PORT$"):
+        asyncio.run(clients.connect("127.0.0.1:0"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is not HOST:PORT"):
+        parse_addr("127.0.0.1:0")
+
+
+def test_governor_drain_refuses_port_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert drain("127.0.0.1:0", 1.0) == 1
+    assert capsys.readouterr().err == "governor: --metrics-addr '127.0.0.1:0' is not HOST:PORT\n"
 
 
 def test_every_field_is_a_flag_and_flags_override_the_file(tmp_path: Path) -> None:
@@ -75,6 +100,12 @@ def test_missing_config_file(tmp_path: Path) -> None:
 def test_readme_configuration_table_matches_the_code() -> None:
     readme = (ROOT / "README.md").read_text()
     assert reference_markdown() in readme
+
+
+def test_the_runner_help_names_every_runner() -> None:
+    (runner,) = [f for f in dataclasses.fields(Config) if f.name == "runner"]
+    for name in RUNNERS:
+        assert f"{name} (" in runner.metadata["help"], name
 
 
 @pytest.mark.parametrize("module", [protocol, clients])

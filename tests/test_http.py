@@ -18,11 +18,11 @@ import orjson
 import pytest
 
 from clients import NO_RETRY, GovernorClient
-from governor.runners import RunnerStartError
+from governor.runners import Finished, RunnerStartError
 from governor.runners.http import HttpRunner, HttpSettings
 from governor.runners.llama import embedded_model_path
 from loadtest import baseline
-from protocol.spec import JobSpec, Message
+from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 
 from .conftest import ServerFactory, wait_until
 from .test_ops import failing, ops_server, probe, until_ready
@@ -81,6 +81,21 @@ async def test_completion_through_the_sidecar(make_server: ServerFactory, upstre
     assert got["counted"] == "chunks"  # this server sends no usage in a stream
     assert got["finish_reason"] == "length"
     assert got["ttft_ms"] > 0
+
+
+async def test_the_runner_leaves_ttft_and_tpot_to_the_governor(upstream: str) -> None:
+    """Both are measured once, by the governor, from admission: not by the runner's own clock."""
+    runner = HttpRunner(HttpSettings(upstream=upstream))
+    await runner.start()
+    try:
+        job = runner.prepare("J_1", greedy("Hi", max_new_tokens=3).encode(), SPEC_CONTENT_TYPE)
+        async with contextlib.aclosing(runner.run(job)) as events:
+            finished = [event async for event in events][-1]
+    finally:
+        await runner.close()
+    assert isinstance(finished, Finished)
+    assert finished.result["completion_tokens"] == 3
+    assert not {"ttft_ms", "tpot_ms"} & finished.result.keys()
 
 
 async def test_chat_streams_through_the_sidecar(make_server: ServerFactory, upstream: str) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 from clients import NO_RETRY, GovernorClient
 from governor.overload import State
+from governor.runners import Finished
 from governor.runners.llama import LlamaRunner, embedded_model_path
 from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
@@ -73,6 +74,11 @@ async def generating(client: GovernorClient, job: str | None = None) -> asyncio.
     return running
 
 
+def worker_pids(runner: LlamaRunner) -> list[int]:
+    """The pids of the runner's live workers, read from its internals (only tests need them)."""
+    return sorted(w.proc.pid for w in runner._workers if w.proc is not None and w.alive)
+
+
 async def client_for(server: Server) -> GovernorClient:
     host, port = server.address
     return await GovernorClient.connect(host, port)
@@ -95,6 +101,18 @@ async def test_a_prompt_gets_real_text_with_exact_token_counts(llama: Any, vocab
     assert result["tpot_ms"] > 0
     assert again.reply.result is not None
     assert again.reply.result["text"] == result["text"]  # greedy: the same text every time
+
+
+async def test_the_runner_leaves_ttft_and_tpot_to_the_governor(llama: Any) -> None:
+    """Both are measured once, by the governor, from admission: not by the runner's own clock."""
+    server = await llama()
+    runner = server.runner
+    job = runner.prepare("J_1", greedy("Hi", max_new_tokens=3).encode(), SPEC_CONTENT_TYPE)
+    async with contextlib.aclosing(runner.run(job)) as events:
+        finished = [event async for event in events][-1]
+    assert isinstance(finished, Finished)
+    assert finished.result["completion_tokens"] == 3
+    assert not {"ttft_ms", "tpot_ms"} & finished.result.keys()
 
 
 async def test_output_matches_llama_cpp_called_directly(llama: Any) -> None:
@@ -250,15 +268,15 @@ async def test_a_worker_killed_mid_generation_is_reported_and_replaced(llama: An
     server = await llama()
     runner = server.runner
     assert isinstance(runner, LlamaRunner)
-    (victim,) = runner.worker_pids()
+    (victim,) = worker_pids(runner)
     async with await client_for(server) as client:
         job = await generating(client)
         os.kill(victim, signal.SIGKILL)
         result = await asyncio.wait_for(job, 10)
         assert (result.reply.status, result.reply.need_code) == ("abort", "runner_crashed")
         assert server.ledger.inflight == 0
-        await wait_until(lambda: len(runner.worker_pids()) == 1, timeout=60)
-        assert runner.worker_pids() != [victim]
+        await wait_until(lambda: len(worker_pids(runner)) == 1, timeout=60)
+        assert worker_pids(runner) != [victim]
         assert runner.restarts == 1
         after = await client.generate(greedy("Hi", max_new_tokens=3))
     assert after.done
@@ -268,7 +286,7 @@ async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
     server = await llama(job_timeout=3.0)  # (a starved CPU may hold a first token a second)
     runner = server.runner
     assert isinstance(runner, LlamaRunner)
-    (victim,) = runner.worker_pids()
+    (victim,) = worker_pids(runner)
     async with await client_for(server) as client:
         job = await generating(client)
         os.kill(victim, signal.SIGSTOP)  # alive, but silent
@@ -278,7 +296,7 @@ async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, signal.SIGCONT)
         assert (result.reply.status, result.reply.need_code) == ("abort", "runner_timeout")
-        await wait_until(lambda: runner.worker_pids() not in ([], [victim]), timeout=60)
+        await wait_until(lambda: worker_pids(runner) not in ([], [victim]), timeout=60)
         after = await client.generate(greedy("Hi", max_new_tokens=3))
     assert after.done
 
@@ -288,7 +306,7 @@ async def test_a_hung_worker_fails_readiness_while_liveness_holds(llama: Any) ->
     runner = server.runner
     assert isinstance(runner, LlamaRunner)
     await until_ready(server)
-    (victim,) = runner.worker_pids()
+    (victim,) = worker_pids(runner)
     os.kill(victim, signal.SIGSTOP)  # alive, but silent: the next probe times out
     try:
         deadline = time.monotonic() + 30
@@ -307,7 +325,7 @@ async def test_a_hung_worker_fails_readiness_while_liveness_holds(llama: Any) ->
     # The worker never confirms the probe's cancel: it is killed and replaced, and the
     # replica is ready again.
     body = await until_ready(server, timeout=60)
-    assert runner.worker_pids() not in ([], [victim])
+    assert worker_pids(runner) not in ([], [victim])
     assert runner.restarts == 1
 
 
@@ -393,7 +411,7 @@ async def test_a_worker_lost_for_good_fails_liveness(
         raise RuntimeError("injected supervisor fault")
 
     monkeypatch.setattr(LlamaRunner, "_restart", broken_restart)
-    (victim,) = runner.worker_pids()
+    (victim,) = worker_pids(runner)
     os.kill(victim, signal.SIGKILL)  # the next probe finds it dead, and the restart fails
     deadline = time.monotonic() + 30
     while (live := await probe(server, "/healthz/live"))[0] == 200:

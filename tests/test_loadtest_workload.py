@@ -150,6 +150,15 @@ def test_replay_scales_caps_and_bounds() -> None:
     assert len(replay(rows, Scaling(max_requests=2, max_duration_s=100))) == 2
 
 
+def test_replay_from_a_start_in_a_gap_begins_at_the_next_request() -> None:
+    rows = [TraceRow(t, 10, 10) for t in (0, 1, 100, 101.5, 103)]
+    scaled = replay(rows, Scaling(start_s=50, time_scale=2, max_duration_s=4))
+    # 100 s is t=0; 103 s is 6 s of scaled time, past max_duration_s.
+    assert scaled == [Request(0.0, "trace", 10, 10), Request(3.0, "trace", 10, 10)]
+    assert replay(rows, Scaling(start_s=100)) == replay(rows, Scaling(start_s=1.5))
+    assert replay(rows, Scaling(start_s=104)) == []  # past the last request: nothing
+
+
 # The report's numbers ----------------------------------------------------------------------
 
 

@@ -129,8 +129,6 @@ class HttpRunner:
         if spec.stop:
             body["stop"] = list(spec.stop)
 
-        started = time.monotonic()
-        first = last = 0.0
         parts: list[str] = []
         usage: dict[str, Any] | None = None
         finish = None
@@ -156,8 +154,6 @@ class HttpRunner:
                         if text is None:
                             text = (choice.get("delta") or {}).get("content")
                         if text:
-                            last = time.monotonic()
-                            first = first or last
                             parts.append(text)
                             yield Token(text)
         except httpx.TimeoutException:
@@ -167,15 +163,13 @@ class HttpRunner:
             ) from None
         except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError) as exc:
             raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
-        n = usage["completion_tokens"] if usage else len(parts)
+        # (ttft_ms and tpot_ms are the governor's, measured from admission.)
         yield Finished(
             {
                 "text": "".join(parts),
                 "prompt_tokens": usage["prompt_tokens"] if usage else None,
-                "completion_tokens": n,
+                "completion_tokens": usage["completion_tokens"] if usage else len(parts),
                 "counted": "usage" if usage else "chunks",
                 "finish_reason": FINISH_REASONS.get(finish or "", finish),
-                "ttft_ms": round((first - started) * 1000, 3) if first else None,
-                "tpot_ms": round((last - first) * 1000 / (n - 1), 3) if n > 1 else None,
             }
         )

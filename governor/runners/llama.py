@@ -19,7 +19,6 @@ import importlib.util
 import logging
 import os
 import sys
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,8 +308,6 @@ class LlamaRunner:
         assert spec is not None
         self._ids += 1
         run_id = f"{self._ids}"
-        started = time.monotonic()
-        first = last = 0.0
         finished = False
         try:
             worker.send(
@@ -340,23 +337,18 @@ class LlamaRunner:
                     raise RunnerError(
                         f"the worker process died (exit status {code})", NeedCode.RUNNER_CRASHED
                     )
-                now = time.monotonic()
                 if event["ev"] == "token":
-                    first = first or now
-                    last = now
                     if event["text"]:
                         yield Token(event["text"])
                     continue
                 finished = True
-                n = event["completion_tokens"]
+                # (ttft_ms and tpot_ms are the governor's, measured from admission.)
                 yield Finished(
                     {
                         "text": event["text"],
                         "prompt_tokens": len(job.tokens),
-                        "completion_tokens": n,
+                        "completion_tokens": event["completion_tokens"],
                         "finish_reason": event["finish_reason"],
-                        "ttft_ms": round((first - started) * 1000, 3) if first else None,
-                        "tpot_ms": round((last - first) * 1000 / (n - 1), 3) if n > 1 else None,
                     }
                 )
                 return
@@ -455,10 +447,6 @@ class LlamaRunner:
                 lost=True,
                 error=repr(exc),
             )
-
-    def worker_pids(self) -> list[int]:
-        """The pids of the live workers (for tests and operators)."""
-        return sorted(w.proc.pid for w in self._workers if w.proc is not None and w.alive)
 
 
 def default_threads(workers: int) -> int:

@@ -7,7 +7,7 @@ import hashlib
 import random
 from collections.abc import AsyncGenerator
 
-from protocol.spec import JSON_CONTENT_TYPES, parse_spec
+from protocol.spec import is_json_content_type, parse_spec
 
 from .base import Finished, Job, RunEvent, RunnerError, RunnerHealth, Token
 
@@ -53,7 +53,7 @@ class StubRunner:
 
     def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
         """Any payload will do (it only takes time); a job spec is read, for the lane policy."""
-        if content_type.split(";")[0].strip().lower() in JSON_CONTENT_TYPES:
+        if is_json_content_type(content_type):
             spec = parse_spec(payload, content_type, max_new_tokens_ceiling=STUB_MAX_NEW_TOKENS)
             return Job(job_id, payload, content_type, spec=spec)
         return Job(job_id, payload, content_type)
