@@ -11,19 +11,25 @@ Nothing is queued on the server, but the ledger remembers when it told each yiel
 to come back (its *promise*), so that the clients it turned away are spread over the coming
 slot releases instead of all returning at the same instant.
 
-* ``S`` is the expected service time: an exponentially weighted mean of the observed times
-  of completed jobs (``alpha`` = 0.2), starting from the runner's own estimate. Under a lane
-  policy each lane has its own ``S`` (from its first completed job; the pool's until then):
-  a chat is not expected to run as long as a document rewrite.
-* Each running job ``i`` is expected to end at ``e_i = start_i + S`` (its lane's ``S``),
-  or, once it has run ``ran_i >= S``, at ``now + ran_i / 4``: a job that has outlived the
-  estimate is likely a long one, so it is given a quarter more of what it has run. Never
-  sooner than ``now + floor`` (``min_hint_ms``); a free slot counts as releasing at
-  ``now + floor``. After its release each slot frees again every ``S + T`` seconds (``S`` of
-  the waiting client's lane), ``T`` being the turnaround: how long a released slot waits for
-  the returning client it was promised to (an exponentially weighted mean, from
-  ``min_hint_ms``). The ``k``-th release from now is the ``k``-th smallest of the times
-  ``e_i + j * (S + T)``: a slot that frees long before another turns over many times first.
+* Each job is expected to hold its slot for its own predicted time ``S_i``: the pool's
+  :class:`~governor.service.ServiceModel` predicts it from the job's size (its prompt and
+  ``max_new_tokens``, known at admission), with prefill and decode rates learnt online from
+  finished jobs, so that a chat beside a document rewrite is not given the pair's mean. A job
+  the model cannot size (a raw payload, or any job before the rates are learnt) is expected to
+  take ``S``: an exponentially weighted mean of the observed times of completed jobs (``alpha``
+  = 0.2), starting from the runner's own estimate; under a lane policy its lane's ``S`` (from
+  its first completed job; the pool's until then). Only a job that completed teaches any of
+  these: a runner failure, a cancel or a timeout says nothing about how long jobs take.
+* Each running job ``i`` is expected to end at ``e_i = start_i + S_i``, or, once it has run
+  ``ran_i >= S_i``, at ``now + ran_i / 4``: a job that has outlived its prediction is likely a
+  long one, so it is given a quarter more of what it has run. Never sooner than ``now +
+  floor`` (``min_hint_ms``); a free slot counts as releasing at ``now + floor``. After its
+  release each slot frees again every ``W + T`` seconds, ``T`` being the turnaround: how long
+  a released slot waits for the returning client it was promised to (an exponentially
+  weighted mean, from ``min_hint_ms``), and ``W`` the mean predicted time of the jobs of the
+  clients ahead of the waiting one in line (they take those turns), or its own job's where
+  none is. The ``k``-th release from now is the ``k``-th smallest of the times ``e_i + j * (W
+  + T)``: a slot that frees long before another turns over many times first.
 * ``P`` is the number of promises still outstanding. A promise belongs to a held payload: it
   is withdrawn when the client comes back or the payload is dropped (client gone, new
   manifest), and it lapses ``grace = max(S/4, 20 ms)`` after its time (the client's jitter).
@@ -50,6 +56,8 @@ retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures bot
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -65,21 +73,26 @@ Clock = Callable[[], float]
 
 EWMA_ALPHA = 0.2
 MAX_PROMISES = 65536  # bounds the ledger's memory whatever the number of refused clients
+# Withdrawn and lapsed promises linger in the line and the lapse heap until they reach the
+# front; both are rebuilt when the dead outnumber the living by this many.
+SLACK = 64
 
 
 class Promise:
     """When a refused client was told to come back; withdrawn with :meth:`SlotLedger.withdraw`.
 
     ``rank`` is its lane's place in :data:`LANES` (0 without a lane policy): a client waits only
-    behind promises of its own lane or a higher one.
+    behind promises of its own lane or a higher one. ``service_s`` is its job's predicted
+    service time: how long the slot it is promised will be held once it is back.
     """
 
-    __slots__ = ("at", "lapses", "queued", "rank")
+    __slots__ = ("at", "lapses", "queued", "rank", "service_s")
 
-    def __init__(self, at: float, lapses: float, rank: int = 0) -> None:
+    def __init__(self, at: float, lapses: float, rank: int = 0, service_s: float = 0.0) -> None:
         self.at = at
         self.lapses = lapses
         self.rank = rank
+        self.service_s = service_s
         self.queued = True  # still in the line: neither withdrawn nor lapsed
 
 
@@ -94,7 +107,11 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class Completed:
-    """What a finished job measured, for the service-time estimates."""
+    """What a finished job measured, for the service-time estimates (None: not measured).
+
+    ``ttft_s`` is from the slot's start to the first output token; ``prompt_tokens`` and
+    ``completion_tokens`` as the runner counted them.
+    """
 
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -113,9 +130,9 @@ class Slot:
         self.started = started
         self.demand = demand  # its lane and KV reservation, under a lane policy
         self.size = size  # its prompt and max_new_tokens, when it is an inference job
-        # Its own predicted service time, once the pool's model has learnt its rates (else the
-        # lane's or the pool's mean is used).
-        self.expected_s = ledger.model.predict_s(size) if ledger.model.knows(size) else None
+        # Its own predicted service time (the lane's or the pool's mean where the model cannot
+        # size it): every hint that waits on this job's end reads it.
+        self.expected_s = ledger.predict_s(size, demand.lane if demand is not None else None)
         self._released = False
 
     @property
@@ -165,8 +182,17 @@ class SlotLedger:
         self.peak_inflight = 0
         self.draining = False
         self._running: dict[Slot, None] = {}  # insertion-ordered set
-        self._promises: deque[Promise] = deque()  # in the order of their times
+        # The line, in order. A promise withdrawn or lapsed (``queued`` False) stays in it, and
+        # is skipped, until it reaches the front (removing it from the middle would cost a
+        # walk of the line).
+        self._promises: deque[Promise] = deque()
+        # (lapses, n, promise), earliest first: promises lapse by their own time, not the
+        # line's order (a background client first in line may be promised a later time than
+        # an interactive client behind it). Entries of re-timed or dequeued promises are stale.
+        self._lapsing: list[tuple[float, int, Promise]] = []
+        self._pushed = itertools.count()
         self._promised = [0] * len(LANES)  # promises in the line, by rank
+        self._promised_s = [0.0] * len(LANES)  # the sum of their jobs' service_s, by rank
 
     @property
     def inflight(self) -> int:
@@ -190,7 +216,9 @@ class SlotLedger:
         """Take a slot, or say why not and when to come back.
 
         ``promise`` is the one a returning client was given when it was last refused;
-        ``demand`` the job's lane and KV reservation, when a lane policy is in force.
+        ``demand`` the job's lane and KV reservation, when a lane policy is in force; ``size``
+        its prompt and ``max_new_tokens``, when it is an inference job: the slot's expected
+        end, and the turns of the slots it waits for when refused, are predicted from it.
         """
         now = self.clock()
         self._lapse(now)
@@ -202,7 +230,7 @@ class SlotLedger:
         free = self.cap - len(self._running)
         # A free slot is not for the taking while clients ahead in line have their time come.
         if free <= self._due_ahead(now, promise, rank):
-            hint_ms, promise = self._promise(now, promise, rank)
+            hint_ms, promise = self._promise(now, promise, rank, size)
             return self.refused(Refusal(NeedCode.SERVER_BUSY, hint_ms, promise))
         if demand is not None and self.policy is not None:
             refusal = self._policy_refusal(now, demand, free)
@@ -227,9 +255,16 @@ class SlotLedger:
         return slot
 
     def waiting(self, rank: int) -> int:
-        """Promises in the line of rank <= ``rank`` (that lane or a higher one)."""
+        """Promises still in the line (withdrawn and lapsed ones are not) of rank <= ``rank``:
+        clients waiting for a slot in that lane or a higher one. 0 for a negative ``rank``."""
         self._lapse(self.clock())
         return sum(self._promised[: rank + 1]) if rank >= 0 else 0
+
+    def predict_s(self, size: JobSize | None, lane: Lane | None = None) -> float:
+        """How long a job of ``size`` (in ``lane``) is expected to hold its slot: the model's
+        prediction from its size, or the lane's (or the pool's) mean where it has none."""
+        model = self.model
+        return model.predict_s(size) if model.knows(size) else self.service_for(lane)
 
     def refused(self, refusal: Refusal) -> Refusal:
         """Count a refusal (also one decided outside the ledger, for a tenant's limits)."""
@@ -260,12 +295,12 @@ class SlotLedger:
 
     def _next_end(self, now: float) -> float:
         """When the first running job is expected to end (a free slot frees nothing more)."""
-        return min((self._slot_end(slot, now) for slot in self._running), default=now)
+        return min((self.slot_end(slot, now) for slot in self._running), default=now)
 
     def _lane_release(self, now: float, lane: Lane) -> float:
         """When the first running job of ``lane`` is expected to end."""
         return min(
-            self._slot_end(slot, now)
+            self.slot_end(slot, now)
             for slot in self._running
             if slot.demand is not None and slot.demand.lane == lane
         )
@@ -274,18 +309,14 @@ class SlotLedger:
         """The expected service time of a job of ``lane`` (``None``: of any job)."""
         return self.lane_service_s.get(lane, self.service_s) if lane is not None else self.service_s
 
-    def _slot_end(self, slot: Slot, now: float) -> float:
-        """A running job's expected end: from its own size when the model can tell, else
-        from its lane's (or the pool's) mean."""
-        if slot.expected_s is not None:
-            return self.expected_end(slot.started, now, slot.expected_s)
-        lane = slot.demand.lane if slot.demand is not None else None
-        return self.expected_end(slot.started, now, self.service_for(lane))
+    def slot_end(self, slot: Slot, now: float) -> float:
+        """When a running job is expected to end, from its own predicted service time."""
+        return self.expected_end(slot.started, now, slot.expected_s)
 
     def expected_end(self, started: float, now: float, service_s: float | None = None) -> float:
-        """When a job started at ``started`` is expected to end: ``started + S`` (``service_s``,
-        the pool's estimate by default); for a job already past that, a quarter more of what it
-        has run.
+        """When a job started at ``started`` is expected to end: ``started + S`` (``service_s``:
+        the job's own prediction, :attr:`Slot.expected_s`; the pool's mean by default); for a
+        job already past that, a quarter more of what it has run.
 
         (Service times are long-tailed: a job that has outlived the estimate is likely a long
         one, and telling its waiters "any moment now" would have them retry in a busy loop.)
@@ -304,12 +335,17 @@ class SlotLedger:
     def withdraw(self, promise: Promise) -> None:
         """Forget a promise: its client came back, or will not."""
         if promise.queued:
-            self._promises.remove(promise)
             self._dequeued(promise)
+            self._sweep()
 
     def _dequeued(self, promise: Promise) -> None:
         promise.queued = False
-        self._promised[promise.rank] -= 1
+        rank = promise.rank
+        self._promised[rank] -= 1
+        # (a sum kept by adding and subtracting drifts: an empty rank starts again from 0)
+        self._promised_s[rank] = (
+            self._promised_s[rank] - promise.service_s if self._promised[rank] else 0.0
+        )
 
     def _release(self, slot: Slot, done: Completed | None) -> float:
         del self._running[slot]
@@ -320,7 +356,9 @@ class SlotLedger:
         self._freed.append(now)
         held = now - slot.started
         if done is not None:
-            self.model.observe(slot.size, held, done.ttft_s, done.completion_tokens)
+            self.model.observe(
+                slot.size, done.prompt_tokens, done.completion_tokens, done.ttft_s, held
+            )
             self.service_s += EWMA_ALPHA * (held - self.service_s)
             if slot.demand is not None:
                 lane = slot.demand.lane
@@ -329,9 +367,27 @@ class SlotLedger:
         return held
 
     def _lapse(self, now: float) -> None:
+        lapsing = self._lapsing
+        if not lapsing or lapsing[0][0] >= now:
+            return
+        while lapsing and lapsing[0][0] < now:
+            lapses, _, promise = heapq.heappop(lapsing)
+            if promise.queued and promise.lapses == lapses:  # (else a stale entry)
+                self._dequeued(promise)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Drop dequeued promises from the front of the line; rebuild the line and the heap
+        when dequeued ones fill most of them (so both stay within twice the live promises)."""
         promises = self._promises
-        while promises and promises[0].lapses < now:
-            self._dequeued(promises.popleft())
+        while promises and not promises[0].queued:
+            promises.popleft()
+        bound = 2 * sum(self._promised) + SLACK
+        if len(promises) > bound:
+            self._promises = promises = deque(p for p in promises if p.queued)
+        if len(self._lapsing) > bound:
+            self._lapsing = [(p.lapses, next(self._pushed), p) for p in promises if p.queued]
+            heapq.heapify(self._lapsing)
 
     def _due_ahead(self, now: float, promise: Promise | None, rank: int) -> int:
         """Clients ahead of ``promise``'s (of all, for a newcomer) a free slot is held for.
@@ -345,7 +401,11 @@ class SlotLedger:
         hold = min(2 * self.turnaround_s, self._grace())
         due = 0
         for p in self._promises:
-            if p is promise or p.at > now + hold:
+            if p is promise:
+                break
+            if not p.queued:
+                continue
+            if p.at > now + hold:
                 break
             if p.at + hold >= now and p.rank <= rank:
                 due += 1
@@ -355,55 +415,74 @@ class SlotLedger:
         return max(self.service_s / 4, 0.02)
 
     def _promise(
-        self, now: float, promise: Promise | None, rank: int = 0
+        self, now: float, promise: Promise | None, rank: int = 0, size: JobSize | None = None
     ) -> tuple[int, Promise | None]:
         """The hint for a refusal, and the promise that goes with it.
 
         A returning client keeps its place in line and is re-timed to the release of that
         place (it is found by walking the line, usually from near its head: clients come back
         in the order they were told); a newcomer, in constant time, is promised the release
-        after every promise outstanding of its own lane or a higher one.
+        after every promise outstanding of its own lane or a higher one. The slots turn over
+        at the pace of the jobs of the clients ahead: the mean of their predicted times.
         """
         promises = self._promises
+        own_s = self.predict_s(size, LANES[rank] if self.policy is not None else None)
         if promise is not None and promise.queued:
-            ahead = 0
+            ahead, ahead_s = 0, 0.0
             for p in promises:
                 if p is promise:
                     break
-                ahead += p.rank <= rank
+                if p.queued and p.rank <= rank:
+                    ahead += 1
+                    ahead_s += p.service_s
         else:  # a newcomer, or a client whose promise lapsed: to the back
             promise = None
             ahead = sum(self._promised[: rank + 1])
-        hint_ms = self.hint_ms(now, self._release_time(now, ahead, rank))
+            ahead_s = sum(self._promised_s[: rank + 1])
+        turn_s = ahead_s / ahead if ahead else own_s
+        hint_ms = self.hint_ms(now, self._release_time(now, ahead, rank, turn_s))
         at = now + hint_ms / 1000
         lapses = at + self._grace()
         if promise is not None:
             promise.at, promise.lapses = at, lapses
-            return hint_ms, promise
-        if len(promises) >= MAX_PROMISES:
+            if promise.service_s != own_s:  # (the model learnt since it was last told)
+                self._promised_s[rank] += own_s - promise.service_s
+                promise.service_s = own_s
+        elif sum(self._promised) >= MAX_PROMISES:
             return hint_ms, None
-        promise = Promise(at, lapses, rank)
-        promises.append(promise)
-        self._promised[rank] += 1
+        else:
+            promise = Promise(at, lapses, rank, own_s)
+            promises.append(promise)
+            self._promised[rank] += 1
+            self._promised_s[rank] += own_s
+        heapq.heappush(self._lapsing, (lapses, next(self._pushed), promise))
+        if len(self._lapsing) > 2 * sum(self._promised) + SLACK:
+            self._sweep()
         return hint_ms, promise
 
-    def _release_time(self, now: float, k: int, rank: int = 0) -> float:
+    def _release_time(
+        self, now: float, k: int, rank: int = 0, turn_s: float | None = None
+    ) -> float:
         """When the ``k``-th slot release from now is expected (``k`` = 0: the next one), for
         a client of the lane ranked ``rank``: the ``k``-th smallest of the times
-        ``e_i + j * (S + T)``, ``j >= 0``.
+        ``e_i + j * (W + T)``, ``j >= 0``.
 
-        Each later turn of a slot starts when its promised client is back, not at once, and is
-        taken by a job like the waiting client's. A slot that frees long before another (a chat
-        beside a rewrite) turns over many times first, so the releases are counted in rounds of
-        one period from the first: in round ``r``, slot ``i`` frees at ``e_0 + r * (S + T) +
-        o_i`` once ``r >= q_i``, where ``e_i - e_0 = q_i * (S + T) + o_i``.
+        Each later turn of a slot starts when its promised client is back, not at once, and
+        lasts ``W`` (``turn_s``: the predicted time of the jobs that take those turns, the
+        lane's mean by default). A slot that frees long before another (a chat beside a
+        rewrite) turns over many times first, so the releases are counted in rounds of one
+        period from the first: in round ``r``, slot ``i`` frees at ``e_0 + r * (W + T) + o_i``
+        once ``r >= q_i``, where ``e_i - e_0 = q_i * (W + T) + o_i``.
         """
-        ends = [self._slot_end(slot, now) for slot in self._running]
+        expected_end = self.expected_end
+        ends = [expected_end(slot.started, now, slot.expected_s) for slot in self._running]
         floor = now + self.min_hint_ms / 1000
         ends += [floor] * (self.cap - len(ends))  # a free slot is held for a promise due now
         ends.sort()
-        lane = LANES[rank] if self.policy is not None else None
-        period = self.service_for(lane) + self.turnaround_s
+        if turn_s is None:
+            turn_s = self.service_for(LANES[rank] if self.policy is not None else None)
+        # (no turn is shorter than a millisecond: a period of 0 would never move on)
+        period = max(turn_s + self.turnaround_s, 0.001)
         first, n = ends[0], len(ends)
         if ends[-1] - first < period:  # the usual case: each slot frees once before any twice
             r, i = divmod(k, n)

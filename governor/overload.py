@@ -14,6 +14,31 @@ The fallback ladder follows the state (each step configurable):
                       heavy and background jobs to the fallback pool, if there is one
     batch_paused      ... and background jobs refused: yield ``lane_paused``
     interactive_only  ... and heavy jobs refused too: only interactive work is admitted
+
+When a pause can end
+--------------------
+A paused job is told to come back when the pause on its lane can end
+(:meth:`OverloadController.pause_hint_s`), not merely when the state may next change: once the
+dwell has passed the state often stays, because the signals still hold it, and a hint of
+"now" would have every paused client retry in a loop. The pause on a lane ends when the state
+has fallen below the level that pauses it, ``n`` levels from here; so, at the earliest:
+
+* the first fall, at the first re-evaluation (every ``evaluate_s``) after both the dwell
+  (``changed_at + min_dwell_s``) and the moment the signals allow it. While the interactive
+  p95 time to first token is above the falling threshold of the pausing level, that is when
+  enough of the slow samples have left the window for the p95 to drop below it, were every
+  sample from now on fast, at the same rate (the ``m``-th newest slow sample's time plus
+  ``window_s``, with ``m - 1`` the slow samples a p95 allows); KV utilisation, which has no
+  history, says nothing of when it will fall;
+* then one more level every ``min_dwell_s`` (and re-evaluation) after the other.
+
+That is never less than ``floor``: ``max(evaluate_s, window_s / 20)``. The signals are
+percentiles and rates over ``window_s``, and move only as a share of it turns over; a
+twentieth keeps the first retry close (1.5 s at the defaults) where nothing better is known.
+A job refused again and again was told too early (the overload outlived the estimate), so its
+hint doubles with each refusal, up to ``window_s`` (the time a whole window of signals takes
+to turn over) or the estimate itself if that is longer: ``min(max(earliest, floor) *
+2 ** (attempt - 1), max(window_s, earliest))``.
 """
 
 from __future__ import annotations
@@ -50,9 +75,14 @@ class OverloadSettings:
     degraded_max_new_tokens: int = 128  # ladder step: 0 disables it
     pause_background: bool = True  # ladder step
     interactive_only: bool = True  # ladder step
+    evaluate_s: float = 0.5  # how often the server calls update (a state changes no sooner)
 
 
 HYSTERESIS = 0.8  # falling thresholds, as a share of the rising ones
+PAUSE_FLOOR_SHARE = 0.05  # the shortest pause hint, as a share of the window
+MAX_DOUBLINGS = 32  # (2 ** 32 windows: far past any cap, and no float overflow)
+# The interactive p95 TTFT, as a multiple of the objective, at which each level is proposed.
+TTFT_LEVELS = ((State.INTERACTIVE_ONLY, 1.5), (State.BATCH_PAUSED, 1.0), (State.DEGRADED, 0.8))
 
 
 class OverloadController:
@@ -110,23 +140,24 @@ class OverloadController:
         s, level = self.settings, State.NORMAL
         ttft = signals["ttft_p95_ms"]
         if ttft is not None:
-            slo = s.ttft_slo_ms * scale
-            if ttft >= 1.5 * slo:
-                level = max(level, State.INTERACTIVE_ONLY)
-            elif ttft >= slo:
-                level = max(level, State.BATCH_PAUSED)
-            elif ttft >= 0.8 * slo:
-                level = max(level, State.DEGRADED)
-        kv = signals["kv_utilisation"] or 0.0
-        if kv >= min(0.95, s.kv_danger + 0.15) * scale:
-            level = max(level, State.INTERACTIVE_ONLY)
-        elif kv >= s.kv_danger * scale:
-            level = max(level, State.BATCH_PAUSED)
+            for state, share in TTFT_LEVELS:
+                if ttft >= share * s.ttft_slo_ms * scale:
+                    level = max(level, state)
+                    break
+        level = max(level, self._kv_level(signals["kv_utilisation"] or 0.0, scale))
         for name, threshold in (("yield_rate", s.yield_rate), ("error_rate", s.error_rate)):
             value = signals[name]
             if value is not None and value >= threshold * scale:
                 level = max(level, State.DEGRADED)
         return level
+
+    def _kv_level(self, kv: float, scale: float) -> State:
+        s = self.settings
+        if kv >= min(0.95, s.kv_danger + 0.15) * scale:
+            return State.INTERACTIVE_ONLY
+        if kv >= s.kv_danger * scale:
+            return State.BATCH_PAUSED
+        return State.NORMAL
 
     def update(self) -> State:
         """Re-evaluate; returns the (possibly new) state."""
@@ -148,18 +179,58 @@ class OverloadController:
 
     # The ladder ------------------------------------------------------------------------
 
-    def paused(self, lane: Lane) -> bool:
+    def pause_level(self, lane: Lane) -> State | None:
+        """The lowest state that pauses ``lane`` (None: no state does)."""
         s = self.settings
         if lane == Lane.BACKGROUND and s.pause_background:
-            return self.state >= State.BATCH_PAUSED
+            return State.BATCH_PAUSED
         if lane != Lane.INTERACTIVE and s.interactive_only:
-            return self.state >= State.INTERACTIVE_ONLY
-        return False
+            return State.INTERACTIVE_ONLY
+        return None
+
+    def paused(self, lane: Lane) -> bool:
+        level = self.pause_level(lane)
+        return level is not None and self.state >= level
 
     def pause_hint_s(self, lane: Lane, attempt: int) -> float:
-        """When a pause on ``lane`` may end; longer for a job refused ``attempt`` times."""
-        rest = self.changed_at + self.settings.min_dwell_s - self.clock()
-        return float(min(max(rest, 1.0) * 2.0 ** (attempt - 1), self.settings.window_s))
+        """Seconds until the pause on ``lane`` can end, for a job refused ``attempt`` times
+        (1: its first refusal): see "When a pause can end" above. 0.0 when it is not paused.
+        """
+        level = self.pause_level(lane)
+        if level is None or self.state < level:
+            return 0.0
+        s, now = self.settings, self.clock()
+        signals = self.signals()
+        fall_at = self.changed_at
+        for state in range(self.state, level - 1, -1):  # each fall, down to below ``level``
+            allowed = self._signals_allow_fall(signals, State(state), now)
+            fall_at = max(fall_at + s.min_dwell_s, allowed, now) + s.evaluate_s
+        earliest = fall_at - now
+        floor = max(s.evaluate_s, PAUSE_FLOOR_SHARE * s.window_s)
+        doublings = min(max(attempt, 1) - 1, MAX_DOUBLINGS)
+        return min(max(earliest, floor) * 2.0**doublings, max(s.window_s, earliest))
+
+    def _signals_allow_fall(
+        self, signals: dict[str, float | None], level: State, now: float
+    ) -> float:
+        """The earliest time the signals could let the state fall below ``level``: now, if
+        they already do; else when the slow TTFT samples holding it leave the window, were
+        every later sample fast (KV utilisation holding it: unknown, so now)."""
+        if self._level(signals, HYSTERESIS) < level:
+            return now
+        s = self.settings
+        share = next(share for proposed, share in TTFT_LEVELS if proposed <= level)
+        slow_ms = share * s.ttft_slo_ms * HYSTERESIS
+        samples = self._ttft
+        n = len(samples)
+        if n < s.min_samples:
+            return now
+        over = n - math.ceil(0.95 * n)  # the slow samples a p95 below slow_ms allows
+        slow = [t for t, ms in samples if ms >= slow_ms]
+        if len(slow) <= over:
+            return now
+        # Held up until the (over + 1)-th newest slow sample leaves the window.
+        return slow[-over - 1] + s.window_s
 
     def max_new_tokens(self, lane: Lane, asked: int) -> int | None:
         """A lowered max_new_tokens for this job, or None to leave it as asked."""

@@ -5,8 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from governor.ledger import EWMA_ALPHA, Completed, Promise, Refusal, Slot, SlotLedger
+from governor.ledger import EWMA_ALPHA, SLACK, Completed, Promise, Refusal, Slot, SlotLedger
+from governor.policy import LANES, Demand, LanePolicy
+from governor.service import JobSize
 from protocol.codes import NeedCode
 
 
@@ -78,7 +82,8 @@ def test_random_admit_release_never_exceeds_cap(clock: FakeClock) -> None:
             refused += 1
         assert ledger.inflight == len(held) <= 4
         # The count a newcomer's place is read from is the line's length.
-        assert sum(ledger._promised) == len(ledger._promises)
+        assert sum(ledger._promised) == sum(p.queued for p in ledger._promises)
+        assert len(ledger._promises) <= 2 * sum(ledger._promised) + SLACK
     assert ledger.peak_inflight == 4
     assert (ledger.executed_total, ledger.yielded_total) == (admitted, refused)
     assert refused > 0
@@ -330,3 +335,112 @@ def test_draining_refuses_with_its_own_code(clock: FakeClock) -> None:
 def test_cap_must_be_positive() -> None:
     with pytest.raises(ValueError, match="cap"):
         SlotLedger(0)
+
+
+# Properties -------------------------------------------------------------------------------
+
+SIZES = st.one_of(st.none(), st.builds(JobSize, st.integers(0, 4000), st.integers(1, 1000)))
+# admit (with a size), release (done or not, of the i-th slot held), withdraw, or time passing
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), SIZES, st.integers(0, len(LANES) - 1)),
+        st.tuples(st.just("release"), st.integers(0, 20), st.booleans()),
+        st.tuples(st.just("again"), st.integers(0, 20), st.booleans()),
+        st.tuples(st.just("withdraw"), st.integers(0, 50), st.booleans()),
+        st.tuples(st.just("wait"), st.floats(0.0, 3.0), st.booleans()),
+    ),
+    max_size=80,
+)
+
+
+def run_ops(ops: list[tuple[str, object, object]], *, lanes: bool) -> None:
+    clock = FakeClock()
+    policy = LanePolicy(interactive_reserve=0) if lanes else None
+    ledger = SlotLedger(3, expected_service_s=0.5, clock=clock, policy=policy)
+    held: list[Slot] = []
+    released: list[Slot] = []
+    promises: list[tuple[Promise, int]] = []  # (promise, rank) as given, withdrawn or not
+    withdrawn: set[int] = set()
+    taught = 0
+    for op, a, b in ops:
+        if op == "admit":
+            assert isinstance(b, int)
+            size = a if isinstance(a, JobSize) else None
+            returning = next(
+                (p for p, rank in reversed(promises) if rank == b and id(p) not in withdrawn),
+                None,
+            )
+            demand = Demand(LANES[b], 10) if lanes else None
+            decision = ledger.admit(returning, demand, size)
+            if returning is not None and not (
+                isinstance(decision, Refusal) and decision.promise is returning
+            ):
+                withdrawn.add(id(returning))  # admitted, lapsed, or refused for good
+            if isinstance(decision, Slot):
+                held.append(decision)
+            elif decision.promise is not None and decision.promise is not returning:
+                promises.append((decision.promise, b if lanes else 0))
+        elif op in ("release", "again"):
+            assert isinstance(a, int)
+            pool = held if op == "release" else released
+            if not pool:
+                continue
+            slot = pool[a % len(pool)]
+            clock.now += 0.01
+            done = Completed(None, 5, 0.001) if b else None
+            seconds = slot.release(done=done)
+            if op == "again":
+                assert seconds == 0.0  # exactly once: a second release does nothing
+                continue
+            assert seconds == pytest.approx(clock.now - slot.started)
+            taught += b is True
+            held.remove(slot)
+            released.append(slot)
+        elif op == "withdraw":
+            assert isinstance(a, int)
+            if promises:
+                promise, _ = promises[a % len(promises)]
+                ledger.withdraw(promise)
+                withdrawn.add(id(promise))
+        else:
+            assert isinstance(a, float)
+            clock.now += a
+        assert ledger.inflight == len(held) <= ledger.cap
+        assert ledger.model.observed == taught
+        # waiting(rank): every promise given, less those withdrawn, taken up or lapsed.
+        for rank in range(-1, len(LANES)):
+            brute = sum(
+                1
+                for p, r in promises
+                if r <= rank and id(p) not in withdrawn and p.lapses >= clock.now
+            )
+            assert ledger.waiting(rank) == brute
+        line = [p for p in ledger._promises if p.queued]
+        assert sum(ledger._promised_s) == pytest.approx(sum(p.service_s for p in line), abs=1e-9)
+
+
+@settings(max_examples=200)
+@given(ops=OPS, lanes=st.booleans())
+def test_release_is_exactly_once_and_waiting_counts_the_line(
+    ops: list[tuple[str, object, object]], lanes: bool
+) -> None:
+    run_ops(ops, lanes=lanes)
+
+
+def test_a_promise_lapses_at_its_own_time_not_the_lines(clock: FakeClock) -> None:
+    """An interactive client behind background ones is promised an earlier time; once that
+    has passed it no longer waits, whoever is ahead of it."""
+    ledger = SlotLedger(1, clock=clock, policy=LanePolicy(interactive_reserve=0))
+    background, interactive = Demand(LANES[2], 10), Demand(LANES[0], 10)
+    assert isinstance(ledger.admit(demand=background), Slot)
+    for _ in range(5):
+        assert isinstance(ledger.admit(demand=background), Refusal)
+    chat = ledger.admit(demand=interactive)
+    assert isinstance(chat, Refusal)
+    assert chat.retry_hint_ms == 1000  # first in its lane's line, behind five background jobs
+    assert (ledger.waiting(0), ledger.waiting(2)) == (1, 6)
+    clock.now += 1.5  # past the chat's grace; the first background promise lapsed too
+    assert (ledger.waiting(0), ledger.waiting(2)) == (0, 4)
+    again = ledger.admit(chat.promise, interactive)  # too late: to the back of its line
+    assert isinstance(again, Refusal)
+    assert again.promise is not chat.promise

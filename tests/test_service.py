@@ -7,81 +7,210 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from governor.ledger import Completed, Refusal, Slot, SlotLedger
+from governor.policy import Demand, Lane, LanePolicy
 from governor.service import JobSize, ServiceModel
 
 from .test_ledger import FakeClock
 
-PREFILL_S, DECODE_S = 0.002, 0.03  # per token: a small model on a CPU
+# A small model on a CPU: a fixed overhead per job, then per prompt and per output token.
+BASE_S, PREFILL_S, DECODE_S = 0.05, 0.002, 0.03
 
 
-def finish(ledger: SlotLedger, clock: FakeClock, size: JobSize, completion: int) -> None:
-    """Run one job of ``size`` that produced ``completion`` tokens at the rates above."""
-    slot = ledger.admit(size=size)
+def machine_s(prompt: int, out: int) -> tuple[float, float]:
+    """(ttft, held) of a job on that machine."""
+    ttft = BASE_S + prompt * PREFILL_S
+    return ttft, ttft + max(out - 1, 0) * DECODE_S
+
+
+def teach(model: ServiceModel, size: JobSize, out: int | None = None) -> None:
+    out = size.max_new_tokens if out is None else out
+    ttft, held = machine_s(size.prompt_tokens, out)
+    model.observe(size, size.prompt_tokens, out, ttft, held)
+
+
+def finish(
+    ledger: SlotLedger, clock: FakeClock, size: JobSize, demand: Demand | None = None
+) -> None:
+    """Run one job of ``size`` to its end on that machine, through the ledger."""
+    slot = ledger.admit(demand=demand, size=size)
     assert isinstance(slot, Slot)
-    ttft = size.prompt_tokens * PREFILL_S
-    clock.now += ttft + (completion - 1) * DECODE_S
-    slot.release(done=Completed(size.prompt_tokens, completion, ttft))
+    ttft, held = machine_s(size.prompt_tokens, size.max_new_tokens)
+    clock.now += held
+    slot.release(done=Completed(size.prompt_tokens, size.max_new_tokens, ttft))
 
 
-def test_jobs_tenfold_apart_in_size_are_predicted_tenfold_apart() -> None:
-    model = ServiceModel(base_s=1.0)
-    assert model.predict_s(JobSize(100, 50)) == 1.0  # nothing learnt: the runner's guess
-    model.observe(JobSize(200, 100), held_s=0.4 + 99 * DECODE_S, ttft_s=0.4, completion_tokens=100)
-    small, large = model.predict_s(JobSize(50, 20)), model.predict_s(JobSize(500, 200))
-    assert small == pytest.approx(50 * PREFILL_S + 20 * DECODE_S)
-    assert large == pytest.approx(10 * small)
+def test_nothing_learnt_predicts_the_runners_own_estimate() -> None:
+    model = ServiceModel(1.5)
+    assert model.predict_s(JobSize(100, 50)) == 1.5
+    assert model.predict_s(None) == 1.5
+    assert not model.knows(JobSize(100, 50))
+
+
+def test_jobs_tenfold_apart_in_size_are_predicted_from_their_own_sizes() -> None:
+    model = ServiceModel(1.0)
+    for prompt, max_new in [(40, 10), (400, 100), (120, 30), (800, 5), (10, 200)] * 4:
+        teach(model, JobSize(prompt, max_new))
+    assert model.base_s == pytest.approx(BASE_S, rel=0.02)
+    assert model.prefill_s == pytest.approx(PREFILL_S, rel=0.02)
+    assert model.decode_s == pytest.approx(DECODE_S, rel=1e-6)
+    small, large = JobSize(50, 20), JobSize(500, 200)
+    assert model.predict_s(small) == pytest.approx(machine_s(50, 20)[1], rel=0.01)
+    assert model.predict_s(large) == pytest.approx(machine_s(500, 200)[1], rel=0.01)
+    assert model.predict_s(large) > 9 * model.predict_s(small)
+
+
+def test_the_first_job_is_all_prefill_until_prompts_differ() -> None:
+    """One point cannot tell the overhead from the rate: the line goes through the origin."""
+    model = ServiceModel(1.0)
+    teach(model, JobSize(200, 100))
+    assert model.base_s == pytest.approx(0.0, abs=1e-12)
+    assert model.prefill_s == pytest.approx((BASE_S + 200 * PREFILL_S) / 200)
+    assert model.predict_s(JobSize(200, 100)) == pytest.approx(machine_s(200, 100)[1])
+    teach(model, JobSize(20, 100))  # a second prompt length: the overhead shows
+    assert model.base_s == pytest.approx(BASE_S, rel=0.005)  # (less the prior's pull)
 
 
 def test_a_job_that_stops_early_teaches_the_completion_ratio() -> None:
-    model = ServiceModel(base_s=1.0)
-    for _ in range(30):  # every job stops at half its max_new_tokens
-        model.observe(
-            JobSize(10, 100), held_s=0.02 + 49 * DECODE_S, ttft_s=0.02, completion_tokens=50
-        )
+    model = ServiceModel(1.0)
+    for _ in range(40):  # every job stops at half its max_new_tokens
+        teach(model, JobSize(10, 100), out=50)
+        teach(model, JobSize(30, 100), out=50)
     assert model.ratio == pytest.approx(0.5)
-    assert model.predict_s(JobSize(10, 100)) == pytest.approx(10 * PREFILL_S + 50 * DECODE_S)
+    assert model.decode_s == pytest.approx(DECODE_S)
+    assert model.predict_s(JobSize(10, 100)) == pytest.approx(machine_s(10, 50)[1], rel=0.01)
+    # Token-weighted: a short job that runs to its end does not hide long ones stopping early.
+    ratio = ServiceModel(1.0)
+    for _ in range(40):
+        teach(ratio, JobSize(10, 10), out=10)
+        teach(ratio, JobSize(10, 1000), out=100)
+    assert ratio.ratio == pytest.approx(110 / 1010, rel=0.03)  # not (1 + 0.1) / 2
+
+
+def test_a_job_without_a_first_token_time_teaches_decode_from_the_line() -> None:
+    model = ServiceModel(1.0)
+    teach(model, JobSize(100, 10))
+    teach(model, JobSize(10, 10))
+    decode = model.decode_s
+    held = machine_s(100, 40)[1]
+    model.observe(JobSize(100, 40), 100, 40, None, held + 39 * DECODE_S)  # decoding at half speed
+    assert model.decode_s is not None
+    assert decode is not None
+    assert model.decode_s > decode
+    blind = ServiceModel(1.0)  # nothing fitted yet: only the mean and the ratio learn
+    blind.observe(JobSize(100, 40), 100, 20, None, 3.0)
+    assert not blind.knows(JobSize(100, 40))
+    assert blind.ratio == 0.5
+    assert blind.mean_s == pytest.approx(1.0 + 0.2 * 2.0)
+
+
+def test_a_job_without_a_size_is_predicted_as_the_mean_of_jobs() -> None:
+    """The stub's raw payloads: today's estimate, an exponentially weighted mean."""
+    clock = FakeClock()
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    for held in (3.0, 2.0, 0.5):
+        slot = ledger.admit()
+        assert isinstance(slot, Slot)
+        clock.now += held
+        slot.release(done=Completed())
+        assert ledger.model.predict_s(None) == pytest.approx(ledger.service_s)
+    assert ledger.service_s != 1.0
+    assert ledger.model.prefill_s is None
 
 
 def test_the_hint_follows_the_running_jobs_own_sizes() -> None:
     clock = FakeClock()
     ledger = SlotLedger(2, expected_service_s=1.0, clock=clock)
-    finish(ledger, clock, JobSize(100, 100), 100)  # learns the rates
+    finish(ledger, clock, JobSize(100, 100))  # learns the rates
+    finish(ledger, clock, JobSize(10, 100))
     short, long = JobSize(20, 10), JobSize(1000, 400)
     for size in (long, short):
         assert isinstance(ledger.admit(size=size), Slot)
     refusal = ledger.admit(size=short)
     assert isinstance(refusal, Refusal)
-    # The short job's own end (0.34 s), not a mean of the two (about 7 s).
-    expected = 20 * PREFILL_S + 10 * DECODE_S
+    # The short job's own end (0.36 s), not the pool's mean (about 3 s).
+    assert refusal.retry_hint_ms == pytest.approx(machine_s(20, 10)[1] * 1000, abs=2)
+    # The second refused client waits for the long job: the short slot turns over first.
+    second = ledger.admit(size=short)
+    assert isinstance(second, Refusal)
+    turn_ms = (machine_s(20, 10)[1] + ledger.turnaround_s) * 1000
+    assert second.retry_hint_ms == pytest.approx(machine_s(20, 10)[1] * 1000 + turn_ms, abs=3)
+
+
+def test_the_slots_turn_over_at_the_pace_of_the_jobs_waiting_ahead() -> None:
+    """A chat behind two long rewrites waits for the rewrites, not for two chats."""
+    clock = FakeClock()
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    finish(ledger, clock, JobSize(100, 100))
+    finish(ledger, clock, JobSize(10, 100))
+    chat, rewrite = JobSize(20, 10), JobSize(2000, 300)
+    assert isinstance(ledger.admit(size=chat), Slot)
+    for _ in range(2):
+        assert isinstance(ledger.admit(size=rewrite), Refusal)
+    refusal = ledger.admit(size=chat)
+    assert isinstance(refusal, Refusal)
+    end, turn = ledger.model.predict_s(chat), ledger.model.predict_s(rewrite)
+    assert turn > 20 * end
+    expected = end + 2 * (turn + ledger.turnaround_s)
     assert refusal.retry_hint_ms == pytest.approx(expected * 1000, abs=2)
 
 
 def test_a_job_that_did_not_finish_teaches_nothing() -> None:
     clock = FakeClock()
-    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
-    slot = ledger.admit(size=JobSize(100, 100))
+    policy = LanePolicy()
+    ledger = SlotLedger(2, expected_service_s=1.0, clock=clock, policy=policy)
+    demand = Demand(Lane.HEAVY, 200)
+    finish(ledger, clock, JobSize(100, 100), demand)
+    finish(ledger, clock, JobSize(10, 100), demand)
+    model = ledger.model
+    before = (model.base_s, model.prefill_s, model.decode_s, model.ratio, model.mean_s)
+    service, lanes, observed = ledger.service_s, dict(ledger.lane_service_s), model.observed
+    slot = ledger.admit(demand=demand, size=JobSize(100, 100))
     assert isinstance(slot, Slot)
     clock.now += 50.0
-    slot.release()  # a runner failure, a cancel: done is None
-    assert ledger.model.prefill_s is None
-    assert ledger.model.base_s == 1.0
-    assert ledger.service_s == 1.0
+    assert slot.release() == 50.0  # a runner failure, a cancel, a timeout: done is None
+    assert (model.base_s, model.prefill_s, model.decode_s, model.ratio, model.mean_s) == before
+    assert (ledger.service_s, ledger.lane_service_s, model.observed) == (service, lanes, observed)
 
 
 SIZES = st.builds(JobSize, st.integers(0, 10_000), st.integers(1, 4096))
-OBSERVATIONS = st.lists(
-    st.tuples(SIZES, st.floats(0.001, 100.0), st.floats(0.0, 1.0), st.integers(1, 4096)),
-    max_size=20,
+FINISHED = st.tuples(
+    st.one_of(st.none(), SIZES),  # the job's size (None: a raw payload)
+    st.floats(0.0, 100.0),  # held_s
+    st.one_of(st.none(), st.floats(0.0, 1.0)),  # ttft as a share of held_s (None: not seen)
+    st.one_of(st.none(), st.integers(0, 5000)),  # completion tokens (None: not counted)
 )
 
 
-@given(observations=OBSERVATIONS, a=SIZES, b=SIZES)
+@given(finished=st.lists(FINISHED, max_size=30), a=SIZES, b=SIZES)
 def test_a_larger_job_is_never_predicted_shorter(
-    observations: list[tuple[JobSize, float, float, int]], a: JobSize, b: JobSize
+    finished: list[tuple[JobSize | None, float, float | None, int | None]], a: JobSize, b: JobSize
 ) -> None:
-    model = ServiceModel(base_s=1.0)
-    for size, held, share, completion in observations:
-        model.observe(size, held, held * share, completion)
+    model = ServiceModel(1.0)
+    for size, held, share, completion in finished:
+        ttft = None if share is None else held * share
+        model.observe(size, None, completion, ttft, held)
     low = JobSize(min(a.prompt_tokens, b.prompt_tokens), min(a.max_new_tokens, b.max_new_tokens))
     high = JobSize(max(a.prompt_tokens, b.prompt_tokens), max(a.max_new_tokens, b.max_new_tokens))
     assert 0.0 <= model.predict_s(low) <= model.predict_s(high)
+    assert 0.0 <= model.ratio <= 1.0
+
+
+@given(
+    base=st.floats(0.0, 1.0),
+    prefill=st.floats(0.0, 0.01),
+    decode=st.floats(0.001, 0.1),
+    sizes=st.lists(SIZES, min_size=2, max_size=20).filter(
+        lambda s: max(z.prompt_tokens for z in s) - min(z.prompt_tokens for z in s) >= 50
+    ),
+)
+def test_noiseless_jobs_are_predicted_as_they_ran(
+    base: float, prefill: float, decode: float, sizes: list[JobSize]
+) -> None:
+    model = ServiceModel(1.0)
+    for size in sizes:
+        ttft = base + size.prompt_tokens * prefill
+        held = ttft + (size.max_new_tokens - 1) * decode
+        model.observe(size, size.prompt_tokens, size.max_new_tokens, ttft, held)
+    for size in sizes:
+        ran = base + size.prompt_tokens * prefill + (size.max_new_tokens - 1) * decode
+        assert model.predict_s(size) == pytest.approx(ran, rel=0.02, abs=0.005)
