@@ -16,10 +16,22 @@ objective set for its class: time to first token, time per output token, end to 
 job's first output is its done frame). Goodput is good requests per second of the step.
 *Wasted* tokens are the output tokens of requests that were not good: work the target did that
 no user could use.
+
+Two figures say whether the hints fit the work under overload (a step's ``"saturation"`` and
+``"paused"``):
+
+* saturation: among the monitor's samples taken while at least twice the cap of clients were
+  waiting (requests sent and not ended at the client, less the jobs running on the server, read
+  at the client's sample nearest in time), the share with every slot busy and the mean number
+  busy. Slots idle while clients wait are hints that sent clients back too late.
+* paused: the jobs refused at least once with ``lane_paused``, and their yields per job (all
+  of them, and the ``lane_paused`` ones): a hint that does not say when the pause can end has
+  a paused client retry in a loop.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import datetime
 import platform
@@ -28,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .driver import Run
+from .monitor import Sample
 from .stats import summarize
 from .targets import ABORTED, DONE, ERROR, STATUSES, TIMED_OUT, YIELDED, Outcome
 
@@ -107,6 +120,51 @@ def stats(outcomes: Sequence[Outcome], duration_s: float, slo: Slo) -> dict[str,
     }
 
 
+PAUSED = "lane_paused"
+
+
+def saturation(
+    outstanding: Sequence[tuple[float, int]], samples: Sequence[Sample], cap: int
+) -> dict[str, Any]:
+    """How busy the slots were while at least ``2 * cap`` clients waited (see the module's
+    docstring): ``samples`` (of the monitor) counted, the share of them with all ``cap`` slots
+    busy, and the mean number busy (None: no such sample).
+
+    ``outstanding`` is the client's ``(t_s, requests outstanding)`` timeline, in time order.
+    """
+    crowd = 2 * cap
+    times = [t for t, _ in outstanding]
+    busy: list[int] = []
+    for sample in samples:
+        t = sample.t_ms / 1000
+        i = bisect.bisect_left(times, t)
+        if i == len(times) or (i > 0 and t - times[i - 1] <= times[i] - t):
+            i -= 1  # the nearer of the two around it
+        if i < 0:
+            continue
+        if outstanding[i][1] - sample.inflight >= crowd:
+            busy.append(sample.inflight)
+    return {
+        "waiting_at_least": crowd,
+        "samples": len(busy),
+        "all_busy_share": round(sum(b >= cap for b in busy) / len(busy), 4) if busy else None,
+        "mean_busy": round(sum(busy) / len(busy), 3) if busy else None,
+    }
+
+
+def paused(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """The jobs that drew a ``lane_paused`` yield, and their yields per job."""
+    jobs = [o for o in outcomes if any(reason == PAUSED for _, reason, _ in o.yields)]
+    pauses = sum(reason == PAUSED for o in jobs for _, reason, _ in o.yields)
+    yields = sum(len(o.yields) for o in jobs)
+    return {
+        "jobs": len(jobs),
+        "done": sum(o.status == DONE for o in jobs),
+        "yields_per_job": round(yields / len(jobs), 3) if jobs else None,
+        "paused_yields_per_job": round(pauses / len(jobs), 3) if jobs else None,
+    }
+
+
 def _count(items: Iterable[str | None]) -> dict[str, int]:
     return dict(sorted(collections.Counter(i or "?" for i in items).items()))
 
@@ -132,13 +190,18 @@ def step(run: Run, slo: Slo, *, label: str, offered_rps: float | None = None) ->
         if monitor is None
         else [[round(s.t_ms / 1000, 3), s.inflight] for s in monitor.samples],
     }
+    cap = None if monitor is None else monitor.cap
     return {
         "label": label,
         "offered": len(outcomes),
         "offered_rps": round(offered_rps if offered_rps is not None else _rate(outcomes), 4),
         "duration_s": round(duration, 3),
         "goodput_rps": overall["goodput_rps"],
-        "cap": None if monitor is None else monitor.cap,
+        "saturation": None
+        if monitor is None or not cap
+        else saturation(run.outstanding, monitor.samples, cap),
+        "paused": paused(outcomes),
+        "cap": cap,
         "max_inflight_observed": None if monitor is None else monitor.max_inflight,
         "inflight_peak": None if monitor is None else monitor.inflight_peak,
         "max_outstanding": max((n for _, n in run.outstanding), default=0),
@@ -244,5 +307,26 @@ def summary_lines(step_report: dict[str, Any]) -> list[str]:
         lines.append(f"  max outstanding at the client {step_report['max_outstanding']}")
     if step_report["monitor_error"]:
         lines.append(f"  monitor stopped early: {step_report['monitor_error']}")
+    lines += _overload_lines(step_report)
     lines.append(f"  goodput {step_report['goodput_rps']}/s; latencies p50/p90/p99/max:")
     return lines + ["  " + row for row in table(step_report)]
+
+
+def _overload_lines(step_report: dict[str, Any]) -> list[str]:
+    """The saturation and the paused jobs' yields, where there is anything to say."""
+    lines = []
+    sat = step_report.get("saturation")
+    if sat and sat["samples"]:
+        lines.append(
+            f"  while {sat['waiting_at_least']}+ clients waited ({sat['samples']} samples): "
+            f"every slot busy in {100 * sat['all_busy_share']:.1f}%, "
+            f"{sat['mean_busy']:.2f} of {step_report['cap']} busy on average"
+        )
+    pause = step_report.get("paused")
+    if pause and pause["jobs"]:
+        lines.append(
+            f"  {pause['jobs']} job(s) paused ({pause['done']} done): "
+            f"{pause['yields_per_job']:.2f} yields per job, "
+            f"{pause['paused_yields_per_job']:.2f} of them lane_paused"
+        )
+    return lines

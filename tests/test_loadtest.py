@@ -17,7 +17,11 @@ from typing import Any
 
 import pytest
 
+from loadtest.monitor import Sample
+from loadtest.report import paused, saturation
 from loadtest.stats import Summary, percentile, summarize
+from loadtest.targets import DONE, YIELDED, Outcome
+from loadtest.workload import Request
 
 from .conftest import Daemon
 
@@ -72,6 +76,49 @@ def test_summarize_nothing() -> None:
     empty = summarize([])
     assert empty == Summary(0, None, None, None, None)
     assert empty.as_dict() == {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
+
+
+# report: the overload figures ---------------------------------------------------------------
+
+
+def test_saturation_counts_the_samples_where_twice_the_cap_waited() -> None:
+    outstanding = [(0.0, 0), (0.1, 6), (0.2, 6), (0.3, 3), (0.4, 9)]
+    samples = [  # the monitor's, a little after the client's own
+        Sample(1, 0, 0, 0),  # 0 waiting
+        Sample(102, 2, 0, 0),  # 6 outstanding, 2 running: 4 wait, every slot busy
+        Sample(199, 1, 0, 0),  # 6 - 1 = 5 wait, a slot idle
+        Sample(310, 2, 0, 0),  # 1 waits
+        Sample(420, 2, 0, 0),  # 7 wait, busy
+    ]
+    assert saturation(outstanding, samples, cap=2) == {
+        "waiting_at_least": 4,
+        "samples": 3,
+        "all_busy_share": round(2 / 3, 4),
+        "mean_busy": round(5 / 3, 3),
+    }
+    assert saturation(outstanding, samples, cap=8)["samples"] == 0
+    assert saturation([], samples, cap=2)["all_busy_share"] is None
+
+
+def test_paused_counts_the_yields_of_the_jobs_a_pause_refused() -> None:
+    def outcome(status: str, reasons: list[str]) -> Outcome:
+        o = Outcome(Request(0.0, "heavy", 10, 10), 0.0, status=status)
+        o.yields = [(0.1 * i, reason, 5.0) for i, reason in enumerate(reasons)]
+        return o
+
+    outcomes = [
+        outcome(DONE, ["server_busy", "lane_paused", "lane_paused"]),
+        outcome(YIELDED, ["lane_paused"]),
+        outcome(DONE, ["server_busy"] * 7),  # never paused: not counted
+        outcome(DONE, []),
+    ]
+    assert paused(outcomes) == {
+        "jobs": 2,
+        "done": 1,
+        "yields_per_job": 2.0,
+        "paused_yields_per_job": 1.5,
+    }
+    assert paused(outcomes[2:])["yields_per_job"] is None
 
 
 # The traffic commands against a real daemon ------------------------------------------------
