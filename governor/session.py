@@ -154,13 +154,15 @@ class Session:
     ) -> None:
         """One abort frame for each running job and one for the connection, then close.
 
-        The connection's frame names the last frame's job; when that job is running, its own
-        abort is the answer (a job gets one terminal frame, never two).
+        The connection's frame names the last frame's job; when that job is running and has
+        not been answered yet, its own abort is the answer (a job gets one terminal frame,
+        never two). One already answered (cancelled in the same read, say) leaves the
+        connection's frame owed.
         """
         if self.closed:
             return
         named = self.jobs.get(job or self.last_job)
-        if named is None or named.execution is None:
+        if named is None or named.execution is None or named.execution.terminal_sent:
             self._send(
                 Reply(
                     Verb.CONFIRM,

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import pytest
@@ -146,7 +146,7 @@ class Daemon:
     """A ``governor serve`` process started by a test, stopped by its own PID.
 
     Its stderr is read to the end by a thread, so that a daemon logging every job never
-    blocks on a full pipe.
+    blocks on a full pipe; :meth:`wait_for_log` waits on that thread for a line.
     """
 
     proc: subprocess.Popen[bytes]
@@ -155,12 +155,38 @@ class Daemon:
     stderr_head: bytes
     stderr_rest: list[bytes] = field(default_factory=list)
     reader: threading.Thread = field(init=False)
+    _new_line: threading.Condition = field(init=False, default_factory=threading.Condition)
+    _eof: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         stderr = self.proc.stderr
         assert stderr is not None
-        self.reader = threading.Thread(target=lambda: self.stderr_rest.extend(stderr), daemon=True)
+        self.reader = threading.Thread(target=self._read_to_eof, args=(stderr,), daemon=True)
         self.reader.start()
+
+    def _read_to_eof(self, stderr: IO[bytes]) -> None:
+        for line in stderr:
+            with self._new_line:
+                self.stderr_rest.append(line)
+                self._new_line.notify_all()
+        with self._new_line:
+            self._eof = True
+            self._new_line.notify_all()
+
+    def wait_for_log(self, pattern: bytes, timeout: float = 30.0) -> None:
+        """Block until the daemon has logged a line matching ``pattern``; fail if it exits or
+        ``timeout`` seconds pass first."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._new_line:
+            while not regex.search(self.stderr_head + b"".join(self.stderr_rest)):
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    raise AssertionError(
+                        f"the daemon logged no {pattern!r}"
+                        + (" before it exited" if self._eof else f" within {timeout:g} s")
+                    )
+                self._new_line.wait(left)
 
     @property
     def addr(self) -> str:

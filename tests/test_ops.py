@@ -13,7 +13,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
@@ -330,10 +331,79 @@ def governor_drain(addr: str, wait: float) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_governor_drain_then_sigterm_loses_nothing_and_logs_json(daemon: DaemonFactory) -> None:
+class HeldUpstream(ThreadingHTTPServer):
+    """An OpenAI-compatible server for the http runner whose jobs end when the test says so.
+
+    A probe (``max_tokens`` 1) is answered at once; a job streams one token, then waits for
+    :attr:`release`. A job of the daemon's then runs exactly as long as the test holds it, on
+    a loaded machine too, where a job of a fixed duration may end before a slow client acts.
+    """
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _HeldHandler)
+        self.arrived = threading.Event()  # a job's request has come in
+        self.release = threading.Event()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+
+class _HeldHandler(BaseHTTPRequestHandler):
+    server: HeldUpstream
+
+    def do_GET(self) -> None:  # /v1/models: the runner's start-up check
+        body = b'{"data": []}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:  # /v1/completions, streamed; HTTP/1.0: the close ends it
+        request = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        self._event({"choices": [{"text": "held", "finish_reason": None}]})
+        if request["max_tokens"] > 1:
+            self.server.arrived.set()
+            self.server.release.wait(60)
+        self._event({"choices": [{"text": " free", "finish_reason": "length"}]})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _event(self, obj: dict[str, Any]) -> None:
+        self.wfile.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the daemon's requests are no news
+
+
+@pytest.fixture
+def held_upstream() -> Iterator[HeldUpstream]:
+    upstream = HeldUpstream()
+    thread = threading.Thread(target=upstream.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield upstream
+    finally:
+        upstream.release.set()
+        upstream.shutdown()
+        upstream.server_close()
+        thread.join(10)
+
+
+def test_governor_drain_then_sigterm_loses_nothing_and_logs_json(
+    daemon: DaemonFactory, held_upstream: HeldUpstream
+) -> None:
     d = daemon(
-        "--stub-ms",
-        "1500",
+        "--runner",
+        "http",
+        "--upstream",
+        held_upstream.url,
         "--metrics-listen",
         "127.0.0.1:0",
         "--log-format",
@@ -342,23 +412,30 @@ def test_governor_drain_then_sigterm_loses_nothing_and_logs_json(daemon: DaemonF
         "0.1",
     )
     addr = metrics_addr(d)
+    # Readiness is logged by the heartbeat after the first probe succeeds, up to 0.2 s after
+    # the listening line: a drain sent before it would leave no "passes" line to check below.
+    d.wait_for_log(rb"readiness passes")
 
-    async def scenario() -> str:
+    async def scenario() -> tuple[str, float]:
         async with await connect(d.addr) as client, await connect(d.addr) as watcher:
             job = asyncio.ensure_future(client.upload(b"in flight", retry=NO_RETRY))
-            while (await watcher.ping()).receipt("backend.inflight") != 1:
-                pass
+            assert await asyncio.to_thread(held_upstream.arrived.wait, 30)
+            held_from = time.monotonic()
             cut_short = await asyncio.to_thread(governor_drain, addr, 0.1)
-            assert cut_short.returncode == 1, cut_short  # still running after 0.1 s
+            assert cut_short.returncode == 1, cut_short  # the job is held: still running
+            assert not job.done()
+            held_s = time.monotonic() - held_from
+            held_upstream.release.set()
             drained = await asyncio.to_thread(governor_drain, addr, 30)
             assert drained.returncode == 0, drained
             assert orjson.loads(drained.stdout)["drained"] is True
             assert job.done()
             late = await watcher.upload(b"late", retry=NO_RETRY)
             assert late.reply.need_code == "draining"
-            return str((await job).status)
+            return str((await job).status), held_s
 
-    assert asyncio.run(scenario()) == "done"
+    status, held_s = asyncio.run(scenario())
+    assert status == "done"
     d.signal(signal.SIGTERM)
     code, err = d.wait()
     assert code == 0, err.decode()
@@ -369,7 +446,7 @@ def test_governor_drain_then_sigterm_loses_nothing_and_logs_json(daemon: DaemonF
     assert job["tenant"] == "default"
     assert job["lane"] == "-"
     assert job["pool"] == "primary"
-    assert job["e2e_ms"] > 1400  # the 1.5 s stub (timers may fire a hair early)
+    assert job["e2e_ms"] >= held_s * 1000  # it ran through the whole hold
     assert isinstance(job["conn"], int)
     drain = [line for line in lines if line.get("event") == "drain"]
     assert [line["reason"] for line in drain] == ["POST /drain"]
