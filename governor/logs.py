@@ -7,70 +7,88 @@ change (``readiness``, ``liveness``, ``breaker``, ``overload``, ``worker``, ``dr
     {"ts": "2026-11-22T12:00:00.123+00:00", "level": "info", "logger": "governor.jobs",
      "msg": "job done", "event": "job", "job": "J_1", "tenant": "default", ...}
 
-and with ``text`` the fields follow the message as ``key=value``. Records go through a bounded
-queue to a writer thread: a stderr pipe that a log collector drains slowly must never stall
-admission. When the queue is full, records are dropped and counted, never waited for
-(``governor_log_records_dropped_total``).
+and with ``text`` the fields follow the message as ``key=value``.
 
-What a record costs the event loop is kept small, since every job writes one: no caller,
-thread or process lookups (nothing prints them; the logging HOWTO's "Optimization"), and the
-writer formats and writes whatever has queued up in one write, not one system call a line
-(``docs/BENCHMARKS.md`` measures the per-job line).
+Every job writes a line, so what a line costs the event loop is kept to formatting it
+(``docs/BENCHMARKS.md`` measures it): :func:`event` builds the line itself, with no
+``logging.LogRecord``, and appends it to the :class:`LineWriter`'s buffer. A writer thread
+takes whatever has piled up and writes it in one call, so a stderr pipe that a log collector
+drains slowly never stalls admission; the loop never waits on a lock or wakes the thread for
+each line (only the first line after a write does). When :data:`MAX_PENDING` lines are
+waiting, further lines are dropped and counted (``governor_log_records_dropped_total``), never
+waited for. Records logged the ordinary way (``log.info(...)``, exceptions) take the same
+route through :class:`WriterHandler`, formatted by the same functions.
+
+Before :func:`configure` (a server run inside a test), :func:`event` hands its record to
+``logging`` as usual, its fields under ``extra``.
 """
 
 from __future__ import annotations
 
-import copy
+import collections
 import datetime
 import logging
-import logging.handlers
-import queue
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any, TextIO
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TextIO
 
 import orjson
 
-QUEUE_SIZE = 10_000
-MAX_BATCH = 512  # records written at once
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+MAX_PENDING = 10_000  # lines waiting for the writer; more are dropped
+BATCH_S = 0.01  # the writer gathers lines this long after the first, then writes them at once
 
 
-def event(logger: logging.Logger, level: int, msg: str, /, **fields: Any) -> None:
-    """Log ``msg`` with structured ``fields`` (cheap when the level is off)."""
-    if logger.isEnabledFor(level):
-        logger.log(level, msg, extra={"fields": fields})
+class LineFormat(Protocol):
+    def __call__(
+        self,
+        created: float,
+        level: int,
+        logger: str,
+        msg: str,
+        fields: Mapping[str, Any],
+        exc: str | None = None,
+    ) -> str: ...
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
-                timespec="milliseconds"
-            ),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        line.update(getattr(record, "fields", {}))
-        if record.exc_info and not record.exc_text:
-            record.exc_text = self.formatException(record.exc_info)
-        if record.exc_text:
-            line["exc"] = record.exc_text
-        return orjson.dumps(line, default=str).decode()
+def json_line(
+    created: float,
+    level: int,
+    logger: str,
+    msg: str,
+    fields: Mapping[str, Any],
+    exc: str | None = None,
+) -> str:
+    line: dict[str, Any] = {
+        "ts": datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat(
+            timespec="milliseconds"
+        ),
+        "level": logging.getLevelName(level).lower(),
+        "logger": logger,
+        "msg": msg,
+    }
+    line.update(fields)
+    if exc:
+        line["exc"] = exc
+    return orjson.dumps(line, default=str).decode()
 
 
-class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__(TEXT_FORMAT)
-
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        fields = getattr(record, "fields", None)
-        if not fields:
-            return text
-        return text + " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
+def text_line(
+    created: float,
+    level: int,
+    logger: str,
+    msg: str,
+    fields: Mapping[str, Any],
+    exc: str | None = None,
+) -> str:
+    """``2026-11-22 12:00:00,123 INFO governor.jobs: job done job=J_1 ...`` (logging's
+    default time format, local time)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+    text = f"{stamp},{int(created * 1000) % 1000:03d} {logging.getLevelName(level)} {logger}: {msg}"
+    if fields:
+        text += " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
+    return f"{text}\n{exc}" if exc else text
 
 
 def _text_value(value: Any) -> str:
@@ -79,85 +97,118 @@ def _text_value(value: Any) -> str:
     return orjson.dumps(value, default=str).decode()
 
 
-class DroppingQueueHandler(logging.handlers.QueueHandler):
-    """Never blocks: a record that finds the queue full is dropped and counted."""
+class LineWriter:
+    """The writer thread and the bounded buffer of lines it writes."""
 
-    def __init__(self, q: queue.Queue[Any]) -> None:
-        super().__init__(q)
-        self.dropped = 0
-
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        # The message is merged here, and a traceback kept apart from it for the formatter
-        # (the stock prepare folds it into the message).
-        record = copy.copy(record)
-        record.msg, record.args = record.getMessage(), None
-        if record.exc_info:
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-            record.exc_info = None
-        return record
-
-    def enqueue(self, record: logging.LogRecord) -> None:
-        try:
-            self.queue.put_nowait(record)
-        except queue.Full:
-            self.dropped += 1
-
-
-def dropped_records() -> int:
-    """Records dropped so far because the writer fell behind (0 before :func:`configure`)."""
-    return sum(
-        h.dropped for h in logging.getLogger().handlers if isinstance(h, DroppingQueueHandler)
-    )
-
-
-class BatchWriter:
-    """The writer thread: takes what has queued up, formats it, and writes it in one go."""
-
-    def __init__(self, q: queue.Queue[Any], formatter: logging.Formatter, stream: TextIO) -> None:
-        self.queue = q
-        self.formatter = formatter
+    def __init__(self, stream: TextIO, max_pending: int = MAX_PENDING) -> None:
         self.stream = stream
+        self.max_pending = max_pending
+        self.dropped = 0
+        # deque.append and popleft are atomic: the loop appends, the thread takes, no lock.
+        self._pending: collections.deque[str] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="governor-log", daemon=True)
+
+    def put(self, line: str) -> None:
+        """Queue a line; never blocks (a full buffer drops it)."""
+        pending = self._pending
+        if len(pending) >= self.max_pending:
+            self.dropped += 1
+            return
+        pending.append(line)
+        if not self._wake.is_set():  # (a flag read: no lock, no system call)
+            self._wake.set()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self.queue.put(None)  # (blocks only until the writer has made room)
+        """Write what is pending, then end the thread."""
+        self._stopping = True
+        self._wake.set()
         self._thread.join()
 
     def _run(self) -> None:
-        q, running = self.queue, True
-        while running:
-            batch = [q.get()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(q.get_nowait())
-                except queue.Empty:
-                    break
-            lines = []
-            for record in batch:
-                if record is None:
-                    running = False
-                else:
-                    lines.append(self.formatter.format(record))
-            if lines:
-                try:
-                    self.stream.write("\n".join(lines) + "\n")
-                    self.stream.flush()
-                except (OSError, ValueError):  # a closed or broken stderr: nothing to tell
-                    pass
+        pending, wake = self._pending, self._wake
+        while not self._stopping or pending:
+            wake.wait()
+            if not self._stopping:
+                time.sleep(BATCH_S)  # let a burst pile up: one write for it, not one a line
+            wake.clear()  # (before taking: a line put after this sets it again)
+            lines = [pending.popleft() for _ in range(len(pending))]
+            if not lines:
+                continue
+            try:
+                self.stream.write("\n".join(lines) + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):  # a closed or broken stderr: nothing to tell
+                pass
 
 
-def configure(level: str, fmt: str) -> Callable[[], None]:
-    """Send the process's logs to stderr through a writer thread; returns the stop function."""
+class WriterHandler(logging.Handler):
+    """Ordinary log records, formatted by the caller, to the :class:`LineWriter`."""
+
+    def __init__(self, writer: LineWriter, line_format: LineFormat) -> None:
+        super().__init__()
+        self.writer = writer
+        self.line_format = line_format
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            exc = None
+            if record.exc_info:
+                exc = logging.Formatter().formatException(record.exc_info)
+            fields = getattr(record, "fields", None) or {}
+            self.writer.put(
+                self.line_format(
+                    record.created, record.levelno, record.name, record.getMessage(), fields, exc
+                )
+            )
+        except Exception:
+            self.handleError(record)
+
+
+_writer: LineWriter | None = None
+_format: LineFormat = text_line
+
+
+def event(logger: logging.Logger, level: int, msg: str, /, **fields: Any) -> None:
+    """Log ``msg`` with structured ``fields`` (cheap when the level is off)."""
+    if not logger.isEnabledFor(level):
+        return
+    writer = _writer
+    if writer is None:
+        logger.log(level, msg, extra={"fields": fields})
+        return
+    writer.put(_format(time.time(), level, logger.name, msg, fields))
+
+
+def dropped_records() -> int:
+    """Lines dropped so far because the writer fell behind (0 before :func:`configure`)."""
+    return 0 if _writer is None else _writer.dropped
+
+
+def configure(level: str, fmt: str, stream: TextIO | None = None) -> Callable[[], None]:
+    """Send the process's logs to ``stream`` (stderr) through a writer thread; returns the
+    stop function, which writes what is pending first."""
+    global _writer, _format
     # Nothing here prints a record's source line, thread or process: don't look them up.
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    q: queue.Queue[Any] = queue.Queue(QUEUE_SIZE)
+    writer = LineWriter(stream if stream is not None else sys.stderr)
+    _format = json_line if fmt == "json" else text_line
     root = logging.getLogger()
-    root.handlers[:] = [DroppingQueueHandler(q)]
+    handlers, root_level = root.handlers[:], root.level
+    root.handlers[:] = [WriterHandler(writer, _format)]
     root.setLevel(level.upper())
-    writer = BatchWriter(q, JsonFormatter() if fmt == "json" else TextFormatter(), sys.stderr)
     writer.start()
-    return writer.stop
+    _writer = writer
+
+    def stop() -> None:
+        global _writer
+        _writer = None
+        root.handlers[:], root.level = handlers, root_level
+        writer.stop()
+
+    return stop

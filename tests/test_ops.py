@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
-import queue
 import re
 import signal
 import subprocess
@@ -21,8 +21,8 @@ import orjson
 import pytest
 
 from clients import NO_RETRY, GovernorClient, connect
+from governor import logs
 from governor.admin import _is_loopback
-from governor.logs import DroppingQueueHandler
 from governor.runners import StubRunner
 from governor.server import Server
 from protocol.spec import JobSpec
@@ -296,20 +296,18 @@ async def test_metrics_after_a_scripted_run(make_server: ServerFactory) -> None:
     assert m['governor_tenant_inflight{tenant="default"}'] == 0
 
 
-async def test_log_records_the_writer_cannot_take_are_dropped_and_counted(
+async def test_log_lines_the_writer_cannot_take_are_dropped_and_counted(
     make_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = await ops_server(make_server)
-    full: queue.Queue[Any] = queue.Queue(1)
-    full.put_nowait(None)  # a writer that has fallen behind
-    handler = DroppingQueueHandler(full)
-    root = logging.getLogger()
-    monkeypatch.setattr(root, "handlers", [*root.handlers, handler])
+    # A writer that has fallen behind: never started, room for one line.
+    writer = logs.LineWriter(io.StringIO(), max_pending=1)
+    monkeypatch.setattr(logs, "_writer", writer)
     for n in range(3):
-        logging.getLogger("governor.test").warning("record %d", n)  # never blocks
+        logs.event(logging.getLogger("governor.test"), logging.WARNING, f"line {n}")  # no block
     m = await asyncio.to_thread(_scrape, server)
-    assert handler.dropped >= 3
-    assert m["governor_log_records_dropped_total"] == handler.dropped
+    assert writer.dropped >= 2
+    assert m["governor_log_records_dropped_total"] == writer.dropped
 
 
 # The daemon: governor drain, JSON logs --------------------------------------------------
