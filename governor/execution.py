@@ -146,7 +146,10 @@ class Execution:
     async def _run(self) -> None:
         ttl_ms = self.request.ttl_ms
         try:
-            async with asyncio.timeout(ttl_ms / 1000 if ttl_ms else None):
+            if ttl_ms:
+                async with asyncio.timeout(ttl_ms / 1000):
+                    result = await self._execute()
+            else:  # (no deadline: no timeout context to set up for every job)
                 result = await self._execute()
         except TimeoutError:
             self.end(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import logging
 import sys
 import threading
@@ -84,16 +85,32 @@ def text_line(
 ) -> str:
     """``2026-11-22 12:00:00,123 INFO governor.jobs: job done job=J_1 ...`` (logging's
     default time format, local time)."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
-    text = f"{stamp},{int(created * 1000) % 1000:03d} {logging.getLevelName(level)} {logger}: {msg}"
+    text = f"{_second(int(created))},{int(created * 1000) % 1000:03d} "
+    text += f"{logging.getLevelName(level)} {logger}: {msg}"
     if fields:
         text += " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
     return f"{text}\n{exc}" if exc else text
 
 
+@functools.lru_cache(maxsize=4)
+def _second(second: int) -> str:
+    """The local date and time of a second (most lines fall in the same second as the last)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
+
+
+_PLAIN = {None: "null", True: "true", False: "false"}
+
+
 def _text_value(value: Any) -> str:
-    if isinstance(value, str) and value and " " not in value and "=" not in value:
-        return value
+    """A field's value: a plain word as it is, anything else as JSON."""
+    kind = type(value)
+    if kind is str:
+        if value and " " not in value and "=" not in value:
+            return str(value)
+    elif kind is int:
+        return str(value)
+    elif value is None or kind is bool:
+        return _PLAIN[value]
     return orjson.dumps(value, default=str).decode()
 
 

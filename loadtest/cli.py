@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Protocol
 
-from . import admission, baseline, burst, compare, idle, lanes, mix, overhead, rate, replay
+from . import admission, baseline, burst, compare, idle, lanes, mix, overhead, peer, rate, replay
 
 
 class Command(Protocol):
@@ -34,6 +34,7 @@ _idle: Command = idle
 _admission: Command = admission
 _overhead: Command = overhead
 _lanes: Command = lanes
+_peer: Command = peer
 COMMANDS: dict[str, Command] = {
     c.NAME: c
     for c in (
@@ -47,6 +48,7 @@ COMMANDS: dict[str, Command] = {
         _admission,
         _overhead,
         _lanes,
+        _peer,
     )
 }
 

@@ -42,7 +42,8 @@ _REQUEST_FIELDS = frozenset(
         "api_key",
     }
 )
-_PAYLOADS = ("payload_manifest", "payload_chunk", "payload_inline")
+_PAYLOADS = _MANIFEST, _CHUNK, _INLINE = ("payload_manifest", "payload_chunk", "payload_inline")
+_VERBS = {str(verb): verb for verb in CLIENT_VERBS}  # (a dict look-up: Verb(...) is slower)
 
 JSONObject = Mapping[str, Any]
 
@@ -93,8 +94,8 @@ def _check_envelope(obj: dict[str, Any]) -> Request:
     def invalid(detail: str) -> EnvelopeInvalid:
         return EnvelopeInvalid(detail, job=ctx_job, seq=ctx_seq)
 
-    unknown = obj.keys() - _REQUEST_FIELDS
-    if unknown:
+    if not obj.keys() <= _REQUEST_FIELDS:  # (a subset test builds no set: every frame has one)
+        unknown = obj.keys() - _REQUEST_FIELDS
         server_only = sorted(unknown & SERVER_ONLY_FIELDS)
         if server_only:
             raise invalid(f"a request must not set the server field {server_only[0]!r}")
@@ -111,20 +112,22 @@ def _check_envelope(obj: dict[str, Any]) -> Request:
     ttl_ms = obj.get("ttl_ms", 0)
     if not is_uint(ttl_ms):
         raise invalid("'ttl_ms' must be a non-negative integer")
-    payloads = [name for name in _PAYLOADS if obj.get(name) is not None]
+    manifest, chunk, inline = obj.get(_MANIFEST), obj.get(_CHUNK), obj.get(_INLINE)
+    carried = (manifest is not None) + (chunk is not None) + (inline is not None)
     if verb != Verb.SHARE:
-        if payloads:
+        if carried:
             raise invalid(f"a {verb} carries no payload")
-    elif len(payloads) != 1:
+    elif carried != 1:
         raise invalid(f"a share carries exactly one of {', '.join(map(repr, _PAYLOADS))}")
-    for name in payloads:
-        if type(obj[name]) is not dict:
+    else:
+        value = manifest if manifest is not None else chunk if chunk is not None else inline
+        if type(value) is not dict:
+            name = _MANIFEST if manifest is not None else _CHUNK if chunk is not None else _INLINE
             raise invalid(f"{name!r} must be an object")
     api_key = obj.get("api_key")
     if api_key is not None and not is_id(api_key):
         raise invalid(f"'api_key' must be a non-empty string of at most {MAX_ID_CHARS} characters")
-    manifest, chunk, inline = (obj.get(name) for name in _PAYLOADS)
-    return Request(Verb(verb), ctx_job, ctx_seq, ttl_ms, manifest, chunk, inline, api_key)
+    return Request(_VERBS[verb], ctx_job, ctx_seq, ttl_ms, manifest, chunk, inline, api_key)
 
 
 _HTTP_METHODS = tuple(

@@ -1,0 +1,199 @@
+"""``peer``: the governor against heptamini's Go daemon, side by side, on one load generator.
+
+Starts each daemon itself (the governor's stub runner, and ``heptaminid`` from ``--heptaminid``:
+built from heptamini's public source, outside this repository) on a free loopback port, with
+the flags of one scenario of ``../shared/bench/README.md``, and loads it with that scenario's
+``burst.py`` command. Runs alternate (governor, heptaminid, heptaminid, governor, ...) so that a
+drift of this shared machine falls on both. Each run reports burst.py's jobs (or pings) per
+second and the daemon's CPU time per job, read from ``/proc/PID/stat`` before and after the
+load; the summary gives the medians and the governor's ratios to heptaminid's. Every daemon is
+stopped by its own PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .common import positive_float, positive_int
+
+NAME = "peer"
+DEFAULT_BURST = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "burst.py"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    cap: int
+    stub_ms: int
+    burst: tuple[str, ...]  # burst.py's arguments, --addr and --duration aside
+    rate_key: str = "jobs_per_s"
+
+
+SCENARIOS = {
+    "admitted": Scenario(64, 0, ("--clients", "64", "--reuse-conn", "--procs", "2")),
+    "new-conn": Scenario(64, 0, ("--clients", "64", "--procs", "2")),
+    "pings": Scenario(4, 0, ("--clients", "100", "--ping", "--procs", "2"), "pings_per_s"),
+    "yield": Scenario(
+        1, 60_000, ("--clients", "1000", "--rounds", "5", "--saturate", "1", "--procs", "2")
+    ),
+}
+
+
+def add_parser(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        NAME, help="the governor against heptaminid, alternating runs", description=__doc__
+    )
+    parser.add_argument("--heptaminid", type=Path, required=True, help="heptaminid's binary")
+    parser.add_argument("--burst", type=Path, default=DEFAULT_BURST, help="shared/bench/burst.py")
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="admitted")
+    parser.add_argument("--runs", type=positive_int, default=3, help="runs of each daemon")
+    parser.add_argument(
+        "--duration", type=positive_float, default=8.0, help="seconds a run (not for yield)"
+    )
+    parser.add_argument(
+        "--governor-arg",
+        action="append",
+        default=[],
+        help="one more argument for governor serve (repeat it), e.g. --log-level=warning",
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cpu_s(pid: int) -> float:
+    """The process's user + system CPU seconds, all of its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("the daemon did not listen in time")
+
+
+def daemon_command(
+    which: str, args: argparse.Namespace, scenario: Scenario, port: int
+) -> list[str]:
+    if which == "heptaminid":
+        return [
+            str(args.heptaminid),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--max_inflight",
+            str(scenario.cap),
+            "--stub_ms",
+            str(scenario.stub_ms),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "governor",
+        "serve",
+        "--runner",
+        "stub",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--max-inflight",
+        str(scenario.cap),
+        "--stub-ms",
+        str(scenario.stub_ms),
+        "--max-connections",
+        "4096",
+        *args.governor_arg,
+    ]
+
+
+def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[str, Any]:
+    port = free_port()
+    proc = subprocess.Popen(
+        daemon_command(which, args, scenario, port),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_listening(port, proc)
+        time.sleep(0.5)  # let start-up work (the runner's, the probes') settle
+        load = [sys.executable, str(args.burst), "--addr", f"127.0.0.1:{port}", "--quiet"]
+        load += list(scenario.burst)
+        if scenario.rate_key != "jobs_per_s" or "--rounds" not in scenario.burst:
+            load += ["--duration", str(args.duration)]
+        before = cpu_s(proc.pid)
+        out = subprocess.run(load, capture_output=True, text=True, timeout=300, check=True)
+        cpu = cpu_s(proc.pid) - before
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    rate = summary[scenario.rate_key]
+    count = rate * summary["wall_s"] if "wall_s" in summary else None
+    return {
+        "daemon": which,
+        "rate": rate,
+        "cpu_us_per_job": round(cpu / count * 1e6, 1) if count else None,
+        "summary": summary,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.heptaminid.exists() or not args.burst.exists():
+        print(f"loadtest peer: no {args.heptaminid if not args.burst.exists() else args.burst}")
+        return 2
+    scenario = SCENARIOS[args.scenario]
+    order = ["governor", "heptaminid", "heptaminid", "governor"] * ((args.runs + 1) // 2)
+    runs = []
+    for which in order[: 2 * args.runs]:
+        result = one_run(which, args, scenario)
+        runs.append(result)
+        print(f"{which:>10}: {result['rate']:>9} /s  {result['cpu_us_per_job']} µs CPU per job")
+    medians: dict[str, dict[str, float | None]] = {}
+    for which in ("governor", "heptaminid"):
+        mine = [r for r in runs if r["daemon"] == which]
+        cpus = [r["cpu_us_per_job"] for r in mine if r["cpu_us_per_job"] is not None]
+        medians[which] = {
+            "rate": statistics.median(r["rate"] for r in mine),
+            "cpu_us_per_job": statistics.median(cpus) if cpus else None,
+        }
+    gov, hep = medians["governor"], medians["heptaminid"]
+    ratios = {
+        "rate": round(gov["rate"] / hep["rate"], 3) if gov["rate"] and hep["rate"] else None,
+        "cpu": round(gov["cpu_us_per_job"] / hep["cpu_us_per_job"], 3)
+        if gov["cpu_us_per_job"] and hep["cpu_us_per_job"]
+        else None,
+    }
+    print(
+        json.dumps(
+            {
+                "scenario": args.scenario,
+                "median": medians,
+                "governor_over_heptaminid": ratios,
+                "runs": [{k: v for k, v in r.items() if k != "summary"} for r in runs],
+            }
+        )
+    )
+    return 0
