@@ -37,7 +37,6 @@ from .tenants import Tenants
 log = logging.getLogger("governor")
 
 LISTEN_BACKLOG = 4096
-OVERLOAD_PERIOD_S = 0.5  # a burst of connects must not be refused before the governor can answer
 
 
 def build_runner(config: Config) -> Runner:
@@ -374,11 +373,12 @@ class Server:
             await pool.runner.close()
 
     async def _watch_overload(self) -> None:
-        """Re-evaluate the overload state twice a second; log each change."""
+        """Re-evaluate the overload state every ``evaluate_s`` (the pause hints count on that
+        period); log each change."""
         overload, ledger = self.overload, self.ledger
         assert overload is not None
         while True:
-            await asyncio.sleep(OVERLOAD_PERIOD_S)
+            await asyncio.sleep(overload.settings.evaluate_s)
             capacity = ledger.policy.kv_capacity if ledger.policy is not None else 0
             overload.kv_utilisation = ledger.kv_reserved / capacity if capacity else 0.0
             before = overload.state

@@ -176,8 +176,8 @@ def run(args: argparse.Namespace) -> int:
         mine = [r for r in runs if r["daemon"] == which]
         cpus = [r["cpu_us_per_job"] for r in mine if r["cpu_us_per_job"] is not None]
         medians[which] = {
-            "rate": statistics.median(r["rate"] for r in mine),
-            "cpu_us_per_job": statistics.median(cpus) if cpus else None,
+            "rate": round(statistics.median(r["rate"] for r in mine), 1),
+            "cpu_us_per_job": round(statistics.median(cpus), 1) if cpus else None,
         }
     gov, hep = medians["governor"], medians["heptaminid"]
     ratios = {

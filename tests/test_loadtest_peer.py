@@ -1,0 +1,63 @@
+"""``loadtest peer`` end to end: real daemons, the real burst.py, every daemon stopped.
+
+heptaminid itself is built outside this repository, so a stand-in takes its place: a script
+that reads heptaminid's flags and becomes (``exec``) a governor with the same cap and stub.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from loadtest.peer import DEFAULT_BURST, cpu_s
+
+STAND_IN = """#!{python}
+import os, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))  # heptaminid's --flag value pairs
+with open({pids!r}, "a") as f:
+    f.write(f"{{os.getpid()}}\\n")
+os.execv(sys.executable, [sys.executable, "-m", "governor", "serve", "--runner", "stub",
+    "--listen", args["--listen"], "--max-inflight", args["--max_inflight"],
+    "--stub-ms", args["--stub_ms"], "--log-level", "warning"])
+"""
+
+
+def test_cpu_seconds_grow_with_work() -> None:
+    before = cpu_s(os.getpid())
+    sum(i * i for i in range(3_000_000))
+    assert cpu_s(os.getpid()) > before
+
+
+@pytest.mark.skipif(not DEFAULT_BURST.exists(), reason="needs ../shared/bench/burst.py")
+def test_peer_runs_both_daemons_alternately_and_stops_them(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    stand_in = tmp_path / "heptaminid"
+    stand_in.write_text(STAND_IN.format(python=sys.executable, pids=str(pids)))
+    stand_in.chmod(0o755)
+    command = [sys.executable, "-m", "loadtest", "peer", "--heptaminid", str(stand_in)]
+    out = subprocess.run(
+        [*command, "--scenario", "pings", "--runs", "2", "--duration", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    summary = orjson.loads(out.stdout.strip().splitlines()[-1])
+    order = [run["daemon"] for run in summary["runs"]]
+    assert order == ["governor", "heptaminid", "heptaminid", "governor"]
+    for run in summary["runs"]:
+        assert run["rate"] > 0
+        assert run["cpu_us_per_job"] > 0
+    ratios = summary["governor_over_heptaminid"]
+    assert ratios["rate"] > 0
+    assert ratios["cpu"] > 0
+    # Both stand-in daemons were started, and each is gone: stopped by its PID.
+    started = [int(line) for line in pids.read_text().split()]
+    assert len(started) == 2
+    for pid in started:
+        assert not Path(f"/proc/{pid}").exists()
