@@ -137,7 +137,7 @@ def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[st
         time.sleep(0.5)  # let start-up work (the runner's, the probes') settle
         load = [sys.executable, str(args.burst), "--addr", f"127.0.0.1:{port}", "--quiet"]
         load += list(scenario.burst)
-        if scenario.rate_key != "jobs_per_s" or "--rounds" not in scenario.burst:
+        if "--rounds" not in scenario.burst:  # (a scenario runs for --duration unless counted)
             load += ["--duration", str(args.duration)]
         before = cpu_s(proc.pid)
         out = subprocess.run(load, capture_output=True, text=True, timeout=300, check=True)
@@ -161,8 +161,9 @@ def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.heptaminid.exists() or not args.burst.exists():
-        print(f"loadtest peer: no {args.heptaminid if not args.burst.exists() else args.burst}")
+    missing = [str(path) for path in (args.heptaminid, args.burst) if not path.exists()]
+    if missing:
+        print(f"loadtest peer: no {' and no '.join(missing)}")
         return 2
     scenario = SCENARIOS[args.scenario]
     order = ["governor", "heptaminid", "heptaminid", "governor"] * ((args.runs + 1) // 2)
