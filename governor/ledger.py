@@ -46,8 +46,11 @@ slot releases instead of all returning at the same instant.
 
 Under a lane policy (:mod:`governor.policy`) the line is lane-aware: a promise carries its
 job's lane, and a client counts, and a freed slot is held for, only the promises of its own lane
-or a higher one. The lane quota, the interactive reserve and the KV budget are then checked in
-the same decision.
+or a higher one. A client of a lower lane counts only the slots it may take: those the
+interactive reserve does not keep (``lane_full`` when the only free slots are the reserve's).
+It waits in line for the ends of the jobs in those slots, not for a chat's in the reserve, and
+the first interactive clients in line are the reserve's, not ahead of it. The lane quota and the
+KV budget are then checked in the same decision.
 
 With one client per slot release, a slot is retaken almost as soon as it frees, and most
 retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures both).
@@ -228,12 +231,16 @@ class SlotLedger:
                 self.withdraw(promise)
             return self.refused(Refusal(NeedCode.DRAINING, self.max_hint_ms))
         free = self.cap - len(self._running)
+        # The free slots this job may take: not those the interactive reserve keeps.
+        reserved = self._unused_reserve(rank)
+        usable = free - reserved
         # A free slot is not for the taking while clients ahead in line have their time come.
-        if free <= self._due_ahead(now, promise, rank):
+        if usable <= self._due_ahead(now, promise, rank, reserved):
             hint_ms, promise = self._promise(now, promise, rank, size)
-            return self.refused(Refusal(NeedCode.SERVER_BUSY, hint_ms, promise))
+            code = NeedCode.LANE_FULL if usable <= 0 < free else NeedCode.SERVER_BUSY
+            return self.refused(Refusal(code, hint_ms, promise))
         if demand is not None and self.policy is not None:
-            refusal = self._policy_refusal(now, demand, free)
+            refusal = self._policy_refusal(now, demand)
             if refusal is not None:
                 if promise is not None:
                     self.withdraw(promise)
@@ -271,18 +278,27 @@ class SlotLedger:
         self.yielded_total += 1
         return refusal
 
-    def _policy_refusal(self, now: float, demand: Demand, free: int) -> Refusal | None:
-        """The lane quota, the interactive reserve and the KV budget, in that order."""
+    def _reserve(self, rank: int) -> int:
+        """The slots a job of the lane ranked ``rank`` may not take: the interactive reserve
+        (0 for interactive work, or without a lane policy)."""
+        policy = self.policy
+        return policy.interactive_reserve if policy is not None and rank > 0 else 0
+
+    def _unused_reserve(self, rank: int) -> int:
+        """The free slots a job of the lane ranked ``rank`` may not take: the reserve less
+        the interactive jobs running."""
+        reserve = self._reserve(rank)
+        return max(reserve - self.lane_inflight[Lane.INTERACTIVE], 0) if reserve else 0
+
+    def _policy_refusal(self, now: float, demand: Demand) -> Refusal | None:
+        """The lane quota and the KV budget, in that order (the interactive reserve is kept
+        by :meth:`admit`, in the line)."""
         policy = self.policy
         assert policy is not None
         lane = demand.lane
         quota = policy.lane_slots.get(lane)
         if quota is not None and self.lane_inflight[lane] >= quota:
             return Refusal(NeedCode.LANE_FULL, self.hint_ms(now, self._lane_release(now, lane)))
-        if lane != Lane.INTERACTIVE:
-            unused_reserve = policy.interactive_reserve - self.lane_inflight[Lane.INTERACTIVE]
-            if free <= unused_reserve:  # the free slots are interactive work's
-                return Refusal(NeedCode.LANE_FULL, self.hint_ms(now, self._next_end(now)))
         if policy.kv_capacity:
             share = (
                 1.0
@@ -389,17 +405,18 @@ class SlotLedger:
             self._lapsing = [(p.lapses, next(self._pushed), p) for p in promises if p.queued]
             heapq.heapify(self._lapsing)
 
-    def _due_ahead(self, now: float, promise: Promise | None, rank: int) -> int:
+    def _due_ahead(self, now: float, promise: Promise | None, rank: int, reserved: int = 0) -> int:
         """Clients ahead of ``promise``'s (of all, for a newcomer) a free slot is held for.
 
         A slot is held for a client from ``hold`` before its promised time (a slot that frees
         a moment early is still its) to ``hold`` after it (a client that is later than that
         keeps its place in line, but not the slot). ``hold`` is two turnarounds, at most the
         grace: a wider window idles slots for late clients, a narrower one lets newcomers take
-        slots from punctual ones.
+        slots from punctual ones. The first ``reserved`` interactive clients due take the
+        reserve's free slots, not those of a lower lane's client.
         """
         hold = min(2 * self.turnaround_s, self._grace())
-        due = 0
+        due = interactive = 0
         for p in self._promises:
             if p is promise:
                 break
@@ -409,7 +426,8 @@ class SlotLedger:
                 break
             if p.at + hold >= now and p.rank <= rank:
                 due += 1
-        return due
+                interactive += p.rank == 0
+        return due - min(interactive, reserved)
 
     def _grace(self) -> float:
         return max(self.service_s / 4, 0.02)
@@ -428,18 +446,22 @@ class SlotLedger:
         promises = self._promises
         own_s = self.predict_s(size, LANES[rank] if self.policy is not None else None)
         if promise is not None and promise.queued:
-            ahead, ahead_s = 0, 0.0
+            counts, seconds = [0] * len(LANES), [0.0] * len(LANES)
             for p in promises:
                 if p is promise:
                     break
                 if p.queued and p.rank <= rank:
-                    ahead += 1
-                    ahead_s += p.service_s
+                    counts[p.rank] += 1
+                    seconds[p.rank] += p.service_s
         else:  # a newcomer, or a client whose promise lapsed: to the back
             promise = None
-            ahead = sum(self._promised[: rank + 1])
-            ahead_s = sum(self._promised_s[: rank + 1])
-        turn_s = ahead_s / ahead if ahead else own_s
+            counts, seconds = self._promised, self._promised_s
+        ahead, ahead_s = sum(counts[: rank + 1]), sum(seconds[: rank + 1])
+        reserve = self._reserve(rank)
+        if reserve and counts[0]:  # the reserve serves the first interactive clients
+            ahead -= min(counts[0], reserve)
+            ahead_s -= seconds[0] * min(counts[0], reserve) / counts[0]
+        turn_s = ahead_s / ahead if ahead > 0 else own_s
         hint_ms = self.hint_ms(now, self._release_time(now, ahead, rank, turn_s))
         at = now + hint_ms / 1000
         lapses = at + self._grace()
@@ -460,6 +482,29 @@ class SlotLedger:
             self._sweep()
         return hint_ms, promise
 
+    def _ends(self, now: float, rank: int) -> tuple[list[float], int]:
+        """The expected ends of the running jobs whose release frees a slot a client of the
+        lane ranked ``rank`` may take, and how many slots it may take.
+
+        Under an interactive reserve of ``r`` slots, a lower lane's client may take ``cap -
+        r``: those of the lower lanes' jobs, and of the interactive jobs past the ``r`` the
+        reserve holds (the first of them to end frees a slot that is not the reserve's).
+        """
+        expected_end = self.expected_end
+        reserve = self._reserve(rank)
+        if not reserve:
+            return [expected_end(s.started, now, s.expected_s) for s in self._running], self.cap
+        ends: list[float] = []
+        interactive: list[float] = []
+        for slot in self._running:
+            end = expected_end(slot.started, now, slot.expected_s)
+            lane = slot.demand.lane if slot.demand is not None else None
+            (interactive if lane == Lane.INTERACTIVE else ends).append(end)
+        if len(interactive) > reserve:
+            interactive.sort()
+            ends += interactive[: len(interactive) - reserve]
+        return ends, max(self.cap - reserve, 1)
+
     def _release_time(
         self, now: float, k: int, rank: int = 0, turn_s: float | None = None
     ) -> float:
@@ -474,10 +519,9 @@ class SlotLedger:
         period from the first: in round ``r``, slot ``i`` frees at ``e_0 + r * (W + T) + o_i``
         once ``r >= q_i``, where ``e_i - e_0 = q_i * (W + T) + o_i``.
         """
-        expected_end = self.expected_end
-        ends = [expected_end(slot.started, now, slot.expected_s) for slot in self._running]
+        ends, slots = self._ends(now, rank)
         floor = now + self.min_hint_ms / 1000
-        ends += [floor] * (self.cap - len(ends))  # a free slot is held for a promise due now
+        ends += [floor] * (slots - len(ends))  # a free slot is held for a promise due now
         ends.sort()
         if turn_s is None:
             turn_s = self.service_for(LANES[rank] if self.policy is not None else None)

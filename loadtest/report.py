@@ -23,7 +23,10 @@ Two figures say whether the hints fit the work under overload (a step's ``"satur
 * saturation: among the monitor's samples taken while at least twice the cap of clients were
   waiting (requests sent and not ended at the client, less the jobs running on the server, read
   at the client's sample nearest in time), the share with every slot busy and the mean number
-  busy. Slots idle while clients wait are hints that sent clients back too late.
+  busy. Slots idle while clients wait are hints that sent clients back too late. With an
+  interactive reserve (``--interactive-reserve``, the governor's own), ``usable_busy_share``
+  leaves out the reserved slots while no interactive request is outstanding at the client:
+  nobody waiting may take them, so only the others can be idle for a late hint.
 * paused: the jobs refused at least once with ``lane_paused``, and their yields per job (all
   of them, and the ``lane_paused`` ones): a hint that does not say when the pause can end has
   a paused client retry in a loop.
@@ -121,20 +124,29 @@ def stats(outcomes: Sequence[Outcome], duration_s: float, slo: Slo) -> dict[str,
 
 
 PAUSED = "lane_paused"
+INTERACTIVE = "interactive"
 
 
 def saturation(
-    outstanding: Sequence[tuple[float, int]], samples: Sequence[Sample], cap: int
+    outstanding: Sequence[tuple[float, int]],
+    samples: Sequence[Sample],
+    cap: int,
+    *,
+    reserve: int = 0,
+    interactive: Sequence[tuple[float, float]] = (),
 ) -> dict[str, Any]:
     """How busy the slots were while at least ``2 * cap`` clients waited (see the module's
     docstring): ``samples`` (of the monitor) counted, the share of them with all ``cap`` slots
-    busy, and the mean number busy (None: no such sample).
+    busy, the share with every slot busy that a waiting client could take (``reserve`` slots
+    kept for interactive work are left out while no interactive request is outstanding), and
+    the mean number busy (None: no such sample).
 
-    ``outstanding`` is the client's ``(t_s, requests outstanding)`` timeline, in time order.
+    ``outstanding`` is the client's ``(t_s, requests outstanding)`` timeline, in time order;
+    ``interactive`` the ``(sent_s, end_s)`` of each interactive request.
     """
     crowd = 2 * cap
     times = [t for t, _ in outstanding]
-    busy: list[int] = []
+    busy: list[tuple[int, int]] = []  # (busy, slots a waiting client could take)
     for sample in samples:
         t = sample.t_ms / 1000
         i = bisect.bisect_left(times, t)
@@ -143,12 +155,16 @@ def saturation(
         if i < 0:
             continue
         if outstanding[i][1] - sample.inflight >= crowd:
-            busy.append(sample.inflight)
+            chats = reserve and any(sent <= t < end for sent, end in interactive)
+            busy.append((sample.inflight, cap if chats or not reserve else cap - reserve))
+    n = len(busy)
     return {
         "waiting_at_least": crowd,
-        "samples": len(busy),
-        "all_busy_share": round(sum(b >= cap for b in busy) / len(busy), 4) if busy else None,
-        "mean_busy": round(sum(busy) / len(busy), 3) if busy else None,
+        "samples": n,
+        "all_busy_share": round(sum(b >= cap for b, _ in busy) / n, 4) if n else None,
+        "reserve": reserve,
+        "usable_busy_share": round(sum(b >= usable for b, usable in busy) / n, 4) if n else None,
+        "mean_busy": round(sum(b for b, _ in busy) / n, 3) if n else None,
     }
 
 
@@ -173,8 +189,11 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def step(run: Run, slo: Slo, *, label: str, offered_rps: float | None = None) -> dict[str, Any]:
-    """One step's report: per-class and overall stats, the timelines and the raw requests."""
+def step(
+    run: Run, slo: Slo, *, label: str, offered_rps: float | None = None, reserve: int = 0
+) -> dict[str, Any]:
+    """One step's report: per-class and overall stats, the timelines and the raw requests
+    (``reserve``: the target's interactive reserve, for the saturation figure)."""
     outcomes = run.outcomes
     duration = run.duration_s
     classes: dict[str, list[Outcome]] = collections.defaultdict(list)
@@ -199,7 +218,17 @@ def step(run: Run, slo: Slo, *, label: str, offered_rps: float | None = None) ->
         "goodput_rps": overall["goodput_rps"],
         "saturation": None
         if monitor is None or not cap
-        else saturation(run.outstanding, monitor.samples, cap),
+        else saturation(
+            run.outstanding,
+            monitor.samples,
+            cap,
+            reserve=reserve,
+            interactive=[
+                (o.sent_s, o.end_s if o.end_s is not None else duration)
+                for o in outcomes
+                if o.request.cls == INTERACTIVE
+            ],
+        ),
         "paused": paused(outcomes),
         "cap": cap,
         "max_inflight_observed": None if monitor is None else monitor.max_inflight,
@@ -322,6 +351,12 @@ def _overload_lines(step_report: dict[str, Any]) -> list[str]:
             f"every slot busy in {100 * sat['all_busy_share']:.1f}%, "
             f"{sat['mean_busy']:.2f} of {step_report['cap']} busy on average"
         )
+        if sat.get("reserve"):
+            lines.append(
+                f"  every slot a waiting client could take busy in "
+                f"{100 * sat['usable_busy_share']:.1f}% (the {sat['reserve']} reserved "
+                f"left out while no interactive request was outstanding)"
+            )
     pause = step_report.get("paused")
     if pause and pause["jobs"]:
         lines.append(

@@ -114,6 +114,14 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         "(default: 100)",
     )
     limits.add_argument(
+        "--interactive-reserve",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="governor: the slots its --interactive-reserve keeps, for the saturation figure "
+        "(left out while no interactive request is outstanding) (default: 0)",
+    )
+    limits.add_argument(
         "--out",
         metavar="DIR",
         help="write report.json, the PNG plots and report.html here "
@@ -267,7 +275,15 @@ def open_steps(
                 label=label,
                 progress_out=progress_stream(args),
             )
-            out.append(step(result, slo, label=label, offered_rps=offered_rps))
+            out.append(
+                step(
+                    result,
+                    slo,
+                    label=label,
+                    offered_rps=offered_rps,
+                    reserve=args.interactive_reserve,
+                )
+            )
         return out
 
     return steps

@@ -94,10 +94,18 @@ def test_saturation_counts_the_samples_where_twice_the_cap_waited() -> None:
         "waiting_at_least": 4,
         "samples": 3,
         "all_busy_share": round(2 / 3, 4),
+        "reserve": 0,
+        "usable_busy_share": round(2 / 3, 4),
         "mean_busy": round(5 / 3, 3),
     }
     assert saturation(outstanding, samples, cap=8)["samples"] == 0
     assert saturation([], samples, cap=2)["all_busy_share"] is None
+    # With one slot reserved for interactive work, the idle slot at 0.199 s is the reserve's
+    # while no chat is outstanding; once one is (from 0.15 s), every slot counts again.
+    no_chat = saturation(outstanding, samples, cap=2, reserve=1, interactive=[(0.3, 0.35)])
+    assert (no_chat["all_busy_share"], no_chat["usable_busy_share"]) == (round(2 / 3, 4), 1.0)
+    chat = saturation(outstanding, samples, cap=2, reserve=1, interactive=[(0.15, 0.25)])
+    assert chat["usable_busy_share"] == round(2 / 3, 4)
 
 
 def test_paused_counts_the_yields_of_the_jobs_a_pause_refused() -> None:

@@ -77,7 +77,7 @@ def test_heavy_work_never_takes_the_interactive_reserve(clock: FakeClock) -> Non
     refused = heavy[3]
     assert isinstance(refused, Refusal)
     assert refused.need_code == "lane_full"
-    assert refused.promise is None  # no place in the global line: it is the lane that is full
+    assert refused.promise is not None  # a place in line for the slots heavy work may take
     assert isinstance(ledger.admit(demand=INTERACTIVE), Slot)  # the reserved slot
     assert ledger.inflight == 4
     assert ledger.lane_inflight == {Lane.HEAVY: 3, Lane.INTERACTIVE: 1}
@@ -153,6 +153,39 @@ def test_a_heavy_job_kept_off_the_reserve_is_told_when_a_running_job_ends(
     assert isinstance(refused, Refusal)
     assert refused.need_code == "lane_full"
     assert refused.retry_hint_ms == 600  # the running job's expected end, not "now"
+
+
+def test_heavy_clients_kept_off_the_reserve_wait_for_heavy_slots_not_for_chats(
+    clock: FakeClock,
+) -> None:
+    """The reserve's free slot is not a heavy client's: it is told when the heavy job ends
+    (not when the chat beside it does), and the heavy clients after it are spread over the
+    heavy slot's later turns; a chat is not held behind them."""
+    ledger = ledger_with(clock, cap=2, interactive_reserve=1)
+    heavy = ledger.admit(demand=HEAVY)  # ends at 1.0 s
+    chat = ledger.admit(demand=INTERACTIVE)  # in the reserve, ends at 1.0 s too
+    assert isinstance(heavy, Slot)
+    assert isinstance(chat, Slot)
+    clock.now += 0.9
+    chat.release()  # a chat ends first (cancelled: teaches nothing); the free slot: the reserve
+
+    def refused(demand: Demand) -> Refusal:
+        decision = ledger.admit(demand=demand)
+        assert isinstance(decision, Refusal)
+        return decision
+
+    first, second = refused(HEAVY), refused(HEAVY)
+    assert (first.need_code, second.need_code) == ("lane_full", "lane_full")
+    # The heavy job's end, then one heavy turn (its lane's 1 s, and the 5 ms turnaround) on.
+    assert [first.retry_hint_ms, second.retry_hint_ms] == [100, 100 + 1005]
+    assert isinstance(ledger.admit(demand=INTERACTIVE), Slot)  # the reserve is for chats
+    clock.now += 0.1
+    heavy.release(done=Completed())
+    # The freed heavy slot is held for the first heavy client in line, not for a newcomer.
+    assert refused(HEAVY).need_code == "server_busy"
+    assert isinstance(ledger.admit(first.promise, demand=HEAVY), Slot)
+    assert refused(HEAVY).need_code == "server_busy"  # every slot busy
+    assert ledger.lane_inflight == {Lane.HEAVY: 1, Lane.INTERACTIVE: 1}
 
 
 def test_each_lane_has_its_own_service_estimate(clock: FakeClock) -> None:
