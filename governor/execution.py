@@ -204,10 +204,12 @@ class Execution:
         raise RunnerError("the runner ended the job without finishing it")
 
     def _first_token(self, ttft_s: float) -> None:
-        """Interactive time to first token feeds the overload state."""
+        """Interactive time to first token feeds the overload state, as its client saw it:
+        from its first refusal, if it was refused (a chat held in line for seconds by heavy
+        work is the overload the pauses are for, however fast it runs once admitted)."""
         overload, demand = self.state.overload, self.ticket.demand
         if overload is not None and demand is not None and demand.lane == Lane.INTERACTIVE:
-            overload.observe_ttft(ttft_s * 1000)
+            overload.observe_ttft(((self.waited_s or 0.0) + ttft_s) * 1000)
 
     # The end, whatever it was ------------------------------------------------------------
 

@@ -750,6 +750,31 @@ async def test_lanes_keep_a_slot_for_interactive_work(
     assert server.admission.refusals == {("lane_full", "heavy", "default"): 1}
 
 
+async def test_the_overload_state_sees_a_chat_s_ttft_from_its_first_refusal(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    """A chat held in line behind heavy work is slow for its user however fast it runs once
+    admitted: the overload signal counts its wait, the TTFT metric (from admission) does not."""
+    server = await make_server(max_inflight=1, stub_ms=300, lanes=True, interactive_reserve=0)
+    assert server.overload is not None
+    conn = await raw(server)
+    conn.send(spec_frame("J_h", 1, prompt="word " * 400, max_new_tokens=200, lane="heavy"))
+    await wait_until(lambda: server.ledger.inflight == 1)
+    chat = spec_frame("J_chat", 1, prompt="Hi!", max_new_tokens=8)
+    conn.send(chat)
+    refused = await conn.recv()
+    assert (refused["job"], refused["status"]) == ("J_chat", "yield")
+    heavy_done = await conn.recv()
+    await asyncio.sleep(0.1)
+    conn.send(chat | {"seq": 3})
+    done = {f["job"]: f for f in (heavy_done, await conn.recv()) if f.get("status") == "done"}
+    assert set(done) == {"J_h", "J_chat"}
+    admitted_ttft_ms = done["J_chat"]["result"]["ttft_ms"]
+    (observed_ms,) = [ms for _, ms in server.overload._ttft]
+    # It waited for the rest of the heavy job's 300 ms and its own 100 ms, then ran.
+    assert observed_ms - admitted_ttft_ms >= 300
+
+
 async def test_overload_states_drive_the_fallback_ladder(
     make_server: ServerFactory, raw: Opener
 ) -> None:
