@@ -9,8 +9,9 @@ injected clock), so the cap holds by construction. Its order is written once, he
    tenant's key allow       policy's rejections, ``lane_not_allowed``
 3. the ladder               degraded: an interactive job's ``max_new_tokens`` is lowered
 4. pauses                   batch_paused: background, interactive_only: heavy too, yield
-                            ``lane_paused`` while clients of a higher lane wait; a paused lane
-                            still takes a slot that would otherwise sit idle
+                            ``lane_paused`` while clients of a higher lane wait (beyond those
+                            the interactive reserve serves); a paused lane still takes a slot
+                            that would otherwise sit idle
 5. the tenant's limits      yield ``tenant_busy``, ``tenant_share``, ``rate_limited``
 6. breaker and fallback     an open primary breaker sends the job to the fallback pool, else
                             yield ``breaker_open``; while degraded, heavy and background work
@@ -368,14 +369,15 @@ class Admission:
 
     def _paused(self, attempt: Attempt, plan: _Plan, now: float) -> Refusal | None:
         """A paused lane yields to the higher lanes' waiting clients, but is not left idle: with
-        none of them waiting, its job goes on to the ledger like any other (work-conserving).
+        none of them waiting for a slot it could take (the first interactive clients in line
+        are the reserve's), its job goes on to the ledger like any other (work-conserving).
 
         The hint is when the pause can end, longer for a job refused again and again.
         """
         overload, demand = self.overload, plan.demand
         if overload is None or demand is None or not overload.paused(demand.lane):
             return None
-        if not self.ledger.waiting(LANES.index(demand.lane) - 1):
+        if not self.ledger.waiting_above(LANES.index(demand.lane)):
             return None
         if not attempt.paused:
             attempt.paused = True

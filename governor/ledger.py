@@ -267,6 +267,16 @@ class SlotLedger:
         self._lapse(self.clock())
         return sum(self._promised[: rank + 1]) if rank >= 0 else 0
 
+    def waiting_above(self, rank: int) -> int:
+        """Clients in line of a lane higher than the one ranked ``rank`` that a job of that lane
+        would keep from a slot: all of them, less the first interactive ones, whom the
+        interactive reserve serves (its slots are not that job's to take anyway)."""
+        waiting = self.waiting(rank - 1)
+        reserve = self._reserve(rank)
+        if waiting and reserve:
+            waiting -= min(self._promised[0], reserve)
+        return waiting
+
     def predict_s(self, size: JobSize | None, lane: Lane | None = None) -> float:
         """How long a job of ``size`` (in ``lane``) is expected to hold its slot: the model's
         prediction from its size, or the lane's (or the pool's) mean where it has none."""

@@ -176,11 +176,13 @@ def test_a_pause_counts_one_activation_per_job_and_its_hint_grows(clock: FakeClo
     admission = make(clock, cap=4, lanes=True, overload=True)
     overload = admission.overload
     assert overload is not None
-    # An interactive client waits in line: four running interactive jobs, one refused.
+    # Interactive clients wait in line: four running interactive jobs, two refused (one more
+    # than the reserve serves).
     running = [admitted(admission.decide(attempt(admission))) for _ in range(4)]
-    waiting = admission.decide(attempt(admission))
-    assert isinstance(waiting, Yielded)
-    assert waiting.need_code == "server_busy"
+    for _ in range(2):
+        waiting = admission.decide(attempt(admission))
+        assert isinstance(waiting, Yielded)
+        assert waiting.need_code == "server_busy"
     overload.state = State.INTERACTIVE_ONLY
     heavy = attempt(admission, max_new_tokens=900)
     hints = []
@@ -206,6 +208,33 @@ def test_a_paused_lane_takes_a_slot_that_would_sit_idle(clock: FakeClock) -> Non
     assert isinstance(second, Yielded)
     assert second.need_code == "lane_full"  # the reserve keeps the last slot for interactive
     assert admission.ladder["interactive_only"] == 0
+
+
+def test_a_pause_leaves_to_the_reserve_the_chats_it_serves(clock: FakeClock) -> None:
+    """A chat waiting for the reserve's slot does not need the heavy slot: a paused heavy job
+    takes it rather than leave it idle; a second chat in line would need it."""
+    admission = make(clock, cap=2, lanes=True, overload=True)
+    assert admission.overload is not None
+    chat = admitted(admission.decide(attempt(admission)))
+    heavy = admitted(admission.decide(attempt(admission, max_new_tokens=900)))
+    waiting = attempt(admission)
+    refused = admission.decide(waiting)
+    assert isinstance(refused, Yielded)
+    assert refused.retry_hint_ms == 1000  # when a running job ends
+    admission.overload.state = State.INTERACTIVE_ONLY
+    clock.now += 0.5
+    heavy.release("done")  # the heavy slot frees early; the waiting chat is told 1 s
+    second = admitted(admission.decide(attempt(admission, max_new_tokens=900)))
+    assert second.lane == Lane.HEAVY
+    clock.now += 0.5
+    chat.release("done")  # the reserve frees as the waiting chat comes back, and serves it
+    assert admitted(admission.decide(waiting)).lane == Lane.INTERACTIVE
+    # Two chats in line, one more than the reserve serves: heavy work is paused.
+    for _ in range(2):
+        assert isinstance(admission.decide(attempt(admission)), Yielded)
+    paused = admission.decide(attempt(admission, max_new_tokens=900))
+    assert isinstance(paused, Yielded)
+    assert paused.need_code == "lane_paused"
 
 
 # The ticket ------------------------------------------------------------------------------
