@@ -799,12 +799,14 @@ async def test_overload_states_drive_the_fallback_ladder(
     # Paused, but nobody of a higher lane waits: the heavy job takes the idle slot.
     conn.send(spec_frame("J_idle", 1, prompt="word " * 2000, max_new_tokens=200))
     assert (await conn.recv())["status"] == "done"
-    # Two chats run and a third waits in line: now the heavy lane yields to it.
+    # Two chats run and two wait in line, one more than the reserve serves: now the heavy
+    # lane yields to them.
     chats = await raw(server)
-    for job in ("J_a", "J_b", "J_c"):
+    for job in ("J_a", "J_b", "J_c", "J_d"):
         chats.send(spec_frame(job, 1, prompt="hi", max_new_tokens=8))
-    waiting = await chats.recv()
-    assert (waiting["job"], waiting["need_code"]) == ("J_c", "server_busy")
+    for job in ("J_c", "J_d"):
+        waiting = await chats.recv()
+        assert (waiting["job"], waiting["need_code"]) == (job, "server_busy")
     hints = []
     for attempt in range(2):
         conn.send(spec_frame("J_heavy", 1 + attempt, prompt="word " * 2000, max_new_tokens=200))
@@ -818,8 +820,9 @@ async def test_overload_states_drive_the_fallback_ladder(
     assert 1000 < hints[0] < hints[1]  # until the state may fall, longer when refused again
     ended = [(await chats.recv())["status"] for _ in range(2)]
     assert ended == ["done", "done"]
-    chats.send({"v": 0, "verb": "cancel", "job": "J_c", "seq": 2, "ttl_ms": 0})
-    assert (await chats.recv())["need_code"] == "cancelled"  # and its place in line given up
+    for job in ("J_c", "J_d"):
+        chats.send({"v": 0, "verb": "cancel", "job": job, "seq": 2, "ttl_ms": 0})
+        assert (await chats.recv())["need_code"] == "cancelled"  # its place in line given up
     conn.send(spec_frame("J_long_chat", 1, prompt="hi", max_new_tokens=200))
     while (done := await conn.recv())["status"] != "done":
         pass
