@@ -732,8 +732,10 @@ class Interleavings(RuleBasedStateMachine):
             if client.eof and not client.left:  # the server closed it: it must say why
                 codes = {f.get("need_code") for f in client.received}
                 assert codes & CONNECTION_CODES, f"{client}: closed without a word"
-                if client.expect_close:
-                    assert "line_too_large" in codes, f"{client}: closed, but not for its line"
+                if client.expect_close:  # for its line, or a job over its limit before it
+                    assert codes & {"line_too_large", "too_many_jobs"}, (
+                        f"{client}: closed, but not for its line"
+                    )
 
     # The end -----------------------------------------------------------------------------
 
