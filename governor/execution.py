@@ -269,6 +269,7 @@ class Execution:
             degraded=list(ticket.degraded),
             yields=self.attempt.refusals,
             wait_ms=_ms(self.waited_s),
+            expected_ms=_ms(ticket.slot.expected_s),
             ttft_ms=_ms(ttft_s),
             tpot_ms=_ms(tpot_s),
             e2e_ms=_ms(held_s),

@@ -445,6 +445,7 @@ def test_governor_drain_then_sigterm_loses_nothing_and_logs_json(
     assert job["lane"] == "-"
     assert job["pool"] == "primary"
     assert job["e2e_ms"] >= held_s * 1000  # it ran through the whole hold
+    assert job["expected_ms"] > 0  # what the governor predicted it would hold the slot
     assert isinstance(job["conn"], int)
     drain = [line for line in lines if line.get("event") == "drain"]
     assert [line["reason"] for line in drain] == ["POST /drain"]
