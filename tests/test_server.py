@@ -817,7 +817,10 @@ async def test_overload_states_drive_the_fallback_ladder(
             "busy",
         )
         hints.append(paused["retry_hint_ms"])
-    assert 1000 < hints[0] < hints[1]  # until the state may fall, longer when refused again
+    # Until the state may fall, and no shorter when refused again: both are about a window
+    # (30 s) away, as every sample is slow, so the second may already be at the cap. (That
+    # the hint doubles below the cap is shown in test_admission, on a fake clock.)
+    assert 1000 < hints[0] <= hints[1] <= 31_000
     ended = [(await chats.recv())["status"] for _ in range(2)]
     assert ended == ["done", "done"]
     for job in ("J_c", "J_d"):
