@@ -488,8 +488,7 @@ class SlotLedger:
             self._promised[rank] += 1
             self._promised_s[rank] += own_s
         heapq.heappush(self._lapsing, (lapses, next(self._pushed), promise))
-        if len(self._lapsing) > 2 * sum(self._promised) + SLACK:
-            self._sweep()
+        self._sweep()  # (re-timed promises leave stale entries in the heap)
         return hint_ms, promise
 
     def _ends(self, now: float, rank: int) -> tuple[list[float], int]:
@@ -500,14 +499,14 @@ class SlotLedger:
         r``: those of the lower lanes' jobs, and of the interactive jobs past the ``r`` the
         reserve holds (the first of them to end frees a slot that is not the reserve's).
         """
-        expected_end = self.expected_end
+        slot_end = self.slot_end
         reserve = self._reserve(rank)
         if not reserve:
-            return [expected_end(s.started, now, s.expected_s) for s in self._running], self.cap
+            return [slot_end(slot, now) for slot in self._running], self.cap
         ends: list[float] = []
         interactive: list[float] = []
         for slot in self._running:
-            end = expected_end(slot.started, now, slot.expected_s)
+            end = slot_end(slot, now)
             lane = slot.demand.lane if slot.demand is not None else None
             (interactive if lane == Lane.INTERACTIVE else ends).append(end)
         if len(interactive) > reserve:

@@ -4,10 +4,10 @@
 
 Pure code with an injectable clock. The server feeds it what it measures (interactive time to
 first token, from a refused job's first refusal; admissions and yields, job outcomes, KV
-utilisation) and calls :meth:`update`
-periodically. Each signal proposes a level: the state rises at once to the highest level any
-signal proposes, and falls one level at a time, only once every signal has stayed below the
-current level's *lower* thresholds (80 % of the rising ones) for ``min_dwell_s``.
+utilisation) and calls :meth:`update` periodically. Each signal proposes a level: the state
+rises at once to the highest level any signal proposes, and falls one level at a time, only
+once every signal has stayed below the current level's *lower* thresholds (80 % of the rising
+ones) for ``min_dwell_s``.
 
 The fallback ladder follows the state (each step configurable):
 
