@@ -8,6 +8,9 @@ drift of this shared machine falls on both. Each run reports burst.py's jobs (or
 second and the daemon's CPU time per job, read from ``/proc/PID/stat`` before and after the
 load; the summary gives the medians and the governor's ratios to heptaminid's. Every daemon is
 stopped by its own PID.
+
+With ``--floor`` (the admitted scenarios), a third server joins the rotation:
+:mod:`loadtest.floor`, the least a Python server on uvloop spends on the same two frames.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ def add_parser(commands: Any) -> None:
         "--duration", type=positive_float, default=8.0, help="seconds a run (not for yield)"
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run loadtest.floor, the bare uvloop server (admitted and new-conn only)",
+    )
+    parser.add_argument(
         "--governor-arg",
         action="append",
         default=[],
@@ -96,6 +104,8 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60
 def daemon_command(
     which: str, args: argparse.Namespace, scenario: Scenario, port: int
 ) -> list[str]:
+    if which == "floor":
+        return [sys.executable, "-m", "loadtest.floor", "--listen", f"127.0.0.1:{port}"]
     if which == "heptaminid":
         return [
             str(args.heptaminid),
@@ -160,41 +170,46 @@ def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[st
     }
 
 
+def ratios(mine: dict[str, float | None], theirs: dict[str, float | None]) -> dict[str, Any]:
+    """``mine`` over ``theirs``: rates and CPU times per job (None where one is missing)."""
+
+    def over(key: str) -> float | None:
+        a, b = mine[key], theirs[key]
+        return round(a / b, 3) if a and b else None
+
+    return {"rate": over("rate"), "cpu": over("cpu_us_per_job")}
+
+
 def run(args: argparse.Namespace) -> int:
     missing = [str(path) for path in (args.heptaminid, args.burst) if not path.exists()]
     if missing:
         print(f"loadtest peer: no {' and no '.join(missing)}")
         return 2
     scenario = SCENARIOS[args.scenario]
-    order = ["governor", "heptaminid", "heptaminid", "governor"] * ((args.runs + 1) // 2)
+    daemons = ["governor", "heptaminid"]
+    if args.floor:
+        if scenario.stub_ms or scenario.rate_key != "jobs_per_s":
+            print("loadtest peer: --floor answers the admitted scenarios only")
+            return 2
+        daemons.append("floor")
+    order = (daemons + daemons[::-1]) * ((args.runs + 1) // 2)
     runs = []
-    for which in order[: 2 * args.runs]:
+    for which in order[: len(daemons) * args.runs]:
         result = one_run(which, args, scenario)
         runs.append(result)
         print(f"{which:>10}: {result['rate']:>9} /s  {result['cpu_us_per_job']} µs CPU per job")
     medians: dict[str, dict[str, float | None]] = {}
-    for which in ("governor", "heptaminid"):
+    for which in daemons:
         mine = [r for r in runs if r["daemon"] == which]
         cpus = [r["cpu_us_per_job"] for r in mine if r["cpu_us_per_job"] is not None]
         medians[which] = {
             "rate": round(statistics.median(r["rate"] for r in mine), 1),
             "cpu_us_per_job": round(statistics.median(cpus), 1) if cpus else None,
         }
-    gov, hep = medians["governor"], medians["heptaminid"]
-    ratios = {
-        "rate": round(gov["rate"] / hep["rate"], 3) if gov["rate"] and hep["rate"] else None,
-        "cpu": round(gov["cpu_us_per_job"] / hep["cpu_us_per_job"], 3)
-        if gov["cpu_us_per_job"] and hep["cpu_us_per_job"]
-        else None,
-    }
-    print(
-        json.dumps(
-            {
-                "scenario": args.scenario,
-                "median": medians,
-                "governor_over_heptaminid": ratios,
-                "runs": [{k: v for k, v in r.items() if k != "summary"} for r in runs],
-            }
-        )
-    )
+    summary: dict[str, Any] = {"scenario": args.scenario, "median": medians}
+    for which in daemons:
+        if which != "heptaminid":
+            summary[f"{which}_over_heptaminid"] = ratios(medians[which], medians["heptaminid"])
+    summary["runs"] = [{k: v for k, v in r.items() if k != "summary"} for r in runs]
+    print(json.dumps(summary))
     return 0

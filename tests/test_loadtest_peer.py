@@ -61,3 +61,35 @@ def test_peer_runs_both_daemons_alternately_and_stops_them(tmp_path: Path) -> No
     assert len(started) == 2
     for pid in started:
         assert not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.skipif(not DEFAULT_BURST.exists(), reason="needs ../shared/bench/burst.py")
+def test_the_floor_answers_burst_s_admitted_jobs_in_the_rotation(tmp_path: Path) -> None:
+    """The bare uvloop server completes burst.py's admitted jobs (their chunks hashed), and
+    joins the rotation with its own medians and ratios."""
+    pids = tmp_path / "pids"
+    stand_in = tmp_path / "heptaminid"
+    stand_in.write_text(STAND_IN.format(python=sys.executable, pids=str(pids)))
+    stand_in.chmod(0o755)
+    command = [sys.executable, "-m", "loadtest", "peer", "--heptaminid", str(stand_in), "--floor"]
+    out = subprocess.run(
+        [*command, "--scenario", "admitted", "--runs", "1", "--duration", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    summary = orjson.loads(out.stdout.strip().splitlines()[-1])
+    assert [run["daemon"] for run in summary["runs"]] == ["governor", "heptaminid", "floor"]
+    floor = summary["median"]["floor"]
+    assert floor["rate"] > 0
+    assert floor["cpu_us_per_job"] > 0
+    assert summary["floor_over_heptaminid"]["rate"] > 0
+    refused = subprocess.run(
+        [*command, "--scenario", "pings", "--runs", "1", "--duration", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert "admitted scenarios only" in refused.stdout
