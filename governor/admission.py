@@ -128,7 +128,7 @@ class Attempt:
     spec_error: SpecInvalid | None = None
     promise: Promise | None = None
     refusals: int = 0
-    paused: bool = False  # a pause has refused it (the ladder counts a pause once per job)
+    pauses: int = 0  # the times a pause refused it (the ladder counts a pause once per job)
     lane: str = NO_LANE  # the lane it was given, once classified
 
 
@@ -285,11 +285,12 @@ class Admission:
             return plan
         # 3. The ladder's first step (applied only if admitted).
         plan = self._ladder(plan)
-        # 4. Pauses.
-        refusal = self._paused(attempt, plan, now)
+        # 4. Pauses (a paused client keeps its place in line).
+        refusal = self._paused(attempt, plan, promise, now)
+        if refusal is not None:
+            return self._refuse(attempt, None, refusal)
         # 5. The tenant's limits.
-        if refusal is None:
-            refusal = self._tenant_refusal(attempt.tenant, plan.tokens, now)
+        refusal = self._tenant_refusal(attempt.tenant, plan.tokens, now)
         if refusal is not None:
             return self._refuse(attempt, promise, refusal)
         # 6. Breaker and fallback, then 7. the ledger.
@@ -367,24 +368,36 @@ class Admission:
             ("interactive_max_new_tokens",),
         )
 
-    def _paused(self, attempt: Attempt, plan: _Plan, now: float) -> Refusal | None:
+    def _paused(
+        self, attempt: Attempt, plan: _Plan, promise: Promise | None, now: float
+    ) -> Refusal | None:
         """A paused lane yields to the higher lanes' waiting clients, but is not left idle: with
         none of them waiting for a slot it could take (the first interactive clients in line
         are the reserve's), its job goes on to the ledger like any other (work-conserving).
 
-        The hint is when the pause can end, longer for a job refused again and again.
+        A paused client keeps its place in line (a newcomer takes one at the back), and is
+        told to come back when that place comes: when the clients ahead of it, those it was
+        paused for included, are expected to have had their slots. Paused again and again (more
+        higher-lane clients came meanwhile), it is told twice as long each time, but never
+        later than when the pause can end (nor sooner than its place).
         """
         overload, demand = self.overload, plan.demand
         if overload is None or demand is None or not overload.paused(demand.lane):
             return None
-        if not self.ledger.waiting_above(LANES.index(demand.lane)):
+        rank = LANES.index(demand.lane)
+        if not self.ledger.waiting_above(rank):
             return None
-        if not attempt.paused:
-            attempt.paused = True
+        if not attempt.pauses:
             step = "pause_background" if demand.lane == Lane.BACKGROUND else "interactive_only"
             self.ladder[step] += 1
-        wait_s = overload.pause_hint_s(demand.lane, attempt.refusals + 1)
-        return Refusal(NeedCode.LANE_PAUSED, self.ledger.hint_ms(now, now + wait_s))
+        attempt.pauses += 1
+        until_ms = self.ledger.hint_ms(
+            now, now + overload.pause_hint_s(demand.lane, attempt.refusals + 1)
+        )
+        hint_ms, promise = self.ledger.place(
+            promise, rank, plan.size, doublings=attempt.pauses - 1, until_ms=until_ms
+        )
+        return Refusal(NeedCode.LANE_PAUSED, hint_ms, promise)
 
     def _tenant_refusal(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
         """The tenant's concurrency cap, its weighted share, then its request and token rates."""

@@ -20,10 +20,16 @@ slot releases instead of all returning at the same instant.
   = 0.2), starting from the runner's own estimate; under a lane policy its lane's ``S`` (from
   its first completed job; the pool's until then). Only a job that completed teaches any of
   these: a runner failure, a cancel or a timeout says nothing about how long jobs take.
-* Each running job ``i`` is expected to end at ``e_i = start_i + S_i``, or, once it has run
-  ``ran_i >= S_i``, at ``now + ran_i / 4``: a job that has outlived its prediction is likely a
-  long one, so it is given a quarter more of what it has run. Never sooner than ``now +
-  floor`` (``min_hint_ms``); a free slot counts as releasing at ``now + floor``. After its
+* Each running job ``i`` is likely to end within ``w_i = err * S_i`` of ``start_i + S_i``,
+  ``err`` being the pool's typical prediction error: the exponentially weighted mean of ``|held
+  - S| / S`` over completed jobs (0 until one has). Its slot is expected to free as that window
+  opens, ``e_i = start_i + S_i - w_i``, and from then on its first waiter polls: it is told
+  ``w_i / 2`` ahead, or, once the job has overrun ``S_i``, as much more as it has overrun, but
+  at most a quarter of what it has run. A waiter told the prediction itself would leave the
+  slot idle whenever the job ends early, one told "in a quarter of its time" whenever it ends
+  a little late; a job far past its prediction is likely a long one, and its waiters told "any
+  moment now" would retry in a busy loop. Never sooner than ``now + floor`` (``min_hint_ms``);
+  a free slot counts as releasing at ``now + floor``. After its
   release each slot frees again every ``W + T`` seconds, ``T`` being the turnaround: how long
   a released slot waits for the returning client it was promised to (an exponentially
   weighted mean, from ``min_hint_ms``), and ``W`` the mean predicted time of the jobs of the
@@ -75,6 +81,7 @@ from .service import JobSize, ServiceModel
 Clock = Callable[[], float]
 
 EWMA_ALPHA = 0.2
+FIRST_ERROR = 0.0  # the typical prediction error (relative) before any job has completed
 MAX_PROMISES = 65536  # bounds the ledger's memory whatever the number of refused clients
 # Withdrawn and lapsed promises linger in the line and the lapse heap until they reach the
 # front; both are rebuilt when the dead outnumber the living by this many.
@@ -176,10 +183,12 @@ class SlotLedger:
         self.clock = clock
         self.service_s = expected_service_s
         self.model = ServiceModel(expected_service_s)  # a job's service time from its size
+        # How far completed jobs' held times fell from their predictions, relative to them.
+        self.error = FIRST_ERROR
         self.lane_service_s: dict[Lane, float] = {}  # under a lane policy, once a lane's job ends
         # How long a released slot waits for the returning client it was promised to.
         self.turnaround_s = min_hint_ms / 1000
-        self._freed: deque[float] = deque()  # when each free slot was released, oldest first
+        self._freed: list[float] = []  # when each free slot was released, in that order
         self.executed_total = 0  # admissions
         self.yielded_total = 0
         self.peak_inflight = 0
@@ -245,7 +254,9 @@ class SlotLedger:
                 if promise is not None:
                     self.withdraw(promise)
                 return self.refused(refusal)
-        freed = self._freed.popleft() if self._freed else None
+        # The slot taken is taken as the one freed last: a slot freed long before (the
+        # interactive reserve, idle while no chat comes) was not waiting for this client.
+        freed = self._freed.pop() if self._freed else None
         if promise is not None:
             self.withdraw(promise)
             # Only a client that came when it was told says how long a slot waits for it.
@@ -276,6 +287,24 @@ class SlotLedger:
         if waiting and reserve:
             waiting -= min(self._promised[0], reserve)
         return waiting
+
+    def place(
+        self,
+        promise: Promise | None,
+        rank: int,
+        size: JobSize | None = None,
+        *,
+        doublings: int = 0,
+        until_ms: int | None = None,
+    ) -> tuple[int, Promise | None]:
+        """A place in line for a client refused before the ledger's own check (a paused lane),
+        as :meth:`admit` gives one: ``promise`` is kept and re-timed, a newcomer goes to the
+        back. The hint is when that place comes; with ``doublings``, that doubled as many times
+        but no later than ``until_ms`` from now, and never before the place comes.
+        """
+        now = self.clock()
+        self._lapse(now)
+        return self._promise(now, promise, rank, size, doublings, until_ms)
 
     def predict_s(self, size: JobSize | None, lane: Lane | None = None) -> float:
         """How long a job of ``size`` (in ``lane``) is expected to hold its slot: the model's
@@ -340,16 +369,17 @@ class SlotLedger:
         return self.expected_end(slot.started, now, slot.expected_s)
 
     def expected_end(self, started: float, now: float, service_s: float | None = None) -> float:
-        """When a job started at ``started`` is expected to end: ``started + S`` (``service_s``:
-        the job's own prediction, :attr:`Slot.expected_s`; the pool's mean by default); for a
-        job already past that, a quarter more of what it has run.
-
-        (Service times are long-tailed: a job that has outlived the estimate is likely a long
-        one, and telling its waiters "any moment now" would have them retry in a busy loop.)
+        """When a job started at ``started`` may have freed its slot: as the window in which
+        it is likely to end opens, ``started + S - err * S`` (``service_s``: the job's own
+        prediction, :attr:`Slot.expected_s`; the pool's mean by default); inside the window,
+        half its half-width from now; once it has overrun ``S``, as much more as it has
+        overrun, at most a quarter of what it has run (see the module docstring).
         """
         service = self.service_s if service_s is None else service_s
+        window = service * self.error  # (it is likely to end within this of its prediction)
         ran = now - started
-        expected = started + service if ran < service else now + ran / 4
+        poll = min(max(ran - service, window / 2), ran / 4)
+        expected = max(started + service - window, now + poll)
         return max(expected, now + self.min_hint_ms / 1000)
 
     def hint_ms(self, now: float, at: float) -> int:
@@ -386,6 +416,9 @@ class SlotLedger:
                 slot.size, done.prompt_tokens, done.completion_tokens, done.ttft_s, held
             )
             self.service_s += EWMA_ALPHA * (held - self.service_s)
+            if slot.expected_s > 0:
+                miss = abs(held - slot.expected_s) / slot.expected_s
+                self.error += EWMA_ALPHA * (miss - self.error)
             if slot.demand is not None:
                 lane = slot.demand.lane
                 last = self.lane_service_s.get(lane, held)
@@ -443,7 +476,13 @@ class SlotLedger:
         return max(self.service_s / 4, 0.02)
 
     def _promise(
-        self, now: float, promise: Promise | None, rank: int = 0, size: JobSize | None = None
+        self,
+        now: float,
+        promise: Promise | None,
+        rank: int = 0,
+        size: JobSize | None = None,
+        doublings: int = 0,
+        until_ms: int | None = None,
     ) -> tuple[int, Promise | None]:
         """The hint for a refusal, and the promise that goes with it.
 
@@ -473,6 +512,9 @@ class SlotLedger:
             ahead_s -= seconds[0] * min(counts[0], reserve) / counts[0]
         turn_s = ahead_s / ahead if ahead > 0 else own_s
         hint_ms = self.hint_ms(now, self._release_time(now, ahead, rank, turn_s))
+        if doublings:
+            longest = self.max_hint_ms if until_ms is None else until_ms
+            hint_ms = min(max(hint_ms, min(hint_ms << doublings, longest)), self.max_hint_ms)
         at = now + hint_ms / 1000
         lapses = at + self._grace()
         if promise is not None:

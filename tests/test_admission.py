@@ -237,6 +237,45 @@ def test_a_pause_leaves_to_the_reserve_the_chats_it_serves(clock: FakeClock) -> 
     assert paused.need_code == "lane_paused"
 
 
+def test_a_paused_client_keeps_its_place_in_line(clock: FakeClock) -> None:
+    """Paused, a heavy client is told when its place in line comes (the chat it was paused for
+    served), not when the pause can end; a heavy client paused after it is told later, and
+    does not take the slot held for it by coming back first."""
+    admission = make(clock, cap=2, lanes=True, overload=True)
+    overload = admission.overload
+    assert overload is not None
+    running = [
+        admitted(admission.decide(attempt(admission))),
+        admitted(admission.decide(attempt(admission, max_new_tokens=900))),
+    ]
+    chats = [attempt(admission) for _ in range(2)]  # one more than the reserve serves
+    for chat in chats:
+        assert isinstance(admission.decide(chat), Yielded)
+    overload.state = State.INTERACTIVE_ONLY
+    first, second = (attempt(admission, max_new_tokens=900) for _ in range(2))
+    start, hints = clock.now, []
+    for heavy in (first, second):
+        paused = admission.decide(heavy)
+        assert isinstance(paused, Yielded)
+        assert paused.need_code == "lane_paused"
+        hints.append(paused.retry_hint_ms)
+    # Both slots free in 1 s; the extra chat holds the heavy slot one job (1 s) more.
+    assert 2000 <= hints[0] < hints[1] < overload.pause_hint_s(Lane.HEAVY, 1) * 1000
+    clock.now += 1.0
+    for ticket in running:
+        ticket.release("done")
+    running = [admitted(admission.decide(chat)) for chat in chats]
+    clock.now = start + hints[0] / 1000
+    for ticket in running:
+        ticket.release("done")
+    # No chat waits now. The second heavy client, back first, finds the slot held for the first.
+    early = admission.decide(second)
+    assert isinstance(early, Yielded)
+    assert early.need_code == "server_busy"
+    assert admitted(admission.decide(first)).lane == Lane.HEAVY
+    assert admission.ladder["interactive_only"] == 2
+
+
 # The ticket ------------------------------------------------------------------------------
 
 

@@ -183,6 +183,61 @@ def test_hint_never_constant_across_load(clock: FakeClock) -> None:
     assert b.retry_hint_ms == 8000
 
 
+def test_a_job_a_little_late_is_given_its_overrun_again(clock: FakeClock) -> None:
+    """Late by less than a quarter of its time, a job is most likely about to end: its waiter
+    is told as much more as it has overrun (at least the pool's typical error), not a quarter
+    of what it has run, which would leave the slot idle long after it freed."""
+    ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)
+    start, promise = clock.now, None
+    assert isinstance(ledger.admit(), Slot)
+    # (no typical error is known until a job completes; a quarter of 1.5 s is 375 ms)
+    for late, hint in ((0.01, 10), (0.2, 200), (0.3, 300), (0.5, 375)):
+        clock.now = start + 1.0 + late
+        refusal = ledger.admit(promise)  # the same client, first in line
+        assert isinstance(refusal, Refusal)
+        assert refusal.retry_hint_ms == hint, late
+        promise = refusal.promise
+
+
+def test_the_first_in_line_comes_as_the_likely_window_opens_and_polls_in_it(
+    clock: FakeClock,
+) -> None:
+    """With predictions typically 20 % off, a 1 s job is likely to end from 0.8 s: its waiter
+    is told 0.8 s, then polls every tenth of a second (half the window's half-width) until
+    the job is late by more than that."""
+    ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)
+    ledger.error = 0.2
+    start = clock.now
+    assert isinstance(ledger.admit(), Slot)
+    promise = None
+    for ran, hint in ((0.0, 800), (0.8, 100), (0.9, 100), (1.05, 100), (1.2, 200)):
+        clock.now = start + ran
+        refusal = ledger.admit(promise)
+        assert isinstance(refusal, Refusal)
+        assert refusal.retry_hint_ms == hint, ran
+        promise = refusal.promise
+
+
+def test_the_typical_error_is_learnt_from_completed_jobs(clock: FakeClock) -> None:
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    for held in (1.0, 1.0, 1.0, 1.0):
+        slot = ledger.admit()
+        assert isinstance(slot, Slot)
+        clock.now += held
+        slot.release(done=Completed())
+    assert ledger.error == 0.0  # each job held its slot just as long as predicted
+    slot = ledger.admit()
+    assert isinstance(slot, Slot)
+    clock.now += 3.0
+    slot.release()  # a failure teaches nothing
+    assert ledger.error == 0.0
+    slot = ledger.admit()
+    assert isinstance(slot, Slot)
+    clock.now += 1.5
+    slot.release(done=Completed())  # half as long again as predicted
+    assert ledger.error == pytest.approx(0.2 * 0.5)
+
+
 def test_an_overrunning_job_is_given_a_quarter_more_of_what_it_has_run(clock: FakeClock) -> None:
     """Not "any moment now": that would have its waiters retry in a busy loop."""
     ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)

@@ -188,6 +188,33 @@ def test_heavy_clients_kept_off_the_reserve_wait_for_heavy_slots_not_for_chats(
     assert ledger.lane_inflight == {Lane.HEAVY: 1, Lane.INTERACTIVE: 1}
 
 
+def test_an_idle_reserve_does_not_count_as_a_slot_waiting_for_heavy_clients(
+    clock: FakeClock,
+) -> None:
+    """The turnaround (how long a freed slot waits for the client promised it) is read from
+    the slot the heavy client takes, freed a moment ago, not from the reserve, idle since the
+    last chat: that would add a job's time to every later turn of every heavy promise."""
+    ledger = ledger_with(clock, cap=2, interactive_reserve=1)
+    chat, heavy = ledger.admit(demand=INTERACTIVE), ledger.admit(demand=HEAVY)
+    refused = ledger.admit(demand=HEAVY)
+    assert isinstance(chat, Slot)
+    assert isinstance(refused, Refusal)
+    due = clock.now + refused.retry_hint_ms / 1000
+    clock.now += 0.5
+    chat.release(done=Completed())  # the reserve is free from now on
+    for _ in range(5):  # heavy jobs, one after the other, each next client back on time
+        assert isinstance(heavy, Slot)
+        clock.now = max(clock.now, due)
+        heavy.release(done=Completed())
+        clock.now += 0.01
+        heavy = ledger.admit(refused.promise, demand=HEAVY)
+        refused = ledger.admit(demand=HEAVY)
+        assert isinstance(refused, Refusal)
+        assert refused.need_code == "lane_full"
+        due = clock.now + refused.retry_hint_ms / 1000
+    assert ledger.turnaround_s < 0.02
+
+
 def test_each_lane_has_its_own_service_estimate(clock: FakeClock) -> None:
     """A chat refused while chats and a rewrite run is told when a chat ends, not when the
     pool's mean job (half chats, half rewrites) would."""
