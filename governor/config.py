@@ -140,6 +140,10 @@ class Config:
         12000.0, "lanes: the highest cost a heavy job may have; costlier jobs are background."
     )
     interactive_reserve: int = _opt(1, "lanes: slots only interactive jobs may take.")
+    reserve_lend_after: float = _opt(
+        0.0,
+        "lanes: seconds without an interactive job after which the reserve is lent to heavy and background work (back for the next chat as the lent jobs end); 0: never lent.",
+    )
     heavy_slots: int = _opt(
         0, "lanes: slots heavy jobs may hold at once; 0: no quota but the cap and the reserve."
     )
@@ -266,6 +270,7 @@ class Config:
             "workers",
             "threads",
             "interactive_reserve",
+            "reserve_lend_after",
             "heavy_slots",
             "background_slots",
             "prompt_ceiling",

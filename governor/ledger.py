@@ -193,6 +193,9 @@ class SlotLedger:
         self.yielded_total = 0
         self.peak_inflight = 0
         self.draining = False
+        # When an interactive job last asked for a slot (under a lane policy that lends the
+        # interactive reserve once none has for a while); the reserve is kept from the start.
+        self._interactive_seen = clock()
         self._running: dict[Slot, None] = {}  # insertion-ordered set
         # The line, in order. A promise withdrawn or lapsed (``queued`` False) stays in it, and
         # is skipped, until it reaches the front (removing it from the middle would cost a
@@ -241,7 +244,9 @@ class SlotLedger:
             return self.refused(Refusal(NeedCode.DRAINING, self.max_hint_ms))
         free = self.cap - len(self._running)
         # The free slots this job may take: not those the interactive reserve keeps.
-        reserved = self._unused_reserve(rank)
+        if rank == 0:
+            self._interactive_seen = now
+        reserved = self._unused_reserve(rank, now)
         usable = free - reserved
         # A free slot is not for the taking while clients ahead in line have their time come.
         if usable <= self._due_ahead(now, promise, rank, reserved):
@@ -283,7 +288,7 @@ class SlotLedger:
         would keep from a slot: all of them, less the first interactive ones, whom the
         interactive reserve serves (its slots are not that job's to take anyway)."""
         waiting = self.waiting(rank - 1)
-        reserve = self._reserve(rank)
+        reserve = self._reserve(rank, self.clock())
         if waiting and reserve:
             waiting -= min(self._promised[0], reserve)
         return waiting
@@ -317,16 +322,22 @@ class SlotLedger:
         self.yielded_total += 1
         return refusal
 
-    def _reserve(self, rank: int) -> int:
+    def _reserve(self, rank: int, now: float) -> int:
         """The slots a job of the lane ranked ``rank`` may not take: the interactive reserve
-        (0 for interactive work, or without a lane policy)."""
+        (0 for interactive work, without a lane policy, or while the reserve is lent: no
+        interactive job has come for ``reserve_lend_after_s`` and none waits in line)."""
         policy = self.policy
-        return policy.interactive_reserve if policy is not None and rank > 0 else 0
+        if policy is None or rank == 0:
+            return 0
+        lend_after = policy.reserve_lend_after_s
+        if lend_after and now - self._interactive_seen >= lend_after and not self._promised[0]:
+            return 0
+        return policy.interactive_reserve
 
-    def _unused_reserve(self, rank: int) -> int:
+    def _unused_reserve(self, rank: int, now: float) -> int:
         """The free slots a job of the lane ranked ``rank`` may not take: the reserve less
         the interactive jobs running."""
-        reserve = self._reserve(rank)
+        reserve = self._reserve(rank, now)
         return max(reserve - self.lane_inflight[Lane.INTERACTIVE], 0) if reserve else 0
 
     def _policy_refusal(self, now: float, demand: Demand) -> Refusal | None:
@@ -506,7 +517,7 @@ class SlotLedger:
             promise = None
             counts, seconds = self._promised, self._promised_s
         ahead, ahead_s = sum(counts[: rank + 1]), sum(seconds[: rank + 1])
-        reserve = self._reserve(rank)
+        reserve = self._reserve(rank, now)
         if reserve and counts[0]:  # the reserve serves the first interactive clients
             ahead -= min(counts[0], reserve)
             ahead_s -= seconds[0] * min(counts[0], reserve) / counts[0]
@@ -542,7 +553,7 @@ class SlotLedger:
         reserve holds (the first of them to end frees a slot that is not the reserve's).
         """
         slot_end = self.slot_end
-        reserve = self._reserve(rank)
+        reserve = self._reserve(rank, now)
         if not reserve:
             return [slot_end(slot, now) for slot in self._running], self.cap
         ends: list[float] = []

@@ -61,6 +61,8 @@ class LanePolicy:
         default_factory=lambda: {Lane.INTERACTIVE: None, Lane.HEAVY: None, Lane.BACKGROUND: None}
     )
     interactive_reserve: int = 1  # slots only interactive jobs may take
+    # Lent to the lower lanes once no interactive job has been seen for this long (0: never).
+    reserve_lend_after_s: float = 0.0
     lane_max_new_tokens: dict[Lane, int] = field(
         default_factory=lambda: {
             Lane.INTERACTIVE: 256,

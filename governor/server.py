@@ -93,6 +93,7 @@ def build_policy(config: Config) -> LanePolicy:
             Lane.BACKGROUND: config.background_slots or None,
         },
         interactive_reserve=config.interactive_reserve,
+        reserve_lend_after_s=config.reserve_lend_after,
         lane_max_new_tokens={
             Lane.INTERACTIVE: config.interactive_max_new_tokens,
             Lane.HEAVY: config.heavy_max_new_tokens,
@@ -262,8 +263,11 @@ class Server:
         if self.ledger.policy is not None:
             p = self.ledger.policy
             log.info(
-                "lanes on: interactive reserve %d slot(s), KV budget %s",
+                "lanes on: interactive reserve %d slot(s)%s, KV budget %s",
                 p.interactive_reserve,
+                f" (lent after {p.reserve_lend_after_s:g} s without a chat)"
+                if p.reserve_lend_after_s
+                else "",
                 f"{p.kv_capacity} tokens" if p.kv_capacity else "off",
             )
         if self.overload is not None:

@@ -215,6 +215,48 @@ def test_an_idle_reserve_does_not_count_as_a_slot_waiting_for_heavy_clients(
     assert ledger.turnaround_s < 0.02
 
 
+def test_an_idle_reserve_is_lent_and_back_for_the_next_chat(clock: FakeClock) -> None:
+    """With ``reserve_lend_after_s``, the reserve is kept while chats come; once none has for
+    that long, heavy work may take it; the next chat takes it back: it is told when the first
+    job ends, and heavy work keeps off the reserve again."""
+    ledger = ledger_with(clock, cap=2, interactive_reserve=1, reserve_lend_after_s=10.0)
+    first = ledger.admit(demand=HEAVY)
+    assert isinstance(first, Slot)
+    kept = ledger.admit(demand=HEAVY)
+    assert isinstance(kept, Refusal)
+    assert kept.need_code == "lane_full"  # kept from the start
+    clock.now += 9.0
+    chat = ledger.admit(demand=INTERACTIVE)
+    assert isinstance(chat, Slot)
+    clock.now += 0.5
+    chat.release(done=Completed())
+    clock.now += 9.0  # 9.5 s since the chat: still kept
+    refused = ledger.admit(kept.promise, demand=HEAVY)
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == "lane_full"
+    clock.now += 0.5  # 10 s without a chat: lent
+    lent = ledger.admit(refused.promise, demand=HEAVY)
+    assert isinstance(lent, Slot)
+    assert ledger.lane_inflight[Lane.HEAVY] == 2
+    # A chat comes: every slot is busy, so it waits for the first end, and is first in line.
+    waiting = ledger.admit(demand=INTERACTIVE)
+    assert isinstance(waiting, Refusal)
+    assert waiting.need_code == "server_busy"
+    first.release(done=Completed())
+    # The freed slot is the reserve again: a heavy newcomer may not take it, the chat may.
+    assert ledger.admit(demand=HEAVY).need_code == "lane_full"  # type: ignore[union-attr]
+    assert isinstance(ledger.admit(waiting.promise, demand=INTERACTIVE), Slot)
+
+
+def test_a_reserve_is_never_lent_by_default(clock: FakeClock) -> None:
+    ledger = ledger_with(clock, cap=2, interactive_reserve=1)
+    assert isinstance(ledger.admit(demand=HEAVY), Slot)
+    clock.now += 3600.0
+    refused = ledger.admit(demand=HEAVY)
+    assert isinstance(refused, Refusal)
+    assert refused.need_code == "lane_full"
+
+
 def test_each_lane_has_its_own_service_estimate(clock: FakeClock) -> None:
     """A chat refused while chats and a rewrite run is told when a chat ends, not when the
     pool's mean job (half chats, half rewrites) would."""

@@ -750,6 +750,27 @@ async def test_lanes_keep_a_slot_for_interactive_work(
     assert server.admission.refusals == {("lane_full", "heavy", "default"): 1}
 
 
+async def test_an_idle_reserve_is_lent_to_heavy_work(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    """``reserve_lend_after``: no chat for that long, a heavy job refused off the reserve is
+    admitted into it when it comes back."""
+    server = await make_server(
+        max_inflight=2, stub_ms=2000, lanes=True, interactive_reserve=1, reserve_lend_after=0.3
+    )
+    conn = await raw(server)
+    rewrite = {"prompt": "word " * 2000, "max_new_tokens": 200}  # ~2500 tokens: heavy
+    conn.send(spec_frame("J_h1", 1, **rewrite))
+    await wait_until(lambda: server.ledger.inflight == 1)
+    conn.send(spec_frame("J_h2", 1, **rewrite))
+    refused = await conn.recv()
+    assert (refused["job"], refused["need_code"]) == ("J_h2", "lane_full")
+    await asyncio.sleep(0.35)  # no chat since the daemon started: the reserve is lent
+    conn.send(spec_frame("J_h2", 3, **rewrite))
+    await wait_until(lambda: server.ledger.inflight == 2)
+    assert server.ledger.lane_inflight == {"heavy": 2}
+
+
 async def test_the_overload_state_sees_a_chat_s_ttft_from_its_first_refusal(
     make_server: ServerFactory, raw: Opener
 ) -> None:
