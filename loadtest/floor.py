@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import base64
 import hashlib
+from typing import cast
 
 import orjson
 import uvloop
@@ -43,8 +44,7 @@ class Floor(asyncio.Protocol):
         self.manifest_sha = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
 
     def data_received(self, data: bytes) -> None:
         self.lines.feed(data)

@@ -51,6 +51,7 @@ def test_peer_runs_both_daemons_alternately_and_stops_them(tmp_path: Path) -> No
     order = [run["daemon"] for run in summary["runs"]]
     assert order == ["governor", "heptaminid", "heptaminid", "governor"]
     for run in summary["runs"]:
+        assert run["errors"] == 0
         assert run["rate"] > 0
         assert run["cpu_us_per_job"] > 0
     ratios = summary["governor_over_heptaminid"]
@@ -81,6 +82,7 @@ def test_the_floor_answers_burst_s_admitted_jobs_in_the_rotation(tmp_path: Path)
     )
     summary = orjson.loads(out.stdout.strip().splitlines()[-1])
     assert [run["daemon"] for run in summary["runs"]] == ["governor", "heptaminid", "floor"]
+    assert all(run["errors"] == 0 for run in summary["runs"])
     floor = summary["median"]["floor"]
     assert floor["rate"] > 0
     assert floor["cpu_us_per_job"] > 0
