@@ -838,10 +838,11 @@ async def test_overload_states_drive_the_fallback_ladder(
             "busy",
         )
         hints.append(paused["retry_hint_ms"])
-    # Until the state may fall, and no shorter when refused again: both are about a window
-    # (30 s) away, as every sample is slow, so the second may already be at the cap. (That
-    # the hint doubles below the cap is shown in test_admission, on a fake clock.)
-    assert 1000 < hints[0] <= hints[1] <= 31_000
+    # The paused client keeps a place in line: it is told when that place comes (the chats
+    # ahead of it served, a few hundred ms), not when the pause can end (about a window, 30 s,
+    # away: every sample is slow). (That a hint doubles for a job paused again, up to the
+    # pause's end, is shown in test_admission, on a fake clock.)
+    assert all(0 < hint < 5000 for hint in hints)
     ended = [(await chats.recv())["status"] for _ in range(2)]
     assert ended == ["done", "done"]
     for job in ("J_c", "J_d"):
