@@ -33,20 +33,18 @@ def test_cpu_seconds_grow_with_work() -> None:
     assert cpu_s(os.getpid()) > before
 
 
+def peer(tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``loadtest peer`` with the stand-in for heptaminid (it logs its PIDs to tmp_path/pids)."""
+    stand_in = tmp_path / "heptaminid"
+    stand_in.write_text(STAND_IN.format(python=sys.executable, pids=str(tmp_path / "pids")))
+    stand_in.chmod(0o755)
+    command = [sys.executable, "-m", "loadtest", "peer", "--heptaminid", str(stand_in), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=check)
+
+
 @pytest.mark.skipif(not DEFAULT_BURST.exists(), reason="needs ../shared/bench/burst.py")
 def test_peer_runs_both_daemons_alternately_and_stops_them(tmp_path: Path) -> None:
-    pids = tmp_path / "pids"
-    stand_in = tmp_path / "heptaminid"
-    stand_in.write_text(STAND_IN.format(python=sys.executable, pids=str(pids)))
-    stand_in.chmod(0o755)
-    command = [sys.executable, "-m", "loadtest", "peer", "--heptaminid", str(stand_in)]
-    out = subprocess.run(
-        [*command, "--scenario", "pings", "--runs", "2", "--duration", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = peer(tmp_path, "--scenario", "pings", "--runs", "2", "--duration", "1")
     summary = orjson.loads(out.stdout.strip().splitlines()[-1])
     order = [run["daemon"] for run in summary["runs"]]
     assert order == ["governor", "heptaminid", "heptaminid", "governor"]
@@ -58,7 +56,7 @@ def test_peer_runs_both_daemons_alternately_and_stops_them(tmp_path: Path) -> No
     assert ratios["rate"] > 0
     assert ratios["cpu"] > 0
     # Both stand-in daemons were started, and each is gone: stopped by its PID.
-    started = [int(line) for line in pids.read_text().split()]
+    started = [int(line) for line in (tmp_path / "pids").read_text().split()]
     assert len(started) == 2
     for pid in started:
         assert not Path(f"/proc/{pid}").exists()
@@ -68,18 +66,7 @@ def test_peer_runs_both_daemons_alternately_and_stops_them(tmp_path: Path) -> No
 def test_the_floor_answers_burst_s_admitted_jobs_in_the_rotation(tmp_path: Path) -> None:
     """The bare uvloop server completes burst.py's admitted jobs (their chunks hashed), and
     joins the rotation with its own medians and ratios."""
-    pids = tmp_path / "pids"
-    stand_in = tmp_path / "heptaminid"
-    stand_in.write_text(STAND_IN.format(python=sys.executable, pids=str(pids)))
-    stand_in.chmod(0o755)
-    command = [sys.executable, "-m", "loadtest", "peer", "--heptaminid", str(stand_in), "--floor"]
-    out = subprocess.run(
-        [*command, "--scenario", "admitted", "--runs", "1", "--duration", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = peer(tmp_path, "--floor", "--scenario", "admitted", "--runs", "1", "--duration", "1")
     summary = orjson.loads(out.stdout.strip().splitlines()[-1])
     assert [run["daemon"] for run in summary["runs"]] == ["governor", "heptaminid", "floor"]
     assert all(run["errors"] == 0 for run in summary["runs"])
@@ -87,11 +74,6 @@ def test_the_floor_answers_burst_s_admitted_jobs_in_the_rotation(tmp_path: Path)
     assert floor["rate"] > 0
     assert floor["cpu_us_per_job"] > 0
     assert summary["floor_over_heptaminid"]["rate"] > 0
-    refused = subprocess.run(
-        [*command, "--scenario", "pings", "--runs", "1", "--duration", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    refused = peer(tmp_path, "--floor", "--scenario", "pings", "--runs", "1", check=False)
     assert refused.returncode == 2
     assert "admitted scenarios only" in refused.stdout

@@ -715,17 +715,14 @@ def spec_frame(job: str, seq: int, **spec: Any) -> dict[str, Any]:
     return inline(job, seq, data, content_type="application/vnd.governor.job+json")
 
 
-async def test_lanes_keep_a_slot_for_interactive_work(
-    make_server: ServerFactory, raw: Opener
-) -> None:
-    server = await make_server(
-        max_inflight=2, stub_ms=2000, lanes=True, interactive_reserve=1, prompt_ceiling=5000
-    )
-    conn = await raw(server)
-    rewrite = {"prompt": "word " * 2000, "max_new_tokens": 200}  # ~2500 tokens: heavy
-    conn.send(spec_frame("J_h1", 1, **rewrite))
+REWRITE = {"prompt": "word " * 2000, "max_new_tokens": 200}  # ~2500 tokens: heavy
+
+
+async def kept_off_the_reserve(server: Server, conn: RawConn) -> dict[str, Any]:
+    """On 2 slots with a reserve of 1: J_h1 runs, J_h2 is refused; its yield."""
+    conn.send(spec_frame("J_h1", 1, **REWRITE))
     await wait_until(lambda: server.ledger.inflight == 1)
-    conn.send(spec_frame("J_h2", 1, **rewrite))
+    conn.send(spec_frame("J_h2", 1, **REWRITE))
     refused = await conn.recv()
     assert (refused["job"], refused["status"], refused["need_code"], refused["error_code"]) == (
         "J_h2",
@@ -733,6 +730,17 @@ async def test_lanes_keep_a_slot_for_interactive_work(
         "lane_full",
         "busy",
     )
+    return refused
+
+
+async def test_lanes_keep_a_slot_for_interactive_work(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    server = await make_server(
+        max_inflight=2, stub_ms=2000, lanes=True, interactive_reserve=1, prompt_ceiling=5000
+    )
+    conn = await raw(server)
+    refused = await kept_off_the_reserve(server, conn)
     assert 0 < refused["retry_hint_ms"] <= 2000
     conn.send(spec_frame("J_chat", 1, prompt="Hi!", max_new_tokens=32))
     await wait_until(lambda: server.ledger.inflight == 2)  # the reserve took the chat
@@ -759,14 +767,9 @@ async def test_an_idle_reserve_is_lent_to_heavy_work(
         max_inflight=2, stub_ms=2000, lanes=True, interactive_reserve=1, reserve_lend_after=0.3
     )
     conn = await raw(server)
-    rewrite = {"prompt": "word " * 2000, "max_new_tokens": 200}  # ~2500 tokens: heavy
-    conn.send(spec_frame("J_h1", 1, **rewrite))
-    await wait_until(lambda: server.ledger.inflight == 1)
-    conn.send(spec_frame("J_h2", 1, **rewrite))
-    refused = await conn.recv()
-    assert (refused["job"], refused["need_code"]) == ("J_h2", "lane_full")
+    await kept_off_the_reserve(server, conn)
     await asyncio.sleep(0.35)  # no chat since the daemon started: the reserve is lent
-    conn.send(spec_frame("J_h2", 3, **rewrite))
+    conn.send(spec_frame("J_h2", 3, **REWRITE))
     await wait_until(lambda: server.ledger.inflight == 2)
     assert server.ledger.lane_inflight == {"heavy": 2}
 
