@@ -55,8 +55,10 @@ job's lane, and a client counts, and a freed slot is held for, only the promises
 or a higher one. A client of a lower lane counts only the slots it may take: those the
 interactive reserve does not keep (``lane_full`` when the only free slots are the reserve's).
 It waits in line for the ends of the jobs in those slots, not for a chat's in the reserve, and
-the first interactive clients in line are the reserve's, not ahead of it. The lane quota and the
-KV budget are then checked in the same decision.
+the first interactive clients in line are the reserve's, not ahead of it. A policy may lend the
+reserve (``reserve_lend_after_s``): once no interactive job has asked for a slot for that long
+and none waits in line, every slot is the lower lanes' too, until the next one asks. The lane
+quota and the KV budget are then checked in the same decision.
 
 With one client per slot release, a slot is retaken almost as soon as it frees, and most
 retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures both).
@@ -81,7 +83,6 @@ from .service import JobSize, ServiceModel
 Clock = Callable[[], float]
 
 EWMA_ALPHA = 0.2
-FIRST_ERROR = 0.0  # the typical prediction error (relative) before any job has completed
 MAX_PROMISES = 65536  # bounds the ledger's memory whatever the number of refused clients
 # Withdrawn and lapsed promises linger in the line and the lapse heap until they reach the
 # front; both are rebuilt when the dead outnumber the living by this many.
@@ -183,8 +184,9 @@ class SlotLedger:
         self.clock = clock
         self.service_s = expected_service_s
         self.model = ServiceModel(expected_service_s)  # a job's service time from its size
-        # How far completed jobs' held times fell from their predictions, relative to them.
-        self.error = FIRST_ERROR
+        # How far completed jobs' held times fell from their predictions, relative to them
+        # (0 until a job has completed).
+        self.error = 0.0
         self.lane_service_s: dict[Lane, float] = {}  # under a lane policy, once a lane's job ends
         # How long a released slot waits for the returning client it was promised to.
         self.turnaround_s = min_hint_ms / 1000
