@@ -293,7 +293,10 @@ def test_rate_sweep_measures_ttft_tpot_and_goodput(
         assert stats["tokens"] == 11 * stats["offered"]
         assert stats["wasted_tokens"] == 0
         assert stats["ttft_ms"]["p50"] >= 20
-        assert stats["tpot_ms"]["p50"] >= 5
+        # The stub spaces the tokens at least 5 ms apart; the client sees each when its loop
+        # reads it, and a first token read late shortens the ten intervals it is measured
+        # over (a busy machine gave 4.98 ms): at least 4 leaves it 10 ms of lateness.
+        assert stats["tpot_ms"]["p50"] >= 4
         assert stats["goodput_rps"] == pytest.approx(
             stats["offered"] / step["duration_s"], rel=0.01
         )
