@@ -405,10 +405,7 @@ class Admission:
         share = self.tenants.fair_share(tenant, ledger.cap)
         for limit, code in ((cap, NeedCode.TENANT_BUSY), (share, NeedCode.TENANT_SHARE)):
             if limit and tenant.inflight >= limit:  # (a share is contention: shared by weight)
-                first_end = min(
-                    ledger.expected_end(slot.started, now, slot.expected_s)
-                    for slot in tenant.running
-                )
+                first_end = min(ledger.slot_end(slot, now) for slot in tenant.running)
                 return Refusal(code, ledger.hint_ms(now, first_end))
         wait = tenant.wait_s(tokens, now)
         if wait > 0:
