@@ -117,6 +117,47 @@ class Config:
     held_payloads_per_conn: int = _opt(
         8, "Payloads a connection may have held after a yield, awaiting the client's retry."
     )
+    max_chunks: int = _opt(
+        65536, "Most chunks a manifest may declare (each costs memory beyond its bytes)."
+    )
+    upload_timeout: float = _opt(
+        30.0,
+        "Seconds an upload may go without a new chunk before it is dropped (pings and other jobs' frames do not extend it).",
+    )
+    max_connections_per_source: int = _opt(
+        256, "Connections one source address may hold at once; 0: no per-source limit."
+    )
+    write_buffer_bytes: int = _opt(
+        1024 * 1024,
+        "Reply bytes a connection may leave unread; past that it is cut off (frames are not read while replies wait).",
+    )
+    write_timeout: float = _opt(
+        30.0,
+        "Seconds a client may leave its replies unread (its frames are not read meanwhile) before it is cut off.",
+    )
+    auth_grace: float = _opt(
+        10.0,
+        "With tenants declared: seconds a connection may go without showing a valid api_key (or client certificate) before it is closed.",
+    )
+    max_auth_failures: int = _opt(
+        3,
+        "With tenants declared: unauthorized answers on one connection before it is closed and its source is refused for auth_backoff seconds.",
+    )
+    auth_backoff: float = _opt(
+        10.0,
+        "Seconds a source's new connections are refused after one of its connections was closed for failed keys.",
+    )
+    tls_cert: str | None = _opt(
+        None, "PEM certificate chain for TLS on the protocol listener; unset: plain TCP."
+    )
+    tls_key: str | None = _opt(None, "PEM private key of tls_cert.")
+    tls_client_ca: str | None = _opt(
+        None,
+        "PEM CA bundle to verify client certificates with; a verified certificate names its tenant (the tenant's cert_name) instead of api_key. Unset: no client certificates.",
+    )
+    tls_require_client_cert: bool = _opt(
+        False, "With tls_client_ca: refuse TLS handshakes without a valid client certificate."
+    )
     lanes: bool = _opt(
         False,
         "Cost-aware lanes (interactive, heavy, background), the interactive reserve and the KV budget; see the policy knobs below.",
@@ -217,6 +258,13 @@ class Config:
         None,
         "HOST:PORT for the HTTP listener: /metrics, /healthz/live, /healthz/ready, POST /drain (from loopback only); unset: none.",
     )
+    admin_threads: int = _opt(
+        8, "Requests the HTTP listener serves at once; more wait in its backlog."
+    )
+    drain_token_file: str | None = _opt(
+        None,
+        "A file holding a token that POST /drain must carry (Authorization: Bearer TOKEN), for pods where every container shares loopback; unset: loopback alone.",
+    )
     probe_interval: float = _opt(
         5.0,
         "Seconds between readiness probes: one generated token through an idle worker (or the upstream).",
@@ -254,6 +302,8 @@ class Config:
             "max_conn_buffer_bytes",
             "max_buffer_bytes",
             "held_payloads_per_conn",
+            "max_chunks",
+            "admin_threads",
             "max_new_tokens",
             "interactive_max_new_tokens",
             "heavy_max_new_tokens",
@@ -280,6 +330,8 @@ class Config:
             "tool_risk_weight",
             "degraded_max_new_tokens",
             "breaker_failures",
+            "max_connections_per_source",
+            "max_auth_failures",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
@@ -294,9 +346,21 @@ class Config:
             "probe_timeout",
             "probe_max_age",
             "loop_stall_limit",
+            "upload_timeout",
+            "write_timeout",
+            "auth_grace",
+            "auth_backoff",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.write_buffer_bytes < 64 * 1024:
+            raise ConfigError("write_buffer_bytes must be at least 65536")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca needs tls_cert and tls_key")
+        if self.tls_require_client_cert and self.tls_client_ca is None:
+            raise ConfigError("tls_require_client_cert needs tls_client_ca")
         if self.n_ctx < 16:
             raise ConfigError("n_ctx must be at least 16")
         if self.n_gpu_layers < -1:
