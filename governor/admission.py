@@ -76,21 +76,6 @@ class Pool:
     breaker: CircuitBreaker
 
 
-class Reservation:
-    """Payload bytes counted against a connection's budget and the server's; released once."""
-
-    __slots__ = ("_budgets", "nbytes")
-
-    def __init__(self, budgets: tuple[Budget, ...], nbytes: int) -> None:
-        self._budgets = budgets
-        self.nbytes = nbytes
-
-    def release(self) -> None:
-        nbytes, self.nbytes = self.nbytes, 0
-        for budget in self._budgets:
-            budget.used -= nbytes
-
-
 class Budget:
     """A bound on bytes held: the server's payload buffers, or one connection's."""
 
@@ -100,15 +85,41 @@ class Budget:
         self.limit = limit
         self.used = 0
 
+    def fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.limit
 
-def reserve(nbytes: int, *budgets: Budget) -> Reservation | Budget:
-    """Reserve ``nbytes`` in every budget, or none: returns the first budget it would overflow."""
-    for budget in budgets:
-        if budget.used + nbytes > budget.limit:
-            return budget
-    for budget in budgets:
-        budget.used += nbytes
-    return Reservation(budgets, nbytes)
+
+class Reservation:
+    """One payload's bytes against the buffer budgets, given back once.
+
+    What its manifest declared counts against its connection's budget: a bound on what one
+    client may promise. What has arrived counts against the server's: the memory held. Declared
+    bytes never touch the server's budget, so promises that are never kept cannot fill it.
+    """
+
+    __slots__ = ("_connection", "_server", "declared", "held")
+
+    def __init__(self, connection: Budget, server: Budget, declared: int) -> None:
+        self._connection = connection
+        self._server = server
+        self.declared = declared
+        self.held = 0
+        connection.used += declared
+
+    def hold(self, nbytes: int) -> bool:
+        """Count ``nbytes`` as held now, or refuse (False, nothing changed) if more would not
+        fit the server's budget; holding less always succeeds."""
+        grow = nbytes - self.held
+        if grow > 0 and not self._server.fits(grow):
+            return False
+        self._server.used += grow
+        self.held = nbytes
+        return True
+
+    def release(self) -> None:
+        self._connection.used -= self.declared
+        self._server.used -= self.held
+        self.declared = self.held = 0
 
 
 def prompt_tokens(job: Job) -> int:

@@ -3,20 +3,31 @@
 Everything the protocol decides lives in :class:`~governor.session.Session` (sans-IO) and
 each admitted job's run in its :class:`~governor.execution.Execution`; this class only moves
 bytes and events between them and the transport (uvicorn's ``h11_impl`` is the model): the
-connection limit, the idle timeout, pausing reads while the client does not read its replies,
-and the client's leaving.
+connection limits (all connections, and per source address), one timer for the session's
+deadlines, flow control, and the client's leaving.
+
+Flow control: when the client stops reading its replies (the transport's buffer passes its
+high-water mark), reading stops and so does the handling of lines already read; both resume
+when it reads again. A client that leaves ``write_buffer_bytes`` of replies unread (a running
+job's stream keeps writing) or does not read for ``write_timeout`` seconds is cut off:
+``abort()``, which drops what it did not read, since a flushing close would wait on it forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import cast
 
 from protocol.codes import ErrorCode, NeedCode
 
+from .logs import event
 from .session import Session
+from .sources import Refused, source_of
 from .state import ServerState
+
+log = logging.getLogger("governor.connection")
 
 _connection_ids = itertools.count(1)
 
@@ -27,48 +38,80 @@ class GovernorProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.session = Session(state, self._write, self.close, next(_connection_ids))
         self._loop = asyncio.get_running_loop()
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self._last_active = self._loop.time()
+        self._served = False  # counted in the connections and against its source
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")  # when _timer fires, on the session's clock
+        self._write_timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
-        config = self.state.config
-        if len(self.state.connections) >= config.max_connections:
-            self.session.fatal(
+        state, session = self.state, self.session
+        peer = transport.get_extra_info("peername")
+        session.source = source = source_of(str(peer[0])) if peer else ""
+        limit = state.config.max_connections
+        refused = (
+            Refused(
                 NeedCode.TOO_MANY_CONNECTIONS,
                 ErrorCode.QUOTA,
-                f"the server is at its limit of {config.max_connections} connections",
+                f"the server is at its limit of {limit} connections",
             )
-            return
-        self.state.connections.add(self)
-        self._idle_timer = self._loop.call_at(
-            self._last_active + config.idle_timeout, self._check_idle
+            if len(state.connections) >= limit
+            else state.sources.open(source)
         )
+        if refused is not None:
+            state.refused[refused.need_code] += 1
+            session.fatal(refused.need_code, refused.error_code, refused.detail)
+            return
+        self._served = True
+        state.connections.add(self)
+        if transport.get_extra_info("ssl_object") is not None:
+            cert = transport.get_extra_info("peercert")
+            if cert:
+                session.cert_tenant = state.tenants.find_cert(cert)
+                session.authenticated = session.authenticated or session.cert_tenant is not None
+        self._schedule()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
+        for timer in (self._timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
         self.session.connection_lost()
-        self.state.connections.discard(self)
+        if self._served:
+            self._served = False
+            self.state.connections.discard(self)
+            self.state.sources.close(self.session.source)
 
     def pause_writing(self) -> None:
-        # The client is not reading its replies: stop reading its requests until it does.
-        if self.transport is not None:
-            self.transport.pause_reading()
+        # The client is not reading its replies: stop reading and handling its requests.
+        self.session.pause()
+        transport = self.transport
+        if transport is not None and transport.is_reading():
+            transport.pause_reading()
+        self._start_write_deadline()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.session.closed:
-            self.transport.resume_reading()
+        session = self.session
+        if session.closed:
+            return
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        session.resume()  # (the lines that waited may fill the buffer again)
+        transport = self.transport
+        if not (session.paused or session.closed) and transport is not None:
+            transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         session = self.session
-        lines = session.lines
         session.receive_data(data)
-        if session.lines != lines:  # a whole line is a live client; a trickle of bytes is not
-            self._last_active = self._loop.time()
+        sooner = session.sooner
+        if sooner is not None:
+            session.sooner = None
+            if sooner < self._timer_at:
+                self._schedule()
 
     def eof_received(self) -> bool:
         # EOF is the client leaving: a half-close cannot be told apart from a close, and work
@@ -82,9 +125,17 @@ class GovernorProtocol(asyncio.Protocol):
         self.session.abort_running(need_code, error_code, detail)
 
     def close(self) -> None:
+        """Close after the replies written so far: at once if the client does not read them,
+        else within ``write_timeout``."""
         self.session.closed = True
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self.session.paused:
+            transport.abort()
+        else:
+            transport.close()
+            self._start_write_deadline()
 
     # IO ----------------------------------------------------------------------------------
 
@@ -92,16 +143,53 @@ class GovernorProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.write(data)
+            if transport.get_write_buffer_size() > self.state.config.write_buffer_bytes:
+                self._cut("slow_reader", "left more replies unread than write_buffer_bytes")
 
-    def _check_idle(self) -> None:
+    def _start_write_deadline(self) -> None:
+        if self._write_timer is None:
+            self._write_timer = self._loop.call_later(
+                self.state.config.write_timeout,
+                self._cut,
+                "write_timeout",
+                f"read no reply for {self.state.config.write_timeout:g} s",
+            )
+
+    def _cut(self, reason: str, why: str) -> None:
+        """Drop the connection now, with what it has not read."""
+        transport, session = self.transport, self.session
+        if transport is None:
+            return
+        session.closed = True
+        self.state.refused[reason] += 1
+        sources = self.state.sources
+        if sources.may_log():
+            unlogged, sources.unlogged = sources.unlogged, 0
+            event(
+                log,
+                logging.WARNING,
+                f"cut off connection {session.id} from {session.source}: its client {why}"
+                + (f" ({unlogged} such lines not written)" if unlogged else ""),
+                event="cut",
+                reason=reason,
+                source=session.source,
+                unread=transport.get_write_buffer_size(),
+            )
+        transport.abort()
+
+    def _schedule(self) -> None:
+        """Set the timer for the session's next deadline."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         session = self.session
-        if session.closed:
-            return
-        now, timeout = self._loop.time(), self.state.config.idle_timeout
-        deadline = self._last_active + timeout
-        if now >= deadline and not session.running:
-            session.fatal(NeedCode.IDLE_TIMEOUT, ErrorCode.TIMEOUT, f"no frame for {timeout:g} s")
-            return
-        self._idle_timer = self._loop.call_at(
-            deadline if deadline > now else now + timeout, self._check_idle
-        )
+        now = session.clock()
+        self._timer_at = deadline = session.next_deadline(now)
+        self._timer = self._loop.call_later(max(deadline - now, 0.0), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        session = self.session
+        session.expire(session.clock())
+        if not session.closed:
+            self._schedule()

@@ -182,6 +182,18 @@ class GovernorCollector(Collector):
             ["code"],
             (((k,), v) for k, v in server.bad_frames.items()),
         )
+        yield _counter(
+            "governor_connections_refused",
+            "Connections refused at once (too_many_connections, auth_backoff) or cut off without "
+            "a frame (slow_reader, write_timeout), by reason.",
+            ["reason"],
+            (((k,), v) for k, v in server.refused.items()),
+        )
+        yield GaugeMetricFamily(
+            "governor_sources_waiting",
+            "Source addresses refused for now after failed keys (auth_backoff).",
+            value=server.sources.waiting,
+        )
 
 
 def _counter(

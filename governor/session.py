@@ -43,11 +43,19 @@ from protocol.lines import LineReader
 from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
-from .admission import Admitted, Attempt, Budget, Rejected, Reservation, reserve
+from .admission import Admitted, Attempt, Budget, Rejected, Reservation
 from .execution import Execution
+from .logs import event
 from .state import ServerState
+from .tenants import Tenant
 
 log = logging.getLogger("governor.connection")
+
+BUFFERS_FULL_HINT_MS = 500  # how soon a client refused for the server's buffers may try again
+
+
+class BuffersFull(Exception):
+    """The server's payload buffers cannot take the bytes now: the job yields ``buffers_full``."""
 
 
 class Phase(Enum):
@@ -73,6 +81,9 @@ class JobState:
     reservation: Reservation | None = None  # its payload bytes against the buffer budgets
     first_refusal: float | None = None
     execution: Execution | None = None
+    # Uploading: dropped unless a chunk comes by then; held: unless its client comes back.
+    deadline: float = float("inf")
+    seq: int = 0  # of its last frame
 
     def move(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
@@ -87,29 +98,51 @@ def _final_seq(req: Request) -> int:
 
 
 class Session:
+    """One connection's protocol state.
+
+    Besides its jobs, a session keeps the connection's deadlines (:meth:`next_deadline`,
+    :meth:`expire`): no frame for ``idle_timeout`` while nothing runs; with tenants declared,
+    no valid key within ``auth_grace``; and each job's own: an upload with no new chunk for
+    ``upload_timeout``, a held payload whose client has not come back within its hint and
+    ``upload_timeout`` more. Pings and other jobs' frames keep the connection, never an upload.
+    """
+
     def __init__(
         self,
         state: ServerState,
         write: Callable[[bytes], None],
         close: Callable[[], None],
         conn_id: int,
+        source: str = "",
     ) -> None:
         self.state = state
         self.config = config = state.config
         self.admission = state.admission
+        self.clock = state.clock
         self.id = conn_id  # names the connection in logs
+        self.source = source  # the client's address (its /64 for IPv6)
         self._write = write
         self._close = close
         self.reader = LineReader(config.max_line_bytes)
         self.jobs: dict[str, JobState] = {}
         self.buffers = Budget(config.max_conn_buffer_bytes)  # payload bytes on this connection
         self.held = 0  # payloads kept after a yield
-        self.lines = 0  # lines received: the idle timer's evidence of a live client
+        self.lines = 0  # lines received
         # Replies to a bad line name the last valid frame's job and seq.
         self.last_job = UNKNOWN_JOB
         self.last_seq = 0
         self.last_ttl_ms = 0
         self.closed = False
+        # The client does not read its replies: its lines wait in the reader until it does.
+        self.paused = False
+        now = self.clock()
+        self.last_frame_at = now
+        self.opened_at = now
+        self.cert_tenant: Tenant | None = None  # named by a verified client certificate
+        self.authenticated = state.tenants.open  # a valid key or certificate was shown
+        self.auth_failures = 0
+        # The earliest deadline set since the connection last asked (None: none earlier).
+        self.sooner: float | None = None
 
     @property
     def running(self) -> int:
@@ -118,15 +151,89 @@ class Session:
     # Events from the connection ----------------------------------------------------------
 
     def receive_data(self, data: bytes) -> None:
+        """Bytes from the client: each whole line is handled, unless the client does not read
+        its replies (:attr:`paused`); its lines then wait for :meth:`resume`."""
         reader = self.reader
-        reader.feed(data)
+        if data:
+            reader.feed(data)
+        lines = self.lines
         try:
-            while not self.closed and (line := reader.next_line()) is not None:
+            while not (self.closed or self.paused) and (line := reader.next_line()) is not None:
                 self.lines += 1
                 if line.strip():
                     self._handle_line(line)
         except LineTooLong as exc:
             self.fatal(exc.need_code, exc.error_code, exc.detail)
+        if self.lines != lines:  # a whole line is a live client; a trickle of bytes is not
+            self.last_frame_at = self.clock()
+
+    def pause(self) -> None:
+        """The client has stopped reading its replies: stop handling its lines."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """It reads again: handle the lines that waited."""
+        self.paused = False
+        self.receive_data(b"")
+
+    def next_deadline(self, now: float) -> float:
+        """When :meth:`expire` next has something to do. While a job runs the idle timeout
+        waits: it is looked at again an ``idle_timeout`` later."""
+        config = self.config
+        deadline = self.last_frame_at + config.idle_timeout
+        if not self.authenticated:
+            deadline = min(deadline, self.opened_at + config.auth_grace)
+        running = False
+        for state in self.jobs.values():
+            running = running or state.phase is Phase.RUNNING
+            deadline = min(deadline, state.deadline)
+        if running and deadline <= now:
+            deadline = now + config.idle_timeout
+        return deadline
+
+    def expire(self, now: float) -> None:
+        """End what has outlived its deadline: the connection, or a job's upload or hold."""
+        if self.closed:
+            return
+        config = self.config
+        if not self.authenticated and now >= self.opened_at + config.auth_grace:
+            self.fatal(
+                NeedCode.UNAUTHORIZED,
+                ErrorCode.UNAUTHORIZED,
+                f"no valid api_key within {config.auth_grace:g} s",
+            )
+            return
+        if now >= self.last_frame_at + config.idle_timeout and not self.running:
+            timeout = config.idle_timeout
+            self.fatal(NeedCode.IDLE_TIMEOUT, ErrorCode.TIMEOUT, f"no frame for {timeout:g} s")
+            return
+        for job, state in list(self.jobs.items()):
+            if state.deadline <= now:
+                held = state.phase is Phase.HELD
+                self._forget(job)
+                self._send(
+                    Reply(
+                        Verb.CONFIRM,
+                        job,
+                        self.last_seq + 1 if job == self.last_job else 0,
+                        Status.ABORT,
+                        ttl_ms=0,
+                        need_code=NeedCode.UPLOAD_TIMEOUT,
+                        error_code=ErrorCode.TIMEOUT,
+                        detail=(
+                            "the client did not come back for its held payload"
+                            if held
+                            else f"no chunk for {config.upload_timeout:g} s"
+                        )
+                        + "; the payload was dropped",
+                        receipts=self._receipts(),
+                    )
+                )
+
+    def _set_deadline(self, state: JobState, deadline: float) -> None:
+        state.deadline = deadline
+        if self.sooner is None or deadline < self.sooner:
+            self.sooner = deadline
 
     def connection_lost(self) -> None:
         """The client is gone: stop its work now; each execution gives back its own ticket."""
@@ -195,6 +302,8 @@ class Session:
             return
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
         if req.verb == Verb.PING:
+            if not self.authenticated and req.api_key is not None:
+                self.authenticated = self.state.tenants.find(req.api_key) is not None
             self._send(self._reply(req, Verb.CONFIRM, Status.OK, extra=self.state.ping_receipts()))
             return
         if req.verb == Verb.CANCEL:
@@ -223,6 +332,7 @@ class Session:
                 return
         elif state.phase is Phase.HELD:  # a new manifest replaces the payload held for a retry
             self._unhold(state)
+        state.seq = req.seq
         try:
             manifest = state.upload.apply_manifest(req.manifest)
             self._reserve(state, manifest.total_bytes)
@@ -230,6 +340,10 @@ class Session:
             self._forget(req.job)
             self._send(self._error(req, exc))
             return
+        except BuffersFull:
+            self._buffers_full(req, req.seq + 1)
+            return
+        self._set_deadline(state, self.clock() + self.config.upload_timeout)
         self._send(self._reply(req, Verb.CLARIFY, Status.OK))
 
     def _on_chunk(self, req: Request, state: JobState | None) -> None:
@@ -239,16 +353,29 @@ class Session:
             self._send(self._error(req, missing))
             return
         upload = state.upload
+        state.seq = req.seq
         if state.phase is Phase.HELD and upload.is_final_chunk_again(req.chunk):
             # A retry after a yield: the payload was kept, so admission is tried again.
             self._admit(req, state)
+            return
+        reservation = state.reservation
+        # The server's budget is charged before the bytes are decoded: with what base64 can
+        # hold at most, then (below) with what the upload holds.
+        b64 = req.chunk.get("bytes_b64")
+        most = len(b64) * 3 // 4 if type(b64) is str else 0
+        if reservation is not None and not reservation.hold(upload.bytes_received + most):
+            self._buffers_full(req, _final_seq(req) if self._is_final(state) else req.seq + 1)
             return
         try:
             payload = upload.apply_chunk(req.chunk)
         except UploadNeed as exc:
             self._send(self._error(req, exc))
             return
+        finally:
+            if reservation is not None:
+                reservation.hold(upload.bytes_received)
         if payload is None:
+            self._set_deadline(state, self.clock() + self.config.upload_timeout)
             self._send(self._reply(req, Verb.CLARIFY, Status.OK))
         else:
             self._complete(req, state, payload)
@@ -270,12 +397,16 @@ class Session:
         )
         if state.phase is Phase.HELD and not returning:
             self._unhold(state)
+        state.seq = req.seq
         try:  # (a returning payload is checked again: its digest alone proves nothing)
             payload = state.upload.apply_inline(req.inline)
-            self._reserve(state, len(payload))
+            self._reserve(state, len(payload), held=len(payload))
         except UploadNeed as exc:
             self._forget(req.job)
             self._send(self._error(req, exc))
+            return
+        except BuffersFull:
+            self._buffers_full(req, _final_seq(req))
             return
         if returning:
             self._admit(req, state)
@@ -306,12 +437,19 @@ class Session:
 
     def _new_job(self, req: Request) -> JobState | None:
         """A job id not seen before on this connection; None if refused (its reply is sent)."""
-        tenant = self.state.tenants.find(req.api_key)
+        tenant = self.cert_tenant
+        if req.api_key is not None or tenant is None:
+            tenant = self.state.tenants.find(req.api_key)
         if tenant is None:  # says nothing of which tenants exist
-            self._abort(
-                req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, "a valid api_key is needed"
-            )
+            self.auth_failures += 1
+            if self.auth_failures >= self.config.max_auth_failures:
+                self._keys_failed(req)  # (its abort, for the connection, answers the job too)
+            else:
+                self._abort(
+                    req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, "a valid api_key is needed"
+                )
             return None
+        self.authenticated = True
         if len(self.jobs) >= self.config.max_jobs_per_conn:
             self.fatal(
                 NeedCode.TOO_MANY_JOBS,
@@ -321,9 +459,35 @@ class Session:
                 seq=req.seq + 1,
             )
             return None
-        upload = Upload(self.config.max_payload_bytes)
+        upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
         state = self.jobs[req.job] = JobState(upload, Attempt(tenant, None))
+        self._set_deadline(state, self.clock() + self.config.upload_timeout)
         return state
+
+    def _keys_failed(self, req: Request) -> None:
+        """Too many unauthorized answers: close, and make the source wait."""
+        sources, config = self.state.sources, self.config
+        sources.keys_failed(self.source)
+        if sources.may_log():
+            event(
+                log,
+                logging.WARNING,
+                f"closing connection {self.id} from {self.source} after {self.auth_failures} "
+                f"failed keys; the address waits {config.auth_backoff:g} s"
+                + (f" ({sources.unlogged} such lines not written)" if sources.unlogged else ""),
+                event="keys_failed",
+                source=self.source,
+                failures=self.auth_failures,
+            )
+            sources.unlogged = 0
+        self.fatal(
+            NeedCode.UNAUTHORIZED,
+            ErrorCode.UNAUTHORIZED,
+            f"a valid api_key is needed; after {self.auth_failures} failed keys the connection "
+            f"closes: connect again in {config.auth_backoff:g} s",
+            job=req.job,
+            seq=req.seq + 1,
+        )
 
     # Admission ---------------------------------------------------------------------------
 
@@ -361,6 +525,7 @@ class Session:
             waited = None if first is None else ticket.slot.started - first
             metrics.wait.observe(ticket.lane, waited or 0.0)
             state.move(Phase.RUNNING)
+            state.deadline = float("inf")
             state.execution = Execution(self.state, ticket, req, attempt, self, waited)
             return
         if isinstance(decision, Rejected):
@@ -376,6 +541,8 @@ class Session:
             state.first_refusal = self.state.clock()
         held = self._hold(state)
         if held:
+            hint_s = decision.retry_hint_ms / 1000
+            self._set_deadline(state, self.clock() + hint_s + self.config.upload_timeout)
             detail = "no execution slot free; resend the final chunk after retry_hint_ms"
         else:
             self._forget(req.job)
@@ -414,22 +581,50 @@ class Session:
         state.attempt.tenant.waiting -= 1
         self.admission.forget(state.attempt)
 
-    def _reserve(self, state: JobState, nbytes: int) -> None:
-        """Count a payload's bytes against the connection's and the server's budgets (what the
-        job held before, for an earlier payload, is given back first)."""
+    def _reserve(self, state: JobState, declared: int, *, held: int = 0) -> None:
+        """Count a payload's declared bytes against the connection's budget and the ``held``
+        bytes (those it has already) against the server's (what the job had before, for an
+        earlier payload, is given back first). A payload whose declared size the server's
+        budget has no room for now raises :class:`BuffersFull`; one over the connection's,
+        ``manifest_invalid``."""
         if state.reservation is not None:
             state.reservation.release()
             state.reservation = None
-        reserved = reserve(nbytes, self.buffers, self.state.buffers)
-        if isinstance(reserved, Reservation):
-            state.reservation = reserved
-        elif reserved is self.buffers:
+        if not self.buffers.fits(declared):
             raise ManifestInvalid(
                 f"this connection already buffers {self.buffers.used} payload bytes; "
                 f"its limit is {self.buffers.limit}"
             )
-        else:
-            raise ManifestInvalid("the server's payload buffers are full; retry later")
+        if not self.state.buffers.fits(declared):
+            raise BuffersFull
+        reservation = state.reservation = Reservation(self.buffers, self.state.buffers, declared)
+        reservation.hold(held)
+
+    def _buffers_full(self, req: Request, seq: int) -> None:
+        """Drop the job and tell its client to send it again later."""
+        self._forget(req.job)
+        self._send(
+            self._reply(
+                req,
+                Verb.CLARIFY,
+                Status.YIELD,
+                seq=seq,
+                need_code=NeedCode.BUFFERS_FULL,
+                error_code=ErrorCode.BUSY,
+                retry_hint_ms=BUFFERS_FULL_HINT_MS,
+                detail="the server's payload buffers are full; send the payload again later",
+                extra=(
+                    (Receipt.RETRY_HINT_MS, BUFFERS_FULL_HINT_MS),
+                    (Receipt.PAYLOAD_HELD, 0),
+                ),
+            )
+        )
+
+    @staticmethod
+    def _is_final(state: JobState) -> bool:
+        """Whether the next chunk would complete the upload."""
+        manifest = state.upload.manifest
+        return manifest is not None and state.upload.chunks_received + 1 >= manifest.chunks
 
     def _forget(self, job: str) -> None:
         """Drop a job that is not running: its hold, its place in line, its buffers."""

@@ -19,6 +19,7 @@ from protocol.codes import ErrorCode, NeedCode, Receipt
 from .admission import Admission, Budget
 from .config import Config
 from .metrics import JobMetrics
+from .sources import Sources
 
 
 class Connection(Protocol):
@@ -42,6 +43,11 @@ class ServerState:
         self.overload = admission.overload
         self.metrics = JobMetrics()
         self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
+        # Connections ended by the server before they were served, or cut without a frame.
+        self.refused: collections.Counter[str] = collections.Counter()  # by reason
+        self.sources = Sources(
+            config.max_connections_per_source, config.auth_backoff, admission.ledger.clock
+        )
         self.connections: set[Connection] = set()
         self.jobs: set[asyncio.Task[None]] = set()  # every admitted job's execution
         self.buffers = Budget(config.max_buffer_bytes)  # payload bytes held, server-wide

@@ -134,6 +134,8 @@ def daemon_command(
         str(scenario.stub_ms),
         "--max-connections",
         "4096",
+        "--max-connections-per-source",  # every client is on loopback
+        "0",
         *args.governor_arg,
     ]
 

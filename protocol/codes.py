@@ -79,11 +79,13 @@ class NeedCode(StrEnum):
     RATE_LIMITED = "rate_limited"  # extension, yield: the tenant's request or token rate
     KV_PRESSURE = "kv_pressure"  # extension, yield: the KV budget cannot take the job now
     BREAKER_OPEN = "breaker_open"  # extension, yield: the runner pool's circuit breaker is open
+    BUFFERS_FULL = "buffers_full"  # extension, yield: the server's payload buffers are full
     # Extension, abort: the policy will never run this job.
     PROMPT_OVER_CEILING = "prompt_over_ceiling"
     KV_OVER_CAPACITY = "kv_over_capacity"
     LANE_NOT_ALLOWED = "lane_not_allowed"
     UNAUTHORIZED = "unauthorized"  # extension, abort: a missing or unknown api_key
+    UPLOAD_TIMEOUT = "upload_timeout"  # extension, abort: no chunk for upload_timeout seconds
     # Outcomes of an admitted job.
     BACKEND_ERROR = "backend_error"
     TTL_EXPIRED = "ttl_expired"  # extension: ttl_ms ran out while the job ran
@@ -99,6 +101,7 @@ class NeedCode(StrEnum):
     IDLE_TIMEOUT = "idle_timeout"
     TOO_MANY_JOBS = "too_many_jobs"
     TOO_MANY_CONNECTIONS = "too_many_connections"  # extension
+    AUTH_BACKOFF = "auth_backoff"  # extension: the source's keys failed; it must wait
 
 
 class ErrorCode(StrEnum):

@@ -23,6 +23,7 @@ from .errors import ManifestInvalid, UploadNeed
 from .frames import MAX_ID_CHARS, is_id, is_uint
 
 DEFAULT_MAX_PAYLOAD_BYTES = 50 * 1024 * 1024
+DEFAULT_MAX_CHUNKS = 65536
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 _MANIFEST_FIELDS = frozenset(
     {
@@ -51,7 +52,12 @@ class Manifest:
     sha256: str  # lower-case hex
 
     @classmethod
-    def from_wire(cls, obj: Mapping[str, Any], max_payload_bytes: int) -> Manifest:
+    def from_wire(
+        cls,
+        obj: Mapping[str, Any],
+        max_payload_bytes: int,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+    ) -> Manifest:
         unknown = obj.keys() - _MANIFEST_FIELDS
         if unknown:
             raise ManifestInvalid(f"unknown manifest field {sorted(unknown)[0]!r}")
@@ -73,6 +79,8 @@ class Manifest:
         total, chunk_bytes, chunks = obj["total_bytes"], obj["chunk_bytes"], obj["chunks"]
         if chunk_bytes == 0 or chunks == 0:
             raise ManifestInvalid("'chunk_bytes' and 'chunks' must be at least 1")
+        if chunks > max_chunks:
+            raise ManifestInvalid(f"{chunks} chunks is over the limit of {max_chunks}")
         if total > chunk_bytes * chunks:
             raise ManifestInvalid("'total_bytes' does not fit in 'chunks' of 'chunk_bytes'")
         if total > max_payload_bytes:
@@ -141,24 +149,46 @@ class Upload:
     :meth:`apply_chunk` returns the payload once the last chunk has verified. After that the
     upload stays complete and :meth:`is_final_chunk_again` recognises a resend of that same
     last chunk, which is how a client retries admission after a ``yield``.
+
+    Chunks are appended to one ``bytearray``: what an upload holds is its bytes, however small
+    its chunks (a list of 2-byte ``bytes`` objects would cost 35 bytes of headers for each).
     """
 
-    __slots__ = ("_final", "_hash", "_parts", "_received", "manifest", "max_payload_bytes")
+    __slots__ = (
+        "_chunks",
+        "_data",
+        "_final",
+        "_hash",
+        "_payload",
+        "manifest",
+        "max_chunks",
+        "max_payload_bytes",
+    )
 
-    def __init__(self, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+    def __init__(
+        self,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+    ) -> None:
         self.max_payload_bytes = max_payload_bytes
+        self.max_chunks = max_chunks
         self.manifest: Manifest | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self._parts: list[bytes] = []
-        self._received = 0
+        self._data = bytearray()
+        self._chunks = 0
+        self._payload = b""
         self._hash = hashlib.sha256()
         self._final: Chunk | None = None
 
     @property
     def bytes_received(self) -> int:
-        return self._received
+        return len(self._payload) if self._final is not None else len(self._data)
+
+    @property
+    def chunks_received(self) -> int:
+        return self._chunks
 
     @property
     def complete(self) -> bool:
@@ -166,7 +196,7 @@ class Upload:
 
     def apply_manifest(self, obj: Mapping[str, Any]) -> Manifest:
         """Start (or restart) the upload; raises :class:`ManifestInvalid`."""
-        manifest = Manifest.from_wire(obj, self.max_payload_bytes)
+        manifest = Manifest.from_wire(obj, self.max_payload_bytes, self.max_chunks)
         self._reset()
         self.manifest = manifest
         return manifest
@@ -183,7 +213,7 @@ class Upload:
                 f"chunk is for payload {chunk.payload_id!r}, the manifest for "
                 f"{manifest.payload_id!r}",
             )
-        expected = len(self._parts)
+        expected = self._chunks
         if self.complete or chunk.index != expected:
             detail = (
                 "the payload is complete; send a new manifest"
@@ -191,26 +221,25 @@ class Upload:
                 else f"expected chunk index {expected}"
             )
             raise UploadNeed(NeedCode.CHUNK_EXPECTED_INDEX, detail)
-        if chunk.offset != self._received:
-            raise UploadNeed(
-                NeedCode.CHUNK_OFFSET_MISMATCH, f"expected chunk offset {self._received}"
-            )
+        received = len(self._data)
+        if chunk.offset != received:
+            raise UploadNeed(NeedCode.CHUNK_OFFSET_MISMATCH, f"expected chunk offset {received}")
         data = chunk.decode(manifest.chunk_bytes)
-        if self._received + len(data) > manifest.total_bytes:
+        if received + len(data) > manifest.total_bytes:
             raise UploadNeed(
                 NeedCode.PAYLOAD_TOO_LARGE,
                 f"chunks add up to more than the declared {manifest.total_bytes} bytes",
             )
         if not _digest_matches(data, chunk.sha256):
             raise UploadNeed(NeedCode.CHUNK_HASH_MISMATCH, f"chunk {chunk.index}: sha256 mismatch")
-        self._parts.append(data)
-        self._received += len(data)
+        self._data += data
+        self._chunks += 1
         self._hash.update(data)
-        if len(self._parts) < manifest.chunks:
+        if self._chunks < manifest.chunks:
             return None
         # The last chunk: the payload is verified whole, or the upload starts over.
-        if self._received != manifest.total_bytes:
-            received = self._received
+        received = len(self._data)
+        if received != manifest.total_bytes:
             self._restart()
             raise UploadNeed(
                 NeedCode.PAYLOAD_SIZE_MISMATCH,
@@ -223,9 +252,8 @@ class Upload:
                 NeedCode.PAYLOAD_HASH_MISMATCH, "payload sha256 mismatch; send a new manifest"
             )
         self._final = chunk
-        payload = b"".join(self._parts)
-        self._parts = [payload]
-        return payload
+        self._payload, self._data = bytes(self._data), bytearray()
+        return self._payload
 
     def apply_inline(self, obj: Mapping[str, Any]) -> bytes:
         """A whole payload in one frame (*ext*): UTF-8 ``data`` checked against ``sha256``."""
@@ -254,8 +282,7 @@ class Upload:
         self.manifest = Manifest(
             INLINE_PAYLOAD_ID, content_type, size, max(size, 1), 1, digest.lower()
         )
-        self._parts = [payload]
-        self._received = size
+        self._payload = payload
         self._final = Chunk(INLINE_PAYLOAD_ID, 0, 0, digest.lower(), "")
         return payload
 
@@ -278,7 +305,7 @@ class Upload:
         """The verified payload of a complete upload."""
         if self._final is None:
             raise RuntimeError("the upload is not complete")
-        return self._parts[0]
+        return self._payload
 
 
 @dataclass(frozen=True, slots=True)

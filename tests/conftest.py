@@ -82,9 +82,13 @@ class RawConn:
         self.writer = writer
 
     @classmethod
-    async def open(cls, server: Server) -> RawConn:
+    async def open(cls, server: Server, *, source: str | None = None) -> RawConn:
+        """Connect, from the loopback address ``source`` if given (127.0.0.2, ...: another
+        client as far as the server can tell)."""
         host, port = server.address
-        reader, writer = await asyncio.open_connection(host, port, limit=2**24)
+        reader, writer = await asyncio.open_connection(
+            host, port, limit=2**24, local_addr=None if source is None else (source, 0)
+        )
         return cls(reader, writer)
 
     def send_raw(self, data: bytes) -> None:

@@ -20,7 +20,6 @@ from governor.admission import (
     Reservation,
     Ticket,
     Yielded,
-    reserve,
 )
 from governor.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from governor.ledger import SlotLedger
@@ -276,15 +275,30 @@ def test_a_paused_client_keeps_its_place_in_line(clock: FakeClock) -> None:
     assert admission.ladder["interactive_only"] == 2
 
 
-# The ticket ------------------------------------------------------------------------------
+# Buffers and the ticket --------------------------------------------------------------------
+
+
+def test_declared_bytes_bound_the_connection_and_held_bytes_the_server() -> None:
+    connection, server = Budget(100), Budget(50)
+    promise = Reservation(connection, server, 100)  # declared, not sent: the server holds none
+    assert (connection.used, server.used) == (100, 0)
+    assert not connection.fits(1)
+    assert promise.hold(50)
+    assert not promise.hold(51)  # refused, and nothing changed
+    assert (promise.held, server.used) == (50, 50)
+    assert promise.hold(10)  # holding less always succeeds
+    assert server.used == 10
+    promise.release()
+    promise.release()
+    assert (connection.used, server.used) == (0, 0)
 
 
 def test_a_ticket_gives_everything_back_exactly_once(clock: FakeClock) -> None:
     admission = make(clock, cap=1, tenants=(NOISY,))
     connection, server = Budget(100), Budget(1000)
-    reservation = reserve(60, connection, server)
-    assert isinstance(reservation, Reservation)
-    assert reserve(60, connection, server) is connection  # the connection's budget overflows
+    reservation = Reservation(connection, server, 80)  # declared: the connection's budget
+    assert reservation.hold(60)  # held: the server's
+    assert (connection.used, server.used) == (80, 60)
     ticket = admitted(admission.decide(attempt(admission, "k-noisy")))
     ticket.reservation = reservation
     tenant = ticket.tenant

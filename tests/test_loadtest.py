@@ -499,7 +499,7 @@ def test_traffic_commands_exit_1_when_the_target_is_unreachable(
 
 
 def test_idle_connections_cost_and_responsiveness(daemon: Callable[..., Daemon]) -> None:
-    d = daemon("--max-connections", "400")
+    d = daemon("--max-connections", "400", "--max-connections-per-source", "0")
     done = subprocess.run(
         [
             sys.executable,
