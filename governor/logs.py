@@ -86,10 +86,27 @@ def text_line(
     """``2026-11-22 12:00:00,123 INFO governor.jobs: job done job=J_1 ...`` (logging's
     default time format, local time)."""
     text = f"{_second(int(created))},{int(created * 1000) % 1000:03d} "
-    text += f"{logging.getLevelName(level)} {logger}: {msg}"
+    text += f"{logging.getLevelName(level)} {logger}: {_escape(msg)}"
     if fields:
         text += " " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
-    return f"{text}\n{exc}" if exc else text
+    if exc:  # a traceback's own lines stay lines; nothing in them may move the cursor
+        text += "\n" + "\n".join(_escape(line) for line in exc.split("\n"))
+    return text
+
+
+def _escape(text: str) -> str:
+    """``text`` with every character that is not printable (C0 and C1 controls, DEL, line and
+    paragraph separators, unassigned code points) as a backslash escape: a value from the
+    network (a job id holding ``"\\n2026-11-22 ... INFO"``) must not forge a line, nor an ESC
+    sequence rewrite the operator's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -102,16 +119,17 @@ _PLAIN = {None: "null", True: "true", False: "false"}
 
 
 def _text_value(value: Any) -> str:
-    """A field's value: a plain word as it is, anything else as JSON."""
+    """A field's value: a plain word as it is, anything else as JSON (escaped: JSON leaves C1
+    controls as they are)."""
     kind = type(value)
     if kind is str:
-        if value and " " not in value and "=" not in value:
+        if value and " " not in value and "=" not in value and value.isprintable():
             return str(value)
     elif kind is int:
         return str(value)
     elif value is None or kind is bool:
         return _PLAIN[value]
-    return orjson.dumps(value, default=str).decode()
+    return _escape(orjson.dumps(value, default=str).decode())
 
 
 class LineWriter:

@@ -10,6 +10,8 @@ import time
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from governor import logs
 
@@ -107,3 +109,26 @@ def test_a_stuck_stream_drops_lines_past_the_bound_and_never_blocks_the_caller(
         stream.unblocked.set()
         writer.stop()
     assert stream.getvalue().splitlines() == ["first"] + [f"line {n}" for n in range(100)]
+
+
+@given(st.text(), st.text())
+def test_a_text_line_is_one_line_of_printable_characters_whatever_the_values(
+    job: str, msg: str
+) -> None:
+    line = logs.text_line(0.0, logging.INFO, "governor.jobs", msg, {"job": job})
+    assert "\n" not in line
+    assert all(c.isprintable() or c == " " for c in line), repr(line)
+
+
+def test_a_job_id_cannot_forge_a_line_or_reach_the_terminal() -> None:
+    forged = "J_1\n2026-11-22 12:00:00,000 INFO governor.jobs: job done job=J_2\x1b[2J\r"
+    line = logs.text_line(0.0, logging.INFO, "governor.jobs", f"job {forged}", {"job": forged})
+    assert line.count("\n") == 0
+    assert "\x1b" not in line
+    assert "\\x0a2026" in line  # in the message, escaped
+    assert 'job="J_1\\n2026' in line  # in a field, as JSON
+
+
+def test_a_traceback_keeps_its_lines_but_not_their_control_characters() -> None:
+    line = logs.text_line(0.0, logging.ERROR, "governor", "boom", {}, exc="Traceback\n  x\x1b[2J")
+    assert line.splitlines()[1:] == ["Traceback", "  x\\x1b[2J"]
