@@ -207,7 +207,12 @@ def metrics_address(d: Daemon) -> str:
 
 def test_manifest_validates_against_the_kubernetes_schemas() -> None:
     docs = manifest()
-    assert sorted(doc["kind"] for doc in docs) == ["ConfigMap", "Deployment", "Service"]
+    assert sorted(doc["kind"] for doc in docs) == [
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "Service",
+    ]
     for version in (OLDEST_KUBERNETES, kubernetes_validate.latest_version()):
         for doc in docs:
             try:
@@ -217,6 +222,38 @@ def test_manifest_validates_against_the_kubernetes_schemas() -> None:
                 pytest.fail(
                     f"{doc['kind']} is invalid on Kubernetes {version}: {where}: {exc.message}"
                 )
+
+
+def mebibytes(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_what_clients_may_make_the_governor_hold_fits_its_memory_limit() -> None:
+    """Payload buffers, a full line on every connection, and a few slow readers' unread
+    replies, beside the interpreter: under the container's limit, by a margin."""
+    config = configmap_config()
+    limit = mebibytes(container("governor")["resources"]["limits"]["memory"])
+    held = (
+        config.max_buffer_bytes
+        + config.max_connections * config.max_line_bytes
+        + 16 * config.write_buffer_bytes
+    ) / 2**20
+    assert held + 100 < limit, f"{held:.0f} MiB held + the interpreter within {limit:.0f} MiB"
+    assert 0 < config.max_connections_per_source < config.max_connections
+
+
+def test_the_network_policy_opens_the_governors_ports_only() -> None:
+    policy = resource("NetworkPolicy")["spec"]
+    labels = resource("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    governor = container("governor")
+    opened = {port_number(governor, p["port"]) for rule in policy["ingress"] for p in rule["ports"]}
+    config = configmap_config()
+    assert config.metrics_address is not None
+    assert opened == {config.listen_address[1], config.metrics_address[1]}
+    assert all(rule["from"] for rule in policy["ingress"])  # no rule open to everyone
 
 
 def test_configmap_config_is_the_one_served_and_loads() -> None:
