@@ -10,6 +10,7 @@ from .client import (
     UploadResult,
     connect,
 )
+from .tls import TLSSetupError, client_context
 
 __all__ = [
     "NO_RETRY",
@@ -18,6 +19,8 @@ __all__ = [
     "GovernorClient",
     "RetryBudget",
     "RetryPolicy",
+    "TLSSetupError",
     "UploadResult",
+    "client_context",
     "connect",
 ]

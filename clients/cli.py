@@ -17,7 +17,8 @@ from protocol.codes import Receipt, Status
 from protocol.frames import encode_reply
 from protocol.spec import JobSpec, Message
 
-from .client import ClientError, RetryPolicy, connect
+from . import tls
+from .client import ClientError, GovernorClient, RetryPolicy, connect
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="governor-cli", description=__doc__.split("\n")[0])
     parser.add_argument("--addr", default="127.0.0.1:7777", help="governor HOST:PORT")
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds for the whole call")
+    tls.add_arguments(parser.add_argument_group("TLS (default: plain TCP)"))
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("ping", help="health probe: exit 0 ready, 2 saturated, 1 error")
     upload = commands.add_parser("upload", help="upload FILE as one job and print its outcome")
@@ -55,8 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+async def _connect(args: argparse.Namespace) -> GovernorClient:
+    return await connect(
+        args.addr,
+        timeout=args.timeout,
+        ssl=tls.context_from(args),
+        server_hostname=args.tls_server_name,
+    )
+
+
 async def _ping(args: argparse.Namespace) -> int:
-    async with await connect(args.addr, timeout=args.timeout) as client:
+    async with await _connect(args) as client:
         reply = await client.ping(timeout=args.timeout)
     sys.stdout.buffer.write(encode_reply(reply))
     if reply.status != Status.OK:
@@ -67,7 +78,7 @@ async def _ping(args: argparse.Namespace) -> int:
 async def _upload(args: argparse.Namespace) -> int:
     data = sys.stdin.buffer.read() if str(args.file) == "-" else args.file.read_bytes()
     retry = RetryPolicy(max_attempts=args.max_attempts, max_sleep_s=args.max_retry_ms / 1000)
-    async with await connect(args.addr, timeout=args.timeout) as client:
+    async with await _connect(args) as client:
         result = await client.upload(
             data,
             job=args.job,
@@ -108,7 +119,7 @@ async def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    async with await connect(args.addr, timeout=args.timeout) as client:
+    async with await _connect(args) as client:
         result = await client.generate(
             spec,
             ttl_ms=args.ttl_ms,

@@ -39,6 +39,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from ssl import SSLContext
 from types import TracebackType
 from typing import Self
 
@@ -223,9 +224,27 @@ class GovernorClient:
         timeout: float = 10.0,
         api_key: str | None = None,
         retry_budget: RetryBudget | None = None,
+        ssl: SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> Self:
+        """Open a connection; ``timeout`` bounds the TLS handshake too.
+
+        ``ssl``: speak TLS with this context (:func:`clients.tls.client_context` builds one);
+        its certificate, if it carries one, names this connection's tenant. The server's
+        certificate is checked against ``server_hostname``, by default ``host``.
+        """
+        if ssl is None and server_hostname is not None:
+            raise ValueError("server_hostname is for TLS connections only: give ssl too")
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port, limit=MAX_REPLY_BYTES)
+            reader, writer = await asyncio.open_connection(
+                host,
+                port,
+                limit=MAX_REPLY_BYTES,
+                ssl=ssl,
+                server_hostname=server_hostname,
+                # The handshake is bounded by ``timeout`` already (asyncio's default is 60 s).
+                ssl_handshake_timeout=timeout if ssl is not None else None,
+            )
         return cls(reader, writer, api_key=api_key, retry_budget=retry_budget)
 
     @property
@@ -332,17 +351,23 @@ class GovernorClient:
         attempts = 0
         budget_exhausted = False
         whole = True
+        unanswered = 0  # frames of the last attempt still to be answered
         async with self._expecting(job) as inbox, asyncio.timeout(timeout):
             while True:
+                for _ in range(unanswered):  # (a yield before the last chunk: buffers_full)
+                    await self._next(inbox)
                 attempts += 1
                 sent_at = time.monotonic()
                 self._write(frames(whole))
                 # Whole: a reply per frame, the last one for the final chunk; else just that one.
-                for _ in range(len(prepared.chunks) if whole and not inline else 0):
+                pipelined = len(prepared.chunks) if whole and not inline else 0
+                for answered in range(pipelined):
                     reply = await self._next(inbox)
                     if reply.status != Status.OK:
+                        unanswered = pipelined - answered
                         break
                 else:
+                    unanswered = 0
                     reply = await self._next(inbox)
                     while reply.delta is not None:  # a streaming job's output, as it comes
                         if on_delta is not None:
@@ -473,8 +498,20 @@ class _Expecting:
 
 
 async def connect(
-    address: str, *, timeout: float = 10.0, retry_budget: RetryBudget | None = None
+    address: str,
+    *,
+    timeout: float = 10.0,
+    retry_budget: RetryBudget | None = None,
+    ssl: SSLContext | None = None,
+    server_hostname: str | None = None,
 ) -> GovernorClient:
-    """Connect to ``HOST:PORT``; ``retry_budget`` as for :class:`GovernorClient`."""
+    """Connect to ``HOST:PORT``; the rest as for :meth:`GovernorClient.connect`."""
     host, port = parse_address(address, allow_port_zero=False)
-    return await GovernorClient.connect(host, port, timeout=timeout, retry_budget=retry_budget)
+    return await GovernorClient.connect(
+        host,
+        port,
+        timeout=timeout,
+        retry_budget=retry_budget,
+        ssl=ssl,
+        server_hostname=server_hostname,
+    )

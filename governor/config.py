@@ -236,7 +236,7 @@ class Config:
     fallback_n_ctx: int = _opt(512, "lanes, ladder: context window of the fallback pool's workers.")
     tenants: tuple[TenantConfig, ...] = _opt(
         (),
-        "TOML only: [[tenants]] tables (name, key_sha256, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight); none: open, one default tenant.",
+        "TOML only: [[tenants]] tables (name, key_sha256 and/or cert_name, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight); none: open, one default tenant.",
     )
     shutdown_grace: float = _opt(
         30.0,
@@ -304,6 +304,7 @@ class Config:
             "held_payloads_per_conn",
             "max_chunks",
             "admin_threads",
+            "max_auth_failures",
             "max_new_tokens",
             "interactive_max_new_tokens",
             "heavy_max_new_tokens",
@@ -331,7 +332,6 @@ class Config:
             "degraded_max_new_tokens",
             "breaker_failures",
             "max_connections_per_source",
-            "max_auth_failures",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
@@ -441,9 +441,13 @@ def _tenants(value: Any, source: str) -> tuple[TenantConfig, ...]:
             tenants.append(TenantConfig(**table))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: tenant {table.get('name')!r}: {exc}") from None
-    names = [t.name for t in tenants]
-    if len(set(names)) != len(names) or len({t.key_sha256 for t in tenants}) != len(tenants):
-        raise ConfigError(f"{source}: tenant names and keys must be unique")
+    for what, values in (
+        ("names", [t.name for t in tenants]),
+        ("keys (key_sha256)", [t.key_sha256 for t in tenants if t.key_sha256 is not None]),
+        ("cert_names", [t.cert_name for t in tenants if t.cert_name is not None]),
+    ):
+        if len(set(values)) != len(values):
+            raise ConfigError(f"{source}: tenant {what} must be unique")
     return tuple(tenants)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from protocol.codes import ErrorCode, NeedCode
 
+from . import tls
 from .admin import AdminListener
 from .admission import Admission, Pool
 from .breaker import BreakerSettings, BreakerState, CircuitBreaker
@@ -156,6 +157,7 @@ class Server:
 
     def __init__(self, config: Config, runner: Runner | None = None) -> None:
         self.config = config
+        self._tls = tls.server_context(config)  # (first: an unusable file stops it before all)
         self.runner = runner if runner is not None else build_runner(config)
         self.ledger = SlotLedger(
             config.max_inflight,
@@ -240,15 +242,20 @@ class Server:
             await self._stop_background()
             raise
         self._listener = self.state.listener = await loop.create_server(
-            lambda: GovernorProtocol(self.state), sock=sock, backlog=LISTEN_BACKLOG
+            lambda: GovernorProtocol(self.state),
+            sock=sock,
+            backlog=LISTEN_BACKLOG,
+            ssl=self._tls,
+            ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT_S if self._tls is not None else None,
         )
         self.state.started = True
         self._background.append(loop.create_task(self.health.probe_loop()))
         host, port = self.address
         log.info(
-            "governor listening on %s:%d (max_inflight=%d, runner=%s)",
+            "governor listening on %s:%d (%smax_inflight=%d, runner=%s)",
             host,
             port,
+            tls.describe(self.config),
             self.ledger.cap,
             self.runner.name,
         )

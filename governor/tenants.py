@@ -1,9 +1,11 @@
 """Tenants: who may run what, how much at once, and how fast. Pure code, an injectable clock.
 
 Declared in the TOML config (``[[tenants]]`` tables); each has an API key, stored only as its
-sha256, a concurrency cap, token buckets for requests per second and tokens per second, the
-lanes it may use and a weight. A frame carries its key in ``api_key``. With no tenant declared
-the daemon runs open, as one default tenant with no limits.
+sha256, or a client certificate name (``cert_name``), or both; a concurrency cap, token buckets
+for requests per second and tokens per second, the lanes it may use and a weight. A frame
+carries its key in ``api_key``; a connection whose TLS client certificate was verified against
+``tls_client_ca`` names its tenant by that certificate (:meth:`Tenants.find_cert`). With no
+tenant declared the daemon runs open, as one default tenant with no limits.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .ledger import Slot
@@ -25,7 +27,9 @@ DEFAULT_TENANT = "default"
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TenantConfig:
     name: str
-    key_sha256: str  # hex sha256 of the API key; the key itself is never stored
+    key_sha256: str | None = None  # hex sha256 of the API key; the key itself is never stored
+    # A verified client certificate's subject commonName or one of its DNS subjectAltNames.
+    cert_name: str | None = None
     max_inflight: int = 0  # 0: no cap of its own
     requests_per_s: float = 0.0  # 0: no request rate limit
     request_burst: float = 0.0  # bucket size; 0: one second's worth (at least 1)
@@ -35,8 +39,24 @@ class TenantConfig:
     weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if not _SHA256_HEX.fullmatch(self.key_sha256):
+        if self.key_sha256 is None and self.cert_name is None:
+            raise ValueError(
+                f"tenant {self.name!r}: needs key_sha256 (an API key), cert_name (a client "
+                "certificate) or both"
+            )
+        if self.key_sha256 is not None and not (
+            isinstance(self.key_sha256, str) and _SHA256_HEX.fullmatch(self.key_sha256)
+        ):
             raise ValueError(f"tenant {self.name!r}: key_sha256 must be 64 lower-case hex digits")
+        if self.cert_name is not None and (
+            not isinstance(self.cert_name, str)
+            or not self.cert_name
+            or self.cert_name != self.cert_name.strip()
+        ):
+            raise ValueError(
+                f"tenant {self.name!r}: cert_name must be a certificate's name, a non-empty "
+                "string without surrounding spaces"
+            )
         if min(self.max_inflight, self.requests_per_s, self.tokens_per_s) < 0 or self.weight <= 0:
             raise ValueError(f"tenant {self.name!r}: limits must be >= 0 and weight > 0")
 
@@ -104,16 +124,19 @@ OPEN = TenantConfig(name=DEFAULT_TENANT, key_sha256="0" * 64)
 
 
 class Tenants:
-    """The declared tenants, found by key; with none declared, everyone is the default tenant."""
+    """The declared tenants, found by key or by client certificate; with none declared,
+    everyone is the default tenant."""
 
     def __init__(self, configs: Iterable[TenantConfig], clock: Callable[[], float]) -> None:
         now = clock()
-        self._by_key = {c.key_sha256: Tenant(c, now) for c in configs}
-        self.open = not self._by_key
+        self._tenants = [Tenant(c, now) for c in configs]
+        self._by_key = {t.config.key_sha256: t for t in self._tenants if t.config.key_sha256}
+        self._by_cert = {t.config.cert_name: t for t in self._tenants if t.config.cert_name}
+        self.open = not self._tenants
         self._default = Tenant(OPEN, now)
 
     def all(self) -> list[Tenant]:
-        return [self._default] if self.open else list(self._by_key.values())
+        return [self._default] if self.open else list(self._tenants)
 
     def fair_share(self, tenant: Tenant, cap: int) -> int | None:
         """``tenant``'s weighted share of ``cap`` while another tenant waits; None: no contention.
@@ -147,3 +170,28 @@ class Tenants:
             return None
         # Looked up by the key's hash: the stored secret is never compared, only its digest.
         return self._by_key.get(hashlib.sha256(api_key.encode()).hexdigest())
+
+    def find_cert(self, peercert: Mapping[str, Any] | None) -> Tenant | None:
+        """The tenant a verified client certificate names; None for no certificate, or one
+        that names no tenant or more than one (unless the daemon runs open).
+
+        ``peercert`` is what ``transport.get_extra_info("peercert")`` (``getpeercert()``)
+        gives: None or ``{}`` without a certificate, and a certificate there was verified
+        against ``tls_client_ca`` by the handshake (the listener asks for none without it).
+        Its names are the subject's commonName and its DNS subjectAltNames, compared exactly;
+        a certificate whose names match two tenants is ambiguous and names neither, so that
+        which one it gets never depends on the order of the certificate's fields.
+        """
+        if self.open:
+            return self._default
+        if not peercert:
+            return None
+        names = {
+            value
+            for rdn in peercert.get("subject", ())
+            for key, value in rdn
+            if key == "commonName"
+        }
+        names.update(value for kind, value in peercert.get("subjectAltName", ()) if kind == "DNS")
+        found = {t for name in names if (t := self._by_cert.get(name)) is not None}
+        return found.pop() if len(found) == 1 else None

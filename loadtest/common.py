@@ -1,14 +1,18 @@
-"""Small things every load-test command shares: option types, retry modes, connections, the loop."""
+"""Small things every load-test command shares: option types, retry modes, where the governor
+is and how to speak to it (plain TCP or TLS), connections, the loop."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 from collections.abc import Coroutine
+from dataclasses import dataclass
+from ssl import SSLContext
 from typing import Any, TypeVar
 
 import uvloop
 
+from clients import tls
 from clients.client import NO_RETRY, GovernorClient, RetryPolicy
 from protocol.addresses import parse_address
 
@@ -69,11 +73,54 @@ def retry_policy(mode: str, max_attempts: int, fixed_ms: int = 500) -> RetryPoli
     raise ValueError(f"unknown retry mode {mode!r}")
 
 
+# The governor's endpoint -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A governor's protocol listener: where, and whether through TLS (``ssl`` set)."""
+
+    host: str
+    port: int
+    ssl: SSLContext | None = None
+    server_hostname: str | None = None  # TLS: the name its certificate must carry; None: host
+
+    @property
+    def addr(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    async def connect(self, *, timeout: float) -> GovernorClient:
+        return await GovernorClient.connect(
+            self.host,
+            self.port,
+            timeout=timeout,
+            ssl=self.ssl,
+            server_hostname=self.server_hostname,
+        )
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """governor-cli's TLS options (:func:`clients.tls.add_arguments`), for the governor
+    ``--addr`` names."""
+    tls.add_arguments(parser)
+
+
+def endpoint_from(args: argparse.Namespace) -> Endpoint:
+    """``--addr`` and the options of :func:`add_tls_arguments`; a CA or certificate that cannot
+    be used ends the command (exit status 1, with the file named)."""
+    host, port = args.addr
+    try:
+        context = tls.context_from(args)
+    except tls.TLSSetupError as exc:
+        raise SystemExit(f"loadtest: {exc}") from None
+    return Endpoint(host, port, context, args.tls_server_name)
+
+
 # Timed connections ----------------------------------------------------------------------
 
 
 async def connect_all(
-    host: str, port: int, count: int, *, opened: list[GovernorClient], timeout: float
+    endpoint: Endpoint, count: int, *, opened: list[GovernorClient], timeout: float
 ) -> None:
     """Open ``count`` connections concurrently, appending each to ``opened`` as it succeeds.
 
@@ -82,7 +129,7 @@ async def connect_all(
     """
 
     async def one() -> None:
-        opened.append(await GovernorClient.connect(host, port, timeout=timeout))
+        opened.append(await endpoint.connect(timeout=timeout))
 
     async with asyncio.TaskGroup() as group:
         for _ in range(count):

@@ -22,7 +22,7 @@ from typing import TextIO
 
 import httpx
 
-from clients.client import ClientError, GovernorClient
+from clients.client import ClientError
 
 from .common import CONNECT_TIMEOUT_S, StartError
 from .monitor import Monitor, MonitorError
@@ -83,9 +83,7 @@ async def _prepare(
     try:
         async with asyncio.timeout_at(deadline):
             if isinstance(target, GovernorTarget):
-                probe = await GovernorClient.connect(
-                    target.host, target.port, timeout=connect_timeout
-                )
+                probe = await target.endpoint.connect(timeout=connect_timeout)
                 monitor = Monitor(probe, interval_s=sample_s, out=out)
                 await monitor.baseline()
             await target.open(connections, timeout=connect_timeout)

@@ -1,6 +1,6 @@
 """``idle``: hold many idle connections open and measure what they cost the daemon.
 
-Opens ``--connections`` TCP connections that send nothing, holds them ``--hold`` seconds, then
+Opens ``--connections`` TCP (or, with ``--tls-ca``, TLS) connections that send nothing, holds them ``--hold`` seconds, then
 pings through one more to show the daemon still answers. With ``--pid`` (the daemon's) it reads
 the daemon's resident memory (``VmRSS`` in ``/proc/PID/status``) before and with them open.
 Raise the daemon's ``--max-connections`` (and both sides' open-file limits) above the count.
@@ -16,9 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clients.client import GovernorClient
-
-from .common import DEFAULT_ADDR, parse_addr, positive_float, positive_int, run_loop
+from .common import (
+    DEFAULT_ADDR,
+    add_tls_arguments,
+    endpoint_from,
+    parse_addr,
+    positive_float,
+    positive_int,
+    run_loop,
+)
 
 NAME = "idle"
 
@@ -51,6 +57,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--addr", type=parse_addr, default=parse_addr(DEFAULT_ADDR), metavar="HOST:PORT"
     )
+    add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
     parser.add_argument("--connections", type=positive_int, default=10_000, help="(default: 10000)")
     parser.add_argument("--hold", type=positive_float, default=5.0, help="seconds (default: 5)")
     parser.add_argument("--pid", type=int, help="the daemon's PID, to read its memory")
@@ -60,13 +67,13 @@ def add_parser(commands: Any) -> None:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    host, port = args.addr
+    endpoint = endpoint_from(args)
     loop = asyncio.get_running_loop()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = args.connections + 64  # and a few for the probe and the interpreter
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard < 0 else min(want, hard), hard))
-    async with await GovernorClient.connect(host, port) as probe:
+    async with await endpoint.connect(timeout=10.0) as probe:
         await probe.ping()
         before = rss_kib(args.pid) if args.pid else None
         closed = [0]
@@ -77,7 +84,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 count = min(args.batch, args.connections - first)
                 made = await asyncio.gather(
                     *(
-                        loop.create_connection(lambda: _Idle(closed), host, port)
+                        loop.create_connection(
+                            lambda: _Idle(closed),
+                            endpoint.host,
+                            endpoint.port,
+                            ssl=endpoint.ssl,
+                            server_hostname=endpoint.server_hostname,
+                        )
                         for _ in range(count)
                     )
                 )

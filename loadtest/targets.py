@@ -28,7 +28,7 @@ from protocol.codes import Status
 from protocol.frames import Reply
 from protocol.spec import JobSpec
 
-from .common import close_all, connect_all
+from .common import Endpoint, close_all, connect_all
 from .workload import Request, synth_prompt
 
 # Outcome statuses: every request ends in exactly one.
@@ -108,9 +108,9 @@ def _since(t0: float) -> float:
 class GovernorTarget:
     kind = "governor"
 
-    def __init__(self, host: str, port: int, shape: Shape, retry: RetryPolicy) -> None:
-        self.host, self.port = host, port
-        self.addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    def __init__(self, endpoint: Endpoint, shape: Shape, retry: RetryPolicy) -> None:
+        self.endpoint = endpoint
+        self.addr = endpoint.addr
         self.shape = shape
         self.retry = retry
         self.clients: list[GovernorClient] = []
@@ -119,7 +119,7 @@ class GovernorTarget:
     async def open(self, connections: int, *, timeout: float) -> None:
         self._timeout = timeout
         count = 0 if self.shape.reconnect else connections
-        await connect_all(self.host, self.port, count, opened=self.clients, timeout=timeout)
+        await connect_all(self.endpoint, count, opened=self.clients, timeout=timeout)
 
     async def close(self) -> None:
         clients, self.clients = self.clients, []
@@ -130,7 +130,7 @@ class GovernorTarget:
             if not self.shape.reconnect:
                 await self._send(self.clients[connection % len(self.clients)], index, outcome, t0)
                 return
-            client = await GovernorClient.connect(self.host, self.port, timeout=self._timeout)
+            client = await self.endpoint.connect(timeout=self._timeout)
             try:
                 await self._send(client, index, outcome, t0)
             finally:

@@ -19,6 +19,8 @@ from .common import (
     DEFAULT_ADDR,
     RETRY_MODES,
     StartError,
+    add_tls_arguments,
+    endpoint_from,
     non_negative_int,
     parse_addr,
     positive_float,
@@ -52,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         "the queueing baseline `python -m loadtest baseline`; --addr and --retry are ignored",
     )
     target.add_argument("--model", help="--openai: the model name to send (default: none)")
+    add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
 
     client = parser.add_argument_group("client behaviour")
     client.add_argument(
@@ -179,9 +182,8 @@ def target_from(
         if payload_bytes is not None or ping or reconnect:
             raise SystemExit("loadtest: --openai sends inference jobs only: give --prompt-tokens")
         return OpenAITarget(args.openai, shape, args.model)
-    host, port = args.addr
     return GovernorTarget(
-        host, port, shape, retry_policy(args.retry, args.max_attempts, args.fixed_ms)
+        endpoint_from(args), shape, retry_policy(args.retry, args.max_attempts, args.fixed_ms)
     )
 
 

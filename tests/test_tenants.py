@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from clients import NO_RETRY, GovernorClient, RetryPolicy
+from governor.config import Config, ConfigError
 from governor.tenants import TenantConfig, Tenants, TokenBucket
 from protocol.spec import JobSpec
 
@@ -43,6 +44,93 @@ def test_keys_are_found_by_their_hash_only() -> None:
     found = open_.find(None)
     assert found is not None
     assert found.name == "default"
+
+
+def peercert(common_name: str | None = None, *dns: str, ip: str | None = None) -> dict[str, Any]:
+    """What ``getpeercert()`` gives for a verified certificate (the fields find_cert reads)."""
+    subject = [(("organizationName", "Clients"),)]
+    if common_name is not None:
+        subject.append((("commonName", common_name),))
+    alt = [("DNS", name) for name in dns] + ([("IP Address", ip)] if ip else [])
+    return {"subject": tuple(subject), "subjectAltName": tuple(alt), "version": 3}
+
+
+CERT_TENANTS = [
+    TenantConfig(name="alpha", cert_name="alpha.clients.test"),
+    TenantConfig(name="beta", cert_name="beta.clients.test", key_sha256=sha("beta-key")),
+    TenantConfig(name="keyed", key_sha256=sha("keyed-key")),
+]
+
+
+@pytest.mark.parametrize(
+    ("cert", "tenant"),
+    [
+        (peercert("alpha.clients.test"), "alpha"),  # the subject's commonName
+        (peercert("someone", "beta.clients.test"), "beta"),  # a DNS subjectAltName
+        (peercert("alpha.clients.test", "alpha.clients.test"), "alpha"),  # both, one tenant
+        (peercert(None, "x.test", "alpha.clients.test"), "alpha"),
+        (peercert("alpha.clients.test", "beta.clients.test"), None),  # two tenants: ambiguous
+        (peercert("gamma.clients.test", "gamma.test"), None),  # no tenant's name
+        (peercert("ALPHA.clients.test"), None),  # names are compared exactly
+        (peercert(None, ip="alpha.clients.test"), None),  # only DNS names count
+        (peercert("keyed"), None),  # a tenant's name is not its cert_name
+        ({}, None),  # no certificate (CERT_OPTIONAL, none shown)
+        (None, None),  # not a TLS connection
+    ],
+)
+def test_a_certificate_names_the_tenant_with_its_cert_name(
+    cert: dict[str, Any] | None, tenant: str | None
+) -> None:
+    found = Tenants(CERT_TENANTS, clock=lambda: 0.0).find_cert(cert)
+    assert (found.name if found is not None else None) == tenant
+
+
+def test_an_open_daemon_takes_any_certificate_as_its_default_tenant() -> None:
+    tenants = Tenants([], clock=lambda: 0.0)
+    for cert in (None, {}, peercert("anyone")):
+        found = tenants.find_cert(cert)
+        assert found is not None
+        assert found.name == "default"
+
+
+def test_key_and_certificate_find_the_same_tenant() -> None:
+    tenants = Tenants(CERT_TENANTS, clock=lambda: 0.0)
+    assert tenants.find("beta-key") is tenants.find_cert(peercert("beta.clients.test"))
+    assert tenants.find("keyed-key") is not None
+    assert [t.name for t in tenants.all()] == ["alpha", "beta", "keyed"]
+    assert not tenants.open
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "needs key_sha256 .*, cert_name .* or both"),
+        ({"cert_name": ""}, "cert_name must be"),
+        ({"cert_name": " alpha"}, "cert_name must be"),
+        ({"cert_name": 7}, "cert_name must be"),
+        ({"key_sha256": "NOTHEX"}, "key_sha256 must be 64 lower-case hex digits"),
+    ],
+)
+def test_a_tenant_needs_a_key_or_a_certificate_name(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TenantConfig(name="t", **fields)
+
+
+def test_config_tenants_by_certificate_only_and_unique_names() -> None:
+    config = Config.from_mapping({"tenants": [{"name": "a", "cert_name": "a.test"}]})
+    assert config.tenants[0].key_sha256 is None
+    assert config.tenants[0].cert_name == "a.test"
+    twice = [{"name": "a", "cert_name": "same"}, {"name": "b", "cert_name": "same"}]
+    with pytest.raises(ConfigError, match="tenant cert_names must be unique"):
+        Config.from_mapping({"tenants": twice})
+    keys = [{"name": "a", "key_sha256": sha("k")}, {"name": "b", "key_sha256": sha("k")}]
+    with pytest.raises(ConfigError, match=r"tenant keys \(key_sha256\) must be unique"):
+        Config.from_mapping({"tenants": keys})
+    # Two tenants by certificate only have no key to collide on.
+    both = [{"name": "a", "cert_name": "a.test"}, {"name": "b", "cert_name": "b.test"}]
+    assert len(Config.from_mapping({"tenants": both}).tenants) == 2
+    with pytest.raises(ConfigError, match="needs key_sha256"):
+        Config.from_mapping({"tenants": [{"name": "a"}]})
 
 
 TENANTS: list[dict[str, Any]] = [
