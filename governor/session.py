@@ -181,14 +181,12 @@ class Session:
         waits: it is looked at again an ``idle_timeout`` later."""
         config = self.config
         deadline = self.last_frame_at + config.idle_timeout
+        if deadline <= now and self.running:
+            deadline = now + config.idle_timeout
         if not self.authenticated:
             deadline = min(deadline, self.opened_at + config.auth_grace)
-        running = False
         for state in self.jobs.values():
-            running = running or state.phase is Phase.RUNNING
             deadline = min(deadline, state.deadline)
-        if running and deadline <= now:
-            deadline = now + config.idle_timeout
         return deadline
 
     def expire(self, now: float) -> None:
@@ -215,7 +213,7 @@ class Session:
                     Reply(
                         Verb.CONFIRM,
                         job,
-                        self.last_seq + 1 if job == self.last_job else 0,
+                        state.seq + 1,
                         Status.ABORT,
                         ttl_ms=0,
                         need_code=NeedCode.UPLOAD_TIMEOUT,

@@ -103,6 +103,7 @@ async def test_a_stalled_upload_is_dropped_however_often_its_client_pings(
         "upload_timeout",
         "timeout",
     )
+    assert reply["seq"] == 2  # its last frame's + 1
     assert pongs >= 3
     assert session.buffers.used == 0  # type: ignore[attr-defined]
     assert session.jobs == {}  # type: ignore[attr-defined]
@@ -355,3 +356,20 @@ def test_sources_bound_the_waits_they_remember_and_the_lines_they_log() -> None:
     assert sum(sources.may_log() for _ in range(100)) == 5
     now[0] += 11.0
     assert sources.open(f"10.0.{(MAX_WAITING + 99) >> 8}.{(MAX_WAITING + 99) & 255}") is None
+
+
+async def test_a_stalled_upload_beside_a_running_job_is_still_dropped_in_time(
+    make_server: ServerFactory, raw: Opener
+) -> None:
+    """The idle timeout waits while a job runs; the upload deadline beside it does not."""
+    server = await make_server(stub_ms=4000, idle_timeout=1.0, upload_timeout=0.3)
+    conn = await raw(server)
+    conn.send(inline("J_run", 1, "runs 4 s"))
+    await wait_until(lambda: server.inflight == 1)
+    await asyncio.sleep(1.1)  # past the idle timeout: it is looked at again a second later
+    conn.send(share("J_s", 1, manifest=declaring(1000)))
+    assert (await conn.recv())["status"] == "ok"
+    started = asyncio.get_running_loop().time()
+    dropped = await conn.recv(timeout=3)
+    assert (dropped["job"], dropped["need_code"]) == ("J_s", "upload_timeout")
+    assert asyncio.get_running_loop().time() - started < 0.8  # not at the idle re-check
