@@ -81,25 +81,46 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds to wait for running jobs (default: %(default)s)",
     )
+    drain.add_argument(
+        "--token-file",
+        type=Path,
+        help="a file holding the daemon's drain token (its drain_token_file), sent as "
+        "Authorization: Bearer TOKEN",
+    )
     return parser
 
 
-def drain(address: str, wait: float) -> int:
+def drain(address: str, wait: float, token_file: Path | None = None) -> int:
+    headers: dict[str, str] = {}
     try:
         host, port = parse_address(address, what="--metrics-addr", allow_port_zero=False)
+        if token_file is not None:
+            headers["Authorization"] = f"Bearer {_read_token(token_file)}"
     except ConfigError as exc:
         print(f"governor: {exc}", file=sys.stderr)
         return 1
     host = f"[{host}]" if ":" in host else host
-    request = urllib.request.Request(f"http://{host}:{port}/drain?wait={wait:g}", method="POST")
+    request = urllib.request.Request(
+        f"http://{host}:{port}/drain?wait={wait:g}", method="POST", headers=headers
+    )
     try:
         with urllib.request.urlopen(request, timeout=wait + 10) as response:
             answer = orjson.loads(response.read())
-    except (urllib.error.URLError, OSError, orjson.JSONDecodeError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: JSON, a header
         print(f"governor: drain failed: {exc}", file=sys.stderr)
         return 1
     print(orjson.dumps(answer).decode())
     return 0 if answer.get("drained") else 1
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--token-file {str(path)!r}: {exc}") from None
+    if not token:
+        raise ConfigError(f"--token-file {str(path)!r} is empty")
+    return token
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -129,6 +150,9 @@ async def serve(config: Config) -> int:
     except RunnerStartError as exc:
         log.error("cannot start the %s runner: %s", config.runner, exc)
         return 1
+    except ConfigError as exc:  # a file the config names, read at start (TLS, drain token)
+        log.error("%s", exc)
+        return 2
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -157,7 +181,7 @@ async def serve(config: Config) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "drain":
-        return drain(args.metrics_addr, args.wait)
+        return drain(args.metrics_addr, args.wait, args.token_file)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
