@@ -29,7 +29,8 @@ class LineReader:
         self._broken = False
 
     def feed(self, data: bytes) -> None:
-        self._buf += data
+        if not self._broken:  # (a broken stream is never read again: keep none of it)
+            self._buf += data
 
     @property
     def buffered(self) -> int:

@@ -151,6 +151,7 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
             if (
                 type(m) is not dict
                 or m.keys() != {"role", "content"}
+                or type(m["role"]) is not str  # (before the set lookup: a list is unhashable)
                 or m["role"] not in ROLES
                 or type(m["content"]) is not str
             ):
