@@ -12,7 +12,21 @@ import argparse
 import sys
 from typing import Any, Protocol
 
-from . import admission, baseline, burst, compare, idle, lanes, mix, overhead, peer, rate, replay
+from . import (
+    admission,
+    attack,
+    baseline,
+    burst,
+    compare,
+    idle,
+    lanes,
+    mix,
+    overhead,
+    peer,
+    rate,
+    replay,
+    soak,
+)
 
 
 class Command(Protocol):
@@ -35,6 +49,8 @@ _admission: Command = admission
 _overhead: Command = overhead
 _lanes: Command = lanes
 _peer: Command = peer
+_soak: Command = soak
+_attack: Command = attack
 COMMANDS: dict[str, Command] = {
     c.NAME: c
     for c in (
@@ -49,6 +65,8 @@ COMMANDS: dict[str, Command] = {
         _overhead,
         _lanes,
         _peer,
+        _soak,
+        _attack,
     )
 }
 

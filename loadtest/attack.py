@@ -1,0 +1,287 @@
+"""``attack``: one of a hostile network's attacks on the daemon, and what it costs a bystander.
+
+Kinds (issue 12's measurements, each bounded by ``--hold`` seconds, to 127.0.0.1 only):
+
+- ``slow-readers``: ``--clients`` sockets with a 4 KiB receive buffer pipeline pings and
+  read nothing.
+- ``budget``: 16 connections each declare 8 payloads of 8 MiB and send no chunk.
+- ``lockout``: ``--clients`` connections from 127.0.0.1, each pinging every 5 s.
+- ``keys``: one client guesses API keys as fast as the daemon answers, reconnecting when
+  closed (run the daemon with a tenant declared).
+
+Meanwhile a bystander on another loopback address (``--bystander``, default 127.0.0.2) pings
+every 50 ms; at the end it runs one small job. The report gives the daemon's RSS (``--pid``)
+before, at its highest and after, the bystander's ping latency and failures, the connections
+the daemon still holds at the end (its ``server.connections`` receipt) and the job's answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import socket
+import time
+from typing import Any
+
+import orjson
+
+from .common import DEFAULT_ADDR, parse_addr, positive_float, positive_int, run_loop
+from .idle import rss_kib
+from .stats import percentile
+
+NAME = "attack"
+KINDS = ("slow-readers", "budget", "lockout", "keys")
+
+
+def add_parser(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        NAME, help="an attack on the daemon, and what a bystander sees", description=__doc__
+    )
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument(
+        "--addr", type=parse_addr, default=parse_addr(DEFAULT_ADDR), metavar="HOST:PORT"
+    )
+    parser.add_argument("--pid", type=int, help="the daemon's PID, to read its memory")
+    parser.add_argument("--clients", type=positive_int, default=60, help="(default: 60)")
+    parser.add_argument("--hold", type=positive_float, default=20.0, help="seconds (default: 20)")
+    parser.add_argument("--bystander", default="127.0.0.2", help="its source address")
+    parser.add_argument("--api-key", help="the bystander's key, when tenants are declared")
+
+
+def frame(verb: str, job: str, seq: int, **fields: Any) -> bytes:
+    return orjson.dumps({"v": 0, "verb": verb, "job": job, "seq": seq, "ttl_ms": 0, **fields})
+
+
+def receipt(reply: dict[str, Any], kind: str) -> int | None:
+    return next((r["value_u64"] for r in reply.get("receipts", ()) if r["kind"] == kind), None)
+
+
+class Bystander:
+    """Pings every 50 ms from its own address, reconnecting when refused; a job at the end."""
+
+    def __init__(self, addr: tuple[str, int], source: str, api_key: str | None) -> None:
+        self.addr, self.source, self.api_key = addr, source, api_key
+        self.latencies_ms: list[float] = []
+        self.failures = 0
+        self.connections: int | None = None
+        self._seq = 0
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.wait_for(
+            asyncio.open_connection(*self.addr, local_addr=(self.source, 0), limit=2**22), 5
+        )
+
+    async def _ask(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, line: bytes
+    ) -> dict[str, Any]:
+        writer.write(line + b"\n")
+        answer = await asyncio.wait_for(reader.readline(), 5)
+        if not answer:
+            raise ConnectionError("closed")
+        reply: dict[str, Any] = orjson.loads(answer)
+        return reply
+
+    async def ping_until(self, stop: asyncio.Event) -> None:
+        key = {"api_key": self.api_key} if self.api_key else {}
+        while not stop.is_set():
+            try:
+                reader, writer = await self._open()
+            except (OSError, TimeoutError):
+                self.failures += 1
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                while not stop.is_set():
+                    self._seq += 1
+                    started = time.perf_counter()
+                    reply = await self._ask(reader, writer, frame("ping", "J_p", self._seq, **key))
+                    if reply.get("status") != "ok":
+                        self.failures += 1
+                        break
+                    self.latencies_ms.append((time.perf_counter() - started) * 1000)
+                    self.connections = receipt(reply, "server.connections")
+                    await asyncio.sleep(0.05)
+            except (OSError, TimeoutError, ConnectionError, orjson.JSONDecodeError):
+                self.failures += 1
+            finally:
+                writer.close()
+
+    async def job(self) -> str:
+        data = "a bystander's job"
+        inline = {"data": data, "sha256": hashlib.sha256(data.encode()).hexdigest()}
+        key = {"api_key": self.api_key} if self.api_key else {}
+        try:
+            reader, writer = await self._open()
+            try:
+                reply = await self._ask(
+                    reader, writer, frame("share", "J_b", 1, payload_inline=inline, **key)
+                )
+            finally:
+                writer.close()
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            return f"failed: {exc!r}"
+        return f"{reply.get('status')} {reply.get('need_code') or ''}".strip()
+
+
+async def slow_readers(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
+    pings = b"".join(frame("ping", "J_s", i) + b"\n" for i in range(1, 5001))
+    socks: list[socket.socket] = []
+    for _ in range(args.clients):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(args.addr)
+        sock.setblocking(False)
+        socks.append(sock)
+    sent = 0
+    try:
+        while not stop.is_set():
+            for sock in socks:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    sent += sock.send(pings)
+            await asyncio.sleep(0.05)
+    finally:
+        for sock in socks:
+            sock.close()
+    return {"bytes_sent": sent}
+
+
+async def budget(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
+    manifest = {
+        "payload_id": "P",
+        "total_bytes": 8 << 20,
+        "chunk_bytes": 65536,
+        "chunks": 128,
+        "sha256": "0" * 64,
+    }
+    writers = []
+    for _ in range(16):
+        _, writer = await asyncio.open_connection(*args.addr)
+        writer.write(
+            b"".join(
+                frame("share", f"J_{j}", 1, payload_manifest=manifest) + b"\n" for j in range(8)
+            )
+        )
+        writers.append(writer)
+    seq = 1
+    while not stop.is_set():  # pings keep the connections, as before
+        await asyncio.sleep(1.0)
+        seq += 1
+        for writer in writers:
+            if not writer.transport.is_closing():
+                writer.write(frame("ping", "J_k", seq) + b"\n")
+    for writer in writers:
+        writer.close()
+    return {"declared_bytes": 16 * 8 * (8 << 20)}
+
+
+async def lockout(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
+    writers = []
+    for _ in range(args.clients):
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection(*args.addr)
+            writers.append(writer)
+    seq = 0
+    while not stop.is_set():
+        seq += 1
+        for writer in writers:
+            if not writer.transport.is_closing():  # (the daemon may have closed it)
+                writer.write(frame("ping", "J_l", seq) + b"\n")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 5.0)
+    for writer in writers:
+        writer.close()
+    return {"attacker_connections": len(writers)}
+
+
+async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
+    data = "x"
+    inline = {"data": data, "sha256": hashlib.sha256(data.encode()).hexdigest()}
+    guesses = connections = refused = 0
+    started = time.monotonic()
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(*args.addr)
+        except OSError:
+            await asyncio.sleep(0.01)
+            continue
+        connections += 1
+        try:
+            while not stop.is_set():
+                guesses += 1
+                writer.write(
+                    frame("share", f"J_{guesses}", 1, payload_inline=inline, api_key=f"g{guesses}")
+                    + b"\n"
+                )
+                line = await asyncio.wait_for(reader.readline(), 5)
+                if not line:
+                    break
+                if orjson.loads(line).get("need_code") == "auth_backoff":
+                    refused += 1
+                    guesses -= 1
+                    break
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+    elapsed = time.monotonic() - started
+    return {
+        "guesses": guesses,
+        "guesses_per_s": round(guesses / elapsed, 1),
+        "connections": connections,
+        "refused_auth_backoff": refused,
+    }
+
+
+ATTACKS = {"slow-readers": slow_readers, "budget": budget, "lockout": lockout, "keys": keys}
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    stop = asyncio.Event()
+    bystander = Bystander(args.addr, args.bystander, args.api_key)
+    rss_before = rss_kib(args.pid) if args.pid else None
+    peak = rss_before or 0
+    watching = asyncio.create_task(bystander.ping_until(stop))
+    attack = asyncio.create_task(ATTACKS[args.kind](args, stop))
+    deadline = time.monotonic() + args.hold
+    while time.monotonic() < deadline and not attack.done():
+        await asyncio.sleep(0.25)
+        if args.pid:
+            peak = max(peak, rss_kib(args.pid) or 0)
+    held_at_end = bystander.connections  # (the bystander's own connection included)
+    job = await bystander.job()  # while the attack still runs
+    stop.set()
+    outcome = await attack
+    await watching
+    await asyncio.sleep(1.0)
+    latencies = sorted(bystander.latencies_ms)
+    return {
+        "command": NAME,
+        "kind": args.kind,
+        "hold_s": args.hold,
+        "attack": outcome,
+        "rss_before_mib": None if rss_before is None else round(rss_before / 1024, 1),
+        "rss_peak_mib": round(peak / 1024, 1) if args.pid else None,
+        "rss_after_mib": round((rss_kib(args.pid) or 0) / 1024, 1) if args.pid else None,
+        "bystander_pings": len(latencies),
+        "bystander_failures": bystander.failures,
+        "bystander_ping_p50_ms": round(percentile(latencies, 50), 3) if latencies else None,
+        "bystander_ping_p99_ms": round(percentile(latencies, 99), 3) if latencies else None,
+        "connections_held_at_end": held_at_end,
+        "bystander_job": job,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    report = run_loop(measure(args))
+    print(
+        f"{args.kind}: daemon RSS {report['rss_before_mib']} -> peak {report['rss_peak_mib']} "
+        f"-> {report['rss_after_mib']} MiB; bystander pings p99 "
+        f"{report['bystander_ping_p99_ms']} ms, {report['bystander_failures']} failed; "
+        f"connections held at the end {report['connections_held_at_end']}; "
+        f"its job: {report['bystander_job']}"
+    )
+    print(json.dumps(report))
+    return 0
