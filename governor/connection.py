@@ -6,6 +6,10 @@ bytes and events between them and the transport (uvicorn's ``h11_impl`` is the m
 connection limits (all connections, and per source address), one timer for the session's
 deadlines, flow control, and the client's leaving.
 
+Turns: a connection handles at most ``LINES_PER_TURN`` lines, then stops reading until the
+other connections have had theirs (``call_soon``), so that one client pipelining thousands of
+frames cannot hold the event loop for all of them while another's ping waits.
+
 Flow control: when the client stops reading its replies (the transport's buffer passes its
 high-water mark), reading stops and so does the handling of lines already read; both resume
 when it reads again. A client that leaves ``write_buffer_bytes`` of replies unread (a running
@@ -42,6 +46,7 @@ class GovernorProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")  # when _timer fires, on the session's clock
         self._write_timer: asyncio.TimerHandle | None = None
+        self._next_turn = False  # lines wait for another turn, after the other connections'
 
     # asyncio.Protocol -------------------------------------------------------------------
 
@@ -87,9 +92,7 @@ class GovernorProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         # The client is not reading its replies: stop reading and handling its requests.
         self.session.pause()
-        transport = self.transport
-        if transport is not None and transport.is_reading():
-            transport.pause_reading()
+        self._reading()
         self._start_write_deadline()
 
     def resume_writing(self) -> None:
@@ -99,19 +102,41 @@ class GovernorProtocol(asyncio.Protocol):
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
-        session.resume()  # (the lines that waited may fill the buffer again)
-        transport = self.transport
-        if not (session.paused or session.closed) and transport is not None:
-            transport.resume_reading()
+        self._turn_ended(session.resume())  # (the lines that waited may fill the buffer again)
 
     def data_received(self, data: bytes) -> None:
+        self._turn_ended(self.session.receive_data(data))
+
+    def _turn_ended(self, more: bool) -> None:
+        """After a turn of handling lines: another one after the other connections' (reading
+        stops meanwhile) if lines remain; the deadline timer moved if one came sooner."""
         session = self.session
-        session.receive_data(data)
+        if more and not self._next_turn:
+            self._next_turn = True
+            self._loop.call_soon(self._take_turn)
+        self._reading()
         sooner = session.sooner
         if sooner is not None:
             session.sooner = None
             if sooner < self._timer_at:
                 self._schedule()
+
+    def _take_turn(self) -> None:
+        self._next_turn = False
+        if not self.session.closed:
+            self._turn_ended(self.session.receive_data(b""))
+
+    def _reading(self) -> None:
+        """Read while the client reads its replies and its lines are handled as they come."""
+        transport, session = self.transport, self.session
+        if transport is None or session.closed:
+            return
+        wanted = not (session.paused or self._next_turn)
+        if transport.is_reading() != wanted:
+            if wanted:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
 
     def eof_received(self) -> bool:
         # EOF is the client leaving: a half-close cannot be told apart from a close, and work

@@ -52,6 +52,9 @@ from .tenants import Tenant
 log = logging.getLogger("governor.connection")
 
 BUFFERS_FULL_HINT_MS = 500  # how soon a client refused for the server's buffers may try again
+# Lines one connection has handled before the others get a turn: a client pipelining thousands
+# of frames delays another's ping by one turn of each busy connection, not by all its frames.
+LINES_PER_TURN = 64
 
 
 class BuffersFull(Exception):
@@ -150,31 +153,37 @@ class Session:
 
     # Events from the connection ----------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> None:
-        """Bytes from the client: each whole line is handled, unless the client does not read
-        its replies (:attr:`paused`); its lines then wait for :meth:`resume`."""
+    def receive_data(self, data: bytes) -> bool:
+        """Bytes from the client: its whole lines are handled, :data:`LINES_PER_TURN` at most.
+        True when lines may remain: call again (with ``b""``) once other connections have had
+        their turn. None is handled while the client does not read its replies
+        (:attr:`paused`): they wait for :meth:`resume`."""
         reader = self.reader
         if data:
             reader.feed(data)
         lines = self.lines
+        turn_ends = lines + LINES_PER_TURN
         try:
             while not (self.closed or self.paused) and (line := reader.next_line()) is not None:
                 self.lines += 1
                 if line.strip():
                     self._handle_line(line)
+                if self.lines == turn_ends:
+                    break
         except LineTooLong as exc:
             self.fatal(exc.need_code, exc.error_code, exc.detail)
         if self.lines != lines:  # a whole line is a live client; a trickle of bytes is not
             self.last_frame_at = self.clock()
+        return self.lines == turn_ends and not self.closed
 
     def pause(self) -> None:
         """The client has stopped reading its replies: stop handling its lines."""
         self.paused = True
 
-    def resume(self) -> None:
-        """It reads again: handle the lines that waited."""
+    def resume(self) -> bool:
+        """It reads again: handle the lines that waited (as :meth:`receive_data`)."""
         self.paused = False
-        self.receive_data(b"")
+        return self.receive_data(b"")
 
     def next_deadline(self, now: float) -> float:
         """When :meth:`expire` next has something to do. While a job runs the idle timeout

@@ -8,6 +8,11 @@ Kinds (issue 12's measurements, each bounded by ``--hold`` seconds, to 127.0.0.1
 - ``lockout``: ``--clients`` connections from 127.0.0.1, each pinging every 5 s.
 - ``keys``: one client guesses API keys as fast as the daemon answers, reconnecting when
   closed (run the daemon with a tenant declared).
+- ``tiny-chunks``: 8 connections each upload 65,535 chunks of 2 bytes and never the last one.
+- ``admin-trickle``: ``--clients`` connections to the HTTP listener (``--metrics-addr``), each
+  sending its request head a byte every 3 s; reports the daemon's threads.
+- ``metrics-flood``: ``GET /metrics`` at ``--rate`` a second (8 clients, one request per
+  connection) on the HTTP listener.
 
 Meanwhile a bystander on another loopback address (``--bystander``, default 127.0.0.2) pings
 every 50 ms; at the end it runs one small job. The report gives the daemon's RSS (``--pid``)
@@ -19,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import collections
 import contextlib
 import hashlib
 import json
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -33,7 +41,16 @@ from .idle import rss_kib
 from .stats import percentile
 
 NAME = "attack"
-KINDS = ("slow-readers", "budget", "lockout", "keys")
+KINDS = (
+    "slow-readers",
+    "budget",
+    "lockout",
+    "keys",
+    "tiny-chunks",
+    "admin-trickle",
+    "metrics-flood",
+)
+TINY_CHUNKS = 65536
 
 
 def add_parser(commands: Any) -> None:
@@ -49,6 +66,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--hold", type=positive_float, default=20.0, help="seconds (default: 20)")
     parser.add_argument("--bystander", default="127.0.0.2", help="its source address")
     parser.add_argument("--api-key", help="the bystander's key, when tenants are declared")
+    parser.add_argument(
+        "--metrics-addr", type=parse_addr, metavar="HOST:PORT", help="the HTTP listener"
+    )
+    parser.add_argument(
+        "--rate", type=positive_float, default=1227.0, help="metrics-flood (default: 1227)"
+    )
 
 
 def frame(verb: str, job: str, seq: int, **fields: Any) -> bytes:
@@ -235,7 +258,131 @@ async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
     }
 
 
-ATTACKS = {"slow-readers": slow_readers, "budget": budget, "lockout": lockout, "keys": keys}
+async def tiny_chunks(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
+    piece = b"ab"
+    chunk = {
+        "payload_id": "P",
+        "sha256": hashlib.sha256(piece).hexdigest(),
+        "bytes_b64": base64.b64encode(piece).decode(),
+    }
+    manifest = {
+        "payload_id": "P",
+        "total_bytes": 2 * TINY_CHUNKS,
+        "chunk_bytes": 2,
+        "chunks": TINY_CHUNKS,
+        "sha256": "0" * 64,
+    }
+
+    async def one(n: int) -> int:
+        reader, writer = await asyncio.open_connection(*args.addr, limit=2**22)
+        answered = 0
+
+        async def read() -> None:  # (a client that reads: the daemon keeps taking its frames)
+            nonlocal answered
+            while await reader.readline():
+                answered += 1
+
+        reading = asyncio.create_task(read())
+        writer.write(frame("share", f"J_{n}", 1, payload_manifest=manifest) + b"\n")
+        for first in range(0, TINY_CHUNKS - 1, 1024):
+            writer.write(
+                b"".join(
+                    frame(
+                        "share",
+                        f"J_{n}",
+                        2 + i,
+                        payload_chunk={**chunk, "index": i, "offset": 2 * i},
+                    )
+                    + b"\n"
+                    for i in range(first, min(first + 1024, TINY_CHUNKS - 1))
+                )
+            )
+            await writer.drain()
+        await stop.wait()
+        writer.close()
+        reading.cancel()
+        return answered
+
+    answered = await asyncio.gather(*(one(n) for n in range(8)))
+    return {"chunks_sent": 8 * (TINY_CHUNKS - 1), "answered": sum(answered)}
+
+
+def threads(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return None
+
+
+def metrics_addr(args: argparse.Namespace) -> tuple[str, int]:
+    if args.metrics_addr is None:
+        raise SystemExit(f"loadtest attack {args.kind}: --metrics-addr is needed")
+    addr: tuple[str, int] = args.metrics_addr
+    return addr
+
+
+async def admin_trickle(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
+    host, port = metrics_addr(args)
+    head = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    most = threads(args.pid) or 0
+    writers = []
+    for _ in range(args.clients):
+        with contextlib.suppress(OSError):
+            writers.append((await asyncio.open_connection(host, port))[1])
+    sent = 0
+    while not stop.is_set() and sent < len(head):
+        for writer in writers:
+            if not writer.transport.is_closing():
+                writer.write(head[sent : sent + 1])
+        sent += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 3.0)
+        most = max(most, threads(args.pid) or 0)
+    cut = sum(writer.transport.is_closing() for writer in writers)
+    for writer in writers:
+        writer.close()
+    return {"connections": len(writers), "daemon_threads_max": most, "cut_by_daemon": cut}
+
+
+async def metrics_flood(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
+    host, port = metrics_addr(args)
+    request = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    statuses: collections.Counter[str] = collections.Counter()
+    started = time.monotonic()
+    interval = 8 / args.rate  # each of 8 clients
+
+    async def client(k: int) -> None:
+        due = started + k * interval / 8
+        while not stop.is_set():
+            due += interval
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(request)
+                status = (await reader.readline()).split(b" ")[1:2]
+                statuses[status[0].decode() if status else "none"] += 1
+                await reader.read()
+                writer.close()
+            except (OSError, IndexError):
+                statuses["error"] += 1
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+
+    await asyncio.gather(*(client(k) for k in range(8)))
+    elapsed = time.monotonic() - started
+    return {"requests_per_s": round(sum(statuses.values()) / elapsed), "statuses": statuses}
+
+
+ATTACKS = {
+    "slow-readers": slow_readers,
+    "budget": budget,
+    "lockout": lockout,
+    "keys": keys,
+    "tiny-chunks": tiny_chunks,
+    "admin-trickle": admin_trickle,
+    "metrics-flood": metrics_flood,
+}
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:

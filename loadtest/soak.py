@@ -37,6 +37,7 @@ import random
 import re
 import selectors
 import signal
+import select
 import socket
 import statistics
 import struct
@@ -517,13 +518,13 @@ class Load:
 
 
 def _peer_closed(sock: socket.socket) -> bool:
-    """Whether the server has closed (or reset) the connection: a peek finds EOF or an error."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
+    """Whether the server has closed (FIN) or reset (RST) the connection. Not by reading: the
+    replies the slow reader never read are still there to be read after a reset."""
+    poll = select.poll()
+    poll.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return any(
+        events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poll.poll(0)
+    )
 
 
 # Sampling -----------------------------------------------------------------------------------

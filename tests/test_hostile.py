@@ -373,3 +373,31 @@ async def test_a_stalled_upload_beside_a_running_job_is_still_dropped_in_time(
     dropped = await conn.recv(timeout=3)
     assert (dropped["job"], dropped["need_code"]) == ("J_s", "upload_timeout")
     assert asyncio.get_running_loop().time() - started < 0.8  # not at the idle re-check
+
+
+@pytest.mark.parametrize("turn", ["per_turn", "unbounded"])
+async def test_a_pipelining_flood_delays_anothers_ping_by_a_turn_not_by_its_frames(
+    make_server: ServerFactory, raw: Opener, monkeypatch: pytest.MonkeyPatch, turn: str
+) -> None:
+    from governor import session as session_module
+
+    if turn == "unbounded":  # as before turns: the test must see the difference
+        monkeypatch.setattr(session_module, "LINES_PER_TURN", 10**9)
+    server = await make_server()
+    flood, other = await raw(server), await raw(server)
+    for seq in (1, 2):
+        flood.send(ping(seq=seq))
+        assert (await flood.recv())["status"] == "ok"
+    other.send(ping(seq=1))
+    assert (await other.recv())["status"] == "ok"
+    flooding = next(s for s in sessions(server) if s.lines == 2)  # type: ignore[attr-defined]
+    flood.send_raw(b"".join(orjson.dumps(ping(seq=i)) + b"\n" for i in range(3, 20_003)))
+    await wait_until(lambda: flooding.lines > 2)  # type: ignore[attr-defined]
+    before = flooding.lines  # type: ignore[attr-defined]
+    other.send(ping(seq=3))
+    assert (await other.recv())["status"] == "ok"
+    handled_meanwhile = flooding.lines - before  # type: ignore[attr-defined]
+    if turn == "per_turn":
+        assert handled_meanwhile <= 8 * session_module.LINES_PER_TURN
+    else:
+        assert handled_meanwhile > 8 * 64

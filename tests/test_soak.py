@@ -18,6 +18,7 @@ def test_a_short_soak_injects_every_fault_and_leaks_nothing() -> None:
         [
             *(sys.executable, "-m", "loadtest", "soak", "--minutes", "0.33"),
             *("--sample-s", "2", "--slow-hold-s", "3", "--fault-every-ms", "40"),
+            "--serve-arg=--write-timeout=1",
         ],
         capture_output=True,
         timeout=120,
@@ -48,9 +49,8 @@ def test_a_short_soak_injects_every_fault_and_leaks_nothing() -> None:
     assert isinstance(memory["flat"], bool)
     assert len(report["samples"]) >= 5
     assert all(s["inflight"] is not None for s in report["samples"])
-    # Reported, not asserted yet: slow readers keep their connections until they close them
-    # while the slow-reader cut-off (write_timeout) is being built. Once it is in, run with
-    # --serve-arg=--write-timeout=1 and assert report["faults"]["slow_reader"] == {"cut_off":
-    # n}, and connections_after_settle == 0 (it is 0 today only because each slow reader
-    # closes its own connection after --slow-hold-s).
-    assert isinstance(report["connections_after_settle"], int)
+    # Slow readers are cut off write_timeout (1 s) after they stop reading, before their own
+    # 3 s are up; nothing is left open.
+    slow = report["faults"]["slow_reader"]
+    assert set(slow) == {"cut_off"}, slow
+    assert report["connections_after_settle"] == 0
