@@ -35,9 +35,9 @@ import json
 import os
 import random
 import re
+import select
 import selectors
 import signal
-import select
 import socket
 import statistics
 import struct
