@@ -26,6 +26,7 @@ from . import (
     rate,
     replay,
     soak,
+    tls_cost,
 )
 
 
@@ -51,6 +52,7 @@ _lanes: Command = lanes
 _peer: Command = peer
 _soak: Command = soak
 _attack: Command = attack
+_tls_cost: Command = tls_cost
 COMMANDS: dict[str, Command] = {
     c.NAME: c
     for c in (
@@ -67,6 +69,7 @@ COMMANDS: dict[str, Command] = {
         _peer,
         _soak,
         _attack,
+        _tls_cost,
     )
 }
 
