@@ -259,7 +259,8 @@ class Config:
         "HOST:PORT for the HTTP listener: /metrics, /healthz/live, /healthz/ready, POST /drain (from loopback only); unset: none.",
     )
     admin_threads: int = _opt(
-        8, "Requests the HTTP listener serves at once; more wait in its backlog."
+        8,
+        "Calls the HTTP listener hands the event loop at once (a readiness check, a /metrics collection, a drain); more wait for a turn within their timeout. Liveness never waits.",
     )
     drain_token_file: str | None = _opt(
         None,
