@@ -52,10 +52,16 @@ def add_parser(commands: Any) -> None:
         "--scenarios", default="admitted,yield,new-conn", help="(default: %(default)s)"
     )
     parser.add_argument("--key-type", choices=("ECDSA", "RSA"), default="ECDSA")
+    parser.add_argument(
+        "--jobs", type=positive_int, help="per connection or worker (default: the scenario's)"
+    )
 
 
-async def load(endpoint: Endpoint, scenario: str) -> tuple[float, int, dict[str, int]]:
-    _, conns, jobs, reconnect = SCENARIOS[scenario]
+async def load(
+    endpoint: Endpoint, scenario: str, jobs: int | None
+) -> tuple[float, int, dict[str, int]]:
+    _, conns, default_jobs, reconnect = SCENARIOS[scenario]
+    jobs = jobs or default_jobs
     statuses: dict[str, int] = {}
     holder = hold = None
     if scenario == "yield":  # one job takes the only slot
@@ -92,7 +98,7 @@ async def load(endpoint: Endpoint, scenario: str) -> tuple[float, int, dict[str,
     return wall, conns * jobs, statuses
 
 
-def one_run(scenario: str, mode: str, pki: dict[str, str]) -> dict[str, Any]:
+def one_run(scenario: str, mode: str, pki: dict[str, str], jobs: int | None) -> dict[str, Any]:
     port = free_port()
     command = [
         *(sys.executable, "-m", "governor", "serve", "--runner", "stub"),
@@ -107,7 +113,8 @@ def one_run(scenario: str, mode: str, pki: dict[str, str]) -> dict[str, Any]:
         wait_listening(port, proc)
         context = client_context(ca=pki["ca"]) if mode == "tls" else None
         before = cpu_s(proc.pid)
-        wall, jobs, statuses = run_loop(load(Endpoint("127.0.0.1", port, context), scenario))
+        endpoint = Endpoint("127.0.0.1", port, context)
+        wall, done, statuses = run_loop(load(endpoint, scenario, jobs))
         cpu = cpu_s(proc.pid) - before
     finally:
         proc.terminate()
@@ -119,8 +126,8 @@ def one_run(scenario: str, mode: str, pki: dict[str, str]) -> dict[str, Any]:
     return {
         "scenario": scenario,
         "mode": mode,
-        "rate": round(jobs / wall, 1),
-        "cpu_us_per_job": round(cpu / jobs * 1e6, 1),
+        "rate": round(done / wall, 1),
+        "cpu_us_per_job": round(cpu / done * 1e6, 1),
         "statuses": statuses,
     }
 
@@ -145,8 +152,13 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         mode: {k: statistics.median(r[k] for r in mine) for k in ("rate", "cpu_us_per_job")}
         for mode, mine in (("plain", plain), ("tls", tls))
     }
+    statuses: dict[str, dict[str, int]] = {"plain": {}, "tls": {}}
+    for r in runs:
+        for status, n in r["statuses"].items():
+            statuses[r["mode"]][status] = statuses[r["mode"]].get(status, 0) + n
     return {
         "median": median,
+        "statuses": statuses,
         "tls_over_plain_cpu": round(
             median["tls"]["cpu_us_per_job"] / median["plain"]["cpu_us_per_job"], 3
         ),
@@ -169,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
             order = (["plain", "tls", "tls", "plain"] * args.runs)[: 2 * args.runs]
             runs = []
             for mode in order:
-                runs.append(one_run(scenario, mode, pki))
+                runs.append(one_run(scenario, mode, pki, args.jobs))
                 print(json.dumps(runs[-1]), flush=True)
             summary[scenario] = summarise(runs)
             median = summary[scenario]["median"]

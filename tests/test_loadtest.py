@@ -585,3 +585,38 @@ def test_admission_timing_command() -> None:
     assert report["waiting"] == 50
     assert 0 < report["admit_release_us"] < 10_000
     assert 0 < report["refuse_us"] < 10_000
+
+
+def loadtest_json(*args: str, timeout: float = 120) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest", *args],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=timeout,
+        check=True,
+    )
+    report: dict[str, Any] = json.loads(done.stdout.decode().splitlines()[-1])
+    return report
+
+
+def test_attack_lockout_leaves_the_bystander_served(daemon: Callable[..., Daemon]) -> None:
+    d = daemon("--max-connections", "64", "--max-connections-per-source", "16")
+    report = loadtest_json(
+        *("attack", "lockout", "--addr", d.addr, "--pid", str(d.proc.pid)),
+        *("--clients", "64", "--hold", "1"),
+    )
+    assert report["attack"]["attacker_connections"] == 64
+    assert report["connections_held_at_end"] == 17  # the source's 16, and the bystander
+    assert report["bystander_job"] == "done"
+    assert report["bystander_failures"] == 0
+    assert report["bystander_pings"] > 0
+    assert report["rss_peak_mib"] >= report["rss_before_mib"] > 0
+
+
+def test_tls_cost_answers_every_job_of_both_modes() -> None:
+    report = loadtest_json("tls-cost", "--runs", "1", "--scenarios", "yield", "--jobs", "10")
+    yielded = report["yield"]
+    assert yielded["median"]["plain"]["cpu_us_per_job"] > 0
+    assert yielded["median"]["tls"]["cpu_us_per_job"] > 0
+    assert len(yielded["per_pair_cpu"]) == 1
+    assert yielded["statuses"] == {"plain": {"yield": 320}, "tls": {"yield": 320}}  # 32 x 10
