@@ -104,6 +104,16 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60
     raise RuntimeError("the daemon did not listen in time")
 
 
+def stop(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM the process (by its PID), SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def daemon_command(
     which: str, args: argparse.Namespace, scenario: Scenario, port: int
 ) -> list[str]:
@@ -158,12 +168,7 @@ def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[st
         out = subprocess.run(load, capture_output=True, text=True, timeout=300, check=True)
         cpu = cpu_s(proc.pid) - before
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     rate = summary[scenario.rate_key]
     count = rate * summary["wall_s"] if "wall_s" in summary else None

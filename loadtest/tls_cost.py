@@ -31,7 +31,7 @@ from clients import NO_RETRY, client_context
 from protocol.codes import Receipt
 
 from .common import Endpoint, positive_int, run_loop
-from .peer import cpu_s, free_port, wait_listening
+from .peer import cpu_s, free_port, stop, wait_listening
 
 NAME = "tls-cost"
 SCENARIOS = {
@@ -117,12 +117,7 @@ def one_run(scenario: str, mode: str, pki: dict[str, str], jobs: int | None) -> 
         wall, done, statuses = run_loop(load(endpoint, scenario, jobs))
         cpu = cpu_s(proc.pid) - before
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     return {
         "scenario": scenario,
         "mode": mode,

@@ -22,7 +22,7 @@ from governor.tenants import TenantConfig
 from protocol.upload import split_payload
 
 from .conftest import RawConn, ServerFactory, receipt, wait_until
-from .test_server import ping, share
+from .test_server import ScriptedRunner, ping, share
 
 Opener = Callable[[Server], Awaitable[RawConn]]
 KEY = "k-good"
@@ -186,23 +186,16 @@ def test_a_manifest_over_the_chunk_limit_is_invalid() -> None:
         upload.apply_manifest(manifest)
 
 
-class Flood:
+class Flood(ScriptedRunner):
     """Streams big tokens as fast as it can: a job whose client may not read them."""
 
     name = "flood"
-    expected_service_s = 0.01
+
+    def __init__(self) -> None:
+        super().__init__("flood")
 
     async def probe(self) -> bool:
         return True
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
-        return Job(job_id, payload, content_type)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         for _ in range(10_000):
