@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from . import __version__, logs
+from . import __version__, logs, memory
 from .config import CLI_FIELDS, Config, ConfigError, parse_address
 from .runners import RunnerStartError
 from .server import Server
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stop_logging = logs.configure(config.log_level, config.log_format)
     _raise_fd_limit(config.max_connections + 64)
+    memory.keep_large_blocks_mapped()
     import uvloop
 
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from protocol.codes import ErrorCode, NeedCode
 
-from . import tls
+from . import memory, tls
 from .admin import AdminListener
 from .admission import Admission, Pool
 from .breaker import BreakerSettings, BreakerState, CircuitBreaker
@@ -250,6 +250,7 @@ class Server:
         )
         self.state.started = True
         self._background.append(loop.create_task(self.health.probe_loop()))
+        self._background.append(loop.create_task(memory.trim_loop()))
         host, port = self.address
         log.info(
             "governor listening on %s:%d (%smax_inflight=%d, runner=%s)",
