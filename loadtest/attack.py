@@ -279,8 +279,9 @@ async def tiny_chunks(args: argparse.Namespace, stop: asyncio.Event) -> dict[str
 
         async def read() -> None:  # (a client that reads: the daemon keeps taking its frames)
             nonlocal answered
-            while await reader.readline():
-                answered += 1
+            with contextlib.suppress(OSError):
+                while await reader.readline():
+                    answered += 1
 
         reading = asyncio.create_task(read())
         writer.write(frame("share", f"J_{n}", 1, payload_manifest=manifest) + b"\n")
@@ -297,7 +298,10 @@ async def tiny_chunks(args: argparse.Namespace, stop: asyncio.Event) -> dict[str
                     for i in range(first, min(first + 1024, TINY_CHUNKS - 1))
                 )
             )
-            await writer.drain()
+            try:
+                await writer.drain()
+            except OSError:
+                break
         await stop.wait()
         writer.close()
         reading.cancel()
@@ -327,11 +331,15 @@ def metrics_addr(args: argparse.Namespace) -> tuple[str, int]:
 async def admin_trickle(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
     host, port = metrics_addr(args)
     head = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    most = threads(args.pid) or 0
-    writers = []
-    for _ in range(args.clients):
-        with contextlib.suppress(OSError):
-            writers.append((await asyncio.open_connection(host, port))[1])
+
+    async def connect() -> asyncio.StreamWriter | None:
+        try:
+            return (await asyncio.open_connection(host, port))[1]
+        except OSError:
+            return None
+
+    made = await asyncio.gather(*(connect() for _ in range(args.clients)))
+    writers = [w for w in made if w is not None]
     sent = 0
     while not stop.is_set() and sent < len(head):
         for writer in writers:
@@ -340,11 +348,10 @@ async def admin_trickle(args: argparse.Namespace, stop: asyncio.Event) -> dict[s
         sent += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 3.0)
-        most = max(most, threads(args.pid) or 0)
     cut = sum(writer.transport.is_closing() for writer in writers)
     for writer in writers:
         writer.close()
-    return {"connections": len(writers), "daemon_threads_max": most, "cut_by_daemon": cut}
+    return {"connections": len(writers), "cut_by_daemon": cut}
 
 
 async def metrics_flood(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
@@ -390,6 +397,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     bystander = Bystander(args.addr, args.bystander, args.api_key)
     rss_before = rss_kib(args.pid) if args.pid else None
     peak = rss_before or 0
+    most_threads = threads(args.pid) or 0
     watching = asyncio.create_task(bystander.ping_until(stop))
     attack = asyncio.create_task(ATTACKS[args.kind](args, stop))
     deadline = time.monotonic() + args.hold
@@ -397,6 +405,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(0.25)
         if args.pid:
             peak = max(peak, rss_kib(args.pid) or 0)
+            most_threads = max(most_threads, threads(args.pid) or 0)
     held_at_end = bystander.connections  # (the bystander's own connection included)
     job = await bystander.job()  # while the attack still runs
     stop.set()
@@ -412,6 +421,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rss_before_mib": None if rss_before is None else round(rss_before / 1024, 1),
         "rss_peak_mib": round(peak / 1024, 1) if args.pid else None,
         "rss_after_mib": round((rss_kib(args.pid) or 0) / 1024, 1) if args.pid else None,
+        "daemon_threads_max": most_threads if args.pid else None,
         "bystander_pings": len(latencies),
         "bystander_failures": bystander.failures,
         "bystander_ping_p50_ms": round(percentile(latencies, 50), 3) if latencies else None,
