@@ -116,14 +116,13 @@ class Session:
         write: Callable[[bytes], None],
         close: Callable[[], None],
         conn_id: int,
-        source: str = "",
     ) -> None:
         self.state = state
         self.config = config = state.config
         self.admission = state.admission
         self.clock = state.clock
         self.id = conn_id  # names the connection in logs
-        self.source = source  # the client's address (its /64 for IPv6)
+        self.source = ""  # the client's address (its /64 for IPv6), once connected
         self._write = write
         self._close = close
         self.reader = LineReader(config.max_line_bytes)
