@@ -3,7 +3,8 @@
 Opens ``--connections`` TCP (or, with ``--tls-ca``, TLS) connections that send nothing, holds them ``--hold`` seconds, then
 pings through one more to show the daemon still answers. With ``--pid`` (the daemon's) it reads
 the daemon's resident memory (``VmRSS`` in ``/proc/PID/status``) before and with them open.
-Raise the daemon's ``--max-connections`` (and both sides' open-file limits) above the count.
+Raise the daemon's ``--max-connections`` (and both sides' open-file limits) above the count, and
+its ``--max-connections-per-source`` (or set it to 0): every connection comes from this host.
 """
 
 from __future__ import annotations
