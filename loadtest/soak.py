@@ -17,7 +17,7 @@ Every ``--sample-s`` it records the daemon's resident memory (``VmRSS``), its op
 and running jobs (a ping's ``server.connections`` and ``backend.inflight``, the monitor's own
 connection not counted) and the tracebacks in its stderr so far. Then it stops the load, waits
 up to ``--settle-s`` for the daemon to settle and reports: memory first, last and peak, and
-whether it stayed flat (the last samples within 10 % of those just after the warm-up), slots
+whether it stayed flat (the last third of the samples within 10 % of the first third after the warm-up), slots
 still held after settling (leaked), connections still open, tracebacks, and jobs by kind and
 outcome. Exit status 1 if a slot leaked, a traceback appeared, or the daemon died; 2 if it could
 not be started or reached. Connects to 127.0.0.1 (or ``--addr``) only; stops only the daemon it
@@ -63,7 +63,7 @@ NAME = "soak"
 LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
 TRACEBACK = "Traceback (most recent call last)"
 START_TIMEOUT_S = 120.0  # the llama runner loads a model per worker
-FLAT_RATIO = 1.10  # memory is flat when the last samples are within 10 % of the early ones
+FLAT_RATIO = 1.10  # memory is flat when the late samples are within 10 % of the early ones
 FAULTS = ("cancel_mid_run", "disconnect_mid_upload", "disconnect_mid_run", "slow_reader", "garbage")
 GARBAGE_LINES = (
     b"GET / HTTP/1.1\r\nHost: x\r\n",
@@ -558,22 +558,37 @@ async def take_sample(
 
 
 def memory_verdict(samples: list[Sample], warmup_s: float) -> dict[str, Any]:
-    """Flat when the median of the last three samples is within 10 % of the median of the
-    first three after the warm-up."""
+    """Flat when the median of the last third of the samples after the warm-up is within 10 %
+    of the median of their first third (at least three samples each). Thirds, not the three
+    samples at either end: the resident size goes up and down by tens of MiB with the buffers
+    in flight, and three samples say where in that swing each end fell, not where it trends.
+    The least-squares slope after the warm-up is reported beside it."""
     rss = [(s.t_s, s.rss_kib) for s in samples if s.rss_kib is not None]
     if not rss:
         return {"rss_kib": None, "flat": None}
     values = [v for _, v in rss]
-    after = [v for t, v in rss if t >= warmup_s] or values
-    early, late = statistics.median(after[:3]), statistics.median(after[-3:])
+    after = [(t, v) for t, v in rss if t >= warmup_s] or rss
+    third = max(3, len(after) // 3)
+    early = statistics.median(v for _, v in after[:third])
+    late = statistics.median(v for _, v in after[-third:])
     return {
         "rss_kib": {"first": values[0], "last": values[-1], "max": max(values)},
         "rss_after_warmup_kib": early,
         "rss_final_kib": late,
         "rss_growth_ratio": round(late / early, 3) if early else None,
+        "rss_slope_kib_per_min": round(_slope(after) * 60, 1),
         "flat": late <= early * FLAT_RATIO,
         "warmup_s": warmup_s,
     }
+
+
+def _slope(points: list[tuple[float, int]]) -> float:
+    """Least squares, per second (0 for fewer than two distinct times)."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (v - mean_v) for t, v in points) / spread if spread else 0.0
 
 
 # The run ------------------------------------------------------------------------------------

@@ -54,3 +54,21 @@ def test_a_short_soak_injects_every_fault_and_leaks_nothing() -> None:
     slow = report["faults"]["slow_reader"]
     assert set(slow) == {"cut_off"}, slow
     assert report["connections_after_settle"] == 0
+
+
+def test_memory_is_flat_when_it_swings_and_growing_when_it_trends() -> None:
+    from loadtest.soak import Sample, memory_verdict
+
+    def samples(rss: list[int]) -> list[Sample]:
+        return [Sample(10.0 * i, kib, 0, 0, 0) for i, kib in enumerate(rss)]
+
+    # A sawtooth of +-12 % around 80 MiB whose ends fall low, then high: flat.
+    swing = [80_000 + (-9_000, 0, 9_000)[i % 3] for i in range(60)]
+    swing[6:9] = [71_000] * 3
+    swing[-3:] = [89_000] * 3
+    flat = memory_verdict(samples(swing), warmup_s=60.0)
+    assert flat["flat"] is True  # (the three samples at either end: 89 / 71 MiB, "growing")
+    # A steady climb of 1 MiB a minute for half an hour, however small each step: growing.
+    climb = memory_verdict(samples([60_000 + 170 * i for i in range(180)]), warmup_s=60.0)
+    assert climb["flat"] is False
+    assert climb["rss_slope_kib_per_min"] == pytest.approx(1020, rel=0.01)
