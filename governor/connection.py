@@ -103,6 +103,7 @@ class GovernorProtocol(asyncio.Protocol):
             self._write_timer.cancel()
             self._write_timer = None
         self._turn_ended(session.resume())  # (the lines that waited may fill the buffer again)
+        self._reading()
 
     def data_received(self, data: bytes) -> None:
         self._turn_ended(self.session.receive_data(data))
@@ -114,7 +115,7 @@ class GovernorProtocol(asyncio.Protocol):
         if more and not self._next_turn:
             self._next_turn = True
             self._loop.call_soon(self._take_turn)
-        self._reading()
+            self._reading()
         sooner = session.sooner
         if sooner is not None:
             session.sooner = None
@@ -125,6 +126,7 @@ class GovernorProtocol(asyncio.Protocol):
         self._next_turn = False
         if not self.session.closed:
             self._turn_ended(self.session.receive_data(b""))
+            self._reading()  # (again, once no turn is pending)
 
     def _reading(self) -> None:
         """Read while the client reads its replies and its lines are handled as they come."""
@@ -168,7 +170,11 @@ class GovernorProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.write(data)
-            if transport.get_write_buffer_size() > self.state.config.write_buffer_bytes:
+            # (past the high-water mark, below write_buffer_bytes, writing has been paused)
+            if (
+                self.session.paused
+                and transport.get_write_buffer_size() > self.state.config.write_buffer_bytes
+            ):
                 self._cut("slow_reader", "left more replies unread than write_buffer_bytes")
 
     def _start_write_deadline(self) -> None:
