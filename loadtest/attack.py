@@ -34,7 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
+from protocol.codes import NeedCode, Receipt, Status, Verb
+from protocol.errors import ReplyInvalid
+from protocol.frames import Reply, decode_reply, encode_request
 
 from .common import DEFAULT_ADDR, parse_addr, positive_float, positive_int, run_loop
 from .idle import rss_kib
@@ -74,14 +76,6 @@ def add_parser(commands: Any) -> None:
     )
 
 
-def frame(verb: str, job: str, seq: int, **fields: Any) -> bytes:
-    return orjson.dumps({"v": 0, "verb": verb, "job": job, "seq": seq, "ttl_ms": 0, **fields})
-
-
-def receipt(reply: dict[str, Any], kind: str) -> int | None:
-    return next((r["value_u64"] for r in reply.get("receipts", ()) if r["kind"] == kind), None)
-
-
 class Bystander:
     """Pings every 50 ms from its own address, reconnecting when refused; a job at the end."""
 
@@ -99,16 +93,14 @@ class Bystander:
 
     async def _ask(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, line: bytes
-    ) -> dict[str, Any]:
-        writer.write(line + b"\n")
+    ) -> Reply:
+        writer.write(line)
         answer = await asyncio.wait_for(reader.readline(), 5)
         if not answer:
             raise ConnectionError("closed")
-        reply: dict[str, Any] = orjson.loads(answer)
-        return reply
+        return decode_reply(answer)
 
     async def ping_until(self, stop: asyncio.Event) -> None:
-        key = {"api_key": self.api_key} if self.api_key else {}
         while not stop.is_set():
             try:
                 reader, writer = await self._open()
@@ -120,14 +112,15 @@ class Bystander:
                 while not stop.is_set():
                     self._seq += 1
                     started = time.perf_counter()
-                    reply = await self._ask(reader, writer, frame("ping", "J_p", self._seq, **key))
-                    if reply.get("status") != "ok":
+                    ping = encode_request(Verb.PING, "J_p", self._seq, api_key=self.api_key)
+                    reply = await self._ask(reader, writer, ping)
+                    if reply.status != Status.OK:
                         self.failures += 1
                         break
                     self.latencies_ms.append((time.perf_counter() - started) * 1000)
-                    self.connections = receipt(reply, "server.connections")
+                    self.connections = reply.receipt(Receipt.CONNECTIONS)
                     await asyncio.sleep(0.05)
-            except (OSError, TimeoutError, ConnectionError, orjson.JSONDecodeError):
+            except (OSError, TimeoutError, ConnectionError, ReplyInvalid):
                 self.failures += 1
             finally:
                 writer.close()
@@ -135,22 +128,20 @@ class Bystander:
     async def job(self) -> str:
         data = "a bystander's job"
         inline = {"data": data, "sha256": hashlib.sha256(data.encode()).hexdigest()}
-        key = {"api_key": self.api_key} if self.api_key else {}
+        share = encode_request(Verb.SHARE, "J_b", 1, inline=inline, api_key=self.api_key)
         try:
             reader, writer = await self._open()
             try:
-                reply = await self._ask(
-                    reader, writer, frame("share", "J_b", 1, payload_inline=inline, **key)
-                )
+                reply = await self._ask(reader, writer, share)
             finally:
                 writer.close()
-        except (OSError, TimeoutError, ConnectionError) as exc:
+        except (OSError, TimeoutError, ConnectionError, ReplyInvalid) as exc:
             return f"failed: {exc!r}"
-        return f"{reply.get('status')} {reply.get('need_code') or ''}".strip()
+        return f"{reply.status} {reply.need_code or ''}".strip()
 
 
 async def slow_readers(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
-    pings = b"".join(frame("ping", "J_s", i) + b"\n" for i in range(1, 5001))
+    pings = b"".join(encode_request(Verb.PING, "J_s", i) for i in range(1, 5001))
     socks: list[socket.socket] = []
     for _ in range(args.clients):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -183,9 +174,7 @@ async def budget(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any
     for _ in range(16):
         _, writer = await asyncio.open_connection(*args.addr)
         writer.write(
-            b"".join(
-                frame("share", f"J_{j}", 1, payload_manifest=manifest) + b"\n" for j in range(8)
-            )
+            b"".join(encode_request(Verb.SHARE, f"J_{j}", 1, manifest=manifest) for j in range(8))
         )
         writers.append(writer)
     seq = 1
@@ -194,7 +183,7 @@ async def budget(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any
         seq += 1
         for writer in writers:
             if not writer.transport.is_closing():
-                writer.write(frame("ping", "J_k", seq) + b"\n")
+                writer.write(encode_request(Verb.PING, "J_k", seq))
     for writer in writers:
         writer.close()
     return {"declared_bytes": 16 * 8 * (8 << 20)}
@@ -211,7 +200,7 @@ async def lockout(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, An
         seq += 1
         for writer in writers:
             if not writer.transport.is_closing():  # (the daemon may have closed it)
-                writer.write(frame("ping", "J_l", seq) + b"\n")
+                writer.write(encode_request(Verb.PING, "J_l", seq))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 5.0)
     for writer in writers:
@@ -235,13 +224,14 @@ async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
             while not stop.is_set():
                 guesses += 1
                 writer.write(
-                    frame("share", f"J_{guesses}", 1, payload_inline=inline, api_key=f"g{guesses}")
-                    + b"\n"
+                    encode_request(
+                        Verb.SHARE, f"J_{guesses}", 1, inline=inline, api_key=f"g{guesses}"
+                    )
                 )
                 line = await asyncio.wait_for(reader.readline(), 5)
                 if not line:
                     break
-                if orjson.loads(line).get("need_code") == "auth_backoff":
+                if decode_reply(line).need_code == NeedCode.AUTH_BACKOFF:
                     refused += 1
                     guesses -= 1
                     break
@@ -284,17 +274,13 @@ async def tiny_chunks(args: argparse.Namespace, stop: asyncio.Event) -> dict[str
                     answered += 1
 
         reading = asyncio.create_task(read())
-        writer.write(frame("share", f"J_{n}", 1, payload_manifest=manifest) + b"\n")
+        writer.write(encode_request(Verb.SHARE, f"J_{n}", 1, manifest=manifest))
         for first in range(0, TINY_CHUNKS - 1, 1024):
             writer.write(
                 b"".join(
-                    frame(
-                        "share",
-                        f"J_{n}",
-                        2 + i,
-                        payload_chunk={**chunk, "index": i, "offset": 2 * i},
+                    encode_request(
+                        Verb.SHARE, f"J_{n}", 2 + i, chunk={**chunk, "index": i, "offset": 2 * i}
                     )
-                    + b"\n"
                     for i in range(first, min(first + 1024, TINY_CHUNKS - 1))
                 )
             )
