@@ -31,7 +31,6 @@ import hashlib
 import json
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 from protocol.codes import NeedCode, Receipt, Status, Verb
@@ -39,7 +38,7 @@ from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
 
 from .common import DEFAULT_ADDR, parse_addr, positive_float, positive_int, run_loop
-from .idle import rss_kib
+from .idle import proc_status, rss_kib
 from .stats import percentile
 
 NAME = "attack"
@@ -298,13 +297,7 @@ async def tiny_chunks(args: argparse.Namespace, stop: asyncio.Event) -> dict[str
 
 
 def threads(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    return None
+    return None if pid is None else proc_status(pid, "Threads")
 
 
 def metrics_addr(args: argparse.Namespace) -> tuple[str, int]:

@@ -30,15 +30,20 @@ from .common import (
 NAME = "idle"
 
 
-def rss_kib(pid: int) -> int | None:
-    """The process's resident set in KiB, from /proc (None: no such process readable)."""
+def proc_status(pid: int, field: str) -> int | None:
+    """A number from ``/proc/PID/status`` (``VmRSS`` in KiB, ``Threads``); None: not readable."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except OSError:
         return None
     return None
+
+
+def rss_kib(pid: int) -> int | None:
+    """The process's resident set in KiB (None: no such process readable)."""
+    return proc_status(pid, "VmRSS")
 
 
 class _Idle(asyncio.Protocol):

@@ -104,14 +104,17 @@ def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60
     raise RuntimeError("the daemon did not listen in time")
 
 
-def stop(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM the process (by its PID), SIGKILL after 10 s."""
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def stop(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int:
+    """SIGTERM the process (by its PID) unless it has ended, SIGKILL after ``grace_s``; its
+    exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def daemon_command(

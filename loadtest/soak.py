@@ -58,6 +58,7 @@ from protocol.upload import split_payload
 
 from .common import parse_addr, positive_float, positive_int, run_loop
 from .idle import rss_kib
+from .peer import stop
 
 NAME = "soak"
 LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
@@ -198,17 +199,11 @@ class Daemon:
 
     def stop(self) -> int:
         """SIGTERM (drain), then SIGKILL after 15 s; its exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        status = stop(self.proc, grace_s=15)
         self.stderr.join(10)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
-        return self.proc.returncode
+        return status
 
 
 def start_daemon(args: argparse.Namespace) -> Daemon:
