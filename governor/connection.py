@@ -193,14 +193,14 @@ class GovernorProtocol(asyncio.Protocol):
             return
         session.closed = True
         self.state.refused[reason] += 1
-        sources = self.state.sources
-        if sources.may_log():
-            unlogged, sources.unlogged = sources.unlogged, 0
+        line = self.state.sources.line(
+            f"cut off connection {session.id} from {session.source}: its client {why}"
+        )
+        if line is not None:
             event(
                 log,
                 logging.WARNING,
-                f"cut off connection {session.id} from {session.source}: its client {why}"
-                + (f" ({unlogged} such lines not written)" if unlogged else ""),
+                line,
                 event="cut",
                 reason=reason,
                 source=session.source,

@@ -474,18 +474,19 @@ class Session:
         """Too many unauthorized answers: close, and make the source wait."""
         sources, config = self.state.sources, self.config
         sources.keys_failed(self.source)
-        if sources.may_log():
+        line = sources.line(
+            f"closing connection {self.id} from {self.source} after {self.auth_failures} "
+            f"failed keys; the address waits {config.auth_backoff:g} s"
+        )
+        if line is not None:
             event(
                 log,
                 logging.WARNING,
-                f"closing connection {self.id} from {self.source} after {self.auth_failures} "
-                f"failed keys; the address waits {config.auth_backoff:g} s"
-                + (f" ({sources.unlogged} such lines not written)" if sources.unlogged else ""),
+                line,
                 event="keys_failed",
                 source=self.source,
                 failures=self.auth_failures,
             )
-            sources.unlogged = 0
         self.fatal(
             NeedCode.UNAUTHORIZED,
             ErrorCode.UNAUTHORIZED,

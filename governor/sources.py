@@ -12,7 +12,7 @@ An IPv4 source is its address; an IPv6 source is its /64, the block one host is 
 
 Memory is bounded: a source is tracked while it holds connections, and at most
 :data:`MAX_WAITING` sources are made to wait at once (the oldest wait is forgotten first).
-Lines about refused sources are logged at a bounded rate (:meth:`Sources.may_log`).
+Lines about refused sources are logged at a bounded rate (:meth:`Sources.line`).
 """
 
 from __future__ import annotations
@@ -115,13 +115,14 @@ class Sources:
         now = self.clock()
         return sum(1 for until in self._waiting.values() if until > now)
 
-    def may_log(self) -> bool:
-        """Whether a line about a refused source may be written now (at most
-        :data:`LOG_LINES_PER_S` on average); a line that may not is counted in
-        :attr:`unlogged`, which the next line written reports and resets."""
+    def line(self, text: str) -> str | None:
+        """``text`` as a log line about a refused source, or None when no line may be written
+        now (at most :data:`LOG_LINES_PER_S` on average). A line not written is counted in
+        :attr:`unlogged`; the next one written says how many, and the count starts over."""
         now = self.clock()
         if self._log.wait_s(1, now) > 0:
             self.unlogged += 1
-            return False
+            return None
         self._log.take(1, now)
-        return True
+        unlogged, self.unlogged = self.unlogged, 0
+        return f"{text} ({unlogged} such lines not written)" if unlogged else text
