@@ -236,8 +236,9 @@ class Session:
                     )
                 )
 
-    def _set_deadline(self, state: JobState, deadline: float) -> None:
-        state.deadline = deadline
+    def _expect_progress(self, state: JobState, wait_s: float = 0.0) -> None:
+        """The job is dropped unless it moves on within ``wait_s`` + ``upload_timeout``."""
+        state.deadline = deadline = self.clock() + wait_s + self.config.upload_timeout
         if self.sooner is None or deadline < self.sooner:
             self.sooner = deadline
 
@@ -349,7 +350,7 @@ class Session:
         except BuffersFull:
             self._buffers_full(req, req.seq + 1)
             return
-        self._set_deadline(state, self.clock() + self.config.upload_timeout)
+        self._expect_progress(state)
         self._send(self._reply(req, Verb.CLARIFY, Status.OK))
 
     def _on_chunk(self, req: Request, state: JobState | None) -> None:
@@ -381,7 +382,7 @@ class Session:
             if reservation is not None:
                 reservation.hold(upload.bytes_received)
         if payload is None:
-            self._set_deadline(state, self.clock() + self.config.upload_timeout)
+            self._expect_progress(state)
             self._send(self._reply(req, Verb.CLARIFY, Status.OK))
         else:
             self._complete(req, state, payload)
@@ -466,8 +467,8 @@ class Session:
             )
             return None
         upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
+        # (its deadline is set by what comes of this frame: an accepted manifest, a hold)
         state = self.jobs[req.job] = JobState(upload, Attempt(tenant, None))
-        self._set_deadline(state, self.clock() + self.config.upload_timeout)
         return state
 
     def _keys_failed(self, req: Request) -> None:
@@ -548,8 +549,7 @@ class Session:
             state.first_refusal = self.state.clock()
         held = self._hold(state)
         if held:
-            hint_s = decision.retry_hint_ms / 1000
-            self._set_deadline(state, self.clock() + hint_s + self.config.upload_timeout)
+            self._expect_progress(state, decision.retry_hint_ms / 1000)
             detail = "no execution slot free; resend the final chunk after retry_hint_ms"
         else:
             self._forget(req.job)
