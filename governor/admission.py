@@ -309,6 +309,12 @@ class Admission:
         if isinstance(placed, Refusal):
             return self._refuse(attempt, None, placed, counted=True)
         pool, slot, plan, trial = placed
+        job = plan.job
+        if plan.demand is not None or slot.kv_cache is not None:
+            # What the runner needs of the decision: how urgent the job is, and where its KV
+            # cells are reserved.
+            rank = LANES.index(plan.demand.lane) if plan.demand is not None else 0
+            job = dataclasses.replace(job, priority=rank, kv_cache=slot.kv_cache)
         if self.overload is not None:
             self.overload.observe_admission(yielded=False)
         for step in plan.degraded:
@@ -317,7 +323,7 @@ class Admission:
         ticket = Ticket(
             pool=pool,
             slot=slot,
-            job=plan.job,
+            job=job,
             tenant=attempt.tenant,
             demand=plan.demand,
             degraded=plan.degraded,

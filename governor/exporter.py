@@ -105,16 +105,22 @@ class GovernorCollector(Collector):
             for lane in LANES:
                 lanes.add_metric([lane], ledger.lane_inflight[lane])
             yield lanes
-            yield GaugeMetricFamily(
-                "governor_kv_reserved_tokens",
-                "KV cache tokens reserved by running jobs (prompt + max_new_tokens).",
-                value=ledger.kv_reserved,
-            )
-            yield GaugeMetricFamily(
-                "governor_kv_capacity_tokens",
-                "The KV budget's capacity (0: no budget).",
-                value=ledger.policy.kv_capacity,
-            )
+        yield GaugeMetricFamily(
+            "governor_kv_reserved_tokens",
+            "KV cache cells reserved by running jobs (prompt + max_new_tokens each).",
+            value=ledger.kv_reserved,
+        )
+        yield GaugeMetricFamily(
+            "governor_kv_used_tokens",
+            "KV cache cells the runner's caches hold now (the reservations for a runner that "
+            "reports none).",
+            value=ledger.kv_in_use,
+        )
+        yield GaugeMetricFamily(
+            "governor_kv_capacity_tokens",
+            "The KV caches' capacity in cells (0: no KV budget).",
+            value=ledger.kv.capacity if ledger.kv is not None else 0,
+        )
         if server.overload is not None:
             yield GaugeMetricFamily(
                 "governor_overload_state",

@@ -148,11 +148,11 @@ class Health:
             not ledger.draining, "draining" if ledger.draining else "not draining"
         )
         policy = ledger.policy
-        if policy is not None and policy.kv_capacity:
-            share = ledger.kv_reserved / policy.kv_capacity
+        if policy is not None and ledger.kv is not None:
+            share = ledger.kv_utilisation
             checks["kv"] = Check(
                 share < policy.kv_danger,
-                f"KV {share:.0%} of capacity reserved (danger line {policy.kv_danger:.0%})",
+                f"KV cache {share:.0%} in use (danger line {policy.kv_danger:.0%})",
             )
         breaker = server.primary.breaker
         fallback = server.fallback

@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 from protocol.codes import NeedCode
 
+from .kvbudget import CacheShape, KvBudget
 from .policy import LANES, Demand, Lane, LanePolicy
 from .service import JobSize, ServiceModel
 
@@ -132,7 +133,16 @@ class Completed:
 class Slot:
     """One taken execution slot. :meth:`release` gives it back; calling it again does nothing."""
 
-    __slots__ = ("_ledger", "_released", "demand", "expected_s", "size", "started")
+    __slots__ = (
+        "_ledger",
+        "_released",
+        "demand",
+        "expected_s",
+        "kv_cache",
+        "kv_tokens",
+        "size",
+        "started",
+    )
 
     def __init__(
         self, ledger: SlotLedger, started: float, demand: Demand | None, size: JobSize | None
@@ -144,6 +154,8 @@ class Slot:
         # Its own predicted service time (the lane's or the pool's mean where the model cannot
         # size it): every hint that waits on this job's end reads it.
         self.expected_s = ledger.predict_s(size, demand.lane if demand is not None else None)
+        self.kv_cache: int | None = None  # the KV cache its cells are reserved in
+        self.kv_tokens = 0  # how many
         self._released = False
 
     @property
@@ -162,6 +174,14 @@ class Slot:
         return self._ledger._release(self, done)
 
 
+def kv_demand(demand: Demand | None, size: JobSize | None) -> int:
+    """The KV cells a job reserves: its prompt and ``max_new_tokens`` (0: not an inference
+    job)."""
+    if demand is not None:
+        return demand.kv_tokens
+    return size.prompt_tokens + size.max_new_tokens if size is not None else 0
+
+
 class SlotLedger:
     def __init__(
         self,
@@ -172,13 +192,22 @@ class SlotLedger:
         max_hint_ms: int = 60_000,
         clock: Clock = time.monotonic,
         policy: LanePolicy | None = None,
+        kv: KvBudget | None = None,
+        kv_used: Callable[[], int] | None = None,
     ) -> None:
         if cap < 1:
             raise ValueError("cap must be at least 1")
         self.cap = cap
         self.policy = policy
         self.lane_inflight: collections.Counter[Lane] = collections.Counter()
-        self.kv_reserved = 0
+        # The runner's KV caches (every inference job reserves its cells in one), or, for a
+        # runner without one, a lane policy's notional capacity as a single cache.
+        if kv is None and policy is not None and policy.kv_capacity:
+            kv = KvBudget((CacheShape(policy.kv_capacity, cap),))
+        self.kv = kv
+        # The cells the caches really hold, as the runner last reported (the reservations
+        # stand in for a runner that reports none).
+        self.kv_used = kv_used
         self.min_hint_ms = min_hint_ms
         self.max_hint_ms = max_hint_ms
         self.clock = clock
@@ -214,6 +243,20 @@ class SlotLedger:
     @property
     def inflight(self) -> int:
         return len(self._running)
+
+    @property
+    def kv_reserved(self) -> int:
+        return self.kv.reserved if self.kv is not None else 0
+
+    @property
+    def kv_in_use(self) -> int:
+        """The cells the caches hold: as the runner reports, else the reservations."""
+        return self.kv_used() if self.kv_used is not None else self.kv_reserved
+
+    @property
+    def kv_utilisation(self) -> float:
+        """The share of the KV capacity in use (0 without a KV budget)."""
+        return self.kv_in_use / self.kv.capacity if self.kv is not None else 0.0
 
     @property
     def saturated(self) -> bool:
@@ -255,12 +298,18 @@ class SlotLedger:
             hint_ms, promise = self._promise(now, promise, rank, size)
             code = NeedCode.LANE_FULL if usable <= 0 < free else NeedCode.SERVER_BUSY
             return self.refused(Refusal(code, hint_ms, promise))
+        refusal = None
         if demand is not None and self.policy is not None:
             refusal = self._policy_refusal(now, demand)
-            if refusal is not None:
-                if promise is not None:
-                    self.withdraw(promise)
-                return self.refused(refusal)
+        kv_cache, kv_tokens = None, kv_demand(demand, size)
+        if refusal is None and self.kv is not None and kv_tokens:
+            kv_cache = self.kv.place(kv_tokens)
+            if kv_cache is None:
+                refusal = Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self._next_end(now)))
+        if refusal is not None:
+            if promise is not None:
+                self.withdraw(promise)
+            return self.refused(refusal)
         # The slot taken is taken as the one freed last: a slot freed long before (the
         # interactive reserve, idle while no chat comes) was not waiting for this client.
         freed = self._freed.pop() if self._freed else None
@@ -270,10 +319,11 @@ class SlotLedger:
             if freed is not None and abs(now - promise.at) <= self._grace():
                 self.turnaround_s += EWMA_ALPHA * (now - freed - self.turnaround_s)
         slot = Slot(self, now, demand, size)
+        if kv_cache is not None:
+            slot.kv_cache, slot.kv_tokens = kv_cache, kv_tokens
         self._running[slot] = None
         if demand is not None:
             self.lane_inflight[demand.lane] += 1
-            self.kv_reserved += demand.kv_tokens
         self.executed_total += 1
         if len(self._running) > self.peak_inflight:
             self.peak_inflight = len(self._running)
@@ -351,13 +401,16 @@ class SlotLedger:
         quota = policy.lane_slots.get(lane)
         if quota is not None and self.lane_inflight[lane] >= quota:
             return Refusal(NeedCode.LANE_FULL, self.hint_ms(now, self._lane_release(now, lane)))
-        if policy.kv_capacity:
-            share = (
-                1.0
-                if lane == Lane.INTERACTIVE
-                else min(policy.kv_danger, 1.0 - policy.kv_interactive_share)
-            )
-            if self.kv_reserved + demand.kv_tokens > share * policy.kv_capacity:
+        # Below the interactive lane: what is reserved must leave the interactive share free,
+        # and what the caches really hold must stay under the danger line. (Every lane's job
+        # must fit in a cache: :meth:`admit` reserves its cells after this.)
+        capacity = self.kv.capacity if self.kv is not None else 0
+        if capacity and lane != Lane.INTERACTIVE:
+            reserved = self.kv_reserved + demand.kv_tokens
+            if (
+                reserved > (1.0 - policy.kv_interactive_share) * capacity
+                or self.kv_in_use + demand.kv_tokens > policy.kv_danger * capacity
+            ):
                 return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self._next_end(now)))
         return None
 
@@ -420,7 +473,9 @@ class SlotLedger:
         del self._running[slot]
         if slot.demand is not None:
             self.lane_inflight[slot.demand.lane] -= 1
-            self.kv_reserved -= slot.demand.kv_tokens
+        if slot.kv_cache is not None:
+            assert self.kv is not None
+            self.kv.release(slot.kv_cache, slot.kv_tokens)
         now = self.clock()
         self._freed.append(now)
         held = now - slot.started

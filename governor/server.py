@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from protocol.codes import ErrorCode, NeedCode
@@ -27,11 +28,12 @@ from .breaker import BreakerSettings, BreakerState, CircuitBreaker
 from .config import Config
 from .connection import GovernorProtocol
 from .health import Health
+from .kvbudget import KvBudget
 from .ledger import SlotLedger
 from .logs import event
 from .overload import OverloadController, OverloadSettings
 from .policy import Lane, LanePolicy
-from .runners import Runner, StubRunner
+from .runners import KvCacheRunner, Runner, StubRunner
 from .state import ServerState
 from .tenants import Tenants
 
@@ -52,14 +54,16 @@ def build_runner(config: Config) -> Runner:
     if config.runner == "llama":
         from .runners.llama import LlamaRunner, LlamaSettings, default_threads, embedded_model_path
 
-        workers = config.pool_workers
         return LlamaRunner(
             LlamaSettings(
                 model=Path(config.model) if config.model else embedded_model_path(),
                 n_ctx=config.n_ctx,
-                threads=config.threads or default_threads(workers),
+                slots=config.max_inflight,
+                kv_cells=config.kv_capacity,
+                workers=config.workers,
+                threads=config.threads or default_threads(config.workers),
                 n_gpu_layers=config.n_gpu_layers,
-                workers=workers,
+                step_tokens=config.batch_tokens,
                 max_new_tokens=config.max_new_tokens,
                 job_timeout_s=config.job_timeout,
             )
@@ -78,10 +82,8 @@ def build_runner(config: Config) -> Runner:
     raise ValueError(f"unknown runner {config.runner!r}")
 
 
-def build_policy(config: Config) -> LanePolicy:
-    kv_capacity = config.kv_capacity
-    if not kv_capacity and config.runner == "llama":
-        kv_capacity = config.n_ctx * config.pool_workers
+def build_policy(config: Config, kv: KvBudget | None) -> LanePolicy:
+    """The lane policy; its KV capacity is the runner's caches', else ``kv_capacity``."""
     return LanePolicy(
         prompt_weight=config.prompt_weight,
         output_weight=config.output_weight,
@@ -101,7 +103,7 @@ def build_policy(config: Config) -> LanePolicy:
             Lane.BACKGROUND: config.background_max_new_tokens,
         },
         prompt_ceiling=config.prompt_ceiling,
-        kv_capacity=kv_capacity,
+        kv_capacity=kv.capacity if kv is not None else config.kv_capacity,
         kv_danger=config.kv_danger,
         kv_interactive_share=config.kv_interactive_share,
     )
@@ -118,11 +120,20 @@ def build_fallback(config: Config) -> Runner | None:
             model=model,
             n_ctx=config.fallback_n_ctx,
             max_inflight=config.fallback_workers,
-            workers=config.fallback_workers,
+            workers=1,
+            kv_capacity=0,
             threads=config.threads or 1,
-            lanes=False,  # the pool's own settings: its slots are its workers
+            lanes=False,  # the pool's own settings
         )
     )
+
+
+def kv_budget(runner: Runner) -> tuple[KvBudget | None, Callable[[], int] | None]:
+    """The runner's KV caches for admission to reserve in, and what they hold; (None, None)
+    for a runner without any."""
+    if isinstance(runner, KvCacheRunner):
+        return KvBudget(runner.kv_caches()), runner.kv_used
+    return None, None
 
 
 def build_breaker(config: Config, ledger: SlotLedger, name: str) -> CircuitBreaker:
@@ -159,10 +170,13 @@ class Server:
         self.config = config
         self._tls = tls.server_context(config)  # (first: an unusable file stops it before all)
         self.runner = runner if runner is not None else build_runner(config)
+        kv, kv_used = kv_budget(self.runner)
         self.ledger = SlotLedger(
             config.max_inflight,
             expected_service_s=self.runner.expected_service_s,
-            policy=build_policy(config) if config.lanes else None,
+            policy=build_policy(config, kv) if config.lanes else None,
+            kv=kv,
+            kv_used=kv_used,
         )
         self.tenants = Tenants(config.tenants, self.ledger.clock)
         self.primary = Pool(
@@ -172,8 +186,12 @@ class Server:
         self.fallback: Pool | None = None
         fallback = build_fallback(config)
         if fallback is not None:
+            kv, kv_used = kv_budget(fallback)
             ledger = SlotLedger(
-                config.fallback_workers, expected_service_s=fallback.expected_service_s
+                config.fallback_workers,
+                expected_service_s=fallback.expected_service_s,
+                kv=kv,
+                kv_used=kv_used,
             )
             self.fallback = Pool(
                 "fallback", fallback, ledger, build_breaker(config, ledger, "fallback")
@@ -391,8 +409,7 @@ class Server:
         assert overload is not None
         while True:
             await asyncio.sleep(overload.settings.evaluate_s)
-            capacity = ledger.policy.kv_capacity if ledger.policy is not None else 0
-            overload.kv_utilisation = ledger.kv_reserved / capacity if capacity else 0.0
+            overload.kv_utilisation = ledger.kv_utilisation
             before = overload.state
             if overload.update() != before:
                 signals = {k: v for k, v in overload.signals().items() if v is not None}

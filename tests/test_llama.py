@@ -76,7 +76,9 @@ async def generating(client: GovernorClient, job: str | None = None) -> asyncio.
 
 def worker_pids(runner: LlamaRunner) -> list[int]:
     """The pids of the runner's live workers, read from its internals (only tests need them)."""
-    return sorted(w.proc.pid for w in runner._workers if w.proc is not None and w.alive)
+    return sorted(
+        w.proc.pid for w in runner._workers if w is not None and w.proc is not None and w.alive
+    )
 
 
 async def client_for(server: Server) -> GovernorClient:

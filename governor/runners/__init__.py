@@ -3,6 +3,7 @@
 from .base import (
     Finished,
     Job,
+    KvCacheRunner,
     RunEvent,
     Runner,
     RunnerError,
@@ -15,6 +16,7 @@ from .stub import StubRunner
 __all__ = [
     "Finished",
     "Job",
+    "KvCacheRunner",
     "RunEvent",
     "Runner",
     "RunnerError",

