@@ -1,7 +1,9 @@
-"""The batched worker's decision: which tokens go into the next ``llama_decode`` step.
+"""The batched worker's decisions: which tokens go into the next ``llama_decode`` step, and which
+cells of the KV cache a new sequence can reuse.
 
-Pure (no llama.cpp, no clock, no IO); :mod:`.llama_worker` applies it. One model context holds
-``slots`` sequences over one KV cache, and each step is one batch:
+Pure (no llama.cpp, no clock, no IO); :mod:`.llama_worker` applies it, through the two cache
+operations of :class:`Cache`. One model context holds ``slots`` sequences over one KV cache of
+``cells`` cells, and each step is one batch:
 
 1. **Every generating sequence's next token** (the one it sampled last step, fed back), so a
    running stream advances at every step whatever else arrives.
@@ -14,18 +16,42 @@ Pure (no llama.cpp, no clock, no IO); :mod:`.llama_worker` applies it. One model
 So a long prompt delays the running streams by at most one step of ``step_tokens`` tokens, and
 a newly admitted interactive prompt waits at most for the step in progress.
 
-A sequence takes one of the ``slots`` (a llama.cpp sequence id) when it is submitted, if one is
-free, else when one frees, most urgent first. Admission upstream never sends more sequences
-than there are slots; waiting is for the worker's own probe and for safety.
+**Prefix reuse.** A slot keeps its cells when its sequence ends (the tokens they hold are
+known). A new sequence starts from the longest prefix of its prompt that some slot holds: its
+own slot's cells up to where they differ, or another slot's, shared (with a unified KV cache
+llama.cpp shares such cells between sequences: a system prompt common to many chats is
+computed once). Kept cells are only a cache: whenever the cells of the free slots and the
+running sequences' reservations (each its prompt and ``max_new_tokens``, as admission reserved
+them) would exceed ``cells``, the least recently used free slots are cleared, so a step never
+lacks room.
+
+A sequence takes a slot when it is submitted, if one is free, else when one frees, most urgent
+first. Admission upstream never sends more sequences than there are slots; waiting is for the
+worker's own probe and for safety.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import Protocol
 
 MAX_PASSED = 8  # steps a pending prompt may be passed over for a more urgent one
 MIN_PREFILL = 16  # prompt tokens a step takes, at least, even when decodes fill step_tokens
+
+
+class Cache(Protocol):
+    """The KV cache operations the scheduler decides (llama.cpp's ``llama_memory_seq_*``)."""
+
+    def forget(self, slot: int, start: int) -> None:
+        """Drop the slot's cells from position ``start`` on."""
+        ...
+
+    def share(self, source: int, slot: int, length: int) -> None:
+        """Give ``slot`` (holding nothing) the source slot's cells at positions below
+        ``length``."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -39,7 +65,7 @@ class Sequence:
     order: int = 0  # submission order, set by the scheduler
     slot: int = -1  # its llama.cpp sequence id, once it has one
     fed: int = 0  # prompt tokens in the cache
-    cached: int = 0  # of which taken from another sequence's cells (a shared prefix)
+    reused: int = 0  # of which were there already (a prefix kept or shared)
     generated: int = 0  # tokens sampled
     pending: int = -1  # the token sampled last, fed at the next step (-1: none)
     passed: int = 0  # steps in a row its prompt was passed over
@@ -49,9 +75,9 @@ class Sequence:
         return self.fed < len(self.prompt)
 
     @property
-    def cells(self) -> int:
-        """KV cells it holds: its prompt's so far and every generated token fed back."""
-        return self.fed + max(self.generated - (self.pending >= 0), 0)
+    def reservation(self) -> int:
+        """The cells it may come to hold, as admission reserved them."""
+        return len(self.prompt) + self.max_new_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +94,22 @@ class Entry:
 class Scheduler:
     slots: int
     step_tokens: int
+    cells: int
+    cache: Cache
     running: dict[str, Sequence] = field(default_factory=dict)  # those with a slot
     waiting: list[Sequence] = field(default_factory=list)
-    _free: list[int] = field(default_factory=list)
+    held: list[list[int]] = field(default_factory=list)  # the tokens each slot's cells hold
+    _free: dict[int, int] = field(default_factory=dict)  # free slot: when it was freed
     _order: itertools.count[int] = field(default_factory=itertools.count)
+    _freed: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        if self.slots < 1 or self.step_tokens < 1:
-            raise ValueError("slots and step_tokens must be at least 1")
-        self._free = list(range(self.slots - 1, -1, -1))  # pop() gives slot 0 first
+        if self.slots < 1 or self.step_tokens < 1 or self.cells < 1:
+            raise ValueError("slots, step_tokens and cells must be at least 1")
+        self.held = [[] for _ in range(self.slots)]
+        self._free = {slot: next(self._freed) for slot in range(self.slots)}
+
+    # Sequences in and out ----------------------------------------------------------------
 
     def submit(self, seq: Sequence) -> None:
         if seq.key in self.running or any(w.key == seq.key for w in self.waiting):
@@ -87,15 +120,17 @@ class Scheduler:
         self.waiting.append(seq)
         self._assign()
 
-    def remove(self, key: str) -> Sequence | None:
+    def remove(self, key: str, *, keep: bool = True) -> Sequence | None:
         """Take a sequence out (finished or cancelled); its slot goes to the next waiting.
 
-        Returns it (its ``slot`` still set, for the caller to clear its cells), or None when
-        it is not here.
+        Its cells stay, for a later prompt with the same beginning, unless ``keep`` is False
+        (they may be wrong: a step that failed). Returns it, or None when it is not here.
         """
         seq = self.running.pop(key, None)
         if seq is not None:
-            self._free.append(seq.slot)
+            if not keep:
+                self._clear(seq.slot)
+            self._free[seq.slot] = next(self._freed)
             self._assign()
             return seq
         for i, waiting in enumerate(self.waiting):
@@ -107,17 +142,70 @@ class Scheduler:
         while self._free and self.waiting:
             seq = min(self.waiting, key=_urgency)
             self.waiting.remove(seq)
-            seq.slot = self._free.pop()
+            self._place(seq)
             self.running[seq.key] = seq
+        self._evict()
+
+    def _place(self, seq: Sequence) -> None:
+        """The free slot to run ``seq`` in, and the prefix of its prompt already cached."""
+        limit = len(seq.prompt) - 1  # (the last prompt token is fed, for its logits)
+        own = max(self._free, key=lambda s: (_common(self.held[s], seq.prompt), -self._free[s]))
+        kept = min(_common(self.held[own], seq.prompt), limit)
+        source, shared = own, kept
+        for slot, tokens in enumerate(self.held):
+            if slot != own and (length := min(_common(tokens, seq.prompt), limit)) > shared:
+                source, shared = slot, length
+        if source == own:
+            slot = own
+            self._truncate(slot, kept)
+        else:
+            # Into the free slot least worth keeping: the least recently freed of those that
+            # hold nothing of this prompt.
+            slot = min(
+                self._free, key=lambda s: (_common(self.held[s], seq.prompt) > 0, self._free[s])
+            )
+            self._clear(slot)
+            self.cache.share(source, slot, shared)
+            self.held[slot] = self.held[source][:shared]
+        del self._free[slot]
+        seq.slot = slot
+        seq.fed = seq.reused = len(self.held[slot])
+
+    def _evict(self) -> None:
+        """Clear free slots, least recently used first, until every running sequence's
+        reservation fits beside what the free slots keep."""
+        need = sum(seq.reservation for seq in self.running.values())
+        kept = sum(len(self.held[slot]) for slot in self._free)
+        for slot in sorted(self._free, key=self._free.__getitem__):
+            if need + kept <= self.cells:
+                return
+            kept -= len(self.held[slot])
+            self._clear(slot)
+
+    def _clear(self, slot: int) -> None:
+        self._truncate(slot, 0)
+
+    def _truncate(self, slot: int, length: int) -> None:
+        if len(self.held[slot]) > length:
+            self.cache.forget(slot, length)
+            del self.held[slot][length:]
+
+    # Steps -------------------------------------------------------------------------------
 
     @property
-    def cells(self) -> int:
-        return sum(seq.cells for seq in self.running.values())
+    def used(self) -> int:
+        """Cells the running sequences hold (a shared prefix counted in each)."""
+        return sum(len(self.held[seq.slot]) for seq in self.running.values())
+
+    @property
+    def kept(self) -> int:
+        """Cells the free slots keep for reuse."""
+        return sum(len(self.held[slot]) for slot in self._free)
 
     def plan(self) -> list[Entry]:
         """The next step's entries (empty when there is nothing to compute)."""
         entries = [
-            Entry(seq, (seq.pending,), seq.cells, True)
+            Entry(seq, (seq.pending,), len(self.held[seq.slot]), True)
             for seq in self.running.values()
             if seq.pending >= 0
         ]
@@ -137,11 +225,11 @@ class Scheduler:
             budget -= take
         return entries
 
-    @staticmethod
-    def advance(entries: list[Entry]) -> None:
+    def advance(self, entries: list[Entry]) -> None:
         """The step ran: its tokens are in the cache. (Sampling sets ``pending`` after.)"""
         for entry in entries:
             seq = entry.seq
+            self.held[seq.slot] += entry.tokens
             if seq.prefilling:
                 seq.fed += len(entry.tokens)
             else:
@@ -150,3 +238,19 @@ class Scheduler:
 
 def _urgency(seq: Sequence) -> tuple[int, int]:
     return (seq.priority, seq.order)
+
+
+def _common(a: Tokens[int], b: Tokens[int]) -> int:
+    """The length of the common prefix of two token sequences (by bisection over slices, which
+    compare at C speed)."""
+    low, high = 0, min(len(a), len(b))
+    if high and a[0] != b[0]:
+        return 0
+    a, b = list(a[:high]), list(b[:high])
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

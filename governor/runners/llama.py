@@ -462,6 +462,7 @@ class LlamaRunner:
                         "text": event["text"],
                         "prompt_tokens": len(job.tokens),
                         "completion_tokens": event["completion_tokens"],
+                        "cached_tokens": event["cached_tokens"],
                         "finish_reason": event["finish_reason"],
                     }
                 )

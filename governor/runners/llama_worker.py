@@ -11,13 +11,14 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
             {"op": "cancel", "id": str}
     stdout: {"ev": "ready", "cells": int, "slots": int}         once, after loading and warming up
             {"ev": "step", "kv": int, "acks": int, "out": {id: text}, "done": [{"id": str,
-             "text": str, "completion_tokens": int, "finish_reason": "stop" | "length" |
-             "error", "error"?: str}]}                          after each decode step
+             "text": str, "completion_tokens": int, "cached_tokens": int, "finish_reason":
+             "stop" | "length" | "error", "error"?: str}]}      after each decode step
 
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
 of every generating sequence and chunks of pending prompts. ``out`` holds the text each
 sequence produced in the step (left out when empty), ``kv`` the cache cells held after it,
-``acks`` how many cancels were handled since the last event. Requests are read between steps,
+``acks`` how many cancels were handled since the last event; ``cached_tokens`` is how much of
+a job's prompt was already in the cache (a prefix kept from an earlier job, or shared). Requests are read between steps,
 in the order sent: a cancel stops its sequence before the next step and frees its cells at once
 (an event with nothing else in it says so when no step follows), and a run sent after a cancel
 or a finished job always finds their cells free.
@@ -108,7 +109,8 @@ class Model:
         self.ctx = ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise SystemExit("cannot create the llama.cpp context (out of memory?)")
-        self.cells = ll.llama_n_ctx(self.ctx) - PROBE_CELLS
+        self.size = ll.llama_n_ctx(self.ctx)
+        self.cells = self.size - PROBE_CELLS
         self.memory = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(self.batch_size, 0, 1)
         self._piece = ctypes.create_string_buffer(256)
@@ -132,9 +134,11 @@ class Model:
         batch.n_tokens = n
         return self.ll.llama_decode(self.ctx, batch), sampled
 
-    def forget(self, slot: int) -> None:
-        """Free every cell of a sequence."""
-        self.ll.llama_memory_seq_rm(self.memory, slot, -1, -1)
+    def forget(self, slot: int, start: int) -> None:
+        self.ll.llama_memory_seq_rm(self.memory, slot, start, -1)
+
+    def share(self, source: int, slot: int, length: int) -> None:
+        self.ll.llama_memory_seq_cp(self.memory, source, slot, 0, length)
 
     def sampler(self, request: dict[str, Any]) -> Any:
         ll = self.ll
@@ -213,13 +217,11 @@ class Worker:
             self._end(request["id"])
             self.acks += 1
 
-    def _end(self, key: str) -> Job | None:
+    def _end(self, key: str, *, keep: bool = True) -> Job | None:
         job = self.jobs.pop(key, None)
         if job is None:
             return None  # finished already
-        seq = self.scheduler.remove(key)
-        if seq is not None and seq.slot >= 0:
-            self.model.forget(seq.slot)
+        self.scheduler.remove(key, keep=keep)
         self.model.free_sampler(job.chain)
         return job
 
@@ -234,13 +236,13 @@ class Worker:
                 self._emit({}, [])
             return
         status, sampled = self.model.decode(entries)
-        Scheduler.advance(entries)
+        self.scheduler.advance(entries)
         out: dict[str, str] = {}
         done: list[dict[str, Any]] = []
         if status != 0:
             # Admission reserves every job's cells, so this is a fault, not a full cache.
             for entry in entries:
-                if (job := self._end(entry.seq.key)) is not None:
+                if (job := self._end(entry.seq.key, keep=False)) is not None:
                     done.append(self._done(job, "error", f"llama_decode returned {status}"))
         else:
             samplers = (e for e in entries if e.sample)
@@ -249,7 +251,7 @@ class Worker:
         self._emit(out, done)
 
     def _emit(self, out: dict[str, str], done: list[dict[str, Any]]) -> None:
-        event = {"ev": "step", "kv": self.scheduler.cells, "acks": self.acks, "out": out}
+        event = {"ev": "step", "kv": self.scheduler.used, "acks": self.acks, "out": out}
         emit(self.out, {**event, "done": done})
         self.acks = 0
 
@@ -284,6 +286,7 @@ class Worker:
             "id": job.seq.key,
             "text": job.text.text,
             "completion_tokens": job.seq.generated,
+            "cached_tokens": job.seq.reused,
             "finish_reason": finish,
         }
         if error is not None:
@@ -305,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Model(args)
     # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
-    worker = Worker(model, Scheduler(model.slots, args.step_tokens), io.BytesIO())
+    scheduler = Scheduler(model.slots, args.step_tokens, model.size, model)
+    worker = Worker(model, scheduler, io.BytesIO())
     warm_up = {"tokens": model.tokenize(b"Hello"), "max_new_tokens": 2, "temperature": 0.0}
     worker.handle({**warm_up, "op": "run", "id": "", "top_p": 1.0, "seed": 0, "stop": []})
     while worker.busy:

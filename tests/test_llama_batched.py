@@ -1,0 +1,205 @@
+"""The batched llama runner on the real embedded model: many sequences in one worker process.
+
+What holds under batching, on the real model with greedy sampling: a stream's first tokens are
+the same beside seven others as alone. Later ones may differ: llama.cpp computes a step of one
+token and a step of many with different kernels, whose float results differ in the last bits,
+and where two candidates are close greedy picks another (one of these eight streams says "Nova
+Haven" beside the others and "New Haven" alone, at its fifth token, in some runs); a job's cells are reserved at
+admission, so a job that would not fit yields ``kv_pressure`` and none fails in the runner;
+a cancel frees its cells before the next step; a crash aborts every job of the worker; a prompt
+prefix already in the cache is not computed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+from clients import NO_RETRY, GovernorClient
+from governor.runners.llama import LlamaRunner
+from governor.server import Server
+from protocol.spec import Message
+
+from .conftest import ServerFactory, wait_until
+from .test_llama import client_for, generating, greedy, worker_pids
+
+PROMPTS = [
+    "Once upon a time",
+    "The history of Rome",
+    "Write a poem about the sea",
+    "In the beginning",
+    "My favourite recipe is",
+    "The ocean is",
+    "Tell me about space",
+    "A long time ago",
+]
+
+
+async def batched(make_server: ServerFactory, **config: Any) -> Server:
+    config.setdefault("max_inflight", 8)
+    config.setdefault("n_ctx", 512)
+    # One thread: ggml's threads spin at a barrier at every step of the graph, so two of them on
+    # a CPU shared with other busy processes can take seconds over one step.
+    config.setdefault("threads", 1)
+    return await make_server(runner="llama", **config)
+
+
+async def texts(server: Server, prompts: list[str], max_new_tokens: int) -> list[str]:
+    async def one(prompt: str) -> str:
+        async with await client_for(server) as client:
+            result = await client.generate(greedy(prompt, max_new_tokens=max_new_tokens))
+        assert result.done, result.reply
+        assert result.reply.result is not None
+        return str(result.reply.result["text"])
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def test_a_stream_beside_seven_others_says_what_it_says_alone(
+    make_server: ServerFactory,
+) -> None:
+    alone_server = await batched(make_server)
+    alone = [(await texts(alone_server, [p], 4))[0] for p in PROMPTS]
+    together = await texts(await batched(make_server), PROMPTS, 24)
+    for first, whole in zip(alone, together, strict=True):
+        assert whole.startswith(first)
+    assert len(set(alone)) == len(PROMPTS)  # (eight different streams, not one eight times)
+
+
+async def test_eight_streams_share_one_worker_process(make_server: ServerFactory) -> None:
+    server = await batched(make_server)
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    assert len(worker_pids(runner)) == 1
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, server.ledger.inflight)
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await texts(server, PROMPTS, 32)
+    finally:
+        watcher.cancel()
+    assert peak == 8  # all eight admitted at once: they ran together, not in turn
+    assert len(worker_pids(runner)) == 1
+
+
+async def test_a_crash_aborts_every_job_of_the_worker_and_it_is_replaced(
+    make_server: ServerFactory,
+) -> None:
+    server = await batched(make_server, max_inflight=4)
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    (victim,) = worker_pids(runner)
+    clients = [await client_for(server) for _ in range(3)]
+    try:
+        jobs = [await generating(c) for c in clients]
+        os.kill(victim, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*jobs), 15)
+        assert [(r.reply.status, r.reply.need_code) for r in results] == [
+            ("abort", "runner_crashed")
+        ] * 3
+        assert server.ledger.inflight == 0
+        assert server.ledger.kv_reserved == 0
+        await wait_until(lambda: len(worker_pids(runner)) == 1, timeout=60)
+        assert worker_pids(runner) != [victim]
+        after = await clients[0].generate(greedy("Hi", max_new_tokens=3))
+        assert after.done
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_a_cancel_frees_its_cells_and_the_other_streams_go_on(
+    make_server: ServerFactory,
+) -> None:
+    server = await batched(make_server, max_inflight=4)
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    async with await client_for(server) as a, await client_for(server) as b:
+        stays = await generating(a, job="J_stays")
+        goes = await generating(b, job="J_goes")
+        await wait_until(lambda: runner.kv_used() > 20, timeout=10)
+        await b.cancel("J_goes")
+        result = await asyncio.wait_for(goes, 10)
+        assert (result.reply.status, result.reply.need_code) == ("abort", "cancelled")
+        held = runner.kv_used()
+        # The other stream grows by a cell a step; the cancelled one's cells are gone.
+        await asyncio.sleep(0.3)
+        assert runner.kv_used() < held + 100
+        assert not stays.done()
+        await a.cancel("J_stays")
+        await asyncio.wait_for(stays, 10)
+        await wait_until(lambda: runner.kv_used() == 0, timeout=5)
+
+
+async def test_a_job_that_would_not_fit_the_cache_yields_kv_pressure(
+    make_server: ServerFactory,
+) -> None:
+    # 600 cells for 4 slots; each job below reserves its 5 prompt tokens and 250 more.
+    server = await batched(make_server, max_inflight=4, n_ctx=300, kv_capacity=600)
+    async with await client_for(server) as a, await client_for(server) as b:
+        spec = greedy("Once upon a time there", max_new_tokens=250, stream=True)
+        started = asyncio.Event()
+        jobs = [
+            asyncio.ensure_future(a.generate(spec, on_delta=lambda _: started.set())),
+            asyncio.ensure_future(b.generate(spec)),
+        ]
+        await asyncio.wait_for(started.wait(), 30)
+        async with await client_for(server) as c:
+            third = await c.generate(spec, retry=NO_RETRY)
+        assert (third.reply.status, third.reply.need_code) == ("yield", "kv_pressure")
+        assert third.reply.retry_hint_ms is not None
+        reserved = server.ledger.kv_reserved
+        results = await asyncio.gather(*jobs)
+    assert all(r.done for r in results)  # the two admitted jobs ran to their end
+    assert results[0].reply.result is not None
+    assert reserved == 2 * (results[0].reply.result["prompt_tokens"] + 250)
+    assert server.ledger.kv_reserved == 0
+
+
+async def test_a_shared_system_prompt_is_computed_once(make_server: ServerFactory) -> None:
+    system = Message("system", "You are a terse assistant who answers in one short sentence. " * 3)
+
+    def chat(question: str) -> Any:
+        return greedy(messages=(system, Message("user", question)), max_new_tokens=12)
+
+    fresh = await batched(make_server)
+    async with await client_for(fresh) as client:
+        cold = await client.generate(chat("What is the capital of Italy?"))
+    server = await batched(make_server)
+    async with await client_for(server) as client:
+        first = await client.generate(chat("Name a colour."))
+        warm = await client.generate(chat("What is the capital of Italy?"))
+    assert cold.reply.result is not None
+    assert first.reply.result is not None
+    assert warm.reply.result is not None
+    assert cold.reply.result["cached_tokens"] == 0
+    # The template's opening and the system prompt (over 40 tokens) were in the cache.
+    assert warm.reply.result["cached_tokens"] > 40
+    assert warm.reply.result["text"] == cold.reply.result["text"]
+
+
+async def test_two_workers_each_take_their_share(make_server: ServerFactory) -> None:
+    server = await batched(make_server, max_inflight=4, workers=2, threads=1)
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    assert len(worker_pids(runner)) == 2
+    assert [c.sequences for c in runner.kv_caches()] == [2, 2]
+    caches = []
+    original = runner.run
+
+    def spy(job: Any) -> Any:
+        caches.append(job.kv_cache)
+        return original(job)
+
+    runner.run = spy  # type: ignore[method-assign]
+    outputs = await texts(server, PROMPTS[:4], 8)
+    assert sorted(caches) == [0, 0, 1, 1]  # admission spread them over both caches
+    assert all(outputs)
