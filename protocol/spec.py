@@ -24,6 +24,7 @@ MAX_STOPS = 8
 MAX_STOP_CHARS = 64
 MAX_LABEL_CHARS = 64
 MAX_SEED = 2**31 - 1
+MAX_TOP_K = 1000
 
 _FIELDS = frozenset(
     {
@@ -32,6 +33,8 @@ _FIELDS = frozenset(
         "max_new_tokens",
         "temperature",
         "top_p",
+        "top_k",
+        "min_p",
         "seed",
         "stop",
         "stream",
@@ -61,6 +64,8 @@ class JobSpec:
     max_new_tokens: int = 128
     temperature: float = 0.8
     top_p: float = 0.95
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     seed: int | None = None  # None: a random seed
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -83,6 +88,10 @@ class JobSpec:
         obj.update(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p
         )
+        if self.top_k:
+            obj["top_k"] = self.top_k
+        if self.min_p:
+            obj["min_p"] = self.min_p
         if self.seed is not None:
             obj["seed"] = self.seed
         if self.stop:
@@ -194,12 +203,17 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
     top_p = _number(obj, "top_p", 0.95, 0.0, 1.0)
     if top_p == 0:
         raise _invalid("'top_p' must be above 0")
+    top_k = obj.get("top_k", 0)
+    if type(top_k) is not int or not 0 <= top_k <= MAX_TOP_K:
+        raise _invalid(f"'top_k' must be an integer from 0 to {MAX_TOP_K}")
     return JobSpec(
         prompt=prompt,
         messages=parsed_messages,
         max_new_tokens=max_new,
         temperature=_number(obj, "temperature", 0.8, 0.0, 2.0),
         top_p=top_p,
+        top_k=top_k,
+        min_p=_number(obj, "min_p", 0.0, 0.0, 1.0),
         seed=seed,
         stop=tuple(stop),
         stream=stream,

@@ -334,7 +334,8 @@ spec_values = st.recursive(
     max_leaves=6,
 )
 SPEC_FIELDS = (
-    *("prompt", "messages", "max_new_tokens", "temperature", "top_p", "seed", "stop"),
+    *("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p"),
+    *("seed", "stop"),
     *("stream", "tenant", "lane", "tool_risk"),
 )
 message_like = st.fixed_dictionaries(

@@ -17,7 +17,7 @@ import os
 import signal
 from typing import Any
 
-from clients import NO_RETRY, GovernorClient
+from clients import NO_RETRY
 from governor.runners.llama import LlamaRunner
 from governor.server import Server
 from protocol.spec import Message
@@ -203,3 +203,27 @@ async def test_two_workers_each_take_their_share(make_server: ServerFactory) -> 
     outputs = await texts(server, PROMPTS[:4], 8)
     assert sorted(caches) == [0, 0, 1, 1]  # admission spread them over both caches
     assert all(outputs)
+
+
+async def test_sampling_runs_llama_cpp_s_chain_with_the_spec_s_settings(
+    make_server: ServerFactory,
+) -> None:
+    server = await batched(make_server)
+    prompt = "The best thing about summer is"
+    async with await client_for(server) as client:
+
+        async def text(**fields: Any) -> str:
+            result = await client.generate(greedy(prompt, max_new_tokens=16, **fields))
+            assert result.reply.result is not None, result.reply
+            return str(result.reply.result["text"])
+
+        greedy_text = await text()
+        # top_k 1 leaves one candidate: greedy, whatever the temperature and seed.
+        assert await text(temperature=1.5, top_k=1, seed=1) == greedy_text
+        assert await text(temperature=1.5, top_k=1, seed=2) == greedy_text
+        # A seed repeats its draw; hot sampling over the whole vocabulary strays from greedy.
+        hot = [await text(temperature=1.5, seed=s) for s in (1, 1, 2)]
+        assert hot[0] == hot[1]
+        assert greedy_text not in hot
+        # min_p 1 keeps only tokens as likely as the likeliest: greedy again.
+        assert await text(temperature=1.5, min_p=1.0, seed=3) == greedy_text

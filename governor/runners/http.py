@@ -128,6 +128,12 @@ class HttpRunner:
                 body[name] = value
         if spec.stop:
             body["stop"] = list(spec.stop)
+        # Beyond OpenAI's parameters, but llama-server, vLLM and llama-cpp-python's server
+        # take these two: sent only when asked for.
+        if spec.top_k:
+            body["top_k"] = spec.top_k
+        if spec.min_p:
+            body["min_p"] = spec.min_p
 
         parts: list[str] = []
         usage: dict[str, Any] | None = None

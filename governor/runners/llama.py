@@ -442,6 +442,8 @@ class LlamaRunner:
                 "priority": job.priority,
                 "temperature": spec.temperature,
                 "top_p": spec.top_p,
+                "top_k": spec.top_k,
+                "min_p": spec.min_p,
                 "seed": spec.seed,
                 "stop": job.stop,
             }

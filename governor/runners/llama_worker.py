@@ -147,11 +147,11 @@ class Model:
         if temperature <= 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
             return chain
-        if request.get("top_k", 0) > 0:
+        if request["top_k"] > 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(request["top_k"]))
         if request["top_p"] < 1:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(request["top_p"], 1))
-        if request.get("min_p", 0) > 0:
+        if request["min_p"] > 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(request["min_p"], 1))
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(temperature))
         seed = request["seed"] if request["seed"] is not None else random.randrange(2**31)
@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = Scheduler(model.slots, args.step_tokens, model.size, model)
     worker = Worker(model, scheduler, io.BytesIO())
     warm_up = {"tokens": model.tokenize(b"Hello"), "max_new_tokens": 2, "temperature": 0.0}
-    worker.handle({**warm_up, "op": "run", "id": "", "top_p": 1.0, "seed": 0, "stop": []})
+    sampling = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
+    worker.handle({**warm_up, **sampling, "op": "run", "id": "", "stop": []})
     while worker.busy:
         worker.step()
     worker.out = out
