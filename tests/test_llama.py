@@ -33,6 +33,9 @@ from .conftest import RawConn, ServerFactory, outcomes, wait_until
 from .test_ops import failing, probe, until_ready
 
 N_CTX = 512
+# On a machine with a GPU and llama-cpp-python built for it, GOVERNOR_TEST_N_GPU_LAYERS=-1
+# runs these tests with the model on the GPU (CI has none: 0, the CPU).
+N_GPU_LAYERS = int(os.environ.get("GOVERNOR_TEST_N_GPU_LAYERS", "0"))
 
 
 def greedy(prompt: str | None = None, **fields: Any) -> JobSpec:
@@ -53,6 +56,7 @@ async def llama(make_server: ServerFactory) -> Callable[..., Any]:
     async def start(**config: Any) -> Server:
         config.setdefault("max_inflight", 1)
         config.setdefault("n_ctx", N_CTX)
+        config.setdefault("n_gpu_layers", N_GPU_LAYERS)
         return await make_server(runner="llama", **config)
 
     return start

@@ -23,7 +23,7 @@ from governor.server import Server
 from protocol.spec import Message
 
 from .conftest import ServerFactory, wait_until
-from .test_llama import client_for, generating, greedy, worker_pids
+from .test_llama import N_GPU_LAYERS, client_for, generating, greedy, worker_pids
 
 PROMPTS = [
     "Once upon a time",
@@ -43,6 +43,7 @@ async def batched(make_server: ServerFactory, **config: Any) -> Server:
     # One thread: ggml's threads spin at a barrier at every step of the graph, so two of them on
     # a CPU shared with other busy processes can take seconds over one step.
     config.setdefault("threads", 1)
+    config.setdefault("n_gpu_layers", N_GPU_LAYERS)
     return await make_server(runner="llama", **config)
 
 
