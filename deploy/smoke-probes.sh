@@ -27,7 +27,7 @@ for w in $WORKERS; do kill -STOP $w; done
 for i in $(seq 1 40); do curl -s -o /dev/null -w '%{http_code}' 127.0.0.1:9481/healthz/ready | grep -q 503 && break; sleep 0.25; done
 echo "== ready with every worker stopped (SIGSTOP)"; curl -s -w ' [%{http_code}]\n' 127.0.0.1:9481/healthz/ready
 echo "== live meanwhile"; curl -s -w ' [%{http_code}]\n' 127.0.0.1:9481/healthz/live
-# The stopped workers never confirm the probe's cancel: killed and replaced after 10 s.
+# A stopped worker never confirms the probe's cancel: killed and replaced after 10 s.
 for i in $(seq 1 120); do curl -s -o /dev/null -w '%{http_code}' 127.0.0.1:9481/healthz/ready | grep -q 200 && break; sleep 0.5; done
 echo "== ready again after the replacement (waited ~$((i/2)) s)"; curl -s -w ' [%{http_code}]\n' 127.0.0.1:9481/healthz/ready
 echo "== new worker pids: $(pgrep -P $PID -f llama_worker | tr '\n' ' ')"

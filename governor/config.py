@@ -276,7 +276,7 @@ class Config:
     )
     probe_interval: float = _opt(
         5.0,
-        "Seconds between readiness probes: one generated token through an idle worker (or the upstream).",
+        "Seconds between readiness probes: one generated token through a worker, beside its jobs (or through the upstream).",
     )
     probe_timeout: float = _opt(
         5.0, "Seconds a readiness probe may take before it counts as failed."

@@ -10,13 +10,14 @@ of them, so none of them fails liveness.
 
 *Readiness* asks whether this replica can serve a real request now:
 
-* a real probe succeeded recently: every ``probe_interval`` one token is generated through an
-  idle worker (the upstream, for the http runner), the path a client's job takes, within
-  ``probe_timeout``; a token generated for a client's job is evidence just as good, so a
-  replica whose every worker is busy is not probed (and not called unready for it);
+* a real probe succeeded recently: every ``probe_interval`` one token is generated through a
+  worker (beside its jobs, in a sequence kept for the probe; through the upstream, for the
+  http runner), the path a client's job takes, within ``probe_timeout``; a token generated
+  for a client's job is evidence just as good, so a runner that says it has no room for a
+  probe is not probed (and not called unready for it);
 * workers are loaded (at least one);
 * the daemon is not draining;
-* the KV budget is below its danger line (``kv_danger``, with lanes on);
+* the KV cache in use is below its danger line (``kv_danger``, with lanes on);
 * the primary pool's circuit breaker is not open, unless a fallback pool takes its jobs;
 * and, only with ``unready_when_saturated``, a slot is free (by default a saturated replica
   is ready: ``yield`` already tells its clients when to come back).

@@ -212,7 +212,7 @@ def start_daemon(args: argparse.Namespace) -> Daemon:
     if args.runner == "stub":
         flags += ["--stub-ms", str(args.stub_ms)]
     else:
-        flags += ["--workers", str(args.max_inflight), "--threads", "1"]
+        flags += ["--threads", "1"]
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "governor", "serve", "--listen", "127.0.0.1:0"),

@@ -272,6 +272,7 @@ class LlamaRunner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self._probing = False
+        self._probes = 0
         self._vocab: Any = None
         self._chat: Any = None
         self._add_bos = False
@@ -383,10 +384,11 @@ class LlamaRunner:
                 yield event
 
     async def probe(self) -> bool:
-        """One greedy token on the first worker, in a sequence and cells kept for the probe
-        beside the admitted jobs': it shares their steps, never their slots. False while the
+        """One greedy token on each worker in turn, in a sequence and cells kept for the probe
+        beside the admitted jobs': it shares their steps, never their slots. False while that
         worker is being restarted, or another probe is running."""
-        worker = self._workers[0]
+        worker = self._workers[self._probes % len(self._workers)]
+        self._probes += 1
         if self._probing or worker is None or not worker.alive:
             return False
         self._probing = True
