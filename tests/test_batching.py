@@ -41,7 +41,9 @@ class FakeCache:
     def decode(self, entries: list[Entry]) -> None:
         for entry in entries:
             slot = entry.seq.slot
-            assert entry.start == len(self.cells[slot]), "a token not at its sequence's next position"
+            assert entry.start == len(self.cells[slot]), (
+                "a token not at its sequence's next position"
+            )
             self.cells[slot] += [next(self._ids) for _ in entry.tokens]
             self.tokens[slot] += entry.tokens
 
@@ -54,7 +56,9 @@ def seq(key: str, prompt: list[int], max_new: int = 4, priority: int = 0) -> Seq
     return Sequence(key, tuple(prompt), max_new, priority=priority)
 
 
-def scheduler(slots: int = 4, step_tokens: int = 64, cells: int = 1024) -> tuple[Scheduler, FakeCache]:
+def scheduler(
+    slots: int = 4, step_tokens: int = 64, cells: int = 1024
+) -> tuple[Scheduler, FakeCache]:
     cache = FakeCache(slots)
     return Scheduler(slots, step_tokens, cells, cache), cache
 
@@ -208,7 +212,9 @@ class Batching(RuleBasedStateMachine):
         entries = self.s.plan()
         assert entries, "sequences are running but the step is empty"
         decodes = [e for e in entries if not e.seq.prefilling]
-        assert sorted(e.seq.key for e in decodes) == sorted(q.key for q in running if q.pending >= 0)
+        assert sorted(e.seq.key for e in decodes) == sorted(
+            q.key for q in running if q.pending >= 0
+        )
         assert sum(len(e.tokens) for e in entries) <= max(
             self.step_tokens, len(decodes) + MIN_PREFILL
         )
