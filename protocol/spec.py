@@ -37,6 +37,7 @@ _FIELDS = frozenset(
         "min_p",
         "seed",
         "stop",
+        "ignore_eos",
         "stream",
         "tenant",
         "lane",
@@ -68,6 +69,7 @@ class JobSpec:
     min_p: float = 0.0  # 0: off
     seed: int | None = None  # None: a random seed
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
     stream: bool = False
     tenant: str | None = None  # for the policy layer
     lane: str | None = None  # for the policy layer
@@ -96,6 +98,8 @@ class JobSpec:
             obj["seed"] = self.seed
         if self.stop:
             obj["stop"] = list(self.stop)
+        if self.ignore_eos:
+            obj["ignore_eos"] = True
         if self.stream:
             obj["stream"] = True
         for name in ("tenant", "lane"):
@@ -191,9 +195,9 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
             f"'stop' must be a string or a list of at most {MAX_STOPS} strings "
             f"of 1 to {MAX_STOP_CHARS} characters"
         )
-    stream = obj.get("stream", False)
-    if type(stream) is not bool:
-        raise _invalid("'stream' must be true or false")
+    stream, ignore_eos = obj.get("stream", False), obj.get("ignore_eos", False)
+    if type(stream) is not bool or type(ignore_eos) is not bool:
+        raise _invalid("'stream' and 'ignore_eos' must be true or false")
     labels = {}
     for name in ("tenant", "lane"):
         value = obj.get(name)
@@ -216,6 +220,7 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
         min_p=_number(obj, "min_p", 0.0, 0.0, 1.0),
         seed=seed,
         stop=tuple(stop),
+        ignore_eos=ignore_eos,
         stream=stream,
         tenant=labels["tenant"],
         lane=labels["lane"],

@@ -335,7 +335,7 @@ spec_values = st.recursive(
 )
 SPEC_FIELDS = (
     *("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p"),
-    *("seed", "stop"),
+    *("seed", "stop", "ignore_eos"),
     *("stream", "tenant", "lane", "tool_risk"),
 )
 message_like = st.fixed_dictionaries(

@@ -122,22 +122,34 @@ async def test_the_runner_leaves_ttft_and_tpot_to_the_governor(llama: Any) -> No
 
 
 async def test_output_matches_llama_cpp_called_directly(llama: Any) -> None:
-    """Same model, prompt and greedy settings: the governor adds nothing to the text."""
-    from llama_cpp import Llama
+    """Same model, prompt and greedy settings: the governor adds nothing to the text.
 
+    llama-cpp-python runs in a process of its own, as the workers do: the daemon in this one
+    has hidden the GPUs from itself."""
     server = await llama()
     prompt = "Water boils at"
     async with await client_for(server) as client:
         result = await client.generate(greedy(prompt, max_new_tokens=16))
     assert result.reply.result is not None
-    llm = Llama(model_path=str(embedded_model_path()), n_ctx=N_CTX, n_threads=1, verbose=False)
-    tokens: list[int] = []
-    for token in llm.generate(llm.tokenize(prompt.encode(), add_bos=False), temp=0.0, top_k=1):
-        if token == llm.token_eos() or len(tokens) == 16:
-            break
-        tokens.append(token)
-    assert result.reply.result["text"] == llm.detokenize(tokens).decode()
-    assert result.reply.result["completion_tokens"] == len(tokens)
+    direct = f"""
+import json, sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx={N_CTX}, n_threads=1, n_gpu_layers={N_GPU_LAYERS},
+            verbose=False)
+tokens = []
+for token in llm.generate(llm.tokenize({prompt.encode()!r}, add_bos=False), temp=0.0, top_k=1):
+    if token == llm.token_eos() or len(tokens) == 16:
+        break
+    tokens.append(token)
+print(json.dumps([llm.detokenize(tokens).decode(), len(tokens)]))
+"""
+    run = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", direct, str(embedded_model_path()), stdout=subprocess.PIPE
+    )
+    out, _ = await run.communicate()
+    text, count = json.loads(out)
+    assert result.reply.result["text"] == text
+    assert result.reply.result["completion_tokens"] == count
 
 
 async def test_streaming_sends_deltas_in_order_then_one_terminal(llama: Any) -> None:
@@ -151,7 +163,8 @@ async def test_streaming_sends_deltas_in_order_then_one_terminal(llama: Any) -> 
     assert result.reply.result is not None
     assert len(deltas) >= 2
     assert "".join(deltas) == result.reply.result["text"]
-    assert result.reply.result["completion_tokens"] == 20
+    finish = (result.reply.result["completion_tokens"], result.reply.result["finish_reason"])
+    assert finish == (20, "length") or finish[1] == "stop"  # (on a GPU it says less)
 
 
 async def test_stop_strings_end_the_text(llama: Any) -> None:
@@ -188,6 +201,7 @@ async def test_heptamini_style_text_upload_runs_as_a_prompt(llama: Any) -> None:
         (b'{"messages": [{"role": "robot", "content": "hi"}]}', "spec_invalid"),
         (b'{"prompt": "x", "temperature": "hot"}', "spec_invalid"),
         (b'{"prompt": "x", "stream": 1}', "spec_invalid"),
+        (b'{"prompt": "x", "ignore_eos": "yes"}', "spec_invalid"),
         (b'{"prompt": "x", "top_k": -1}', "spec_invalid"),
         (b'{"prompt": "x", "top_k": 2.5}', "spec_invalid"),
         (b'{"prompt": "x", "min_p": 2}', "spec_invalid"),

@@ -13,6 +13,7 @@ prefix already in the cache is not computed again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from typing import Any
@@ -24,6 +25,10 @@ from protocol.spec import Message
 
 from .conftest import ServerFactory, wait_until
 from .test_llama import N_GPU_LAYERS, client_for, generating, greedy, worker_pids
+
+# The tokens a stream says beside others as alone: 4 on the CPU; on a GPU (an H100, measured)
+# llama.cpp's kernels for one token and for a batch differ more, and the third token can differ.
+FIRST_TOKENS = 4 if N_GPU_LAYERS == 0 else 1
 
 PROMPTS = [
     "Once upon a time",
@@ -62,7 +67,7 @@ async def test_a_stream_beside_seven_others_says_what_it_says_alone(
     make_server: ServerFactory,
 ) -> None:
     alone_server = await batched(make_server)
-    alone = [(await texts(alone_server, [p], 4))[0] for p in PROMPTS]
+    alone = [(await texts(alone_server, [p], FIRST_TOKENS))[0] for p in PROMPTS]
     together = await texts(await batched(make_server), PROMPTS, 24)
     for first, whole in zip(alone, together, strict=True):
         assert whole.startswith(first)
@@ -126,14 +131,14 @@ async def test_a_cancel_frees_its_cells_and_the_other_streams_go_on(
     async with await client_for(server) as a, await client_for(server) as b:
         stays = await generating(a, job="J_stays")
         goes = await generating(b, job="J_goes")
-        await wait_until(lambda: runner.kv_used() > 20, timeout=10)
+        await wait_until(lambda: runner.kv_used() > 100, timeout=30)
+        both = runner.kv_used()
         await b.cancel("J_goes")
         result = await asyncio.wait_for(goes, 10)
         assert (result.reply.status, result.reply.need_code) == ("abort", "cancelled")
-        held = runner.kv_used()
-        # The other stream grows by a cell a step; the cancelled one's cells are gone.
-        await asyncio.sleep(0.3)
-        assert runner.kv_used() < held + 100
+        # The cancelled stream's cells (half of them) are gone by the worker's next report,
+        # while the other stream grows by a cell a step.
+        await wait_until(lambda: runner.kv_used() < both, timeout=5)
         assert not stays.done()
         await a.cancel("J_stays")
         await asyncio.wait_for(stays, 10)
@@ -228,3 +233,19 @@ async def test_sampling_runs_llama_cpp_s_chain_with_the_spec_s_settings(
         assert greedy_text not in hot
         # min_p 1 keeps only tokens as likely as the likeliest: greedy again.
         assert await text(temperature=1.5, min_p=1.0, seed=3) == greedy_text
+
+
+async def test_ignore_eos_generates_past_the_end_of_generation(make_server: ServerFactory) -> None:
+    server = await batched(make_server)
+    chat = greedy(messages=(Message("user", "Say hi."),), max_new_tokens=64)
+    async with await client_for(server) as client:
+        ends = await client.generate(chat)
+        goes_on = await client.generate(dataclasses.replace(chat, ignore_eos=True))
+    assert ends.reply.result is not None
+    assert goes_on.reply.result is not None
+    assert ends.reply.result["finish_reason"] == "stop"
+    assert ends.reply.result["completion_tokens"] < 64
+    assert (goes_on.reply.result["finish_reason"], goes_on.reply.result["completion_tokens"]) == (
+        "length",
+        64,
+    )

@@ -128,12 +128,14 @@ class HttpRunner:
                 body[name] = value
         if spec.stop:
             body["stop"] = list(spec.stop)
-        # Beyond OpenAI's parameters, but llama-server, vLLM and llama-cpp-python's server
-        # take these two: sent only when asked for.
+        # Beyond OpenAI's parameters, but llama-server and vLLM take these: sent only when
+        # asked for.
         if spec.top_k:
             body["top_k"] = spec.top_k
         if spec.min_p:
             body["min_p"] = spec.min_p
+        if spec.ignore_eos:
+            body["ignore_eos"] = True
 
         parts: list[str] = []
         usage: dict[str, Any] | None = None

