@@ -18,6 +18,8 @@ import os
 import signal
 from typing import Any
 
+import pytest
+
 from clients import NO_RETRY
 from governor.runners.llama import LlamaRunner
 from governor.server import Server
@@ -249,3 +251,32 @@ async def test_ignore_eos_generates_past_the_end_of_generation(make_server: Serv
         "length",
         64,
     )
+
+
+async def test_a_chat_preempts_a_long_prompt_step_in_progress(make_server: ServerFactory) -> None:
+    """One step holds the rewrite's whole prompt (batch_tokens 2048): the chat that arrives
+    while it runs aborts it, so the chat's first token comes before the rewrite's. Without
+    preemption the chat would wait for that step, at whose end the rewrite samples its first
+    token."""
+    if N_GPU_LAYERS:
+        pytest.skip("llama.cpp's CUDA backend does not check the abort callback")
+    server = await batched(make_server, lanes=True, batch_tokens=2048, n_ctx=2048)
+    firsts: list[str] = []
+    rewrite = greedy("The quick brown fox jumps over the lazy dog. " * 150, max_new_tokens=4)
+    chat = greedy("Once upon a time", max_new_tokens=4)  # (no stop strings: no text held)
+    async with await client_for(server) as a, await client_for(server) as b:
+        heavy = asyncio.ensure_future(
+            a.generate(
+                dataclasses.replace(rewrite, lane="heavy", stream=True),
+                on_delta=lambda _: firsts.append("rewrite"),
+            )
+        )
+        await wait_until(lambda: server.ledger.inflight == 1, timeout=10)
+        await asyncio.sleep(0.05)  # (the rewrite's step has begun)
+        interactive = await b.generate(
+            dataclasses.replace(chat, stream=True), on_delta=lambda _: firsts.append("chat")
+        )
+        await heavy
+    assert interactive.done
+    assert heavy.result().done  # preempted, then finished
+    assert firsts[0] == "chat"

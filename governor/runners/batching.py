@@ -69,6 +69,7 @@ class Sequence:
     generated: int = 0  # tokens sampled
     pending: int = -1  # the token sampled last, fed at the next step (-1: none)
     passed: int = 0  # steps in a row its prompt was passed over
+    preempted: int = 0  # steps with its prompt in them preempted in a row (see the worker)
 
     @property
     def prefilling(self) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -57,6 +58,7 @@ MAX_BACKOFF_S = 30.0
 GPU_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 CANCEL_GRACE_S = 10.0  # a worker that has not confirmed a cancel by then is hung
 WATCH_S = 1.0  # how often a silent worker is looked at
+PROBE_PRIORITY = 9  # less urgent than any lane's job: the probe measures the path, preempts nothing
 
 
 def embedded_model_path() -> Path:
@@ -405,7 +407,8 @@ class LlamaRunner:
             return False
         self._probing = True
         try:
-            async with contextlib.aclosing(self._generate(worker, probe_job(self))) as events:
+            job = dataclasses.replace(probe_job(self), priority=PROBE_PRIORITY)
+            async with contextlib.aclosing(self._generate(worker, job)) as events:
                 async for _ in events:
                     pass
         finally:

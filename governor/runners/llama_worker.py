@@ -25,6 +25,13 @@ or a finished job always finds their cells free.
 
 Tokens are sampled by llama.cpp's own sampler chain, one per sequence (top_k, top_p, min_p,
 temperature, then a seeded draw; greedy at temperature 0).
+
+**Preemption.** A step that feeds the prompt of a less urgent job (a rewrite) can be long; a
+run request for a more urgent one (a chat) that arrives meanwhile aborts it (llama.cpp's abort
+callback, checked between the graph's operations on the CPU; llama.cpp takes the step's tokens
+back out of the cache), and the next step starts with the chat's prompt. The rewrite loses
+that step's work, and is preempted at most ``MAX_PASSED`` times in a row. (The health probe,
+least urgent of all, preempts nothing.)
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from .batching import Entry, Scheduler, Sequence
+from .batching import MAX_PASSED, Entry, Scheduler, Sequence
 
 PROBE_SLOTS = 1  # a sequence beyond the admitted ones, for the health probe
 PROBE_CELLS = 16  # and the cells its job (a few prompt tokens, one generated) needs
@@ -114,10 +121,18 @@ class Model:
         self.memory = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(self.batch_size, 0, 1)
         self._piece = ctypes.create_string_buffer(256)
+        # Set (by the request reader) to abort a preemptible step.
+        self.preempt = threading.Event()
+        # (llama-cpp-python declares the function but binds it not: bound here)
+        self._set_abort = ll.llama_cpp._lib.llama_set_abort_callback
+        self._set_abort.argtypes = [ctypes.c_void_p, ll.ggml_abort_callback, ctypes.c_void_p]
+        self._set_abort.restype = None
+        self._abort = ll.ggml_abort_callback(lambda _: self.preempt.is_set())
+        self._no_abort = ll.ggml_abort_callback()  # NULL: no callback, no cost
 
-    def decode(self, entries: list[Entry]) -> tuple[int, list[int]]:
-        """Run one step; returns llama_decode's status and, per entry that samples, the index
-        of its logits in the batch."""
+    def decode(self, entries: list[Entry], *, preemptible: bool = False) -> tuple[int, list[int]]:
+        """Run one step; returns llama_decode's status (2: preempted) and, per entry that
+        samples, the index of its logits in the batch."""
         batch, n, sampled = self.batch, 0, []
         for entry in entries:
             slot = entry.seq.slot
@@ -132,7 +147,14 @@ class Model:
                 batch.logits[n - 1] = 1
                 sampled.append(n - 1)
         batch.n_tokens = n
-        return self.ll.llama_decode(self.ctx, batch), sampled
+        if not preemptible:
+            return self.ll.llama_decode(self.ctx, batch), sampled
+        # (A callback into Python at every operation of the graph: for long steps only.)
+        self._set_abort(self.ctx, self._abort, None)
+        try:
+            return self.ll.llama_decode(self.ctx, batch), sampled
+        finally:
+            self._set_abort(self.ctx, self._no_abort, None)
 
     def forget(self, slot: int, start: int) -> None:
         self.ll.llama_memory_seq_rm(self.memory, slot, start, -1)
@@ -192,7 +214,7 @@ class Job:
             request["id"],
             tuple(request["tokens"]),
             request["max_new_tokens"],
-            priority=request.get("priority", 0),
+            priority=request["priority"],
         )
         self.chain = model.sampler(request)
         self.text = Text(request["stop"])
@@ -207,6 +229,14 @@ class Worker:
         self.out = out
         self.jobs: dict[str, Job] = {}
         self.acks = 0  # cancels handled since the last event
+        # While a step feeds prompts of this priority or less urgent, a run more urgent than
+        # it preempts the step (-1: the step in progress cannot be preempted).
+        self.preemptible_above = -1
+
+    def arrived(self, request: dict[str, Any]) -> None:
+        """Called by the request reader as a request arrives, while a step may be running."""
+        if request["op"] == "run" and request["priority"] < self.preemptible_above:
+            self.model.preempt.set()
 
     def handle(self, request: dict[str, Any]) -> None:
         if request["op"] == "run":
@@ -235,7 +265,21 @@ class Worker:
             if self.acks:
                 self._emit({}, [])
             return
-        status, sampled = self.model.decode(entries)
+        prefill = [e.seq for e in entries if e.seq.prefilling]
+        preemptible = bool(prefill) and all(
+            seq.priority > 0 and seq.preempted < MAX_PASSED for seq in prefill
+        )
+        if preemptible:
+            self.model.preempt.clear()
+            self.preemptible_above = min(seq.priority for seq in prefill)
+        status, sampled = self.model.decode(entries, preemptible=preemptible)
+        self.preemptible_above = -1
+        if status == 2 and preemptible:
+            for seq in prefill:
+                seq.preempted += 1  # nothing of the step is in the cache: plan again
+            return
+        for seq in prefill:
+            seq.preempted = 0
         self.scheduler.advance(entries)
         out: dict[str, str] = {}
         done: list[dict[str, Any]] = []
@@ -310,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
     scheduler = Scheduler(model.slots, args.step_tokens, model.size, model)
     worker = Worker(model, scheduler, io.BytesIO())
-    warm_up = {"tokens": model.tokenize(b"Hello"), "max_new_tokens": 2, "temperature": 0.0}
-    sampling = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0, "ignore_eos": False}
-    worker.handle({**warm_up, **sampling, "op": "run", "id": "", "stop": []})
+    warm_up = {"tokens": model.tokenize(b"Hello"), "max_new_tokens": 2, "priority": 0}
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
+    worker.handle({**warm_up, **sampling, "op": "run", "id": "", "stop": [], "ignore_eos": False})
     while worker.busy:
         worker.step()
     worker.out = out
@@ -322,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def read() -> None:
         for line in sys.stdin.buffer:
-            inbox.put(orjson.loads(line))
+            request = orjson.loads(line)
+            worker.arrived(request)
+            inbox.put(request)
         inbox.put({"op": "exit"})  # the daemon closed our stdin
 
     threading.Thread(target=read, daemon=True).start()
