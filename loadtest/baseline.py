@@ -59,15 +59,24 @@ def start(
         stderr=output,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    wait_ready(proc, url + "/v1/models", "llama_cpp.server")
+    return proc, url
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes], url: str, what: str, timeout: float = READY_TIMEOUT_S
+) -> None:
+    """Poll ``url`` until it answers 200; stop ``proc`` and raise :class:`RuntimeError` when it
+    exits first or ``timeout`` passes (a server still loading its model answers 503)."""
+    deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2):
-                return proc, url
-        except OSError:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:  # (urllib's HTTPError, for a 503, is one too)
             if proc.poll() is not None or time.monotonic() > deadline:
                 stop(proc)
-                raise RuntimeError(f"llama_cpp.server did not start (exit {proc.poll()})") from None
+                raise RuntimeError(f"{what} did not start (exit {proc.poll()})") from None
             time.sleep(0.3)
 
 

@@ -17,7 +17,9 @@ from . import (
     attack,
     baseline,
     burst,
+    ceiling,
     compare,
+    generation,
     idle,
     lanes,
     mix,
@@ -53,6 +55,8 @@ _peer: Command = peer
 _soak: Command = soak
 _attack: Command = attack
 _tls_cost: Command = tls_cost
+_ceiling: Command = ceiling
+_generation: Command = generation
 COMMANDS: dict[str, Command] = {
     c.NAME: c
     for c in (
@@ -70,6 +74,8 @@ COMMANDS: dict[str, Command] = {
         _soak,
         _attack,
         _tls_cost,
+        _ceiling,
+        _generation,
     )
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from .common import (
     positive_int,
     run_loop,
 )
+from .peer import cpu_s
 
 NAME = "idle"
 
@@ -44,6 +46,136 @@ def proc_status(pid: int, field: str) -> int | None:
 def rss_kib(pid: int) -> int | None:
     """The process's resident set in KiB (None: no such process readable)."""
     return proc_status(pid, "VmRSS")
+
+
+def parse_busy_s(proc_stat: str) -> float:
+    """Seconds every CPU together spent not idle since boot, from ``/proc/stat``'s ``cpu`` line
+    (user, nice, system, irq, softirq and steal: time another guest took counts as busy)."""
+    fields = proc_stat.split("\n", 1)[0].split()
+    if fields[0] != "cpu":
+        raise ValueError("no cpu line first in /proc/stat")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """:func:`parse_busy_s` of this machine now."""
+    return parse_busy_s(Path("/proc/stat").read_text())
+
+
+def others_share(
+    start: tuple[float, float, float], end: tuple[float, float, float], cpus: int
+) -> float:
+    """The share of all ``cpus`` that other processes kept busy between two readings of
+    (wall seconds, machine busy seconds, busy seconds of ours), 0 to 1."""
+    wall, machine, ours = (b - a for a, b in zip(start, end, strict=True))
+    if wall <= 0:
+        return 0.0
+    return round(min(max((machine - ours) / (wall * cpus), 0.0), 1.0), 3)
+
+
+class CpuWindow:
+    """How busy the rest of the machine was over a measure: the machine's busy time less this
+    process's and that of the process tree under ``pid`` (the target), as a share of every CPU.
+    On a machine shared with other work, a figure taken while this is high is suspect."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = pid
+        self.start = self._read()
+
+    def _read(self) -> tuple[float, float, float]:
+        times = os.times()
+        ours = times.user + times.system
+        for one in process_tree(self.pid) if self.pid is not None else ():
+            try:
+                ours += cpu_s(one)
+            except (OSError, IndexError, ValueError):
+                continue  # ended while we looked
+        return time.monotonic(), machine_busy_s(), ours
+
+    def others(self) -> float:
+        return others_share(self.start, self._read(), os.cpu_count() or 1)
+
+
+QUIET_SHARE = 0.03  # others below this share of the CPUs: a quiet machine
+
+
+def wait_quiet(timeout_s: float, pid: int | None = None, window_s: float = 1.0) -> float:
+    """Sleep until other processes keep less than :data:`QUIET_SHARE` of the CPUs busy over a
+    ``window_s`` (``pid``: the target, whose own tree is not another), or ``timeout_s`` has
+    passed; the share last seen. Blocking: from a coroutine, run it in a thread."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        window = CpuWindow(pid)
+        time.sleep(window_s)
+        seen = window.others()
+        if seen < QUIET_SHARE or time.monotonic() >= deadline:
+            return seen
+
+
+def parse_rollup_kib(smaps_rollup: str) -> dict[str, int]:
+    """The ``Name: N kB`` lines of a ``/proc/PID/smaps_rollup`` text, in KiB by name."""
+    fields: dict[str, int] = {}
+    for line in smaps_rollup.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            fields[name] = int(parts[0])
+    return fields
+
+
+def descendants(parents: dict[int, int], root: int) -> list[int]:
+    """Every process below ``root`` in a ``{pid: parent pid}`` map, children before theirs."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        below = sorted(children.get(todo.pop(), ()))
+        found += below
+        todo += below
+    return found
+
+
+def parent_pids() -> dict[int, int]:
+    """``{pid: parent pid}`` of every process readable in ``/proc`` now."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:  # (the command name, in parentheses, may hold spaces: split after the last ")")
+            parents[int(entry.name)] = int(
+                (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            )
+        except (OSError, IndexError, ValueError):
+            continue  # ended while we looked
+    return parents
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it, now."""
+    return [pid, *descendants(parent_pids(), pid)]
+
+
+def tree_rollup_kib(pid: int) -> dict[str, int] | None:
+    """``smaps_rollup``'s fields summed over ``pid`` and all its descendants, in KiB; None:
+    ``pid`` not readable. ``Pss`` counts a page shared among N processes as 1/N in each, so a
+    page shared within the tree (a model file mapped by every worker) counts once in all; but a
+    page shared with processes outside it (the same file mapped by another program) counts only
+    in part: ``Pss_Anon``, without file pages, does not depend on them."""
+    total: dict[str, int] | None = None
+    for one in process_tree(pid):
+        try:
+            fields = parse_rollup_kib(Path(f"/proc/{one}/smaps_rollup").read_text())
+        except OSError:
+            if one == pid:
+                return None
+            continue  # ended while we looked
+        total = total or {}
+        for name, kib in fields.items():
+            total[name] = total.get(name, 0) + kib
+    return total
 
 
 class _Idle(asyncio.Protocol):

@@ -4,8 +4,9 @@ Two targets with one interface, so that one workload runs unchanged against both
 
 * :class:`GovernorTarget`: the governor's newline-JSON protocol through
   :class:`clients.GovernorClient`, a pool of connections, retrying on ``yield`` as told;
-* :class:`OpenAITarget`: an OpenAI-compatible server's streamed ``/v1/completions`` (the
-  queueing baseline: llama-cpp-python's own server on the same model, or any such sidecar).
+* :class:`OpenAITarget`: an OpenAI-compatible server's streamed ``/v1/completions`` or
+  ``/v1/chat/completions`` (the queueing baseline: llama-cpp-python's own server on the same
+  model, llama.cpp's llama-server, or any such sidecar).
 
 The driver makes an :class:`Outcome` per request (``timed_out`` until told otherwise) and the
 target fills it in as replies arrive, so a request cancelled at the deadline keeps what it had
@@ -26,7 +27,7 @@ from clients.client import ClientError, GovernorClient, RetryPolicy
 from governor.policy import LANES
 from protocol.codes import Status
 from protocol.frames import Reply
-from protocol.spec import JobSpec
+from protocol.spec import JobSpec, Message
 
 from .common import Endpoint, close_all, connect_all
 from .workload import Request, synth_prompt
@@ -88,6 +89,15 @@ class Shape:
     send_lane: bool = True  # governor: a class named like a lane asks for that lane
     ping: bool = False  # governor: a ping instead of a job (the protocol's cheapest exchange)
     reconnect: bool = False  # governor: a new connection per request, closed after it
+    chat: bool = False  # the prompt goes as one user message, through the chat template
+    ignore_eos: bool = False  # governor: generate max_new_tokens whatever the model says
+    # Fixed prompts, request i taking prompts[i % len(prompts)]; empty: synthetic ones.
+    prompts: tuple[str, ...] = ()
+
+    def prompt(self, request: Request, index: int) -> str:
+        if self.prompts:
+            return self.prompts[index % len(self.prompts)]
+        return synth_prompt(request.prompt_tokens, f"r{index}")
 
 
 class Target(Protocol):
@@ -172,11 +182,14 @@ class GovernorTarget:
                 on_attempt=on_attempt,
             )
         else:
+            text = shape.prompt(req, index)
             spec = JobSpec(
-                prompt=synth_prompt(req.prompt_tokens, f"r{index}"),
+                prompt=None if shape.chat else text,
+                messages=(Message("user", text),) if shape.chat else None,
                 max_new_tokens=req.output_tokens,
                 temperature=shape.temperature,
                 seed=index,
+                ignore_eos=shape.ignore_eos,
                 stream=True,
                 lane=req.cls if shape.send_lane and req.cls in LANES else None,
             )
@@ -200,14 +213,28 @@ class GovernorTarget:
 
 
 class OpenAITarget:
-    """Streamed ``POST /v1/completions`` on an OpenAI-compatible server; it queues, never yields."""
+    """Streamed ``POST /v1/completions`` (``/v1/chat/completions`` for a chat shape) on an
+    OpenAI-compatible server; it queues, never yields.
+
+    ``extra`` goes into every request body as is: a server's own fields, such as llama-server's
+    ``ignore_eos`` and ``cache_prompt``. A server that reports ``usage`` (ask with
+    ``"stream_options": {"include_usage": true}``) has its completion token count taken over
+    the count of chunks with text.
+    """
 
     kind = "openai"
 
-    def __init__(self, url: str, shape: Shape, model: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        shape: Shape,
+        model: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.addr = url.rstrip("/")
         self.shape = shape
         self.model = model
+        self.extra = dict(extra or {})
         self._http: httpx.AsyncClient | None = None
 
     async def open(self, connections: int, *, timeout: float) -> None:
@@ -229,19 +256,26 @@ class OpenAITarget:
 
     async def send(self, index: int, outcome: Outcome, t0: float, connection: int) -> None:
         assert self._http is not None, "open() first"
-        req = outcome.request
+        req, shape = outcome.request, self.shape
+        text = shape.prompt(req, index)
         body: dict[str, Any] = {
-            "prompt": synth_prompt(req.prompt_tokens, f"r{index}"),
             "max_tokens": req.output_tokens,
-            "temperature": self.shape.temperature,
+            "temperature": shape.temperature,
             "seed": index,
             "stream": True,
+            **self.extra,
         }
+        if shape.chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
         if self.model:
             body["model"] = self.model
+        path = "/v1/chat/completions" if shape.chat else "/v1/completions"
+        reported: int | None = None
         outcome.attempts = 1
         try:
-            async with self._http.stream("POST", "/v1/completions", json=body) as response:
+            async with self._http.stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
                     outcome.status, outcome.reason = ABORTED, f"http_{response.status_code}"
@@ -253,12 +287,22 @@ class OpenAITarget:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         break
-                    choices = orjson.loads(data).get("choices") or [{}]
-                    if choices[0].get("text"):
+                    chunk = orjson.loads(data)
+                    choice = (chunk.get("choices") or [{}])[0]
+                    if shape.chat:
+                        piece = (choice.get("delta") or {}).get("content")
+                    else:
+                        piece = choice.get("text")
+                    if piece:
                         if outcome.first_token_s is None:
                             outcome.first_token_s = _since(t0)
                         outcome.tokens += 1
+                    usage = chunk.get("usage") or {}
+                    if isinstance(usage.get("completion_tokens"), int):
+                        reported = usage["completion_tokens"]
         except (httpx.HTTPError, orjson.JSONDecodeError, OSError) as exc:
             outcome.status, outcome.reason, outcome.end_s = ERROR, type(exc).__name__, _since(t0)
             return
+        if reported is not None:
+            outcome.tokens = reported
         outcome.status, outcome.end_s = DONE, _since(t0)
