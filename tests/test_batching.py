@@ -278,3 +278,34 @@ def test_a_sequence_is_submitted_once() -> None:
         s.submit(seq("a", [1]))
     with pytest.raises(ValueError, match="prompt token"):
         s.submit(seq("b", []))
+
+
+@given(
+    pieces=st.lists(st.text(alphabet="ab<|>S", max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet="ab<|>S", min_size=1, max_size=4), max_size=3),
+)
+def test_streamed_text_adds_up_and_never_shows_a_stop_string(
+    pieces: list[str], stops: list[str]
+) -> None:
+    """The worker's output text: the deltas add up to the final text, which ends before the
+    first stop string; text is held back only while it could still begin one."""
+    from governor.runners.llama_worker import Text
+
+    text, sent = Text(stops), []
+    stopped = False
+    for piece in pieces:
+        stopped = text.add(piece.encode())
+        sent.append(text.delta(final=stopped))
+        if stopped:
+            break
+        # What is held back is the start of some stop string, and no more.
+        held = text.text[len("".join(sent)) :]
+        assert not held or any(s.startswith(held) for s in stops)
+    if not stopped:
+        sent.append(text.delta(final=True))
+    assert "".join(sent) == text.text
+    assert not any(s in text.text for s in stops)
+    whole = "".join(pieces)
+    assert whole.startswith(text.text)
+    if not stopped:
+        assert text.text == whole

@@ -60,12 +60,11 @@ def emit(out: BinaryIO, event: dict[str, Any]) -> None:
 
 
 class Text:
-    """A sequence's output: incremental UTF-8 decoding, stop strings, text held back for them."""
+    """A sequence's output: incremental UTF-8 decoding, stop strings, and the end of the text
+    that could still be the start of a stop string, held back until it cannot."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
-        # Text that could still be the start of a stop string is held back until it cannot.
-        self.hold = max((len(s) for s in stops), default=1) - 1
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
         self.sent = 0  # characters of self.text already emitted
@@ -79,10 +78,23 @@ class Text:
             return True
         return False
 
+    def _partial(self) -> int:
+        """The length of the longest end of the text that begins a stop string."""
+        text = self.text
+        return max(
+            (
+                n
+                for stop in self.stops
+                for n in range(len(stop) - 1, 0, -1)
+                if text.endswith(stop[:n])
+            ),
+            default=0,
+        )
+
     def delta(self, *, final: bool) -> str:
         if final:
             self.text += self.decoder.decode(b"", final=True)
-        upto = len(self.text) if final else max(len(self.text) - self.hold, self.sent)
+        upto = len(self.text) if final else max(len(self.text) - self._partial(), self.sent)
         delta = self.text[self.sent : upto]
         self.sent = upto
         return delta
