@@ -280,3 +280,38 @@ async def test_a_chat_preempts_a_long_prompt_step_in_progress(make_server: Serve
     assert interactive.done
     assert heavy.result().done  # preempted, then finished
     assert firsts[0] == "chat"
+
+
+def worker_children() -> list[int]:
+    """This process's child processes that are llama workers, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                is_worker = b"governor.runners.llama_worker" in cmdline.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and is_worker:
+            pids.append(int(entry))
+    return pids
+
+
+async def test_closing_while_a_worker_restarts_leaves_no_process_behind(
+    make_server: ServerFactory,
+) -> None:
+    """A restart cancelled by the close (the new process still loading) stops that process
+    too: no one else knows of it, and a child left running would hold up the event loop's
+    close."""
+    server = await batched(make_server, max_inflight=2)
+    runner = server.runner
+    assert isinstance(runner, LlamaRunner)
+    (victim,) = worker_pids(runner)
+    os.kill(victim, signal.SIGKILL)
+    await wait_until(lambda: [p for p in worker_children() if p != victim] != [], timeout=30)
+    assert runner._restarting == 1  # the new worker is loading
+    await server.close()
+    await wait_until(lambda: not [p for p in worker_children() if p != victim], timeout=10)

@@ -159,6 +159,12 @@ class WorkerProcess:
             raise RunnerStartError(
                 f"worker {self.index} did not load {s.model} within {s.start_timeout_s:g} s"
             ) from None
+        except asyncio.CancelledError:
+            # The runner is closing while this worker loads (a restart, say): no one else
+            # knows of this process, so it must not outlive the call.
+            self.kill()
+            await self.proc.wait()
+            raise
         if not line:
             code = await self.proc.wait()
             raise RunnerStartError(
