@@ -56,7 +56,7 @@ MAX_BACKOFF_S = 30.0
 # GPU runtime looks at these once, when first used), or llama.cpp would set up a GPU context
 # in it (about 500 MiB on an H100) beside the workers'.
 GPU_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
-CANCEL_GRACE_S = 10.0  # a worker that has not confirmed a cancel by then is hung
+CANCEL_GRACE_S = 10.0  # a worker with no jobs that has not confirmed a cancel by then is hung
 WATCH_S = 1.0  # how often a silent worker is looked at
 PROBE_PRIORITY = 9  # less urgent than any lane's job: the probe measures the path, preempts nothing
 
@@ -194,7 +194,9 @@ class WorkerProcess:
                 now = loop.time()
                 if self.jobs and now - self._heard >= timeout:
                     silent = f"sent nothing for {timeout:g} s with jobs in hand"
-                elif self._owed and now - self._owed_since >= CANCEL_GRACE_S:
+                # (With jobs in hand a cancel is confirmed after the step in progress, however
+                # long: the silence above is the measure then.)
+                elif self._owed and not self.jobs and now - self._owed_since >= CANCEL_GRACE_S:
                     silent = f"did not confirm a cancel within {CANCEL_GRACE_S:g} s"
                 else:
                     continue
