@@ -23,6 +23,7 @@ import pytest
 from clients import NO_RETRY
 from governor.runners.llama import LlamaRunner
 from governor.server import Server
+from loadtest.idle import parent_pids
 from protocol.spec import Message
 
 from .conftest import ServerFactory, wait_until
@@ -288,18 +289,14 @@ async def test_a_chat_preempts_a_long_prompt_step_in_progress(make_server: Serve
 def worker_children() -> list[int]:
     """This process's child processes that are llama workers, from /proc."""
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, parent in parent_pids().items():
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 is_worker = b"governor.runners.llama_worker" in cmdline.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and is_worker:
-            pids.append(int(entry))
+        except OSError:
+            continue  # (gone meanwhile)
+        if parent == os.getpid() and is_worker:
+            pids.append(pid)
     return pids
 
 
