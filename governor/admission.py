@@ -41,6 +41,7 @@ from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import SpecInvalid
 
 from .breaker import CircuitBreaker
+from .fleet import Lease
 from .ledger import Completed, Promise, Refusal, Slot, SlotLedger
 from .overload import OverloadController, State
 from .policy import LANES, NO_LANE, Demand, Lane
@@ -62,7 +63,7 @@ BACKEND_FAILURES = frozenset(
     }
 )
 # Ends that say nothing of the pool's health or load: not counted by the overload state.
-NEUTRAL_OUTCOMES = frozenset({"cancelled", "client_gone"})
+NEUTRAL_OUTCOMES = frozenset({"cancelled", "client_gone", "revoked"})
 UNAVAILABLE_CODES = frozenset({NeedCode.DRAINING, NeedCode.BREAKER_OPEN})
 
 
@@ -152,10 +153,12 @@ class Ticket:
         "demand",
         "job",
         "lane",
+        "lease",
         "pool",
         "reservation",
         "slot",
         "tenant",
+        "tokens",
         "trial",
     )
 
@@ -170,6 +173,7 @@ class Ticket:
         degraded: tuple[str, ...],
         trial: bool,
         overload: OverloadController | None,
+        tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.slot = slot
@@ -179,6 +183,8 @@ class Ticket:
         self.lane: str = demand.lane if demand is not None else NO_LANE
         self.degraded = degraded
         self.trial = trial
+        self.tokens = tokens  # what the tenant's token bucket was charged
+        self.lease: Lease | None = None  # its claim on the fleet, once the fleet granted it
         self.reservation: Reservation | None = None
         self._released: OverloadController | bool | None = overload  # False once released
         tenant.inflight += 1
@@ -329,8 +335,18 @@ class Admission:
             degraded=plan.degraded,
             trial=trial,
             overload=self.overload,
+            tokens=plan.tokens,
         )
         return Admitted(ticket)
+
+    def revoke(self, attempt: Attempt, ticket: Ticket, refusal: Refusal) -> Yielded:
+        """Take back an admission the fleet refused (:mod:`governor.fleet`): the slot is free
+        again and the tenant's charge refunded, as if the job had been refused in the first
+        place (it keeps no place in line: the fleet's hint is not the ledger's)."""
+        ticket.release("revoked")
+        ticket.pool.ledger.revoked(ticket.slot)
+        ticket.tenant.refund(ticket.tokens, self.clock())
+        return self._refuse(attempt, None, refusal)
 
     # The steps ---------------------------------------------------------------------------
 

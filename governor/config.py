@@ -17,6 +17,7 @@ from typing import Any
 from protocol import addresses
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
+from .policy import LANES
 from .tenants import TenantConfig
 
 RUNNERS = ("llama", "http", "stub")
@@ -262,6 +263,30 @@ class Config:
         15.0,
         "Circuit breaker: seconds it stays open (jobs go to the fallback pool, or yield breaker_open) before a trial job.",
     )
+    redis_url: str | None = _opt(
+        None,
+        "Fleet: the shared store, redis://HOST:PORT/DB (rediss:// for TLS); tenant quotas and fleet_max_inflight then hold across every replica using it. Unset: no fleet, every limit is this replica's own.",
+    )
+    fleet_max_inflight: int = _opt(
+        0,
+        "Fleet: cap on jobs executing at once over every replica sharing redis_url; 0: none (the tenants' quotas only).",
+    )
+    replica_id: str | None = _opt(
+        None,
+        "Fleet: this replica's name in the store (its leases, its heartbeat); unset: the host name, listen port and process id.",
+    )
+    lease_ttl: float = _opt(
+        10.0,
+        "Fleet: seconds a job's lease lives unless renewed (running jobs renew theirs); a killed replica's leases are free within this.",
+    )
+    fleet_timeout: float = _opt(
+        0.05,
+        "Fleet: seconds an admission waits for the store; slower counts as a failure of the store.",
+    )
+    fleet_fail_open: str = _opt(
+        "interactive",
+        "Fleet: lanes admitted within this replica's share of the fleet's limits while the store is unreachable (comma-separated, 'all' or 'none'); the others yield fleet_unavailable. Without lanes every job counts as interactive.",
+    )
     metrics_listen: str | None = _opt(
         None,
         "HOST:PORT for the HTTP listener: /metrics, /healthz/live, /healthz/ready, POST /drain (from loopback only); unset: none.",
@@ -341,6 +366,7 @@ class Config:
             "degraded_max_new_tokens",
             "breaker_failures",
             "max_connections_per_source",
+            "fleet_max_inflight",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
@@ -355,6 +381,8 @@ class Config:
             "probe_timeout",
             "probe_max_age",
             "loop_stall_limit",
+            "lease_ttl",
+            "fleet_timeout",
             "upload_timeout",
             "write_timeout",
             "auth_grace",
@@ -391,10 +419,32 @@ class Config:
             raise ConfigError("upstream must be an http:// or https:// URL")
         if self.runner not in RUNNERS:
             raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError("redis_url must be a redis://, rediss:// or unix:// URL")
+        fail_open = self.fleet_fail_lanes
+        if fail_open is None:
+            raise ConfigError(
+                "fleet_fail_open must name lanes (interactive, heavy, background), 'all' or 'none'"
+            )
+        if self.fleet_timeout >= self.lease_ttl:
+            raise ConfigError("fleet_timeout must be shorter than lease_ttl")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
+
+    @property
+    def fleet_fail_lanes(self) -> frozenset[str] | None:
+        """The lanes admitted on this replica's share while the store is unreachable (None: the
+        setting names something else)."""
+        words = {w.strip() for w in self.fleet_fail_open.split(",")} - {""}
+        if words == {"all"}:
+            return frozenset(LANES)
+        if words == {"none"}:
+            return frozenset()
+        return frozenset(words) if words <= set(LANES) else None
 
     @property
     def listen_address(self) -> tuple[str, int]:

@@ -20,17 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.codes import ErrorCode, NeedCode
 from protocol.frames import Request
 
 from .admission import Attempt, Ticket
-from .ledger import Completed
+from .ledger import Completed, Refusal
 from .logs import event
 from .policy import Lane
 from .runners import RunnerError, Token
 from .state import ServerState
+
+if TYPE_CHECKING:
+    from .fleetstore import Fleet
 
 log = logging.getLogger("governor.connection")
 jobs_log = logging.getLogger("governor.jobs")
@@ -54,6 +57,8 @@ class Replies(Protocol):
     ) -> None: ...
 
     def job_ended(self, execution: Execution) -> None: ...
+
+    def fleet_refused(self, execution: Execution, refusal: Refusal) -> None: ...
 
 
 def timings(
@@ -144,6 +149,9 @@ class Execution:
     # The run -----------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        fleet = self.state.fleet
+        if fleet is not None and not await self._fleet_admits(fleet):
+            return
         ttl_ms = self.request.ttl_ms
         try:
             if ttl_ms:
@@ -169,6 +177,31 @@ class Execution:
         else:
             self.result = result
             self.end(result=result)
+
+    async def _fleet_admits(self, fleet: Fleet) -> bool:
+        """The fleet's step, after this replica's own admission: the job holds a lease, or the
+        admission is taken back and its client told to yield (no terminal frame: it did not
+        run)."""
+        ticket = self.ticket
+        lease = fleet.gate.lease(ticket.tenant.name, ticket.lane)
+        try:
+            refusal = await fleet.admit(
+                lease,
+                ticket.tenant.config,
+                ticket.tokens,
+                ticket.slot.expected_s,
+                ticket.pool.ledger.next_end_ms(),
+            )
+        except BaseException:  # cancelled while asking: the store may have granted it
+            fleet.release(lease)
+            raise
+        if refusal is None:
+            ticket.lease = lease
+            return True
+        self.terminal_sent = True
+        self.outcome = "revoked"
+        self.replies.fleet_refused(self, refusal)
+        return False
 
     async def _execute(self) -> dict[str, Any]:
         ticket, state = self.ticket, self.state
@@ -222,6 +255,14 @@ class Execution:
                 detail="the job was stopped before it finished",
             )
         ticket, result = self.ticket, self.result
+        if ticket.lease is not None:
+            fleet = self.state.fleet
+            assert fleet is not None
+            fleet.release(ticket.lease)
+        if self.outcome == "revoked":  # (the session gave the ticket back and sent a yield)
+            self.replies.job_ended(self)
+            self.state.job_ended(task)
+            return
         prompt = completion = None
         if result is not None:
             prompt, completion = result.get("prompt_tokens"), result.get("completion_tokens")

@@ -7,6 +7,7 @@ Lane ``-`` is a job with lanes off.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -21,6 +22,9 @@ from .health import Health
 from .logs import dropped_records
 from .policy import LANES
 from .state import ServerState
+
+if TYPE_CHECKING:
+    from .fleetstore import Fleet
 
 
 class GovernorCollector(Collector):
@@ -195,11 +199,50 @@ class GovernorCollector(Collector):
             ["reason"],
             (((k,), v) for k, v in server.refused.items()),
         )
+        fleet = server.fleet
+        if fleet is not None:
+            yield from _fleet_families(fleet)
         yield GaugeMetricFamily(
             "governor_sources_waiting",
             "Source addresses refused for now after failed keys (auth_backoff).",
             value=server.sources.waiting,
         )
+
+
+def _fleet_families(fleet: Fleet) -> Iterator[Metric]:
+    gate = fleet.gate
+    yield GaugeMetricFamily(
+        "governor_fleet_store_state",
+        "The fleet's store as this replica sees it: 0 reachable, 1 being tried again, "
+        "2 unreachable (lanes that fail open run on this replica's share).",
+        value=int(gate.store_state),
+    )
+    yield GaugeMetricFamily(
+        "governor_fleet_replicas",
+        "Replicas alive (heartbeats not expired), as the store last said.",
+        value=gate.replicas,
+    )
+    yield GaugeMetricFamily(
+        "governor_fleet_inflight",
+        "Leases held over the fleet, as the store last said.",
+        value=gate.fleet_inflight,
+    )
+    yield GaugeMetricFamily(
+        "governor_fleet_leases", "This replica's leases: its jobs running.", value=len(gate.leases)
+    )
+    yield _counter(
+        "governor_fleet_answers",
+        "The fleet's step of admissions, by answer: allowed, fleet_busy, tenant_busy, "
+        "rate_limited (the store's); store_error; on_share, share_* and fail_closed (the store "
+        "unreachable).",
+        ["answer"],
+        (((k,), v) for k, v in gate.answers.items()),
+    )
+    seconds = HistogramMetricFamily(
+        "governor_fleet_store_seconds", "The store's answers to admissions, by duration."
+    )
+    seconds.add_metric([], fleet.seconds.buckets(), fleet.seconds.sum)
+    yield seconds
 
 
 def _counter(

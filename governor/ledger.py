@@ -414,6 +414,16 @@ class SlotLedger:
                 return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self._next_end(now)))
         return None
 
+    def next_end_ms(self) -> int:
+        """The hint to the first running job's expected end."""
+        now = self.clock()
+        return self.hint_ms(now, self._next_end(now))
+
+    def revoked(self, slot: Slot) -> None:
+        """``slot`` was released before its job ran (the fleet refused it): it executed nothing."""
+        assert slot.released
+        self.executed_total -= 1
+
     def _next_end(self, now: float) -> float:
         """When the first running job is expected to end (a free slot frees nothing more)."""
         return min((self.slot_end(slot, now) for slot in self._running), default=now)

@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocol.codes import ErrorCode, NeedCode
 
@@ -36,6 +39,9 @@ from .policy import Lane, LanePolicy
 from .runners import KvCacheRunner, Runner, StubRunner
 from .state import ServerState
 from .tenants import Tenants
+
+if TYPE_CHECKING:
+    from .fleetstore import Fleet
 
 log = logging.getLogger("governor")
 
@@ -163,6 +169,31 @@ def build_breaker(config: Config, ledger: SlotLedger, name: str) -> CircuitBreak
     return breaker
 
 
+def build_fleet(config: Config, ledger: SlotLedger) -> Fleet | None:
+    """With ``redis_url``: the fleet's gate and its store (the Redis client is imported only
+    then)."""
+    if config.redis_url is None:
+        return None
+    from .fleet import FleetGate, FleetSettings
+    from .fleetstore import Fleet, RedisStore
+
+    fail_open = config.fleet_fail_lanes
+    assert fail_open is not None  # (Config checked it)
+    # A name of its own for this run, so that two replicas given one replica_id (or a replica
+    # restarted before its old leases expired) never share a lease id.
+    replica = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+    settings = FleetSettings(
+        replica_id=f"{replica}/{secrets.token_hex(3)}",
+        max_inflight=config.fleet_max_inflight,
+        lease_ttl_s=config.lease_ttl,
+        timeout_s=config.fleet_timeout,
+        fail_open=fail_open,
+        min_hint_ms=ledger.min_hint_ms,
+        max_hint_ms=ledger.max_hint_ms,
+    )
+    return Fleet(FleetGate(settings, ledger.clock), RedisStore(config.redis_url))
+
+
 class Server:
     """The lifecycle around the :class:`~governor.state.ServerState` it builds."""
 
@@ -216,6 +247,7 @@ class Server:
             self.primary, self.tenants, fallback=self.fallback, overload=self.overload
         )
         self.state = ServerState(config, self.admission)
+        self.fleet = self.state.fleet = build_fleet(config, self.ledger)
         self.pools = self.admission.pools
         self.metrics = self.state.metrics
         self.connections = self.state.connections
@@ -267,6 +299,18 @@ class Server:
             ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT_S if self._tls is not None else None,
         )
         self.state.started = True
+        if self.fleet is not None:
+            self._background.append(loop.create_task(self.fleet.run()))
+            s = self.fleet.gate.settings
+            log.info(
+                "fleet: replica %s on %s, fleet_max_inflight %s, lease_ttl %g s, failing open "
+                "for %s",
+                s.replica_id,
+                self.config.redis_url,
+                s.max_inflight or "unset",
+                s.lease_ttl_s,
+                ", ".join(sorted(s.fail_open)) or "no lane",
+            )
         self._background.append(loop.create_task(self.health.probe_loop()))
         self._background.append(loop.create_task(memory.trim_loop()))
         host, port = self.address
@@ -399,6 +443,8 @@ class Server:
             task.cancel()
         if jobs:
             await asyncio.gather(*jobs, return_exceptions=True)
+        if self.fleet is not None:
+            await self.fleet.close()
         for pool in self.pools:
             await pool.runner.close()
 

@@ -43,8 +43,9 @@ from protocol.lines import LineReader
 from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
-from .admission import Admitted, Attempt, Budget, Rejected, Reservation
+from .admission import Admitted, Attempt, Budget, Rejected, Reservation, Yielded
 from .execution import Execution
+from .ledger import Refusal
 from .logs import event
 from .state import ServerState
 from .tenants import Tenant
@@ -70,7 +71,7 @@ class Phase(Enum):
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.UPLOADING: frozenset({Phase.UPLOADING, Phase.HELD, Phase.RUNNING}),
     Phase.HELD: frozenset({Phase.UPLOADING, Phase.RUNNING}),
-    Phase.RUNNING: frozenset(),
+    Phase.RUNNING: frozenset({Phase.HELD}),  # (the fleet refused it: see fleet_refused)
 }
 
 
@@ -545,6 +546,23 @@ class Session:
                     req, decision.need_code, ErrorCode.POLICY, decision.detail, seq=_final_seq(req)
                 )
             return
+        self._yielded(req, state, decision)
+
+    def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
+        """The fleet refused a job this replica admitted: its ticket is given back (the payload's
+        buffers return to the job), and its client told to yield, as if refused here."""
+        req, ticket = execution.request, execution.ticket
+        state = self.jobs.get(req.job)
+        if state is None or state.execution is not execution:  # (the connection is gone)
+            self.admission.revoke(execution.attempt, ticket, refusal)
+            return
+        state.reservation, ticket.reservation = ticket.reservation, None
+        decision = self.admission.revoke(execution.attempt, ticket, refusal)
+        state.execution = None
+        self._yielded(req, state, decision)
+
+    def _yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
+        """Answer ``yield``, keeping the payload for the retry if the connection may."""
         if state.first_refusal is None:
             state.first_refusal = self.state.clock()
         held = self._hold(state)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from protocol.codes import ErrorCode, NeedCode, Receipt
 
@@ -20,6 +20,9 @@ from .admission import Admission, Budget
 from .config import Config
 from .metrics import JobMetrics
 from .sources import Sources
+
+if TYPE_CHECKING:  # (imported by the server only with redis_url: no Redis client otherwise)
+    from .fleetstore import Fleet
 
 
 class Connection(Protocol):
@@ -56,6 +59,7 @@ class ServerState:
         self.listener: asyncio.Server | None = None
         self.jobs_done = asyncio.Event()
         self.jobs_done.set()
+        self.fleet: Fleet | None = None  # with redis_url: the fleet's step of every admission
 
     @property
     def inflight(self) -> int:

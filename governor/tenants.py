@@ -119,6 +119,13 @@ class Tenant:
         if self.config.tokens_per_s:
             self.tokens.take(tokens, now)
 
+    def refund(self, tokens: int, now: float) -> None:
+        """Give back a :meth:`charge` for a job that did not run after all."""
+        if self.config.requests_per_s:
+            self.requests.take(-1, now)
+        if self.config.tokens_per_s:
+            self.tokens.take(-tokens, now)
+
 
 OPEN = TenantConfig(name=DEFAULT_TENANT, key_sha256="0" * 64)
 

@@ -80,6 +80,8 @@ class NeedCode(StrEnum):
     KV_PRESSURE = "kv_pressure"  # extension, yield: the KV budget cannot take the job now
     BREAKER_OPEN = "breaker_open"  # extension, yield: the runner pool's circuit breaker is open
     BUFFERS_FULL = "buffers_full"  # extension, yield: the server's payload buffers are full
+    FLEET_BUSY = "fleet_busy"  # extension, yield: fleet_max_inflight jobs run over the fleet
+    FLEET_UNAVAILABLE = "fleet_unavailable"  # extension, yield: the fleet's store is unreachable
     # Extension, abort: the policy will never run this job.
     PROMPT_OVER_CEILING = "prompt_over_ceiling"
     KV_OVER_CAPACITY = "kv_over_capacity"

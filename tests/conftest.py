@@ -29,6 +29,7 @@ import uvloop
 from governor.config import Config
 from governor.runners import Runner
 from governor.server import Server
+from loadtest.redisserver import RedisServer
 
 LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
 
@@ -263,3 +264,11 @@ def daemon() -> Iterator[Callable[..., Daemon]]:
     yield factory
     for d in started:
         stop_daemon(d)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real Redis of the test's own (Debian's redis-server on a free port), stopped by its
+    PID before the test's event loop closes (uvloop's close waits for live children)."""
+    with RedisServer() as server:
+        yield server

@@ -1,0 +1,403 @@
+"""The fleet's store on Redis: one script call per admission, releases and renewals in batches.
+
+The decisions are :mod:`governor.fleet`'s; this module only talks to Redis (redis-py's asyncio
+client, hiredis parsing its replies). Its three Lua scripts are loaded once and called by their
+hash (``EVALSHA``; redis-py loads a script again if the server lost it). Times are the Redis
+server's own (``TIME``), so the replicas' clocks never need to agree.
+
+Keys (all in one hash slot, ``{NAME}``, so that a Redis Cluster keeps each script's keys on one
+node)::
+
+    gov{NAME}:leases              sorted set: lease id -> expiry (ms)
+    gov{NAME}:ends                sorted set: lease id -> expected end (ms), for the hints
+    gov{NAME}:replicas            sorted set: replica id -> heartbeat expiry (ms)
+    gov{NAME}:t:TENANT:leases     sorted set: the tenant's lease ids -> expiry (ms)
+    gov{NAME}:t:TENANT:bucket     hash: the tenant's token buckets (level and stamp of each)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from .breaker import BreakerState
+from .fleet import Answer, Ask, FleetGate, Lease
+from .ledger import Refusal
+from .logs import event
+from .metrics import Histogram
+from .tenants import TenantConfig
+
+log = logging.getLogger("governor.fleet")
+
+# Expire what has lapsed, then check the fleet's cap, the tenant's cap and its buckets in that
+# order; only an admission charges the buckets and writes the lease.
+ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease, ttl, expected = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local cap, tcap = tonumber(ARGV[4]), tonumber(ARGV[5])
+local rrate, rburst = tonumber(ARGV[6]), tonumber(ARGV[7])
+local trate, tburst, tokens = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local replica = ARGV[11]
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 512)
+if #dead > 0 then
+  redis.call('ZREM', KEYS[1], unpack(dead))
+  redis.call('ZREM', KEYS[2], unpack(dead))
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+redis.call('ZADD', KEYS[5], now + ttl, replica)
+local replicas = redis.call('ZCARD', KEYS[5])
+local inflight = redis.call('ZCARD', KEYS[1])
+local function soonest(members)
+  local best = nil
+  for _, m in ipairs(members) do
+    local e = redis.call('ZSCORE', KEYS[2], m)
+    if e and (best == nil or tonumber(e) < best) then best = tonumber(e) end
+  end
+  if best == nil then return 0 end
+  return math.max(best - now, 0)
+end
+if cap > 0 and inflight >= cap then
+  local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  local wait = 0
+  if first[2] then wait = math.max(tonumber(first[2]) - now, 0) end
+  return {0, 'fleet_busy', math.ceil(wait), replicas, inflight}
+end
+if tcap > 0 and redis.call('ZCARD', KEYS[3]) >= tcap then
+  local wait = soonest(redis.call('ZRANGE', KEYS[3], 0, -1))
+  return {0, 'tenant_busy', math.ceil(wait), replicas, inflight}
+end
+local b = redis.call('HMGET', KEYS[4], 'rl', 'rs', 'tl', 'ts')
+local function level(l, s, rate, burst)
+  if not l then return burst end
+  return math.min(burst, tonumber(l) + (now - tonumber(s)) * rate / 1000)
+end
+local wait, rl, tl = 0, 0, 0
+if rrate > 0 then
+  rl = level(b[1], b[2], rrate, rburst)
+  if rl < 1 then wait = math.max(wait, (1 - rl) * 1000 / rrate) end
+end
+if trate > 0 then
+  tl = level(b[3], b[4], trate, tburst)
+  local need = math.min(tokens, tburst)
+  if tl < need then wait = math.max(wait, (need - tl) * 1000 / trate) end
+end
+if wait > 0 then
+  return {0, 'rate_limited', math.ceil(wait), replicas, inflight}
+end
+if rrate > 0 or trate > 0 then
+  local refill = 0
+  if rrate > 0 then
+    redis.call('HSET', KEYS[4], 'rl', tostring(rl - 1), 'rs', now)
+    refill = math.max(refill, rburst * 1000 / rrate)
+  end
+  if trate > 0 then
+    redis.call('HSET', KEYS[4], 'tl', tostring(tl - tokens), 'ts', now)
+    refill = math.max(refill, (tburst + tokens) * 1000 / trate)
+  end
+  redis.call('PEXPIRE', KEYS[4], math.ceil(refill) + ttl)
+end
+redis.call('ZADD', KEYS[1], now + ttl, lease)
+redis.call('ZADD', KEYS[2], now + expected, lease)
+if tcap > 0 then
+  redis.call('ZADD', KEYS[3], now + ttl, lease)
+  redis.call('PEXPIRE', KEYS[3], ttl * 2)
+end
+return {1, '', 0, replicas, inflight + 1}
+"""
+
+# KEYS: leases, ends, then each lease's tenant set; ARGV: the lease ids, in the same order.
+RELEASE = """
+redis.call('ZREM', KEYS[1], unpack(ARGV))
+redis.call('ZREM', KEYS[2], unpack(ARGV))
+for i, lease in ipairs(ARGV) do
+  redis.call('ZREM', KEYS[i + 2], lease)
+end
+return #ARGV
+"""
+
+# KEYS: leases, replicas, then each lease's tenant set; ARGV: ttl, replica, then the lease ids.
+# A lease the store lost (it expired while the store was unreachable, or the store restarted)
+# is written again: the fleet counts the jobs that run, not only those it remembers.
+RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[1])
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+for i = 3, #ARGV do
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[i])
+  redis.call('ZADD', KEYS[i], now + ttl, ARGV[i])
+  redis.call('PEXPIRE', KEYS[i], ttl * 2)
+end
+return redis.call('ZCARD', KEYS[2])
+"""
+
+# Leases and tenants per script call, so that no call holds Redis (single-threaded) for long.
+BATCH = 256
+
+
+class RedisStore:
+    """The store's IO: a bounded pool of connections to one Redis."""
+
+    def __init__(self, url: str, *, name: str = "fleet", connections: int = 16) -> None:
+        self.prefix = f"gov{{{name}}}"
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=connections, timeout=None
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self._acquire = self.redis.register_script(ACQUIRE)
+        self._release = self.redis.register_script(RELEASE)
+        self._renew = self.redis.register_script(RENEW)
+        self.leases_key = f"{self.prefix}:leases"
+        self.ends_key = f"{self.prefix}:ends"
+        self.replicas_key = f"{self.prefix}:replicas"
+
+    def tenant_key(self, tenant: str, what: str) -> str:
+        return f"{self.prefix}:t:{tenant}:{what}"
+
+    async def acquire(self, ask: Ask, *, ttl_ms: int, cap: int, replica: str) -> Answer:
+        tenant = ask.tenant
+        reply = await self._acquire(
+            keys=[
+                self.leases_key,
+                self.ends_key,
+                self.tenant_key(tenant.name, "leases"),
+                self.tenant_key(tenant.name, "bucket"),
+                self.replicas_key,
+            ],
+            args=[
+                ask.lease.id,
+                ttl_ms,
+                ask.expected_ms,
+                cap,
+                tenant.max_inflight,
+                tenant.requests_per_s,
+                tenant.request_burst or max(tenant.requests_per_s, 1.0),
+                tenant.tokens_per_s,
+                tenant.token_burst or max(tenant.tokens_per_s, 1.0),
+                ask.tokens,
+                replica,
+            ],
+        )
+        allowed, code, wait_ms, replicas, inflight = reply
+        code = code.decode() if isinstance(code, bytes) else str(code)
+        return Answer(bool(allowed), code, int(wait_ms), int(replicas), int(inflight))
+
+    async def release(self, leases: Sequence[Lease]) -> None:
+        for start in range(0, len(leases), BATCH):
+            batch = leases[start : start + BATCH]
+            await self._release(
+                keys=[
+                    self.leases_key,
+                    self.ends_key,
+                    *(self.tenant_key(lease.tenant, "leases") for lease in batch),
+                ],
+                args=[lease.id for lease in batch],
+            )
+
+    async def renew(self, leases: Sequence[Lease], *, ttl_ms: int, replica: str) -> int:
+        """Renew ``leases`` and this replica's heartbeat; returns the replicas alive."""
+        replicas = 1
+        for start in range(0, max(len(leases), 1), BATCH):
+            batch = leases[start : start + BATCH]
+            replicas = await self._renew(
+                keys=[
+                    self.leases_key,
+                    self.replicas_key,
+                    *(self.tenant_key(lease.tenant, "leases") for lease in batch),
+                ],
+                args=[ttl_ms, replica, *(lease.id for lease in batch)],
+            )
+        return int(replicas)
+
+    async def inflight(self) -> int:
+        """Leases not expired over the fleet (for samplers and tests)."""
+        t = await self.redis.time()
+        now = t[0] * 1000 + t[1] // 1000
+        return int(await self.redis.zcount(self.leases_key, f"({now}", "+inf"))
+
+    async def close(self) -> None:
+        await self.redis.aclose(close_connection_pool=True)
+
+
+# The seconds the store took to answer an admission (loopback: tens of microseconds).
+STORE_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+# Releases kept for a store that cannot take them now; past this the oldest are left to expire.
+MAX_PENDING_RELEASES = 65536
+STORE_ERRORS = (TimeoutError, RedisError, OSError)
+
+
+def _reraise_cancel() -> None:
+    """Raise the cancel an error from the client hid: redis-py turns a cancel that lands while
+    it connects into a ConnectionError, and the task that was cancelled would go on."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+class Fleet:
+    """The fleet step of an admission (:meth:`admit`), and :meth:`run`: the one writer of
+    releases and renewals, in order, so that a renewal never writes back a released lease."""
+
+    def __init__(self, gate: FleetGate, store: RedisStore) -> None:
+        self.gate = gate
+        self.store = store
+        s = gate.settings
+        self.ttl_ms = round(s.lease_ttl_s * 1000)
+        self.renew_s = s.lease_ttl_s / 3
+        self.seconds = Histogram(STORE_BUCKETS)  # the store's answers to admissions
+        self._pending: list[Lease] = []  # released, not yet written
+        self._wake = asyncio.Event()
+        self._closed = False
+        gate.breaker.on_change = self._changed
+
+    async def admit(
+        self, lease: Lease, tenant: TenantConfig, tokens: int, expected_s: float, next_end_ms: int
+    ) -> Refusal | None:
+        """Ask the store for ``lease`` (or, while it is unreachable, decide on this replica's
+        share): None, the job may run and holds the lease until :meth:`release`; else the
+        refusal to send."""
+        gate = self.gate
+        trial = gate.ask()
+        if trial is not None:
+            ask = gate.question(lease, tenant, tokens, expected_s)
+            started = time.perf_counter()
+            try:
+                async with asyncio.timeout(gate.settings.timeout_s):
+                    answer = await self.store.acquire(
+                        ask,
+                        ttl_ms=self.ttl_ms,
+                        cap=gate.settings.max_inflight,
+                        replica=gate.settings.replica_id,
+                    )
+            except STORE_ERRORS as exc:
+                _reraise_cancel()
+                gate.failed(trial=trial)
+                self._forget(lease)  # (the store may have written it before the answer was lost)
+                log.debug("fleet store failed an admission: %r", exc)
+            else:
+                self.seconds.observe(time.perf_counter() - started)
+                return gate.answered(lease, answer, trial=trial)
+        return gate.on_share(lease, tenant, tokens, next_end_ms)
+
+    def release(self, lease: Lease) -> None:
+        """The lease's job ended: free it here now, in the store with the next batch."""
+        self.gate.released(lease)
+        self._forget(lease)
+
+    def _forget(self, lease: Lease) -> None:
+        pending = self._pending
+        pending.append(lease)
+        if len(pending) > MAX_PENDING_RELEASES:  # (the store has been away: they expire there)
+            del pending[: len(pending) - MAX_PENDING_RELEASES]
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Write releases as they come (a batch per turn), and renew this replica's leases and
+        heartbeat every third of ``lease_ttl``; while the store is unreachable, only the
+        breaker's trials try."""
+        loop = asyncio.get_running_loop()
+        renew_at = 0.0
+        while True:
+            wait = renew_at - loop.time()
+            if wait > 0 and not self._pending:
+                try:
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
+                except TimeoutError:
+                    _reraise_cancel()
+            self._wake.clear()
+            batch = self._pending[:]
+            if batch and await self._write(batch, renew=False):
+                del self._pending[: len(batch)]  # (not those released while it was written)
+            if loop.time() >= renew_at:
+                await self._write(list(self.gate.leases.values()), renew=True)
+                renew_at = loop.time() + self.renew_s
+            elif self._pending:
+                # The store refused the batch: try again at the next renewal, not in a loop.
+                await asyncio.sleep(max(renew_at - loop.time(), 0))
+
+    async def _write(self, leases: list[Lease], *, renew: bool) -> bool:
+        gate = self.gate
+        trial = gate.ask()
+        if trial is None:
+            return False
+        s = gate.settings
+        try:
+            async with asyncio.timeout(self.renew_s):
+                if renew:
+                    replicas = await self.store.renew(
+                        leases, ttl_ms=self.ttl_ms, replica=s.replica_id
+                    )
+                else:
+                    await self.store.release(leases)
+        except STORE_ERRORS as exc:
+            _reraise_cancel()
+            gate.failed(trial=trial)
+            log.debug("fleet store failed a %s: %r", "renewal" if renew else "release", exc)
+            return False
+        gate.reached(trial=trial, replicas=replicas if renew else None)
+        return True
+
+    def _changed(self, before: BreakerState, after: BreakerState, why: str) -> None:
+        lanes = ", ".join(sorted(self.gate.settings.fail_open)) or "none"
+        if after == BreakerState.OPEN:
+            message = (
+                f"fleet store unreachable ({why}): {lanes} admitted within this replica's "
+                f"share of the fleet's limits (1/{self.gate.replicas}), other lanes yield "
+                "fleet_unavailable"
+            )
+            level = logging.WARNING
+        elif after == BreakerState.CLOSED:
+            message, level = f"fleet store reachable again ({why})", logging.INFO
+        else:
+            message, level = f"fleet store: trying it again ({why})", logging.INFO
+        event(
+            log,
+            level,
+            message,
+            event="fleet_store",
+            before=before.label,
+            after=after.label,
+            why=why,
+        )
+
+    async def close(self) -> None:
+        """Free this replica's leases (a clean stop does not wait out their time-to-live)."""
+        if self._closed:
+            return
+        self._closed = True
+        leases = list(self.gate.leases.values()) + self._pending
+        self._pending = []
+        if leases:
+            try:
+                async with asyncio.timeout(1.0):
+                    await self.store.release(leases)
+            except STORE_ERRORS:
+                pass
+        await self.store.close()
+
+
+__all__ = ["Fleet", "RedisError", "RedisStore"]
+
+
+async def wait_until_ready(url: str, timeout: float = 10.0) -> None:
+    """Wait for a Redis at ``url`` to answer PING (a test's or a load test's fresh server)."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    if await client.ping():
+                        return
+                except (RedisError, OSError):
+                    await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()

@@ -1,0 +1,504 @@
+"""The fleet: tenant quotas and a fleet-wide cap held in a real Redis, across replicas.
+
+The gate's decisions (the store's breaker, failing open or closed, the local share) are tested
+on a fake clock; the store's script against a real Redis, with generated interleavings of
+admissions and releases from several replicas; the daemon's fleet step with servers sharing
+one Redis, the store stopped, frozen and brought back; and a replica killed with SIGKILL, as a
+real process, whose leases must free within ``lease_ttl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from clients.client import GovernorClient, RetryPolicy, connect
+from governor.breaker import BreakerState
+from governor.config import Config, ConfigError
+from governor.fleet import Answer, FleetGate, FleetSettings, Lease
+from governor.fleetstore import RedisStore
+from governor.server import Server
+from loadtest.redisserver import RedisServer
+from protocol.codes import NeedCode, Status
+from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
+
+from .conftest import Daemon, ServerFactory, wait_until
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tenant(name: str = "t", **limits: Any) -> Any:
+    from governor.tenants import TenantConfig
+
+    return TenantConfig(name=name, key_sha256="0" * 64, **limits)
+
+
+def gate(clock: FakeClock, **settings: Any) -> FleetGate:
+    settings.setdefault("replica_id", "r1")
+    return FleetGate(FleetSettings(**settings), clock)
+
+
+# The gate, on a fake clock ------------------------------------------------------------------
+
+
+def test_the_store_answer_grants_the_lease_or_gives_its_code_and_hint() -> None:
+    clock = FakeClock()
+    g = gate(clock, max_inflight=4)
+    lease = g.lease("t", "interactive")
+    assert g.answered(lease, Answer(True, replicas=3, inflight=1), trial=False) is None
+    assert lease.id in g.leases
+    assert g.replicas == 3
+    busy = g.answered(g.lease("t", "heavy"), Answer(False, "fleet_busy", 1234), trial=False)
+    assert busy is not None
+    assert busy.need_code == NeedCode.FLEET_BUSY
+    assert busy.retry_hint_ms == 1234
+    rate = g.answered(g.lease("t", "heavy"), Answer(False, "rate_limited", 0), trial=False)
+    assert rate is not None
+    assert rate.need_code == NeedCode.RATE_LIMITED
+    assert rate.retry_hint_ms == g.settings.min_hint_ms  # never below the floor
+    g.released(lease)
+    assert not g.leases
+
+
+def test_store_failures_open_its_breaker_and_a_trial_closes_it() -> None:
+    clock = FakeClock()
+    g = gate(clock)
+    for _ in range(3):
+        trial = g.ask()
+        assert trial is False
+        g.failed(trial=trial)
+    assert g.store_state == BreakerState.OPEN
+    assert g.ask() is None  # not asked while open
+    clock.now += 2.5
+    assert g.ask() is True  # the trial
+    assert g.ask() is None  # one at a time
+    g.reached(trial=True, replicas=2)
+    assert g.store_state == BreakerState.CLOSED  # type: ignore[comparison-overlap]
+    assert g.replicas == 2
+
+
+def test_while_the_store_is_unreachable_lanes_fail_open_on_the_share_or_closed() -> None:
+    clock = FakeClock()
+    g = gate(clock, max_inflight=6, fail_open=frozenset({"interactive"}))
+    g.replicas = 3
+    for _ in range(3):
+        g.failed(trial=False)
+    closed = g.on_share(g.lease("t", "heavy"), tenant(), 10, next_end_ms=50)
+    assert closed is not None
+    assert closed.need_code == NeedCode.FLEET_UNAVAILABLE
+    assert 1500 <= closed.retry_hint_ms <= 2000  # the breaker's cooldown left
+    # Interactive work (and a job with lanes off) runs within 6 / 3 = 2 leases here.
+    assert g.on_share(g.lease("t", "interactive"), tenant(), 10, next_end_ms=50) is None
+    assert g.on_share(g.lease("t", "-"), tenant(), 10, next_end_ms=50) is None
+    full = g.on_share(g.lease("t", "interactive"), tenant(), 10, next_end_ms=70)
+    assert full is not None
+    assert full.need_code == NeedCode.FLEET_BUSY
+    assert full.retry_hint_ms == 70
+
+
+def test_the_share_divides_a_tenants_limits_by_the_replicas_alive() -> None:
+    clock = FakeClock()
+    g = gate(clock, fail_open=frozenset({"interactive", "heavy", "background"}))
+    g.replicas = 2
+    noisy = tenant("noisy", max_inflight=4, requests_per_s=10.0, request_burst=10.0)
+    admitted = [g.on_share(g.lease("noisy", "heavy"), noisy, 1, next_end_ms=9) for _ in range(3)]
+    assert admitted[:2] == [None, None]
+    assert admitted[2] is not None
+    assert admitted[2].need_code == NeedCode.TENANT_BUSY
+    # The rate: 10/s with a burst of 10 is 5/s with a burst of 5 on each of two replicas.
+    for lease in list(g.leases.values()):
+        g.released(lease)
+    quick = tenant("quick", requests_per_s=10.0, request_burst=10.0)
+    answers = [g.on_share(g.lease("quick", "heavy"), quick, 1, next_end_ms=9) for _ in range(6)]
+    assert answers[:5] == [None] * 5
+    refused = answers[5]
+    assert refused is not None
+    assert refused.need_code == NeedCode.RATE_LIMITED
+    assert refused.retry_hint_ms == 200  # one request at 5 per second
+
+
+def test_fleet_settings_are_checked() -> None:
+    both = Config(fleet_fail_open="interactive, heavy").fleet_fail_lanes
+    assert both == frozenset({"interactive", "heavy"})
+    assert Config(fleet_fail_open="none").fleet_fail_lanes == frozenset()
+    for bad in (
+        {"fleet_fail_open": "chat"},
+        {"redis_url": "http://x"},
+        {"fleet_max_inflight": -1},
+        {"lease_ttl": 0.0},
+        {"fleet_timeout": 10.0, "lease_ttl": 5.0},
+    ):
+        with pytest.raises(ConfigError):
+            Config(**bad)
+
+
+# The store's script, against a real Redis ----------------------------------------------------
+
+
+async def test_the_store_holds_a_tenants_bucket_over_replicas(redis_server: RedisServer) -> None:
+    """Two replicas, one tenant of 5 requests a second with a burst of 5: five in all pass,
+    whichever replica asks, and the sixth is told when the bucket has one again."""
+    stores = [RedisStore(redis_server.url) for _ in range(2)]
+    noisy = tenant("noisy", requests_per_s=5.0, request_burst=5.0)
+    g = gate(FakeClock())
+    try:
+        answers = []
+        for i in range(6):
+            ask = g.question(g.lease("noisy", "heavy"), noisy, 1, 1.0)
+            answers.append(await stores[i % 2].acquire(ask, ttl_ms=10_000, cap=0, replica="r"))
+        assert [a.allowed for a in answers] == [True] * 5 + [False]
+        assert answers[5].code == "rate_limited"
+        assert 150 <= answers[5].wait_ms <= 200  # a token every 200 ms
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_an_unrenewed_lease_expires_and_a_renewed_one_lives(
+    redis_server: RedisServer,
+) -> None:
+    store = RedisStore(redis_server.url)
+    g = gate(FakeClock())
+    t = tenant()
+    try:
+        kept, dropped = g.lease("t", "-"), g.lease("t", "-")
+        for lease in (kept, dropped):
+            answer = await store.acquire(
+                g.question(lease, t, 1, 5.0), ttl_ms=400, cap=2, replica="r"
+            )
+            assert answer.allowed
+        refused = await store.acquire(
+            g.question(g.lease("t", "-"), t, 1, 5.0), ttl_ms=400, cap=2, replica="r"
+        )
+        assert not refused.allowed
+        assert refused.code == "fleet_busy"
+        assert 4000 <= refused.wait_ms <= 5000  # the first expected end
+        deadline = time.monotonic() + 1.2
+        while time.monotonic() < deadline:
+            await store.renew([kept], ttl_ms=400, replica="r")
+            await asyncio.sleep(0.1)
+        assert await store.inflight() == 1  # the renewed one
+        again = await store.acquire(
+            g.question(g.lease("t", "-"), t, 1, 5.0), ttl_ms=400, cap=2, replica="r"
+        )
+        assert again.allowed
+    finally:
+        await store.close()
+
+
+class StoreRace(RuleBasedStateMachine):
+    """Replicas admit and release jobs of two tenants in any order: the store's count of leases
+    is never above the fleet's cap or a tenant's, and it admits exactly when a model says
+    there is room (the script is atomic: there is no interleaving inside one step)."""
+
+    CAP = 5
+    TENANT_CAPS: ClassVar[dict[str, int]] = {"a": 3, "b": 0}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.stores: list[RedisStore] = []
+        self.held: dict[str, Lease] = {}
+        self.gate = gate(FakeClock())
+
+    @initialize()
+    def connect(self) -> None:
+        self.stores = [RedisStore(REDIS_URL[0]) for _ in range(3)]
+        self.loop.run_until_complete(self.stores[0].redis.flushall())
+
+    def by_tenant(self, name: str) -> int:
+        return sum(1 for lease in self.held.values() if lease.tenant == name)
+
+    @rule(replica=st.integers(0, 2), name=st.sampled_from(["a", "b"]))
+    def admit(self, replica: int, name: str) -> None:
+        lease = self.gate.lease(name, "-")
+        cap = self.TENANT_CAPS[name]
+        ask = self.gate.question(lease, tenant(name, max_inflight=cap), 1, 1.0)
+        answer = self.loop.run_until_complete(
+            self.stores[replica].acquire(ask, ttl_ms=60_000, cap=self.CAP, replica=str(replica))
+        )
+        fleet_room = len(self.held) < self.CAP
+        tenant_room = not cap or self.by_tenant(name) < cap
+        assert answer.allowed == (fleet_room and tenant_room), answer
+        if answer.allowed:
+            self.held[lease.id] = lease
+        else:
+            assert answer.code == ("fleet_busy" if not fleet_room else "tenant_busy")
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data(), replica=st.integers(0, 2))
+    def release(self, data: st.DataObject, replica: int) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, unique=True))
+        leases = [self.held.pop(i) for i in ids]
+        self.loop.run_until_complete(self.stores[replica].release(leases))
+
+    @invariant()
+    def counted(self) -> None:
+        if self.stores:
+            assert self.loop.run_until_complete(self.stores[0].inflight()) == len(self.held)
+
+    def teardown(self) -> None:
+        for store in self.stores:
+            self.loop.run_until_complete(store.close())
+        self.loop.close()
+
+
+REDIS_URL: list[str] = []
+
+
+def test_the_store_never_admits_past_a_cap_in_any_interleaving(
+    redis_server: RedisServer,
+) -> None:
+    REDIS_URL[:] = [redis_server.url]
+    StoreRace.TestCase.settings = settings(
+        max_examples=40,
+        stateful_step_count=30,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    StoreRace.TestCase().runTest()
+
+
+async def leases_until(store: RedisStore, holds: Callable[[int], bool], timeout: float) -> None:
+    """Poll the store's count of live leases until ``holds(count)``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if holds(await store.inflight()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("the store's leases did not get there in time")
+        await asyncio.sleep(0.02)
+
+
+# The daemon's fleet step: servers sharing one Redis -----------------------------------------
+
+
+def job(prompt: str = "hello", lane: str | None = None) -> bytes:
+    return orjson.dumps(JobSpec(prompt=prompt, max_new_tokens=8, lane=lane).to_wire())
+
+
+async def run_job(server: Server, name: str, payload: bytes, attempts: int = 1) -> Any:
+    host, port = server.address
+    async with await connect(f"{host}:{port}") as client:
+        return await client.upload(
+            payload,
+            job=name,
+            content_type=SPEC_CONTENT_TYPE if payload.startswith(b"{") else "text/plain",
+            retry=RetryPolicy(max_attempts=attempts),
+        )
+
+
+async def fleet_of(make_server: ServerFactory, url: str, n: int, **config: Any) -> list[Server]:
+    config.setdefault("stub_ms", 300)
+    config.setdefault("max_inflight", 2)
+    return [await make_server(redis_url=url, **config) for _ in range(n)]
+
+
+async def test_the_fleet_cap_holds_over_replicas_and_frees_when_jobs_end(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    servers = await fleet_of(make_server, redis_server.url, 2, fleet_max_inflight=3)
+    results = await asyncio.gather(
+        *(run_job(servers[i % 2], f"J{i}", b"payload") for i in range(4))
+    )
+    codes = collections.Counter(r.reply.need_code or r.reply.status for r in results)
+    assert codes == {Status.DONE: 3, NeedCode.FLEET_BUSY: 1}
+    refused = next(r for r in results if r.reply.status == Status.YIELD)
+    assert refused.reply.retry_hint_ms >= 5
+    # The refused job was admitted here and given back: nothing executed, nothing leaked.
+    assert sum(s.ledger.executed_total for s in servers) == 3
+    store = RedisStore(redis_server.url)
+    try:
+        await wait_until(lambda: all(not s.fleet.gate.leases for s in servers if s.fleet))
+        await leases_until(store, lambda n: n == 0, 5)
+    finally:
+        await store.close()
+    assert all(s.inflight == 0 and s.live_jobs == 0 for s in servers)
+    assert all(s.tenants.all()[0].inflight == 0 for s in servers)
+
+
+async def test_a_job_the_fleet_refused_keeps_its_payload_and_its_retry_runs(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    servers = await fleet_of(make_server, redis_server.url, 2, fleet_max_inflight=1)
+    results = await asyncio.gather(
+        *(run_job(servers[i % 2], f"J{i}", b"x" * 100_000, attempts=40) for i in range(4))
+    )
+    assert all(r.done for r in results)
+    assert any(y.need_code == NeedCode.FLEET_BUSY for r in results for y in r.yields)
+    assert sum(s.ledger.executed_total for s in servers) == 4
+    assert all(s.buffered_bytes == 0 for s in servers)
+
+
+async def test_the_fleet_holds_a_tenants_quota_over_replicas(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    import hashlib
+
+    keys = {"noisy": "noisy-key", "quiet": "quiet-key"}
+    tenants = [
+        {"name": n, "key_sha256": hashlib.sha256(k.encode()).hexdigest(), "max_inflight": 2}
+        for n, k in keys.items()
+    ]
+    servers = [
+        await make_server(
+            redis_url=redis_server.url,
+            stub_ms=400,
+            max_inflight=4,
+            tenants=tuple(Config.from_mapping({"tenants": tenants}).tenants),
+        )
+        for _ in range(3)
+    ]
+
+    async def as_tenant(server: Server, name: str, i: int) -> Any:
+        host, port = server.address
+        async with await GovernorClient.connect(host, port, api_key=keys[name]) as client:
+            return await client.upload(b"x", job=f"{name}{i}", retry=RetryPolicy(max_attempts=1))
+
+    noisy = await asyncio.gather(*(as_tenant(servers[i % 3], "noisy", i) for i in range(6)))
+    done = [r for r in noisy if r.done]
+    busy = [r for r in noisy if r.reply.need_code == NeedCode.TENANT_BUSY]
+    assert len(done) == 2
+    assert len(busy) == 4
+    quiet = await as_tenant(servers[0], "quiet", 0)
+    assert quiet.done
+
+
+async def test_lanes_fail_open_or_closed_while_the_store_is_down_and_it_comes_back(
+    make_server: ServerFactory, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    servers = await fleet_of(
+        make_server,
+        redis_server.url,
+        2,
+        fleet_max_inflight=4,
+        max_inflight=4,
+        lanes=True,
+        interactive_reserve=1,
+        lease_ttl=1.0,
+        stub_ms=200,
+    )
+    caplog.set_level(logging.INFO, logger="governor.fleet")
+    first = await run_job(servers[0], "warm", job())
+    assert first.done  # the store answered, and said there are 2 replicas
+    assert servers[0].fleet is not None
+    assert servers[0].fleet.gate.replicas == 2
+    redis_server.stop()
+    try:
+        # Interactive work fails open, within 4 / 2 = 2 jobs on this replica; heavy work
+        # fails closed.
+        chats = await asyncio.gather(*(run_job(servers[0], f"c{i}", job()) for i in range(3)))
+        codes = sorted(str(r.reply.need_code or r.reply.status) for r in chats)
+        assert codes == ["done", "done", "fleet_busy"]
+        heavy = await run_job(servers[0], "h", job(lane="heavy"))
+        assert heavy.reply.need_code == NeedCode.FLEET_UNAVAILABLE
+        assert heavy.reply.retry_hint_ms >= 5
+        fleet = servers[0].fleet
+        assert fleet.gate.store_state == BreakerState.OPEN
+        assert "fleet store unreachable" in caplog.text
+    finally:
+        redis_server.start()
+    # Back without a restart: a trial (a renewal, or an admission) closes the breaker.
+    await wait_until(lambda: fleet.gate.store_state == BreakerState.CLOSED, timeout=10)
+    again = await run_job(servers[0], "h2", job(lane="heavy"))
+    assert again.done
+    assert "fleet store reachable again" in caplog.text
+
+
+async def test_a_frozen_store_costs_an_admission_fleet_timeout_not_a_hang(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    (server,) = await fleet_of(make_server, redis_server.url, 1, fleet_timeout=0.05, stub_ms=10)
+    assert (await run_job(server, "warm", b"x")).done
+    redis_server.pause()
+    try:
+        started = time.monotonic()
+        results = [await run_job(server, f"J{i}", b"x") for i in range(4)]
+        took = time.monotonic() - started
+    finally:
+        redis_server.resume()
+    assert all(r.done for r in results)  # lanes off: interactive, failing open
+    assert took < 3.0  # four admissions, each bounded by fleet_timeout (not by Redis)
+    assert server.fleet is not None
+    assert server.fleet.gate.answers["store_error"] >= 3
+
+
+async def test_the_fleet_metrics_are_exported(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    import httpx
+
+    (server,) = await fleet_of(
+        make_server, redis_server.url, 1, metrics_listen="127.0.0.1:0", stub_ms=10
+    )
+    assert (await run_job(server, "J", b"x")).done
+    assert server.metrics_address is not None
+    host, port = server.metrics_address
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"http://{host}:{port}/metrics")).text
+    assert "governor_fleet_store_state 0.0" in text
+    assert "governor_fleet_replicas 1.0" in text
+    assert 'governor_fleet_answers_total{answer="allowed"} 1.0' in text
+    assert "governor_fleet_store_seconds_count 1.0" in text
+
+
+# Real processes: a replica killed with SIGKILL ----------------------------------------------
+
+
+async def test_a_killed_replicas_leases_free_within_the_lease_ttl(
+    daemon: Any, redis_server: RedisServer
+) -> None:
+    flags = (
+        "--redis-url", redis_server.url, "--fleet-max-inflight", "3", "--lease-ttl", "1.0",
+        "--max-inflight", "3", "--stub-ms", "30000",
+    )  # fmt: skip
+    doomed: Daemon = daemon(*flags)
+    other: Daemon = daemon(*flags)
+    clients = []
+    for _i in range(3):
+        client = await connect(doomed.addr)
+        clients.append(client)
+    uploads = [
+        asyncio.create_task(c.upload(b"x", job=f"J{i}", retry=RetryPolicy(max_attempts=1)))
+        for i, c in enumerate(clients)
+    ]
+    store = RedisStore(redis_server.url)
+    try:
+        await leases_until(store, lambda n: n >= 3, 10)
+        async with await connect(other.addr) as client:  # the fleet is full
+            full = await client.upload(b"x", job="K", retry=RetryPolicy(max_attempts=1))
+        assert full.reply.need_code == NeedCode.FLEET_BUSY
+        doomed.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        await leases_until(store, lambda n: n == 0, 5)
+        freed_s = time.monotonic() - killed
+        assert freed_s < 1.0 + 0.5  # within lease_ttl (and the sampling)
+        async with await connect(other.addr) as client:
+            admitted = client.upload(b"x", job="K2", retry=RetryPolicy(max_attempts=1))
+            task = asyncio.create_task(admitted)
+            await leases_until(store, lambda n: n >= 1, 10)
+            task.cancel()
+    finally:
+        for t in uploads:
+            t.cancel()
+        await asyncio.gather(*uploads, return_exceptions=True)
+        for c in clients:
+            await c.close()
+        await store.close()
