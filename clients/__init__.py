@@ -10,13 +10,31 @@ from .client import (
     UploadResult,
     connect,
 )
+from .fleet import (
+    Address,
+    Ejection,
+    FleetClient,
+    FleetResult,
+    NoReplicaAvailable,
+    Replicas,
+    ReplicaState,
+    ReplicaStatus,
+)
 from .tls import TLSSetupError, client_context
 
 __all__ = [
     "NO_RETRY",
+    "Address",
     "ClientError",
     "ConnectionLost",
+    "Ejection",
+    "FleetClient",
+    "FleetResult",
     "GovernorClient",
+    "NoReplicaAvailable",
+    "ReplicaState",
+    "ReplicaStatus",
+    "Replicas",
     "RetryBudget",
     "RetryPolicy",
     "TLSSetupError",

@@ -3,6 +3,12 @@
 Exit codes follow heptamini's client: ``ping`` exits 0 when the server is ready, 2 when it is
 saturated (or draining), 1 on any error; ``upload`` exits 0 on ``confirm done``, 2 on ``confirm
 abort``, 1 on ``need``, on retries spent while still refused, or on any error.
+
+Several ``--addr`` (repeated, or comma-separated), or one name that resolves to several
+addresses, are replicas of one service: jobs go through :class:`clients.fleet.FleetClient`,
+which picks the less loaded of two, and goes elsewhere on a yield. ``ping`` then pings every
+replica, prints each reply, and exits 0 when any is ready, 2 when all that answered are
+saturated or draining, 1 when none answered.
 """
 
 from __future__ import annotations
@@ -14,18 +20,27 @@ import sys
 from pathlib import Path
 
 from protocol.codes import Receipt, Status
-from protocol.frames import encode_reply
+from protocol.frames import Reply, encode_reply
 from protocol.spec import JobSpec, Message
 
 from . import tls
-from .client import ClientError, GovernorClient, RetryPolicy, connect
+from .client import ClientError, GovernorClient, RetryPolicy, UploadResult, connect
+from .fleet import FleetClient, FleetResult, Replicas, resolve, split_addresses
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
+DEFAULT_ADDR = "127.0.0.1:7777"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="governor-cli", description=__doc__.split("\n")[0])
-    parser.add_argument("--addr", default="127.0.0.1:7777", help="governor HOST:PORT")
+    parser.add_argument(
+        "--addr",
+        action="append",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help=f"governor HOST:PORT (default: {DEFAULT_ADDR}); several (repeated or "
+        "comma-separated), or a name that resolves to several addresses, are replicas: jobs "
+        "go to the less loaded and move on a yield",
+    )
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds for the whole call")
     tls.add_arguments(parser.add_argument_group("TLS (default: plain TCP)"))
     commands = parser.add_subparsers(dest="command", required=True)
@@ -57,22 +72,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _connect(args: argparse.Namespace) -> GovernorClient:
-    return await connect(
-        args.addr,
-        timeout=args.timeout,
-        ssl=tls.context_from(args),
+async def _connect(args: argparse.Namespace) -> GovernorClient | FleetClient:
+    """One connection for one governor; a :class:`FleetClient` for several replicas."""
+    texts = split_addresses(args.addr or [DEFAULT_ADDR])
+    ssl = tls.context_from(args)
+    async with asyncio.timeout(args.timeout):
+        found = await resolve(texts)
+    if len(found) == 1:  # (one name, connected to as given: it may have a v4 and a v6 address)
+        only = texts[0] if len(texts) == 1 else found[0].name
+        return await connect(
+            only, timeout=args.timeout, ssl=ssl, server_hostname=args.tls_server_name
+        )
+    return FleetClient(
+        Replicas(found),
+        targets=texts,
+        ssl=ssl,
         server_hostname=args.tls_server_name,
+        connect_timeout=args.timeout,
     )
+
+
+def _health_exit(reply: Reply) -> int:
+    if reply.status != Status.OK:
+        return EXIT_ERROR
+    return {1: EXIT_OK, 0: EXIT_REFUSED}.get(reply.receipt(Receipt.HEALTH) or 0, EXIT_ERROR)
 
 
 async def _ping(args: argparse.Namespace) -> int:
     async with await _connect(args) as client:
+        if isinstance(client, FleetClient):
+            return await _ping_fleet(client, args.timeout)
         reply = await client.ping(timeout=args.timeout)
     sys.stdout.buffer.write(encode_reply(reply))
-    if reply.status != Status.OK:
-        return EXIT_ERROR
-    return {1: EXIT_OK, 0: EXIT_REFUSED}.get(reply.receipt(Receipt.HEALTH) or 0, EXIT_ERROR)
+    return _health_exit(reply)
+
+
+async def _ping_fleet(fleet: FleetClient, timeout: float) -> int:
+    """Every replica's reply on stdout, one line each, in address order."""
+    exits = []
+    for name, reply in (await fleet.ping_all(timeout=timeout)).items():
+        if isinstance(reply, Exception):
+            print(f"governor-cli: {name}: {reply or type(reply).__name__}", file=sys.stderr)
+            exits.append(EXIT_ERROR)
+            continue
+        sys.stdout.buffer.write(encode_reply(reply))
+        exits.append(_health_exit(reply))
+    if EXIT_OK in exits:
+        return EXIT_OK
+    return EXIT_REFUSED if EXIT_REFUSED in exits else EXIT_ERROR
+
+
+def _note_replicas(result: UploadResult) -> None:
+    """On stderr, for a job over several replicas: where it went."""
+    if isinstance(result, FleetResult) and len(result.tried) > 1:
+        print(f"governor-cli: tried {' -> '.join(result.tried)}", file=sys.stderr)
 
 
 async def _upload(args: argparse.Namespace) -> int:
@@ -94,6 +147,7 @@ async def _upload(args: argparse.Namespace) -> int:
             f"governor-cli: yielded {len(result.yields)} time(s) before this outcome",
             file=sys.stderr,
         )
+    _note_replicas(result)
     return {Status.DONE: EXIT_OK, Status.ABORT: EXIT_REFUSED}.get(result.status, EXIT_ERROR)
 
 
@@ -128,6 +182,7 @@ async def _generate(args: argparse.Namespace) -> int:
             on_delta=show if args.stream else None,
         )
     reply = result.reply
+    _note_replicas(result)
     if reply.status == Status.DONE and reply.result is not None:
         if not args.stream:
             show(str(reply.result.get("text", "")))

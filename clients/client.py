@@ -25,6 +25,10 @@ Yields come in three kinds, and only one of them is retried freely:
 - ``draining``: the server is shutting down and says "go elsewhere"; never retried on this
   connection.
 
+Going elsewhere is :class:`clients.fleet.FleetClient`'s work: it holds one of these clients per
+replica, and its ``on_yield`` hook (see :meth:`GovernorClient.upload`) stops a retry here when
+another replica would take the job sooner.
+
 Jobs aborted by a failing backend (``error_code`` ``backend_error``: a crashed or hung runner,
 an upstream error) are never retried by this client, but they drain the budget too, so that a
 client that has just watched jobs fail does not then retry hard when the breaker opens.
@@ -162,6 +166,12 @@ class RetryBudget:
         )
 
 
+# Aborts that end one job and never the connection: a payload held after an upload's last
+# yield, dropped when the client did not come back for it (or withdrawn), may be answered
+# after that upload has returned; no operation waits for it, and the connection stays open.
+_LATE_JOB_ENDS = frozenset({NeedCode.UPLOAD_TIMEOUT, NeedCode.CANCELLED})
+
+
 def _backend_failing(reply: Reply) -> bool:
     """Whether ``reply`` says the backend is failing (not busy): a budget failure signal."""
     if reply.status == Status.YIELD:
@@ -252,6 +262,12 @@ class GovernorClient:
         """The budget this client's retries after failure signals draw on."""
         return self._budget
 
+    @property
+    def closed(self) -> bool:
+        """Whether this connection is over: closed by either side, broken, or aborted by the
+        server (an ``idle_timeout``, say). An operation started now gets that at once."""
+        return self._closed is not None or self._abort is not None
+
     async def __aenter__(self) -> Self:
         return self
 
@@ -294,6 +310,7 @@ class GovernorClient:
         on_attempt: Callable[[float, Reply], None] | None = None,
         on_delta: Callable[[str], None] | None = None,
         inline: bool = False,
+        on_yield: Callable[[Reply], bool] | None = None,
     ) -> UploadResult:
         """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield.
 
@@ -304,6 +321,11 @@ class GovernorClient:
         including those of an upload cut short by ``timeout``. ``on_delta(text)`` gets the
         output a streaming job sends before its terminal frame. With ``inline`` the payload
         (UTF-8 text) goes in one frame instead of a manifest and chunks.
+
+        ``on_yield(reply)`` is asked about each yield this upload would retry, just before it
+        sleeps: False ends the upload there, with that yield as its reply (the payload stays
+        held on the server: :meth:`withdraw` drops it). A client of several replicas uses it to
+        take the job elsewhere instead of waiting here.
         """
         job = job or f"J_{next(self._jobs)}"
         prepared = split_payload(payload, chunk_bytes=chunk_bytes, content_type=content_type)
@@ -392,6 +414,8 @@ class GovernorClient:
                     break
                 if failing and (reply.retry_hint_ms or 0) / 1000 > retry.max_sleep_s:
                     break  # the breaker stays open longer than this client will wait
+                if on_yield is not None and not on_yield(reply):
+                    break
                 await asyncio.sleep(retry.delay_s(reply.retry_hint_ms, self._rng))
                 whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
         return UploadResult(
@@ -408,11 +432,12 @@ class GovernorClient:
         timeout: float | None = None,
         on_attempt: Callable[[float, Reply], None] | None = None,
         on_delta: Callable[[str], None] | None = None,
+        on_yield: Callable[[Reply], bool] | None = None,
     ) -> UploadResult:
         """Run an inference job; its ``result`` holds the text, token counts and timings.
 
         A spec that fits in a line goes in one frame (one round trip); a larger one is
-        uploaded in chunks. ``on_attempt`` and ``on_delta`` are :meth:`upload`'s.
+        uploaded in chunks. ``on_attempt``, ``on_delta`` and ``on_yield`` are :meth:`upload`'s.
         """
         payload = spec.encode()
         return await self.upload(
@@ -425,11 +450,25 @@ class GovernorClient:
             on_attempt=on_attempt,
             on_delta=on_delta,
             inline=len(payload) < INLINE_MAX_BYTES,
+            on_yield=on_yield,
         )
 
     async def cancel(self, job: str) -> None:
         """Ask the server to stop ``job``; its upload (or generate) call ends with the abort."""
         self._write(encode_request(Verb.CANCEL, job, 1))
+
+    async def withdraw(self, job: str, *, timeout: float = 5.0) -> Reply:
+        """Drop what the server holds for ``job`` between operations (its payload, kept after
+        a yield, and with it the job's place in the server's line) and return the answer: an
+        abort ``cancelled``, or a need ``job_unknown`` when nothing was held.
+
+        An upload that ends on a yield leaves its payload held; left alone, the server keeps a
+        freed slot for it a while, then aborts it with ``upload_timeout`` on this connection,
+        where no operation waits for it any more. Call this when the job goes elsewhere.
+        """
+        async with self._expecting(job) as inbox, asyncio.timeout(timeout):
+            self._write(encode_request(Verb.CANCEL, job, 1))
+            return await self._next(inbox)
 
     # Plumbing --------------------------------------------------------------------------
 
@@ -462,7 +501,7 @@ class GovernorClient:
                 inbox = self._inbox.get(reply.job)
                 if inbox is not None:
                     inbox.put_nowait(reply)
-                elif reply.status == Status.ABORT:
+                elif reply.status == Status.ABORT and reply.need_code not in _LATE_JOB_ENDS:
                     # A connection-level abort (too many connections, idle timeout, ...) names
                     # no job of ours: every operation gets it, also one started later.
                     self._abort = reply

@@ -114,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
             out=sys.stdout,
             progress_out=traffic.progress_stream(args),
         )
-        return [step(result, slo, label=label, reserve=args.interactive_reserve)]
+        return [
+            traffic.with_replicas(
+                target, step(result, slo, label=label, reserve=args.interactive_reserve)
+            )
+        ]
 
     return traffic.execute(NAME, args, target, steps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from ssl import SSLContext
 from typing import Any, TypeVar
@@ -14,6 +14,7 @@ import uvloop
 
 from clients import tls
 from clients.client import NO_RETRY, GovernorClient, RetryPolicy
+from clients.fleet import FleetClient
 from protocol.addresses import parse_address
 
 DEFAULT_ADDR = "127.0.0.1:7777"
@@ -37,6 +38,31 @@ def parse_addr(text: str) -> tuple[str, int]:
         return parse_address(text, allow_port_zero=False)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_addrs(text: str) -> list[tuple[str, int]]:
+    """One or more comma-separated ``HOST:PORT``, for argparse (with :class:`AddressList`)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r} names no HOST:PORT")
+    return [parse_addr(part) for part in parts]
+
+
+class AddressList(argparse.Action):
+    """``--addr``, repeatable and comma-separated: ``addr`` is the first address (the one
+    governor of a single-address run, as before), ``addrs`` every one given (not set at all
+    when the option was not given)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        addrs = [*(getattr(namespace, "addrs", None) or []), *values]
+        namespace.addrs = addrs
+        setattr(namespace, self.dest, addrs[0])
 
 
 def positive_int(text: str) -> int:
@@ -108,12 +134,21 @@ def add_tls_arguments(parser: argparse.ArgumentParser | Any) -> None:
 def endpoint_from(args: argparse.Namespace) -> Endpoint:
     """``--addr`` and the options of :func:`add_tls_arguments`; a CA or certificate that cannot
     be used ends the command (exit status 1, with the file named)."""
-    host, port = args.addr
+    return endpoints_from(args, [args.addr])[0]
+
+
+def endpoints_from(
+    args: argparse.Namespace, addrs: Sequence[tuple[str, int]] | None = None
+) -> list[Endpoint]:
+    """:func:`endpoint_from` for each of ``addrs`` (by default every ``--addr`` given, as
+    :class:`AddressList` keeps them), all with the same TLS options."""
+    if addrs is None:
+        addrs = getattr(args, "addrs", None) or [args.addr]
     try:
         context = tls.context_from(args)
     except tls.TLSSetupError as exc:
         raise SystemExit(f"loadtest: {exc}") from None
-    return Endpoint(host, port, context, args.tls_server_name)
+    return [Endpoint(host, port, context, args.tls_server_name) for host, port in addrs]
 
 
 # Timed connections ----------------------------------------------------------------------
@@ -136,7 +171,7 @@ async def connect_all(
             group.create_task(one())
 
 
-async def close_all(clients: list[GovernorClient]) -> None:
+async def close_all(clients: Sequence[GovernorClient | FleetClient]) -> None:
     """Close every connection, bounded by :data:`CLOSE_TIMEOUT_S` in all."""
     if not clients:
         return

@@ -4,6 +4,8 @@ Two targets with one interface, so that one workload runs unchanged against both
 
 * :class:`GovernorTarget`: the governor's newline-JSON protocol through
   :class:`clients.GovernorClient`, a pool of connections, retrying on ``yield`` as told;
+* :class:`FleetTarget`: the same protocol over several replicas of the governor, each client
+  a :class:`clients.FleetClient` (a connection to every replica);
 * :class:`OpenAITarget`: an OpenAI-compatible server's streamed ``/v1/completions`` or
   ``/v1/chat/completions`` (the queueing baseline: llama-cpp-python's own server on the same
   model, llama.cpp's llama-server, or any such sidecar).
@@ -15,15 +17,19 @@ target fills it in as replies arrive, so a request cancelled at the deadline kee
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 import orjson
 
-from clients.client import ClientError, GovernorClient, RetryPolicy
+from clients.client import ClientError, GovernorClient, RetryPolicy, UploadResult
+from clients.fleet import FleetClient, FleetResult, Replicas, resolve
 from governor.policy import LANES
 from protocol.codes import Status
 from protocol.frames import Reply
@@ -149,67 +155,155 @@ class GovernorTarget:
             outcome.status, outcome.reason, outcome.end_s = ERROR, type(exc).__name__, _since(t0)
 
     async def _send(self, client: GovernorClient, index: int, outcome: Outcome, t0: float) -> None:
-        req, shape = outcome.request, self.shape
+        await exchange(client, self.shape, self.retry, index, outcome, t0)
 
-        def on_attempt(sent_at: float, reply: Reply) -> None:
-            outcome.attempts += 1
-            if reply.status == Status.YIELD:
-                now = time.monotonic()
-                outcome.yields.append((now - t0, reply.need_code or "?", (now - sent_at) * 1000))
 
-        def on_delta(text: str) -> None:
-            if outcome.first_token_s is None:
-                outcome.first_token_s = _since(t0)
-            outcome.tokens += 1
+class FleetTarget:
+    """The governor over several replicas: each of the driver's connections is a
+    :class:`FleetClient` with a connection to every replica, and all of them share one
+    :class:`Replicas` (what one client learns of a replica's load, the others use).
 
-        job = f"{req.cls}-{index}"
-        if shape.ping:
-            outcome.attempts = 1
-            reply = await client.ping()
-            outcome.end_s = outcome.first_token_s = _since(t0)
-            outcome.status, outcome.reason = (
-                (DONE, None)
-                if reply.status == Status.OK
-                else (ABORTED, reply.need_code or str(reply.status))
-            )
-            return
-        if shape.payload_bytes is not None:
-            result = await client.upload(
-                random.Random(index).randbytes(shape.payload_bytes),
-                job=job,
-                chunk_bytes=shape.chunk_bytes,
-                retry=self.retry,
-                on_attempt=on_attempt,
-            )
-        else:
-            text = shape.prompt(req, index)
-            spec = JobSpec(
-                prompt=None if shape.chat else text,
-                messages=(Message("user", text),) if shape.chat else None,
-                max_new_tokens=req.output_tokens,
-                temperature=shape.temperature,
-                seed=index,
-                ignore_eos=shape.ignore_eos,
-                stream=True,
-                lane=req.cls if shape.send_lane and req.cls in LANES else None,
-            )
-            result = await client.generate(
-                spec, job=job, retry=self.retry, on_attempt=on_attempt, on_delta=on_delta
-            )
-        outcome.end_s = _since(t0)
-        outcome.first_retry_admitted = result.attempts == 2 and result.admitted_at is not None
-        reply = result.reply
-        if reply.status == Status.DONE:
-            outcome.status = DONE
-            if outcome.first_token_s is None:  # a payload job's output is its done frame
-                outcome.first_token_s = outcome.end_s
-            tokens = (reply.result or {}).get("completion_tokens")
-            if isinstance(tokens, int):
-                outcome.tokens = tokens
-        elif reply.status == Status.YIELD:
-            outcome.status, outcome.reason = YIELDED, reply.need_code or "?"
-        else:
-            outcome.status, outcome.reason = ABORTED, reply.need_code or str(reply.status)
+    ``addr`` is the addresses as given, comma-separated. There is no monitor: a monitor pings
+    one governor, and its inflight would be one replica's.
+    """
+
+    kind = "governor"
+
+    def __init__(self, endpoints: Sequence[Endpoint], shape: Shape, retry: RetryPolicy) -> None:
+        if not endpoints:
+            raise ValueError("a fleet needs at least one address")
+        self.endpoints = list(endpoints)
+        self.addr = ",".join(e.addr for e in self.endpoints)
+        self.shape = shape
+        self.retry = retry
+        self.replicas: Replicas | None = None
+        self.clients: list[FleetClient] = []
+        self.done_by: collections.Counter[str] = collections.Counter()  # jobs done, by replica
+        self._timeout = 10.0
+
+    def _client(self) -> FleetClient:
+        assert self.replicas is not None, "open() first"
+        first = self.endpoints[0]  # (every endpoint has the same TLS options)
+        return FleetClient(
+            self.replicas,
+            ssl=first.ssl,
+            server_hostname=first.server_hostname,
+            connect_timeout=self._timeout,
+        )
+
+    async def open(self, connections: int, *, timeout: float) -> None:
+        """Resolve the addresses and connect every client to every replica; raises
+        :class:`clients.NoReplicaAvailable` when a client can reach none."""
+        self._timeout = timeout
+        async with asyncio.timeout(timeout):
+            found = await resolve([e.addr for e in self.endpoints])
+        self.replicas = Replicas(found)
+        count = 0 if self.shape.reconnect else connections
+        self.clients = [self._client() for _ in range(count)]
+        async with asyncio.TaskGroup() as group:
+            for client in self.clients:
+                group.create_task(client.open())
+
+    async def close(self) -> None:
+        clients, self.clients = self.clients, []
+        await close_all(clients)
+
+    def replica_counts(self) -> dict[str, int]:
+        """Jobs done by each replica (every replica named, 0 for one that finished none)."""
+        counts = (
+            dict.fromkeys((a.name for a in self.replicas.addresses), 0) if self.replicas else {}
+        )
+        counts.update(self.done_by)
+        return counts
+
+    async def send(self, index: int, outcome: Outcome, t0: float, connection: int) -> None:
+        try:
+            if not self.shape.reconnect:
+                client = self.clients[connection % len(self.clients)]
+                self._count(await exchange(client, self.shape, self.retry, index, outcome, t0))
+                return
+            async with self._client() as client:
+                self._count(await exchange(client, self.shape, self.retry, index, outcome, t0))
+        except (ClientError, OSError, TimeoutError) as exc:
+            outcome.status, outcome.reason, outcome.end_s = ERROR, type(exc).__name__, _since(t0)
+
+    def _count(self, result: UploadResult | None) -> None:
+        if isinstance(result, FleetResult) and result.done:
+            self.done_by[result.replica] += 1
+
+
+async def exchange(
+    client: GovernorClient | FleetClient,
+    shape: Shape,
+    retry: RetryPolicy,
+    index: int,
+    outcome: Outcome,
+    t0: float,
+) -> UploadResult | None:
+    """Send request ``index`` as ``shape`` says and fill in ``outcome``; the job's result
+    (None for a ping)."""
+    req = outcome.request
+
+    def on_attempt(sent_at: float, reply: Reply) -> None:
+        outcome.attempts += 1
+        if reply.status == Status.YIELD:
+            now = time.monotonic()
+            outcome.yields.append((now - t0, reply.need_code or "?", (now - sent_at) * 1000))
+
+    def on_delta(text: str) -> None:
+        if outcome.first_token_s is None:
+            outcome.first_token_s = _since(t0)
+        outcome.tokens += 1
+
+    job = f"{req.cls}-{index}"
+    if shape.ping:
+        outcome.attempts = 1
+        reply = await client.ping()
+        outcome.end_s = outcome.first_token_s = _since(t0)
+        outcome.status, outcome.reason = (
+            (DONE, None)
+            if reply.status == Status.OK
+            else (ABORTED, reply.need_code or str(reply.status))
+        )
+        return None
+    if shape.payload_bytes is not None:
+        result = await client.upload(
+            random.Random(index).randbytes(shape.payload_bytes),
+            job=job,
+            chunk_bytes=shape.chunk_bytes,
+            retry=retry,
+            on_attempt=on_attempt,
+        )
+    else:
+        text = shape.prompt(req, index)
+        spec = JobSpec(
+            prompt=None if shape.chat else text,
+            messages=(Message("user", text),) if shape.chat else None,
+            max_new_tokens=req.output_tokens,
+            temperature=shape.temperature,
+            seed=index,
+            ignore_eos=shape.ignore_eos,
+            stream=True,
+            lane=req.cls if shape.send_lane and req.cls in LANES else None,
+        )
+        result = await client.generate(
+            spec, job=job, retry=retry, on_attempt=on_attempt, on_delta=on_delta
+        )
+    outcome.end_s = _since(t0)
+    outcome.first_retry_admitted = result.attempts == 2 and result.admitted_at is not None
+    reply = result.reply
+    if reply.status == Status.DONE:
+        outcome.status = DONE
+        if outcome.first_token_s is None:  # a payload job's output is its done frame
+            outcome.first_token_s = outcome.end_s
+        tokens = (reply.result or {}).get("completion_tokens")
+        if isinstance(tokens, int):
+            outcome.tokens = tokens
+    elif reply.status == Status.YIELD:
+        outcome.status, outcome.reason = YIELDED, reply.need_code or "?"
+    else:
+        outcome.status, outcome.reason = ABORTED, reply.need_code or str(reply.status)
+    return result
 
 
 class OpenAITarget:

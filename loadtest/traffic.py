@@ -15,14 +15,18 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from clients.fleet import resolve_now
+
 from .common import (
     DEFAULT_ADDR,
     RETRY_MODES,
+    AddressList,
     StartError,
     add_tls_arguments,
-    endpoint_from,
+    endpoints_from,
     non_negative_int,
     parse_addr,
+    parse_addrs,
     positive_float,
     positive_int,
     retry_policy,
@@ -31,7 +35,7 @@ from .common import (
 from .driver import open_loop
 from .render import output_dir, write_outputs
 from .report import Slo, build, parse_slo, step, summary_lines
-from .targets import GovernorTarget, OpenAITarget, Shape, Target
+from .targets import FleetTarget, GovernorTarget, OpenAITarget, Shape, Target
 from .workload import Request
 
 Steps = Callable[[Target, Slo], Coroutine[Any, Any, list[dict[str, Any]]]]
@@ -42,10 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
     target = parser.add_argument_group("target")
     target.add_argument(
         "--addr",
-        type=parse_addr,
+        type=parse_addrs,
+        action=AddressList,
         default=parse_addr(DEFAULT_ADDR),
-        metavar="HOST:PORT",
-        help=f"the governor to load; the only address connected to (default: {DEFAULT_ADDR})",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the governor to load; the only address connected to (default: "
+        f"{DEFAULT_ADDR}). Several (repeated or comma-separated), or a name that resolves to "
+        "several addresses, are replicas of one service: each client is then a FleetClient "
+        "over all of them (two random choices, moving on a yield), and the report counts the "
+        "jobs each replica finished; there is no monitor",
     )
     target.add_argument(
         "--openai",
@@ -182,9 +191,18 @@ def target_from(
         if payload_bytes is not None or ping or reconnect:
             raise SystemExit("loadtest: --openai sends inference jobs only: give --prompt-tokens")
         return OpenAITarget(args.openai, shape, args.model)
-    return GovernorTarget(
-        endpoint_from(args), shape, retry_policy(args.retry, args.max_attempts, args.fixed_ms)
-    )
+    endpoints = endpoints_from(args)
+    retry = retry_policy(args.retry, args.max_attempts, args.fixed_ms)
+    if len(endpoints) == 1 and len(resolve_now([endpoints[0].addr])) == 1:
+        return GovernorTarget(endpoints[0], shape, retry)
+    return FleetTarget(endpoints, shape, retry)
+
+
+def with_replicas(target: Target, step_report: dict[str, Any]) -> dict[str, Any]:
+    """A step of a run over several replicas, with the jobs each one finished."""
+    if isinstance(target, FleetTarget):
+        step_report["replicas"] = target.replica_counts()
+    return step_report
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -278,12 +296,15 @@ def open_steps(
                 progress_out=progress_stream(args),
             )
             out.append(
-                step(
-                    result,
-                    slo,
-                    label=label,
-                    offered_rps=offered_rps,
-                    reserve=args.interactive_reserve,
+                with_replicas(
+                    target,
+                    step(
+                        result,
+                        slo,
+                        label=label,
+                        offered_rps=offered_rps,
+                        reserve=args.interactive_reserve,
+                    ),
                 )
             )
         return out
