@@ -11,6 +11,7 @@ node)::
     gov{NAME}:leases              sorted set: lease id -> expiry (ms)
     gov{NAME}:ends                sorted set: lease id -> expected end (ms), for the hints
     gov{NAME}:replicas            sorted set: replica id -> heartbeat expiry (ms)
+    gov{NAME}:promises            sorted set: refused lease id -> when it was told to come back
     gov{NAME}:t:TENANT:leases     sorted set: the tenant's lease ids -> expiry (ms)
     gov{NAME}:t:TENANT:bucket     hash: the tenant's token buckets (level and stamp of each)
 """
@@ -18,6 +19,7 @@ node)::
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -44,6 +46,13 @@ local cap, tcap = tonumber(ARGV[4]), tonumber(ARGV[5])
 local rrate, rburst = tonumber(ARGV[6]), tonumber(ARGV[7])
 local trate, tburst, tokens = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local replica = ARGV[11]
+-- This replica's releases not yet written go first, so that the job taking a slot its last
+-- job left never finds that job's lease still counted.
+for i = 12, #ARGV do
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  redis.call('ZREM', KEYS[2], ARGV[i])
+  redis.call('ZREM', KEYS[i - 5], ARGV[i])
+end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 512)
 if #dead > 0 then
   redis.call('ZREM', KEYS[1], unpack(dead))
@@ -64,10 +73,19 @@ local function soonest(members)
   return math.max(best - now, 0)
 end
 if cap > 0 and inflight >= cap then
-  local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  local wait = 0
-  if first[2] then wait = math.max(tonumber(first[2]) - now, 0) end
-  return {0, 'fleet_busy', math.ceil(wait), replicas, inflight}
+  -- Spread the refused over the coming ends, in line: the k-th client still waiting is told
+  -- the (k mod n)-th soonest end, k div n turns of a job like its own later.
+  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+  local waiting = redis.call('ZCARD', KEYS[6])
+  local turn = math.max(expected, 1)
+  local n = math.max(redis.call('ZCARD', KEYS[2]), 1)
+  local at = now + turn / 4
+  local nth = redis.call('ZRANGE', KEYS[2], waiting % n, waiting % n, 'WITHSCORES')
+  if nth[2] then at = math.max(tonumber(nth[2]), at) end
+  at = math.ceil(at + math.floor(waiting / n) * turn)
+  redis.call('ZADD', KEYS[6], at, lease)
+  redis.call('PEXPIRE', KEYS[6], at - now + ttl)
+  return {0, 'fleet_busy', at - now, replicas, inflight}
 end
 if tcap > 0 and redis.call('ZCARD', KEYS[3]) >= tcap then
   local wait = soonest(redis.call('ZRANGE', KEYS[3], 0, -1))
@@ -158,11 +176,15 @@ class RedisStore:
         self.leases_key = f"{self.prefix}:leases"
         self.ends_key = f"{self.prefix}:ends"
         self.replicas_key = f"{self.prefix}:replicas"
+        self.promises_key = f"{self.prefix}:promises"
 
     def tenant_key(self, tenant: str, what: str) -> str:
         return f"{self.prefix}:t:{tenant}:{what}"
 
-    async def acquire(self, ask: Ask, *, ttl_ms: int, cap: int, replica: str) -> Answer:
+    async def acquire(
+        self, ask: Ask, *, ttl_ms: int, cap: int, replica: str, released: Sequence[Lease] = ()
+    ) -> Answer:
+        """The admission's one step; ``released``: leases to free first (at most :data:`BATCH`)."""
         tenant = ask.tenant
         reply = await self._acquire(
             keys=[
@@ -171,6 +193,8 @@ class RedisStore:
                 self.tenant_key(tenant.name, "leases"),
                 self.tenant_key(tenant.name, "bucket"),
                 self.replicas_key,
+                self.promises_key,
+                *(self.tenant_key(lease.tenant, "leases") for lease in released),
             ],
             args=[
                 ask.lease.id,
@@ -184,6 +208,7 @@ class RedisStore:
                 tenant.token_burst or max(tenant.tokens_per_s, 1.0),
                 ask.tokens,
                 replica,
+                *(lease.id for lease in released),
             ],
         )
         allowed, code, wait_ms, replicas, inflight = reply
@@ -253,7 +278,7 @@ class Fleet:
         self.ttl_ms = round(s.lease_ttl_s * 1000)
         self.renew_s = s.lease_ttl_s / 3
         self.seconds = Histogram(STORE_BUCKETS)  # the store's answers to admissions
-        self._pending: list[Lease] = []  # released, not yet written
+        self._pending: dict[str, Lease] = {}  # released, not yet written, oldest first
         self._wake = asyncio.Event()
         self._closed = False
         gate.breaker.on_change = self._changed
@@ -268,6 +293,7 @@ class Fleet:
         trial = gate.ask()
         if trial is not None:
             ask = gate.question(lease, tenant, tokens, expected_s)
+            released = list(itertools.islice(self._pending.values(), BATCH))
             started = time.perf_counter()
             try:
                 async with asyncio.timeout(gate.settings.timeout_s):
@@ -276,6 +302,7 @@ class Fleet:
                         ttl_ms=self.ttl_ms,
                         cap=gate.settings.max_inflight,
                         replica=gate.settings.replica_id,
+                        released=released,
                     )
             except STORE_ERRORS as exc:
                 _reraise_cancel()
@@ -284,6 +311,7 @@ class Fleet:
                 log.debug("fleet store failed an admission: %r", exc)
             else:
                 self.seconds.observe(time.perf_counter() - started)
+                self._written(released)
                 return gate.answered(lease, answer, trial=trial)
         return gate.on_share(lease, tenant, tokens, next_end_ms)
 
@@ -294,10 +322,14 @@ class Fleet:
 
     def _forget(self, lease: Lease) -> None:
         pending = self._pending
-        pending.append(lease)
+        pending[lease.id] = lease
         if len(pending) > MAX_PENDING_RELEASES:  # (the store has been away: they expire there)
-            del pending[: len(pending) - MAX_PENDING_RELEASES]
+            del pending[next(iter(pending))]
         self._wake.set()
+
+    def _written(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            self._pending.pop(lease.id, None)
 
     async def run(self) -> None:
         """Write releases as they come (a batch per turn), and renew this replica's leases and
@@ -314,14 +346,15 @@ class Fleet:
                 except TimeoutError:
                     _reraise_cancel()
             self._wake.clear()
-            batch = self._pending[:]
-            if batch and await self._write(batch, renew=False):
-                del self._pending[: len(batch)]  # (not those released while it was written)
+            batch = list(self._pending.values())
+            written = not batch or await self._write(batch, renew=False)
+            if written:
+                self._written(batch)  # (not those released while it was written)
             if loop.time() >= renew_at:
                 await self._write(list(self.gate.leases.values()), renew=True)
                 renew_at = loop.time() + self.renew_s
-            elif self._pending:
-                # The store refused the batch: try again at the next renewal, not in a loop.
+            elif not written:
+                # The store did not take the batch: try again at the next renewal, not in a loop.
                 await asyncio.sleep(max(renew_at - loop.time(), 0))
 
     async def _write(self, leases: list[Lease], *, renew: bool) -> bool:
@@ -374,8 +407,8 @@ class Fleet:
         if self._closed:
             return
         self._closed = True
-        leases = list(self.gate.leases.values()) + self._pending
-        self._pending = []
+        leases = [*self.gate.leases.values(), *self._pending.values()]
+        self._pending = {}
         if leases:
             try:
                 async with asyncio.timeout(1.0):

@@ -149,6 +149,46 @@ def test_fleet_settings_are_checked() -> None:
             Config(**bad)
 
 
+class SlowStore:
+    """A store whose writes wait for the test to let them through, recording what they wrote."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.released: list[str] = []
+        self.renewals = 0
+
+    async def release(self, leases: list[Lease]) -> None:
+        await self.gate.wait()
+        self.released += [lease.id for lease in leases]
+
+    async def renew(self, leases: list[Lease], *, ttl_ms: int, replica: str) -> int:
+        self.renewals += 1
+        return 1
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_releases_that_come_while_a_batch_is_written_are_written_next() -> None:
+    from governor.fleetstore import Fleet
+
+    store = SlowStore()
+    fleet = Fleet(gate(FakeClock(), lease_ttl_s=30.0), store)  # type: ignore[arg-type]
+    writer = asyncio.create_task(fleet.run())
+    try:
+        await wait_until(lambda: store.renewals == 1)
+        first, second = fleet.gate.lease("t", "-"), fleet.gate.lease("t", "-")
+        fleet.release(first)
+        await asyncio.sleep(0.01)  # the writer is in the first batch's write, waiting
+        fleet.release(second)
+        store.gate.set()
+        # Not left for the next renewal, ten seconds away.
+        await wait_until(lambda: store.released == [first.id, second.id], timeout=2)
+    finally:
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+
+
 # The store's script, against a real Redis ----------------------------------------------------
 
 
@@ -199,6 +239,31 @@ async def test_an_unrenewed_lease_expires_and_a_renewed_one_lives(
             g.question(g.lease("t", "-"), t, 1, 5.0), ttl_ms=400, cap=2, replica="r"
         )
         assert again.allowed
+    finally:
+        await store.close()
+
+
+async def test_clients_the_full_fleet_refuses_are_spread_over_its_coming_ends(
+    redis_server: RedisServer,
+) -> None:
+    """Two leases end in about 1 s and 2 s: the first client refused is told 1 s, the second
+    2 s, the third a turn of its own job (500 ms) after the first end, and so on, instead of
+    all coming back at the first end."""
+    store = RedisStore(redis_server.url)
+    g = gate(FakeClock())
+    t = tenant()
+    try:
+        for expected in (1.0, 2.0):
+            ask = g.question(g.lease("t", "-"), t, 1, expected)
+            assert (await store.acquire(ask, ttl_ms=10_000, cap=2, replica="r")).allowed
+        hints = []
+        for _ in range(4):
+            ask = g.question(g.lease("t", "-"), t, 1, 0.5)
+            answer = await store.acquire(ask, ttl_ms=10_000, cap=2, replica="r")
+            assert answer.code == "fleet_busy"
+            hints.append(answer.wait_ms)
+        for hint, want in zip(hints, (1000, 2000, 1500, 2500), strict=True):
+            assert want - 200 <= hint <= want, hints
     finally:
         await store.close()
 
@@ -314,7 +379,8 @@ async def fleet_of(make_server: ServerFactory, url: str, n: int, **config: Any) 
 async def test_the_fleet_cap_holds_over_replicas_and_frees_when_jobs_end(
     make_server: ServerFactory, redis_server: RedisServer
 ) -> None:
-    servers = await fleet_of(make_server, redis_server.url, 2, fleet_max_inflight=3)
+    # lease_ttl 30: a renewal every 10 s, so a release left for the next one would show.
+    servers = await fleet_of(make_server, redis_server.url, 2, fleet_max_inflight=3, lease_ttl=30.0)
     results = await asyncio.gather(
         *(run_job(servers[i % 2], f"J{i}", b"payload") for i in range(4))
     )
@@ -327,7 +393,8 @@ async def test_the_fleet_cap_holds_over_replicas_and_frees_when_jobs_end(
     store = RedisStore(redis_server.url)
     try:
         await wait_until(lambda: all(not s.fleet.gate.leases for s in servers if s.fleet))
-        await leases_until(store, lambda n: n == 0, 5)
+        # Written as they come: those released while a batch was written too.
+        await leases_until(store, lambda n: n == 0, 3)
     finally:
         await store.close()
     assert all(s.inflight == 0 and s.live_jobs == 0 for s in servers)
