@@ -19,6 +19,7 @@ from . import (
     burst,
     ceiling,
     compare,
+    fleetbench,
     generation,
     idle,
     lanes,
@@ -76,6 +77,7 @@ COMMANDS: dict[str, Command] = {
         _tls_cost,
         _ceiling,
         _generation,
+        fleetbench,
     )
 }
 
