@@ -20,7 +20,7 @@ import struct
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
 import pytest
@@ -41,6 +41,7 @@ from governor.ledger import Refusal
 from governor.runners import Finished, Job, RunEvent, RunnerError, RunnerHealth
 from governor.server import Server
 from governor.tenants import TenantConfig
+from loadtest.redisserver import RedisServer
 from protocol.upload import split_payload
 
 from .conftest import RawConn, ServerFactory, receipt, wait_until
@@ -413,6 +414,8 @@ class Interleavings(RuleBasedStateMachine):
     """Drives one real server on a loop of its own; ``make_loop`` picks the loop."""
 
     make_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
+    # More settings for the server: a fleet's (a real Redis) in the fleet's variant.
+    config: ClassVar[dict[str, Any]] = {}
 
     def __init__(self) -> None:
         super().__init__()
@@ -460,6 +463,7 @@ class Interleavings(RuleBasedStateMachine):
                 held_payloads_per_conn=1,
                 max_buffer_bytes=BUFFER_BYTES,
                 tenants=TENANTS,
+                **self.config,
             )
             server = Server(config, self.runner)
             await server.start(sock=sock)
@@ -698,6 +702,10 @@ class Interleavings(RuleBasedStateMachine):
                 assert tenant.inflight <= tenant.config.max_inflight, tenant.name
             assert len(self.runner.running()) <= live
             assert buffered <= BUFFER_BYTES
+            if server.fleet is not None:  # the runner runs only jobs the fleet leased
+                leases = len(server.fleet.gate.leases)
+                assert leases <= self.config["fleet_max_inflight"]
+                assert len(self.runner.running()) <= leases
 
     @invariant()
     def one_answer_each(self) -> None:
@@ -801,6 +809,23 @@ def test_random_interleavings_never_leak(machine: type[Interleavings]) -> None:
     # A plain test on a loop of the machine's own: pytest-asyncio's loop takes no part.
     run_state_machine_as_test(
         machine, settings=settings(max_examples=40, stateful_step_count=20, deadline=None)
+    )
+
+
+@pytest.mark.slow
+def test_random_interleavings_never_leak_with_a_fleet(redis_server: RedisServer) -> None:
+    """The same, with a fleet cap of 1 under the server's 2: jobs admitted here are refused by
+    the fleet and taken back (their payloads held for a retry) amid cancels, resets and the
+    drain; nothing may leak, and the runner never runs more than the fleet leased."""
+
+    class OnAFleet(OnUvloop):
+        config: ClassVar[dict[str, Any]] = {
+            "redis_url": redis_server.url,
+            "fleet_max_inflight": 1,
+        }
+
+    run_state_machine_as_test(
+        OnAFleet, settings=settings(max_examples=30, stateful_step_count=20, deadline=None)
     )
 
 
