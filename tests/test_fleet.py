@@ -401,6 +401,30 @@ async def test_the_fleet_cap_holds_over_replicas_and_frees_when_jobs_end(
     assert all(s.tenants.all()[0].inflight == 0 for s in servers)
 
 
+async def test_a_job_longer_than_the_lease_ttl_keeps_its_lease(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    """A 2.5 s job under a 0.6 s lease_ttl: its replica renews the lease every 0.2 s, so the
+    store counts it the whole time, and a second job is refused by the fleet meanwhile."""
+    servers = await fleet_of(
+        make_server, redis_server.url, 2, fleet_max_inflight=1, lease_ttl=0.6, stub_ms=2500
+    )
+    long_job = asyncio.create_task(run_job(servers[0], "long", b"x"))
+    store = RedisStore(redis_server.url)
+    try:
+        await leases_until(store, lambda n: n == 1, 5)
+        seen = set()
+        for _ in range(8):  # 1.6 s: well past the lease's own time to live
+            seen.add(await store.inflight())
+            await asyncio.sleep(0.2)
+        assert seen == {1}
+        refused = await run_job(servers[1], "other", b"x")
+        assert refused.reply.need_code == NeedCode.FLEET_BUSY
+        assert (await long_job).done
+    finally:
+        await store.close()
+
+
 async def test_a_job_the_fleet_refused_keeps_its_payload_and_its_retry_runs(
     make_server: ServerFactory, redis_server: RedisServer
 ) -> None:
