@@ -19,6 +19,7 @@ from . import (
     burst,
     ceiling,
     compare,
+    fleet,
     fleetbench,
     generation,
     idle,
@@ -78,6 +79,7 @@ COMMANDS: dict[str, Command] = {
         _ceiling,
         _generation,
         fleetbench,
+        fleet,
     )
 }
 
