@@ -17,6 +17,11 @@ injected clock), so the cap holds by construction. Its order is written once, he
                             yield ``breaker_open``; while degraded, heavy and background work
                             goes to the fallback pool when it has a slot
 7. the ledger               a slot, or yield ``server_busy``, ``lane_full``, ``kv_pressure``
+8. the fleet (redis_url)    asked by the execution, after this decision, only about a job
+                            admitted here (:mod:`governor.fleet`): refused, the admission is
+                            taken back (:meth:`Admission.revoke`) and the client yields
+                            ``fleet_busy``, ``tenant_busy``, ``rate_limited`` or
+                            ``fleet_unavailable``
 
 Nothing changes unless the answer is :class:`Admitted`: a refused job keeps its
 ``max_new_tokens``, the ladder counts no activation for it, the tenant's buckets are not
@@ -64,7 +69,9 @@ BACKEND_FAILURES = frozenset(
 )
 # Ends that say nothing of the pool's health or load: not counted by the overload state.
 NEUTRAL_OUTCOMES = frozenset({"cancelled", "client_gone", "revoked"})
-UNAVAILABLE_CODES = frozenset({NeedCode.DRAINING, NeedCode.BREAKER_OPEN})
+UNAVAILABLE_CODES = frozenset(
+    {NeedCode.DRAINING, NeedCode.BREAKER_OPEN, NeedCode.FLEET_UNAVAILABLE}
+)
 
 
 @dataclass(frozen=True, slots=True)

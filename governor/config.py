@@ -273,7 +273,7 @@ class Config:
     )
     replica_id: str | None = _opt(
         None,
-        "Fleet: this replica's name in the store (its leases, its heartbeat); unset: the host name, listen port and process id.",
+        "Fleet: this replica's name in the store (its leases, its heartbeat); unset: the host name and process id.",
     )
     lease_ttl: float = _opt(
         10.0,

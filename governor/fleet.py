@@ -7,8 +7,8 @@ token buckets and a *lease* on the fleet's cap, and answers allowed, or refused 
 and the milliseconds until it could be allowed:
 
 =====================  ======================================================================
-``fleet_busy``         ``fleet_max_inflight`` jobs hold leases; the hint: the soonest expected
-                       end of one of them
+``fleet_busy``         ``fleet_max_inflight`` jobs hold leases; the hint spreads the refused
+                       over the leases' expected ends, in the order they were refused
 ``tenant_busy``        the tenant's ``max_inflight`` jobs run over the fleet
 ``rate_limited``       the tenant's fleet-wide request or token bucket is empty
 =====================  ======================================================================

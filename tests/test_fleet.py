@@ -30,7 +30,7 @@ from governor.fleet import Answer, FleetGate, FleetSettings, Lease
 from governor.fleetstore import RedisStore
 from governor.server import Server
 from loadtest.redisserver import RedisServer
-from protocol.codes import NeedCode, Status
+from protocol.codes import ErrorCode, NeedCode, Status
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 
 from .conftest import Daemon, ServerFactory, wait_until
@@ -500,6 +500,7 @@ async def test_lanes_fail_open_or_closed_while_the_store_is_down_and_it_comes_ba
         assert codes == ["done", "done", "fleet_busy"]
         heavy = await run_job(servers[0], "h", job(lane="heavy"))
         assert heavy.reply.need_code == NeedCode.FLEET_UNAVAILABLE
+        assert heavy.reply.error_code == ErrorCode.UNAVAILABLE
         assert heavy.reply.retry_hint_ms >= 5
         fleet = servers[0].fleet
         assert fleet.gate.store_state == BreakerState.OPEN
