@@ -260,8 +260,9 @@ STORE_ERRORS = (TimeoutError, RedisError, OSError)
 
 
 def _reraise_cancel() -> None:
-    """Raise the cancel an error from the client hid: redis-py turns a cancel that lands while
-    it connects into a ConnectionError, and the task that was cancelled would go on."""
+    """Raise the cancel the client hid: redis-py can turn a cancel that lands while it connects
+    into a ConnectionError, or finish the command and return its answer, and the task that was
+    cancelled (its client gone) would go on."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
@@ -312,7 +313,9 @@ class Fleet:
             else:
                 self.seconds.observe(time.perf_counter() - started)
                 self._written(released)
-                return gate.answered(lease, answer, trial=trial)
+                refusal = gate.answered(lease, answer, trial=trial)
+                _reraise_cancel()  # (the caller releases the lease it may have been granted)
+                return refusal
         return gate.on_share(lease, tenant, tokens, next_end_ms)
 
     def release(self, lease: Lease) -> None:

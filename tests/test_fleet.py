@@ -34,6 +34,7 @@ from protocol.codes import ErrorCode, NeedCode, Status
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 
 from .conftest import Daemon, ServerFactory, wait_until
+from .test_invariants import inline
 
 
 class FakeClock:
@@ -436,6 +437,31 @@ async def test_a_job_the_fleet_refused_keeps_its_payload_and_its_retry_runs(
     assert any(y.need_code == NeedCode.FLEET_BUSY for r in results for y in r.yields)
     assert sum(s.ledger.executed_total for s in servers) == 4
     assert all(s.buffered_bytes == 0 for s in servers)
+
+
+async def test_a_client_gone_while_the_fleet_answers_leaves_nothing_held(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    """Clients that send a job and close at once, while the fleet's one lease is taken: the
+    store's refusal comes back after the connection is gone, and must not hold the payload
+    for a retry that cannot come (found by the interleavings state machine)."""
+    (server,) = await fleet_of(
+        make_server, redis_server.url, 1, fleet_max_inflight=1, stub_ms=30_000
+    )
+    host, port = server.address
+    holder = asyncio.create_task(run_job(server, "hold", b"x" * 5))
+    await wait_until(lambda: server.fleet is not None and len(server.fleet.gate.leases) == 1)
+    for i in range(40):
+        _, writer = await asyncio.open_connection(host, port)
+        writer.write(inline(f"J{i}", 1, data="hello"))
+        writer.close()
+        await asyncio.sleep(0.005)
+    await wait_until(lambda: len(server.connections) == 1)  # the holder's
+    await asyncio.sleep(0.1)
+    assert server.buffered_bytes == 5  # the running job's, nothing of the gone clients'
+    assert server.inflight == server.live_jobs == 1
+    holder.cancel()
+    await asyncio.gather(holder, return_exceptions=True)
 
 
 async def test_the_fleet_holds_a_tenants_quota_over_replicas(
