@@ -22,12 +22,9 @@ import asyncio
 import collections
 import hashlib
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +38,8 @@ from governor.fleet import FleetGate, FleetSettings
 from governor.fleetstore import RedisStore
 from governor.tenants import TenantConfig
 
-from .redisserver import RedisServer, free_port
+from .fleet import Replica, replica_set
+from .redisserver import RedisServer
 from .stats import percentile
 
 NAME = "fleet-bench"
@@ -51,78 +49,10 @@ MEASURES = ("latency", "cap", "tenants", "throughput")
 # Replicas -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Replica:
-    """One ``governor serve`` process, its stderr in a file (never a pipe left unread)."""
-
-    proc: subprocess.Popen[bytes]
-    addr: str
-    metrics: str
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def leases(self) -> int:
-        """This replica's ``governor_fleet_leases`` now."""
-        with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=2) as r:
-            for line in r.read().splitlines():
-                if line.startswith(b"governor_fleet_leases "):
-                    return int(float(line.split()[1]))
-        return 0
-
-
-def start_replica(folder: Path, *flags: str, timeout: float = 60.0) -> Replica:
-    """A replica on free ports of its own (its log stays at warning: no line per job)."""
-    addr, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    log = folder / f"replica-{time.monotonic_ns()}.log"
-    with log.open("wb") as err:
-        proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "governor", "serve", "--runner", "stub"),
-                *("--listen", addr, "--metrics-listen", metrics, "--log-level", "warning"),
-                *flags,
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-    replica = Replica(proc, addr, metrics)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://{metrics}/healthz/ready", timeout=1):
-                return replica
-        except OSError:
-            time.sleep(0.05)
-    replica.stop()
-    raise RuntimeError(f"a replica did not start: {log.read_text(errors='replace')[-2000:]}")
-
-
-class Fleet:
-    """N replicas with the same flags, started together, stopped by their PIDs."""
-
-    def __init__(self, folder: Path, n: int, *flags: str) -> None:
-        self.replicas: list[Replica] = []
-        try:
-            for _ in range(n):
-                self.replicas.append(start_replica(folder, *flags))
-        except BaseException:
-            self.stop()
-            raise
-
-    @property
-    def addrs(self) -> list[str]:
-        return [r.addr for r in self.replicas]
-
-    def stop(self) -> None:
-        for r in self.replicas:
-            r.stop()
+def replicas(folder: Path, n: int, slots: int, *flags: str) -> Any:
+    """``async with replicas(...) as started``: n stub replicas with the same flags
+    (:func:`loadtest.fleet.replica_set`: started together, stopped by their PIDs)."""
+    return replica_set(folder, [(f"r{i}", slots, flags) for i in range(n)])
 
 
 # Clients ------------------------------------------------------------------------------------
@@ -185,27 +115,25 @@ async def measure_latency(folder: Path, args: argparse.Namespace) -> dict[str, A
                 await store.release([lease])
         finally:
             await store.close()
-        plain = Fleet(folder, 1, "--stub-ms", "0", "--max-inflight", "4")
-        fleet = Fleet(folder, 1, "--stub-ms", "0", "--max-inflight", "4", "--redis-url", redis.url)
         times: dict[str, list[float]] = {"without": [], "with": []}
-        try:
+        async with (
+            replicas(folder, 1, 4, "--stub-ms", "0") as plain,
+            replicas(folder, 1, 4, "--stub-ms", "0", "--redis-url", redis.url) as fleet,
+        ):
             clients = {}
-            for name, f in (("without", plain), ("with", fleet)):
-                host, port = f.addrs[0].rsplit(":", 1)
+            for name, started in (("without", plain), ("with", fleet)):
+                host, port = started[0].addr.rsplit(":", 1)
                 clients[name] = await GovernorClient.connect(host, int(port))
             block = 100
             for _ in range(max(1, args.latency_jobs // block)):
                 for name, client in clients.items():
                     for _ in range(block):
-                        started = time.perf_counter()
+                        started_at = time.perf_counter()
                         result = await client.upload(b"x", inline=True)
                         assert result.done, result.reply
-                        times[name].append(time.perf_counter() - started)
+                        times[name].append(time.perf_counter() - started_at)
             for client in clients.values():
                 await client.close()
-        finally:
-            plain.stop()
-            fleet.stop()
     out: dict[str, Any] = {
         "store_script_ms": {"p50": _ms(script, 50), "p99": _ms(script, 99), "n": len(script)}
     }
@@ -222,11 +150,12 @@ async def measure_latency(folder: Path, args: argparse.Namespace) -> dict[str, A
     return out
 
 
-async def sample_cap(redis_url: str, fleet: Fleet, until: float) -> tuple[int, int, int, float]:
+async def sample_cap(
+    redis_url: str, fleet: Sequence[Replica], until: float
+) -> tuple[int, int, int, float]:
     """(max leases in the store, max sum of the replicas' leases in two rounds running,
     samples, mean leases in the store) until ``until``."""
     store = RedisStore(redis_url)
-    loop = asyncio.get_running_loop()
     most = most_replicas = samples = total = 0
     next_replicas, last_sum = 0.0, 0
     try:
@@ -234,9 +163,8 @@ async def sample_cap(redis_url: str, fleet: Fleet, until: float) -> tuple[int, i
             count = await store.inflight()
             most, total, samples = max(most, count), total + count, samples + 1
             if time.monotonic() >= next_replicas:
-                counts = await asyncio.gather(
-                    *(loop.run_in_executor(None, r.leases) for r in fleet.replicas)
-                )
+                read = await asyncio.gather(*(r.gauges() for r in fleet))
+                counts = [g.fleet_leases for g in read if g is not None]
                 # The replicas are read one after the other: a lease freed on one and taken
                 # on the next between two reads is counted twice in one round, so a round
                 # over the cap counts only when the next one is too.
@@ -252,24 +180,22 @@ async def sample_cap(redis_url: str, fleet: Fleet, until: float) -> tuple[int, i
 async def measure_cap(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     cap = args.fleet_cap
     with RedisServer() as redis:
-        fleet = Fleet(
+        async with replicas(
             folder,
             3,
-            *("--stub-ms", str(args.stub_ms), "--max-inflight", str(args.max_inflight)),
+            args.max_inflight,
+            *("--stub-ms", str(args.stub_ms)),
             *("--redis-url", redis.url, "--fleet-max-inflight", str(cap)),
             *("--fleet-timeout", str(args.fleet_timeout)),
             *("--max-connections", "1000", "--max-connections-per-source", "1000"),
-        )
-        try:
+        ) as fleet:
             tally = Tally()
             until = time.monotonic() + args.duration
             sampler = asyncio.create_task(sample_cap(redis.url, fleet, until))
             await asyncio.gather(
-                *(closed_loop(fleet.addrs[i % 3], tally, until) for i in range(args.clients))
+                *(closed_loop(fleet[i % 3].addr, tally, until) for i in range(args.clients))
             )
             most, most_replicas, samples, mean = await sampler
-        finally:
-            fleet.stop()
     return {
         "replicas": 3,
         "replica_max_inflight": args.max_inflight,
@@ -300,26 +226,24 @@ async def measure_tenants(folder: Path, args: argparse.Namespace) -> dict[str, A
         _tenant("noisy", "noisy-key", args.noisy_rate) + _tenant("quiet", "quiet-key", 10.0)
     )
     with RedisServer() as redis:
-        fleet = Fleet(
+        async with replicas(
             folder,
             3,
-            *("--config", str(config), "--stub-ms", "20", "--max-inflight", "8"),
+            8,
+            *("--config", str(config), "--stub-ms", "20"),
             *("--redis-url", redis.url, "--fleet-timeout", str(args.fleet_timeout)),
-        )
-        try:
+        ) as fleet:
             noisy, quiet = Tally(), Tally()
             started = time.monotonic()
             until = started + args.duration
             await asyncio.gather(
                 *(
-                    closed_loop(fleet.addrs[i % 3], noisy, until, api_key="noisy-key")
+                    closed_loop(fleet[i % 3].addr, noisy, until, api_key="noisy-key")
                     for i in range(30)
                 ),
-                closed_loop(fleet.addrs[0], quiet, until, api_key="quiet-key", pace_s=0.2),
+                closed_loop(fleet[0].addr, quiet, until, api_key="quiet-key", pace_s=0.2),
             )
             elapsed = time.monotonic() - started  # (the last jobs end after the duration)
-        finally:
-            fleet.stop()
     # The bucket starts full: its burst comes on top of the rate over the run.
     allowed = args.noisy_rate * elapsed + args.noisy_rate
     return {
@@ -344,17 +268,14 @@ async def measure_throughput(folder: Path, args: argparse.Namespace) -> dict[str
             ("independent", ()),
             ("fleet", ("--redis-url", redis.url, "--fleet-max-inflight", "24")),
         ):
-            fleet = Fleet(
-                folder, 3, "--stub-ms", str(args.throughput_stub_ms), "--max-inflight", "8", *extra
-            )
-            try:
+            async with replicas(
+                folder, 3, 8, "--stub-ms", str(args.throughput_stub_ms), *extra
+            ) as fleet:
                 tally = Tally()
                 until = time.monotonic() + args.duration
                 await asyncio.gather(
-                    *(closed_loop(fleet.addrs[i % 3], tally, until) for i in range(48))
+                    *(closed_loop(fleet[i % 3].addr, tally, until) for i in range(48))
                 )
-            finally:
-                fleet.stop()
             out[name] = {
                 "jobs_per_s": round(tally.done / args.duration, 1),
                 "p50_ms": _ms(tally.latencies, 50),
