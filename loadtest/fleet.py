@@ -65,7 +65,6 @@ import itertools
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -75,6 +74,8 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from clients.client import ClientError, GovernorClient, RetryBudget, RetryPolicy
 from clients.fleet import (
@@ -91,7 +92,8 @@ from protocol.frames import Reply
 from protocol.spec import JobSpec
 
 from .common import positive_float, positive_int, run_loop
-from .redisserver import RedisServer, free_port
+from .peer import free_port
+from .redisserver import RedisServer
 
 NAME = "fleet"
 PHASES = ("seed", "kill")
@@ -113,26 +115,17 @@ FAILING = "r0"  # the seed phase's failing replica
 
 # Pure: parsing ---------------------------------------------------------------------------------
 
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
 Sample = tuple[str, dict[str, str], float]
 
 
 def parse_metrics(text: str) -> list[Sample]:
-    """Prometheus text exposition as ``(name, labels, value)``; comments and lines that are
-    not a sample are skipped."""
-    out: list[Sample] = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, brace, rest = head.partition("{")
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        out.append((name.strip(), dict(_LABEL.findall(rest)) if brace else {}, number))
-    return out
+    """Prometheus text exposition as ``(name, labels, value)``, read by prometheus_client's own
+    parser."""
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
 
 
 def total(samples: Iterable[Sample], name: str, **labels: str) -> float:

@@ -14,11 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .peer import free_port
 
 
 class RedisServer:
