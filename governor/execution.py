@@ -190,7 +190,7 @@ class Execution:
                 ticket.tenant.config,
                 ticket.tokens,
                 ticket.slot.expected_s,
-                ticket.pool.ledger.next_end_ms(),
+                ticket.pool.ledger.next_end_ms,  # (a walk of the running slots: only if needed)
             )
         except BaseException:  # cancelled while asking: the store may have granted it
             fleet.release(lease)

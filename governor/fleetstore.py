@@ -22,7 +22,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -285,11 +285,16 @@ class Fleet:
         gate.breaker.on_change = self._changed
 
     async def admit(
-        self, lease: Lease, tenant: TenantConfig, tokens: int, expected_s: float, next_end_ms: int
+        self,
+        lease: Lease,
+        tenant: TenantConfig,
+        tokens: int,
+        expected_s: float,
+        next_end_ms: Callable[[], int],
     ) -> Refusal | None:
         """Ask the store for ``lease`` (or, while it is unreachable, decide on this replica's
         share): None, the job may run and holds the lease until :meth:`release`; else the
-        refusal to send."""
+        refusal to send. ``next_end_ms()``: the share's hint, asked for only on the share."""
         gate = self.gate
         trial = gate.ask()
         if trial is not None:
@@ -316,7 +321,7 @@ class Fleet:
                 refusal = gate.answered(lease, answer, trial=trial)
                 _reraise_cancel()  # (the caller releases the lease it may have been granted)
                 return refusal
-        return gate.on_share(lease, tenant, tokens, next_end_ms)
+        return gate.on_share(lease, tenant, tokens, next_end_ms())
 
     def release(self, lease: Lease) -> None:
         """The lease's job ended: free it here now, in the store with the next batch."""
