@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -78,11 +79,37 @@ def add_parser(commands: Any) -> None:
     )
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A loopback port that is free now and not handed out before by this process, for a child
+    to bind. It is drawn below the kernel's ephemeral range: a port the kernel chose (``bind``
+    to 0) may be taken again, between this call and the child's bind, as the local end of any
+    outgoing connection (a CI run lost a replica to that, ``Address already in use``)."""
+    low = ephemeral_low()
+    while True:
+        port = random.randrange(PORT_FLOOR, low)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
         return port
+
+
+PORT_FLOOR = 10_000
+
+
+def ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return low if low > PORT_FLOOR + 1000 else 65536
 
 
 def cpu_s(pid: int) -> float:

@@ -15,7 +15,6 @@ import math
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from governor.admin import READY_TIMEOUT_S
 from governor.cli import build_parser
 from governor.config import Config, parse_address
+from loadtest.peer import free_port
 from loadtest.redisserver import RedisServer
 
 from .conftest import Daemon
@@ -436,13 +436,6 @@ def test_model_server_is_a_loopback_sidecar_sized_for_the_cap() -> None:
     assert config.upstream == f"http://127.0.0.1:{arg('--port')}"
     assert config.max_inflight <= int(arg("-np")), "admitted jobs would queue in llama-server"
     assert config.kv_capacity <= int(arg("-c"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.mark.parametrize("store", ["up", "down"])

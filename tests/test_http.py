@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -22,6 +21,7 @@ from governor.runners import Finished, RunnerStartError
 from governor.runners.http import HttpRunner, HttpSettings
 from governor.runners.llama import embedded_model_path
 from loadtest import baseline
+from loadtest.peer import free_port
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 
 from .conftest import ServerFactory, wait_until
@@ -30,13 +30,6 @@ from .test_ops import failing, ops_server, probe, until_ready
 
 def greedy(prompt: str | None = None, **fields: Any) -> JobSpec:
     return dataclasses.replace(JobSpec(prompt=prompt, temperature=0.0, seed=7), **fields)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")
