@@ -50,6 +50,10 @@ class Config:
         "127.0.0.1:7777",
         "TCP address to serve the protocol on, HOST:PORT; port 0 picks a free port.",
     )
+    http_listen: str | None = _opt(
+        None,
+        "HOST:PORT for the OpenAI-compatible front door (/v1/completions, /v1/chat/completions, /v1/models) on the same admission; unset: none.",
+    )
     max_inflight: int = _opt(4, "Hard cap on jobs executing at once, across all connections.")
     runner: str = _opt(
         "llama",
@@ -325,8 +329,9 @@ class Config:
 
     def __post_init__(self) -> None:
         parse_address(self.listen, what="listen")
-        if self.metrics_listen is not None:
-            parse_address(self.metrics_listen, what="metrics_listen")
+        for name in ("metrics_listen", "http_listen"):
+            if getattr(self, name) is not None:
+                parse_address(getattr(self, name), what=name)
         for name in (
             "max_inflight",
             "max_line_bytes",
@@ -453,6 +458,19 @@ class Config:
     @property
     def metrics_address(self) -> tuple[str, int] | None:
         return None if self.metrics_listen is None else parse_address(self.metrics_listen)
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        return None if self.http_listen is None else parse_address(self.http_listen)
+
+    @property
+    def served_model(self) -> str:
+        """The model's name on the front door (``/v1/models``, and every answer's ``model``)."""
+        if self.runner == "http":
+            return self.upstream_model or "upstream"
+        if self.runner == "stub":
+            return "stub"
+        return Path(self.model).stem if self.model else "SmolLM2-135M-Instruct"
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> Config:

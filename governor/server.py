@@ -30,6 +30,7 @@ from .admission import Admission, Pool
 from .breaker import BreakerSettings, BreakerState, CircuitBreaker
 from .config import Config
 from .connection import GovernorProtocol
+from .frontdoor import FrontDoor
 from .health import Health
 from .kvbudget import KvBudget
 from .ledger import SlotLedger
@@ -256,6 +257,7 @@ class Server:
         # The heartbeat, the prober and the overload watch.
         self._background: list[asyncio.Task[None]] = []
         self._admin: AdminListener | None = None
+        self._front: FrontDoor | None = None
         self._drain_deadline: float | None = None
         self._force = asyncio.Event()
 
@@ -279,6 +281,9 @@ class Server:
                 self._admin.start(*self.config.metrics_address)
                 mhost, mport = self._admin.address
                 log.info("metrics and health probes on http://%s:%d", mhost, mport)
+            if self.config.http_address is not None:
+                self._front = FrontDoor(self.state, self.config.served_model)
+                self._front.bind(*self.config.http_address)
             self._background.append(loop.create_task(self.health.heartbeat()))
             await self.runner.start()
             if self.fallback is not None:
@@ -289,6 +294,8 @@ class Server:
                     raise
         except BaseException:
             sock.close()
+            if self._front is not None:
+                self._front.close()
             await self._stop_background()
             raise
         self._listener = self.state.listener = await loop.create_server(
@@ -298,6 +305,16 @@ class Server:
             ssl=self._tls,
             ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT_S if self._tls is not None else None,
         )
+        if self._front is not None:
+            await self._front.serve(self._tls)
+            fhost, fport = self._front.address
+            log.info(
+                "OpenAI-compatible front door on %s://%s:%d/v1 (model %r)",
+                "http" if self._tls is None else "https",
+                fhost,
+                fport,
+                self.config.served_model,
+            )
         self.state.started = True
         if self.fleet is not None:
             self._background.append(loop.create_task(self.fleet.run()))
@@ -349,6 +366,10 @@ class Server:
         assert self._listener.sockets
         host, port = self._listener.sockets[0].getsockname()[:2]
         return host, port
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        return None if self._front is None else self._front.address
 
     @property
     def metrics_address(self) -> tuple[str, int] | None:
@@ -436,6 +457,8 @@ class Server:
         await self._stop_background()
         if self._listener is not None:
             self._listener.close()
+        if self._front is not None:
+            self._front.close()
         for conn in list(self.connections):
             conn.close()
         jobs = list(self.state.jobs)

@@ -1,0 +1,687 @@
+"""The OpenAI-compatible front door (``http_listen``): ``/v1/completions``,
+``/v1/chat/completions`` (whole, or streamed as server-sent events) and ``/v1/models``.
+
+It runs on the daemon's event loop, beside the TCP listener, and every job goes through the same
+admission (the ledger, the lanes, the tenants, the ladder, the breakers, the fleet, the drain)
+and the same :class:`~governor.execution.Execution`: only the wire differs. What the API maps
+to what is :mod:`governor.openai_api` (pure); this module moves bytes. HTTP is parsed by
+``h11`` (no IO in the parser; uvicorn's choice), one request at a time per connection, with
+keep-alive and pipelining.
+
+- ``Authorization: Bearer KEY`` is the tenant's key (or the TLS client certificate, as on the
+  TCP side); a missing or unknown one is 401, and ``max_auth_failures`` of them close the
+  connection and make its source wait ``auth_backoff``.
+- A yield is 429 (503 for ``draining``, ``breaker_open``, ``fleet_unavailable``) with
+  ``retry-after-ms``, ``Retry-After`` (whole seconds, rounded up) and an OpenAI error body whose
+  ``code`` is the need code; the request's place in line is kept for its retry
+  (:class:`~governor.openai_api.KeptPlaces`). A request the policy refuses for good is 400.
+- A job that fails is 502 (504 when out of time, 503 at shutdown); once its stream has begun,
+  an ``error`` event ends it instead.
+- A client that closes its connection cancels its job at once: its runner stops at its next
+  token.
+
+Bounds, as on the TCP side: connections (``max_connections``, all listeners together, and
+``max_connections_per_source``); a request head of :data:`MAX_HEAD_BYTES` and
+:data:`MAX_HEADERS` fields (431); a body of ``max_payload_bytes`` (413, told by Content-Length
+before it is read, or counted as it arrives), counted against the server's payload buffers while
+its job runs (``buffers_full``, 429); a whole request within ``upload_timeout`` of its first byte
+(408), however steadily it trickles; a connection idle between requests for ``idle_timeout``
+(closed); pipelined requests read ahead by :data:`MAX_READ_AHEAD` bytes at most; and, on the way
+out, ``write_buffer_bytes`` or ``write_timeout`` of answers unread (cut off, the job cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import secrets
+import socket
+import ssl
+import time
+import urllib.parse
+from http import HTTPStatus
+from typing import Any, cast
+
+import h11
+
+from protocol.codes import ErrorCode, NeedCode, Verb
+from protocol.frames import Request
+from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid
+
+from . import openai_api as api
+from .admission import Admitted, Attempt, Budget, Rejected, Reservation, Yielded
+from .execution import Execution
+from .ledger import Refusal
+from .logs import event
+from .sources import Refused, source_of
+from .state import ServerState
+from .tenants import Tenant
+
+log = logging.getLogger("governor.http")
+
+MAX_HEAD_BYTES = 16 * 1024
+MAX_HEADERS = 100
+MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer is on its way
+BUFFERS_FULL_HINT_MS = 500
+BACKLOG = 4096
+JSON = "application/json"
+PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+
+_connection_ids = itertools.count(1)
+
+
+class FrontDoor:
+    """The listener and what its connections share: the model's name, the places kept."""
+
+    def __init__(self, state: ServerState, model: str) -> None:
+        self.state = state
+        self.model = model
+        self.created = int(time.time())
+        config = state.config
+        self.places = api.KeptPlaces(
+            state.clock,
+            state.admission.forget,
+            grace_s=config.upload_timeout,
+            limit=config.max_connections * config.held_payloads_per_conn,
+        )
+        self.buffers = state.buffers
+        self._sock: socket.socket | None = None
+        self._server: asyncio.Server | None = None
+        self._sweep: asyncio.TimerHandle | None = None
+
+    def bind(self, host: str, port: int) -> None:
+        """Bind now, so that a taken port fails the start at once; :meth:`serve` once the
+        runner is ready."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+
+    async def serve(self, tls: ssl.SSLContext | None) -> None:
+        assert self._sock is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: HttpConnection(self), sock=self._sock, backlog=BACKLOG, ssl=tls
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._sock is not None
+        host, port = self._sock.getsockname()[:2]
+        return host, port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        elif self._sock is not None:
+            self._sock.close()
+        if self._sweep is not None:
+            self._sweep.cancel()
+
+    def kept(self) -> None:
+        """A place was kept: make sure one will be forgotten when its time is up."""
+        if self._sweep is None:
+            self._next_sweep()
+
+    def _next_sweep(self) -> None:
+        self._sweep = None
+        at = self.places.next_expiry()
+        if at is not None:
+            delay = max(at - self.state.clock(), 0.0) + 0.01
+            self._sweep = asyncio.get_running_loop().call_later(delay, self._on_sweep)
+
+    def _on_sweep(self) -> None:
+        self.places.expire(self.state.clock())
+        self._next_sweep()
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection: requests parsed by h11 under the bounds, one job at a time."""
+
+    def __init__(self, door: FrontDoor) -> None:
+        self.door = door
+        self.state = door.state
+        self.config = door.state.config
+        self.id = next(_connection_ids)  # names the connection in logs (execution.Replies)
+        self.transport: asyncio.Transport | None = None
+        self.source = ""
+        self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.served = False
+        self.closed = False
+        self.cert_tenant: Tenant | None = None
+        self.auth_failures = 0
+        self.close_after = False  # this answer is the connection's last
+        self.jobs = 0
+        self.request: h11.Request | None = None
+        self.body = bytearray()
+        self.reservation: Reservation | None = None
+        self.conn_budget = Budget(self.config.max_payload_bytes)
+        self.exchange: Exchange | None = None  # the request being answered
+        self.read_ahead = 0  # bytes received while answering (pipelined requests)
+        self.arriving = False  # a request has begun: its deadline runs
+        self.timer: asyncio.TimerHandle | None = None
+        self.write_timer: asyncio.TimerHandle | None = None
+        self.writing_paused = False
+
+    # asyncio.Protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        state = self.state
+        peer = transport.get_extra_info("peername")
+        self.source = source_of(str(peer[0])) if peer else ""
+        limit = self.config.max_connections
+        refused = (
+            Refused(
+                NeedCode.TOO_MANY_CONNECTIONS,
+                ErrorCode.QUOTA,
+                f"the server is at its limit of {limit} connections",
+            )
+            if len(state.connections) >= limit
+            else state.sources.open(self.source)
+        )
+        if refused is not None:
+            state.refused[refused.need_code] += 1
+            if refused.need_code == NeedCode.AUTH_BACKOFF:
+                self._raw(HTTPStatus.UNAUTHORIZED, refused.need_code, refused.detail)
+            else:  # (a connection limit: another may free within a second)
+                self._raw(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    refused.need_code,
+                    refused.detail,
+                    api.retry_headers(1000),
+                )
+            return
+        self.served = True
+        state.connections.add(self)
+        if transport.get_extra_info("ssl_object") is not None:
+            cert = transport.get_extra_info("peercert")
+            if cert:
+                self.cert_tenant = state.tenants.find_cert(cert)
+        self._deadline(self.config.idle_timeout, None)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self.exchange is not None:  # pipelined: read ahead, within a bound
+            self.read_ahead += len(data)
+            if self.read_ahead > MAX_READ_AHEAD and self.transport is not None:
+                self.transport.pause_reading()
+        elif not self.arriving:  # the request's deadline, from its first byte: set once
+            self.arriving = True
+            self._deadline(self.config.upload_timeout, HTTPStatus.REQUEST_TIMEOUT)
+        self.http.receive_data(data)
+        if self.exchange is None:
+            self._advance()
+
+    def eof_received(self) -> bool:
+        # The client leaving: its job is cancelled (a half-close is not told apart).
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        for timer in (self.timer, self.write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._release_body()
+        exchange = self.exchange
+        if exchange is not None and exchange.execution is not None:
+            exchange.execution.client_gone()
+        if self.served:
+            self.served = False
+            self.state.connections.discard(self)
+            self.state.sources.close(self.source)
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+        if self.write_timer is None:
+            self.write_timer = asyncio.get_running_loop().call_later(
+                self.config.write_timeout, self._cut, "write_timeout"
+            )
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
+
+    # For the server (state.Connection) -------------------------------------------------
+
+    def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
+        exchange = self.exchange
+        if exchange is not None and exchange.execution is not None:
+            exchange.execution.abort(need_code, error_code, detail)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None and not self.transport.is_closing():
+            if self.writing_paused:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+    # Requests --------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Handle what h11 has parsed, up to the next request that needs an answer."""
+        try:
+            while not self.closed and self.exchange is None:
+                ev = self.http.next_event()
+                if ev is h11.NEED_DATA or ev is h11.PAUSED:
+                    return
+                if isinstance(ev, h11.Request):
+                    self._on_head(ev)
+                elif isinstance(ev, h11.Data):
+                    self._on_body(ev.data)
+                elif isinstance(ev, h11.EndOfMessage):
+                    self._on_request()
+                else:  # ConnectionClosed
+                    self.close()
+        except h11.RemoteProtocolError as exc:
+            self._raw(
+                HTTPStatus(exc.error_status_hint), NeedCode.SPEC_INVALID, f"bad request: {exc}"
+            )
+
+    def _on_head(self, request: h11.Request) -> None:
+        size = len(request.target) + sum(len(n) + len(v) + 4 for n, v in request.headers)
+        if size > MAX_HEAD_BYTES or len(request.headers) > MAX_HEADERS:
+            self._raw(
+                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                NeedCode.SPEC_INVALID,
+                f"a request head may have {MAX_HEADERS} fields and {MAX_HEAD_BYTES} bytes",
+            )
+            return
+        self.request = request
+        length = _header(request, b"content-length")
+        limit = self.config.max_payload_bytes
+        if length is not None and int(length) > limit:  # (h11 checked it is a number)
+            self._too_large()
+            return
+        self.reservation = Reservation(self.conn_budget, self.door.buffers, 0)
+        if self.http.client_is_waiting_for_100_continue:
+            self.http.send(h11.InformationalResponse(status_code=100, headers=[]))
+
+    def _on_body(self, data: bytes) -> None:
+        self.body += data
+        if len(self.body) > self.config.max_payload_bytes:
+            self._too_large()
+            return
+        assert self.reservation is not None
+        if not self.reservation.hold(len(self.body)):
+            self._release_body()
+            self._raw(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                NeedCode.BUFFERS_FULL,
+                "the server's payload buffers are full; send the request again later",
+                api.retry_headers(BUFFERS_FULL_HINT_MS),
+            )
+
+    def _too_large(self) -> None:
+        self._raw(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            NeedCode.PAYLOAD_TOO_LARGE,
+            f"a request body may have {self.config.max_payload_bytes} bytes",
+        )
+
+    def _on_request(self) -> None:
+        """A whole request: answer it (a job's answer comes when the job ends)."""
+        request = self.request
+        assert request is not None
+        self._deadline(None, None)
+        method = request.method.decode("ascii", "replace")
+        path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
+        exchange = self.exchange = Exchange(self, method == "HEAD")
+        chat = PATHS.get(path)
+        if path == "/v1/models":
+            if method not in ("GET", "HEAD"):
+                exchange.fail(api.ApiError(HTTPStatus.METHOD_NOT_ALLOWED, "not_found", "use GET"))
+                return
+            exchange.respond(HTTPStatus.OK, api.models(self.door.model, self.door.created))
+        elif chat is None:
+            exchange.fail(
+                api.ApiError(
+                    HTTPStatus.NOT_FOUND,
+                    "not_found",
+                    f"no {path}: try /v1/completions, /v1/chat/completions or /v1/models",
+                )
+            )
+        elif method != "POST":
+            exchange.fail(api.ApiError(HTTPStatus.METHOD_NOT_ALLOWED, "not_found", "use POST"))
+        else:
+            exchange.job(request, bytes(self.body), chat)
+
+    def exchange_ended(self) -> None:
+        """The answer is out: the next request, or the end of the connection."""
+        self.exchange = None
+        self.request = None
+        self.arriving = False
+        self.body = bytearray()
+        self._release_body()
+        if self.closed:
+            return
+        http = self.http
+        if http.our_state is h11.DONE and http.their_state is h11.DONE and not self._closing():
+            http.start_next_cycle()
+            self.read_ahead = 0
+            if self.transport is not None:
+                self.transport.resume_reading()
+            if http.trailing_data[0]:  # (a pipelined request has begun)
+                self.arriving = True
+                self._deadline(self.config.upload_timeout, HTTPStatus.REQUEST_TIMEOUT)
+            else:
+                self._deadline(self.config.idle_timeout, None)
+            self._advance()
+        else:
+            self.close()
+
+    def _closing(self) -> bool:
+        """Close after this answer (the server is draining, or the client's keys failed); a
+        client that asked to close is closed by h11's state."""
+        return self.close_after or self.state.ledger.draining
+
+    def _release_body(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None
+
+    def take_reservation(self) -> Reservation | None:
+        """The body's bytes go with the job (released when its ticket is)."""
+        reservation, self.reservation = self.reservation, None
+        return reservation
+
+    # Deadlines and answers out of turn ---------------------------------------------------
+
+    def _deadline(self, seconds: float | None, status: HTTPStatus | None) -> None:
+        """One timer: the idle connection's (``status`` None: closed quietly) or the request's
+        (answered ``status``, then closed); ``seconds`` None: none."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if seconds is not None:
+            self.timer = asyncio.get_running_loop().call_later(seconds, self._expired, status)
+
+    def _expired(self, status: HTTPStatus | None) -> None:
+        self.timer = None
+        if status is None:
+            self.close()
+        else:
+            self._raw(
+                status,
+                NeedCode.UPLOAD_TIMEOUT,
+                f"the request did not arrive within {self.config.upload_timeout:g} s",
+            )
+
+    def _raw(
+        self,
+        status: HTTPStatus,
+        code: str,
+        message: str,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        """An error answered by hand, then the connection closed: h11 cannot answer a request
+        it has not parsed (a deadline, a head too large, a bad one)."""
+        transport = self.transport
+        self.closed = True
+        if transport is None or transport.is_closing():
+            return
+        body = api.error_body(status, code, message)
+        lines = [
+            f"HTTP/1.1 {status.value} {status.phrase}",
+            f"content-type: {JSON}",
+            f"content-length: {len(body)}",
+            "connection: close",
+            *(f"{name}: {value}" for name, value in headers),
+        ]
+        transport.write("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body)
+        transport.close()
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(data)
+        if (
+            self.writing_paused
+            and transport.get_write_buffer_size() > self.config.write_buffer_bytes
+        ):
+            self._cut("slow_reader")
+
+    def _cut(self, reason: str) -> None:
+        """The client does not read its answer: drop the connection (its job is cancelled)."""
+        transport = self.transport
+        if transport is None:
+            return
+        self.closed = True
+        self.state.refused[reason] += 1
+        event(
+            log,
+            logging.WARNING,
+            f"cut off HTTP connection {self.id} from {self.source}: {reason}",
+            event="cut",
+            reason=reason,
+            source=self.source,
+        )
+        transport.abort()
+
+
+class Exchange:
+    """One request and its answer; for a job, the :class:`~governor.execution.Replies` its
+    execution answers through."""
+
+    def __init__(self, conn: HttpConnection, head_only: bool = False) -> None:
+        self.conn = conn
+        self.id = conn.id
+        self.head_only = head_only
+        self.execution: Execution | None = None
+        self.answers: api.Answers | None = None
+        self.streaming = False  # the 200 and the stream's head are out
+
+    # Plain answers ---------------------------------------------------------------------
+
+    def respond(
+        self, status: HTTPStatus, body: bytes, headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        """A whole answer, then the next request."""
+        self._whole(status, body, headers)
+        self.conn.exchange_ended()
+
+    def fail(self, error: api.ApiError) -> None:
+        self.respond(error.status, error.body(), error.headers)
+
+    def _whole(
+        self, status: HTTPStatus, body: bytes, headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self._head(status, headers, JSON, len(body))
+        self._send(None if self.head_only else h11.Data(data=body))
+        self._send(h11.EndOfMessage())
+
+    def _head(
+        self,
+        status: HTTPStatus,
+        headers: tuple[tuple[str, str], ...],
+        content_type: str,
+        length: int | None,
+    ) -> None:
+        conn = self.conn
+        inflight = conn.state.inflight
+        fields = [
+            ("content-type", content_type),
+            ("x-governor-inflight", str(inflight)),
+            ("x-governor-cap", str(sum(p.ledger.cap for p in conn.state.pools))),
+            *headers,
+        ]
+        if length is not None:
+            fields.append(("content-length", str(length)))
+        if conn._closing():
+            fields.append(("connection", "close"))
+        self._send(h11.Response(status_code=int(status), headers=fields))
+
+    def _send(self, ev: h11.Event | None) -> None:
+        if ev is None or self.conn.closed:
+            return
+        data = self.conn.http.send(ev)
+        if data:
+            self.conn.write(data)
+
+    # A job -----------------------------------------------------------------------------
+
+    def job(self, request: h11.Request, body: bytes, chat: bool) -> None:
+        conn = self.conn
+        state, admission = conn.state, conn.state.admission
+        tenant = self._tenant(request)
+        if tenant is None:
+            return
+        try:
+            call = api.parse_call(body, chat=chat, lane_header=_header(request, b"x-governor-lane"))
+        except api.ApiError as exc:
+            self.fail(exc)
+            return
+        conn.jobs += 1
+        job_id = f"http-{conn.id}-{conn.jobs}"
+        key = (tenant.name, hashlib.sha256(body).digest())
+        kept = conn.door.places.take(key)
+        attempt = kept.attempt if kept is not None else Attempt(tenant, None)
+        attempt.job, attempt.spec_error = None, None
+        try:
+            attempt.job = admission.primary.runner.prepare(job_id, call.spec, SPEC_CONTENT_TYPE)
+        except SpecInvalid as exc:
+            attempt.spec_error = exc
+        except Exception:  # a runner bug costs this request, not the connection
+            log.exception("runner failed to prepare job %r", job_id)
+            attempt.spec_error = SpecInvalid(
+                NeedCode.SPEC_INVALID, "the runner cannot run this request"
+            )
+        started = time.perf_counter()
+        decision = admission.decide(attempt)
+        state.metrics.decision.observe(attempt.lane, time.perf_counter() - started)
+        if isinstance(decision, Admitted):
+            ticket = decision.ticket
+            ticket.reservation = conn.take_reservation()
+            waited = None if kept is None else ticket.slot.started - kept.first_refusal
+            state.metrics.wait.observe(ticket.lane, waited or 0.0)
+            self.answers = api.Answers(
+                call,
+                f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+                int(time.time()),
+                conn.door.model,
+            )
+            frame = Request(Verb.SHARE, job_id, 1)
+            self.execution = Execution(state, ticket, frame, attempt, self, waited)
+            return
+        if isinstance(decision, Rejected):
+            error = decision.error
+            code = error.need_code if error is not None else decision.need_code
+            state.metrics.aborts[code] += 1
+            self.fail(api.bad_request(error.detail if error else decision.detail, code=code))
+            return
+        first = kept.first_refusal if kept is not None else state.clock()
+        self._yielded(decision, key, attempt, first)
+
+    def _tenant(self, request: h11.Request) -> Tenant | None:
+        """The key's tenant (or the client certificate's, without a key); None after a 401."""
+        conn = self.conn
+        key = _bearer(_header(request, b"authorization"))
+        tenant = conn.cert_tenant if key is None else None
+        tenant = tenant or conn.state.tenants.find(key)
+        if tenant is not None:
+            return tenant
+        conn.auth_failures += 1
+        conn.state.metrics.aborts[NeedCode.UNAUTHORIZED] += 1
+        if conn.auth_failures >= conn.config.max_auth_failures:  # close; the source waits
+            conn.state.sources.keys_failed(conn.source)
+            conn.close_after = True
+        self.fail(
+            api.ApiError(
+                HTTPStatus.UNAUTHORIZED,
+                NeedCode.UNAUTHORIZED,
+                "a valid API key is needed: Authorization: Bearer KEY",
+                headers=(("www-authenticate", "Bearer"),),
+            )
+        )
+        return None
+
+    def _yielded(self, decision: Yielded, key: api.Key, attempt: Attempt, first: float) -> None:
+        conn = self.conn
+        if conn.door.places.keep(key, attempt, first, decision.retry_hint_ms):
+            conn.door.kept()
+        else:
+            conn.state.admission.forget(attempt)
+        self.fail(_refusal(decision))
+
+    # execution.Replies -------------------------------------------------------------------
+
+    def send_delta(self, execution: Execution, text: str) -> None:
+        answers = self.answers
+        assert answers is not None
+        self._stream()
+        self._send(h11.Data(data=answers.delta(text)))
+
+    def _stream(self) -> None:
+        """The stream's head (200, no length: chunked) and, for a chat, its role event."""
+        answers = self.answers
+        assert answers is not None
+        if not self.streaming:
+            self.streaming = True
+            self._head(HTTPStatus.OK, (("cache-control", "no-cache"),), "text/event-stream", None)
+            if answers.call.chat:
+                self._send(h11.Data(data=answers.first()))
+
+    def send_terminal(
+        self,
+        execution: Execution,
+        *,
+        need_code: str | None,
+        error_code: str | None,
+        detail: str | None,
+        result: dict[str, Any] | None,
+    ) -> None:
+        answers = self.answers
+        assert answers is not None
+        if need_code is None:
+            if answers.call.stream:
+                self._stream()
+                self._send(h11.Data(data=answers.last(result or {})))
+                self._send(h11.EndOfMessage())
+            else:
+                self._whole(HTTPStatus.OK, answers.whole(result or {}))
+            return
+        status, message = api.abort_status(need_code), detail or need_code
+        self.conn.state.metrics.aborts[need_code] += 1
+        if self.streaming:  # (the 200 is out: the stream ends with an error event)
+            self._send(h11.Data(data=api.error_event(status, need_code, message)))
+            self._send(h11.EndOfMessage())
+        else:
+            self._whole(status, api.error_body(status, need_code, message))
+
+    def job_ended(self, execution: Execution) -> None:
+        self.execution = None
+        self.conn.exchange_ended()
+
+    def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
+        """The fleet refused the job admitted here: 429 now (it keeps no place in line: the
+        fleet's hint is not the ledger's); the exchange ends with the job's task."""
+        decision = self.conn.state.admission.revoke(execution.attempt, execution.ticket, refusal)
+        error = _refusal(decision)
+        self._whole(error.status, error.body(), error.headers)
+
+
+def _refusal(decision: Yielded) -> api.ApiError:
+    return api.ApiError(
+        api.yield_status(decision.error_code),
+        decision.need_code,
+        f"{decision.need_code}: no slot for this request now; retry in {decision.retry_hint_ms} ms",
+        headers=api.retry_headers(decision.retry_hint_ms),
+    )
+
+
+def _header(request: h11.Request, name: bytes) -> str | None:
+    for key, value in request.headers:  # (names lower-cased by h11)
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not credentials.strip():
+        return None
+    return credentials.strip()
