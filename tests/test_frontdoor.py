@@ -1,0 +1,433 @@
+"""The OpenAI-compatible front door, through the official ``openai`` SDK and raw HTTP: its yields
+are 429s the SDK honours, its jobs go through the same admission, a client that leaves stops
+its job before its next token. (Hostile HTTP: ``test_frontdoor_hostile.py``.)"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from clients import NO_RETRY, GovernorClient
+from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
+from governor.server import Server
+from governor.tenants import TenantConfig
+from loadtest.redisserver import RedisServer
+from protocol.codes import NeedCode
+from protocol.spec import JobSpec, Message
+
+from .conftest import ServerFactory, wait_until
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def url(server: Server) -> str:
+    address = server.http_address
+    assert address is not None
+    return f"http://{address[0]}:{address[1]}"
+
+
+Sdk = Callable[..., openai.AsyncOpenAI]
+
+
+@pytest.fixture
+async def sdk() -> AsyncIterator[Sdk]:
+    """``sdk(server, key="none", **options)``: an ``AsyncOpenAI`` client of the server's front
+    door, closed after the test."""
+    made: list[openai.AsyncOpenAI] = []
+
+    def factory(server: Server, key: str = "none", **options: Any) -> openai.AsyncOpenAI:
+        made.append(openai.AsyncOpenAI(base_url=url(server) + "/v1", api_key=key, **options))
+        return made[-1]
+
+    yield factory
+    for client in made:
+        await client.close()
+
+
+async def front(make_server: ServerFactory, instance: Any = None, **config: Any) -> Server:
+    return await make_server(instance, http_listen="127.0.0.1:0", **config)
+
+
+async def hold_slot(server: Server, sdk: Sdk) -> asyncio.Task[Any]:
+    """A job that takes the server's one slot (through the front door too)."""
+    client = sdk(server, max_retries=0)
+    task = asyncio.create_task(client.chat.completions.create(model="m", messages=CHAT))
+    await wait_until(lambda: server.inflight == 1)
+    return task
+
+
+# Yields, as the SDK sees them ------------------------------------------------------------
+
+
+async def test_a_yield_is_a_rate_limit_error_carrying_retry_after_ms(
+    make_server: ServerFactory,
+    sdk: Sdk,
+) -> None:
+    server = await front(make_server, max_inflight=1, stub_ms=1000)
+    running = await hold_slot(server, sdk)
+    with pytest.raises(openai.RateLimitError) as caught:
+        await sdk(server, max_retries=0).chat.completions.create(
+            model="m", messages=CHAT, max_tokens=4
+        )
+    response = caught.value.response
+    hint_ms = int(response.headers["retry-after-ms"])
+    assert 100 <= hint_ms <= 1500  # the running job's end, about a second away
+    assert int(response.headers["retry-after"]) == math.ceil(hint_ms / 1000)
+    assert caught.value.code == "server_busy"
+    assert caught.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+    assert response.headers["x-governor-inflight"] == "1"
+    await running
+    assert server.ledger.yielded_total == 1
+
+
+async def test_the_sdk_own_retries_finish_every_job(make_server: ServerFactory, sdk: Sdk) -> None:
+    """Six clients on two slots, the SDK's default two retries, no code of ours: every job
+    finishes, the refused ones at the hint they were given."""
+    server = await front(make_server, max_inflight=2, stub_ms=200)
+    client = sdk(server)  # max_retries: the SDK's default, 2
+    answers = await asyncio.gather(
+        *(
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"job {i}"}], max_tokens=3
+            )
+            for i in range(6)
+        )
+    )
+    assert [a.choices[0].message.content for a in answers] == ["stub "] * 6
+    assert server.ledger.yielded_total >= 4  # (4 refused at once; retries may be refused again)
+    assert server.ledger.executed_total == 6
+    assert server.inflight == 0
+
+
+async def test_a_retry_keeps_its_place_in_line(make_server: ServerFactory, sdk: Sdk) -> None:
+    """A refused request sent again (same key, same body) is its own promise: it takes the slot
+    held for it, while a newcomer arriving at the same moment is refused."""
+    server = await front(make_server, max_inflight=1, stub_ms=400)
+    running = await hold_slot(server, sdk)
+    async with httpx.AsyncClient(base_url=url(server)) as http:
+
+        async def post(content: str) -> httpx.Response:
+            body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+            return await http.post("/v1/chat/completions", json=body)
+
+        first = await post("waiting")
+        assert first.status_code == 429
+        assert len(server.state.tenants.all()[0].running) == 1
+        await running  # the slot frees, and is held for the promised client
+        late, retry = await asyncio.gather(post("newcomer"), post("waiting"))
+        assert (retry.status_code, late.status_code) == (200, 429)
+        assert late.json()["error"]["code"] == "server_busy"
+
+
+# Answers ---------------------------------------------------------------------------------
+
+
+async def test_streamed_chat_through_the_sdk(make_server: ServerFactory, sdk: Sdk) -> None:
+    server = await front(make_server, stub_ms=10)
+    client = sdk(server)
+    stream = await client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=5, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "stub "
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert (usage.completion_tokens, usage.total_tokens) == (5, 5 + usage.prompt_tokens)
+    plain = await client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=5, stream=True
+    )
+    assert [c.usage async for c in plain] == [None, None, None]  # role, token, finish
+
+
+async def test_completions_and_models(make_server: ServerFactory, sdk: Sdk) -> None:
+    server = await front(make_server, stub_ms=10)
+    client = sdk(server)
+    completion = await client.completions.create(model="whatever", prompt="Once", max_tokens=3)
+    assert completion.choices[0].text == "stub "
+    assert completion.model == "stub"  # the served model, whatever the client named
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 3
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["stub"]
+
+
+class Recording(StubRunner):
+    """The stub, keeping every job spec it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(0.01)
+        self.specs: list[JobSpec] = []
+
+    async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
+        assert job.spec is not None
+        self.specs.append(job.spec)
+        async for item in super().run(job):
+            yield item
+
+
+async def test_parameters_and_the_lane_reach_the_job(make_server: ServerFactory, sdk: Sdk) -> None:
+    runner = Recording()
+    server = await front(make_server, runner, lanes=True)
+    client = sdk(server)
+    await client.chat.completions.create(
+        model="m",
+        messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+        max_completion_tokens=6,
+        temperature=0.3,
+        top_p=0.9,
+        seed=11,
+        stop=["END"],
+        extra_body={"lane": "background", "top_k": 4},
+    )
+    await client.completions.create(
+        model="m", prompt="p", max_tokens=2, extra_headers={"x-governor-lane": "heavy"}
+    )
+    chat, text = runner.specs
+    assert chat.messages == (Message("system", "s"), Message("user", "u"))
+    assert (chat.max_new_tokens, chat.temperature, chat.top_p, chat.seed) == (6, 0.3, 0.9, 11)
+    assert (chat.stop, chat.lane, chat.top_k, chat.stream) == (("END",), "background", 4, False)
+    assert (text.prompt, text.max_new_tokens, text.lane, text.temperature) == ("p", 2, "heavy", 1.0)
+    finished = server.metrics.finished
+    assert finished[("done", "background", "primary")] == 1
+    assert finished[("done", "heavy", "primary")] == 1
+
+
+# Refusals and failures -------------------------------------------------------------------
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def test_the_bearer_key_is_the_tenant(make_server: ServerFactory, sdk: Sdk) -> None:
+    tenants = (TenantConfig(name="alpha", key_sha256=sha("alpha-key"), max_inflight=1),)
+    server = await front(make_server, tenants=tenants, max_inflight=4, stub_ms=300)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        await sdk(server, "wrong-key").chat.completions.create(model="m", messages=CHAT)
+    assert caught.value.code == "unauthorized"
+    assert caught.value.response.headers["www-authenticate"] == "Bearer"
+    async with httpx.AsyncClient(base_url=url(server)) as http:  # (the SDK insists on a key)
+        missing = await http.post("/v1/completions", json={"model": "m", "prompt": "p"})
+    assert (missing.status_code, missing.json()["error"]["code"]) == (401, "unauthorized")
+    client = sdk(server, "alpha-key", max_retries=0)
+    results = await asyncio.gather(
+        *(client.chat.completions.create(model="m", messages=CHAT) for _ in range(2)),
+        return_exceptions=True,
+    )
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert len(refused) == 1  # alpha's own cap of one: the key named the tenant
+    assert refused[0].code == "tenant_busy"
+    assert server.admission.refusals[("tenant_busy", "-", "alpha")] == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "param"),
+    [
+        ({"n": 3}, "spec_invalid", "n"),
+        ({"max_tokens": 10**6}, "max_new_tokens_invalid", None),
+        ({"temperature": 5}, "spec_invalid", None),
+        ({"extra_body": {"lane": "nowhere"}}, "spec_invalid", None),
+    ],
+)
+async def test_a_bad_request_is_a_400_naming_its_code(
+    make_server: ServerFactory, sdk: Sdk, fields: dict[str, Any], code: str, param: str | None
+) -> None:
+    server = await front(make_server, lanes=True)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk(server).chat.completions.create(model="m", messages=CHAT, **fields)
+    assert (caught.value.code, caught.value.param) == (code, param)
+    assert server.ledger.executed_total == 0
+
+
+async def test_draining_is_a_503_with_a_hint(make_server: ServerFactory) -> None:
+    server = await front(make_server)
+    server.begin_drain("test")
+    async with httpx.AsyncClient(base_url=url(server)) as http:
+        answer = await http.post("/v1/completions", json={"model": "m", "prompt": "p"})
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "draining"
+    assert int(answer.headers["retry-after-ms"]) > 0
+    assert answer.headers["connection"] == "close"  # (a load balancer's next try goes elsewhere)
+
+
+class Failing(StubRunner):
+    """Fails with ``code`` after ``tokens`` tokens."""
+
+    def __init__(self, code: NeedCode, tokens: int = 0) -> None:
+        super().__init__(0.0)
+        self.code, self.tokens = code, tokens
+
+    async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
+        for _ in range(self.tokens):
+            yield Token("x")
+        raise RunnerError("it broke", self.code)
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (NeedCode.BACKEND_ERROR, 502),
+        (NeedCode.RUNNER_CRASHED, 502),
+        (NeedCode.UPSTREAM_ERROR, 502),
+        (NeedCode.RUNNER_TIMEOUT, 504),
+        (NeedCode.UPSTREAM_TIMEOUT, 504),
+    ],
+)
+async def test_a_runner_failure_is_a_502_or_504(
+    make_server: ServerFactory, sdk: Sdk, code: NeedCode, status: int
+) -> None:
+    server = await front(make_server, Failing(code))
+    with pytest.raises(openai.APIStatusError) as caught:
+        await sdk(server, max_retries=0).chat.completions.create(model="m", messages=CHAT)
+    assert (caught.value.status_code, caught.value.code) == (status, code)
+    assert server.inflight == 0
+
+
+async def test_a_stream_that_fails_midway_ends_with_an_error_event(
+    make_server: ServerFactory,
+    sdk: Sdk,
+) -> None:
+    server = await front(make_server, Failing(NeedCode.RUNNER_CRASHED, tokens=2))
+    stream = await sdk(server).chat.completions.create(model="m", messages=CHAT, stream=True)
+    received: list[str | None] = []
+
+    async def read() -> None:
+        async for chunk in stream:
+            received.append(chunk.choices[0].delta.content)
+
+    with pytest.raises(openai.APIError, match="it broke"):
+        await read()
+    assert received == ["", "x", "x"]  # the role, then the two tokens before the failure
+    assert server.inflight == 0
+
+
+# A client that leaves --------------------------------------------------------------------
+
+
+class Gated(StubRunner):
+    """Generates a token each time the test allows one; notes whether it was cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.permits = asyncio.Semaphore(0)
+        self.yielded = 0
+        self.cancelled = False
+
+    async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
+        try:
+            while True:
+                await self.permits.acquire()
+                self.yielded += 1
+                yield Token("t ")
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        yield Finished({})  # (never)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_that_leaves_stops_its_job_before_its_next_token(
+    make_server: ServerFactory, stream: bool
+) -> None:
+    runner = Gated()
+    server = await front(make_server, runner)
+    host, port = server.http_address or ("", 0)
+    reader, writer = await asyncio.open_connection(host, port)
+    body = orjson.dumps({"model": "m", "messages": CHAT, "max_tokens": 100, "stream": stream})
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    for _ in range(3):
+        runner.permits.release()
+    await wait_until(lambda: runner.yielded == 3)
+    if stream:  # the three tokens reached the client
+        seen = b""
+        while seen.count(b'"content":"t "') < 3:
+            seen += await reader.read(65536)
+    writer.close()
+    # No permit is given: the job must be stopped by the client's leaving alone.
+    await wait_until(lambda: runner.cancelled and server.inflight == 0, timeout=5)
+    assert runner.yielded == 3
+    assert server.buffered_bytes == 0
+    assert server.metrics.finished[("client_gone", "-", "primary")] == 1
+
+
+# The fleet -------------------------------------------------------------------------------
+
+
+async def test_the_fleet_refusal_is_a_429(
+    make_server: ServerFactory, sdk: Sdk, redis_server: RedisServer
+) -> None:
+    servers = [
+        await front(
+            make_server,
+            redis_url=redis_server.url,
+            fleet_max_inflight=1,
+            stub_ms=500,
+            fleet_timeout=1.0,
+        )
+        for _ in range(2)
+    ]
+    running = await hold_slot(servers[0], sdk)
+    with pytest.raises(openai.RateLimitError) as caught:
+        await sdk(servers[1], max_retries=0).chat.completions.create(model="m", messages=CHAT)
+    assert caught.value.code == "fleet_busy"
+    assert int(caught.value.response.headers["retry-after-ms"]) > 0
+    assert servers[1].inflight == 0  # admitted there, then given back
+    await running
+    answer = await sdk(servers[1]).chat.completions.create(model="m", messages=CHAT)
+    assert answer.choices[0].message.content == "stub "
+
+
+# The real model --------------------------------------------------------------------------
+
+
+async def test_the_sdk_gets_what_the_tcp_protocol_gets_on_the_model(
+    make_server: ServerFactory,
+    sdk: Sdk,
+) -> None:
+    """The embedded model, greedy: the SDK's streamed chat and the TCP client's job agree."""
+    server = await front(make_server, runner="llama", max_inflight=1, n_ctx=512, threads=1)
+    stream = await sdk(server).chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        temperature=0,
+        seed=7,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert 1 <= usage.completion_tokens <= 8
+    assert usage.prompt_tokens > 5  # (the chat template's tokens included)
+    spec = JobSpec(
+        messages=(Message("user", "Name a colour."),),
+        max_new_tokens=8,
+        temperature=0.0,
+        seed=7,
+        top_p=1.0,
+    )
+    host, port = server.address
+    async with await GovernorClient.connect(host, port) as client:
+        result = await client.generate(spec, retry=NO_RETRY)
+    assert result.reply.result is not None
+    assert text == result.reply.result["text"]
+    assert text.strip()
+    counts = collections.Counter(k[0] for k, v in server.metrics.finished.items() if v)
+    assert counts == {"done": 1}  # both jobs counted under one key: done

@@ -1,0 +1,311 @@
+"""The OpenAI mapping, with no IO: request bodies to job specs, results to answers the official
+SDK parses, refusals to statuses and hints, and the places in line kept for retries."""
+
+from __future__ import annotations
+
+import math
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from governor import openai_api as api
+from governor.admission import Attempt
+from governor.tenants import TenantConfig, Tenants
+from protocol.codes import ErrorCode, NeedCode
+from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
+
+
+def spec_of(body: dict[str, Any], *, chat: bool = True, lane: str | None = None) -> dict[str, Any]:
+    call = api.parse_call(orjson.dumps(body), chat=chat, lane_header=lane)
+    spec: dict[str, Any] = orjson.loads(call.spec)
+    return spec
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "any", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_openai_parameters_map_to_the_job_spec() -> None:
+    spec = spec_of(
+        chat(max_tokens=7, temperature=0.2, top_p=0.5, seed=3, stop=["\n"], stream=True, user="u")
+    )
+    assert spec == {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_new_tokens": 7,
+        "temperature": 0.2,
+        "top_p": 0.5,
+        "seed": 3,
+        "stop": ["\n"],
+        "stream": True,
+    }
+    # max_completion_tokens (the newer name) wins over max_tokens; OpenAI's defaults apply.
+    spec = spec_of(chat(max_tokens=7, max_completion_tokens=9))
+    assert (spec["max_new_tokens"], spec["temperature"], spec["top_p"]) == (9, 1.0, 1.0)
+    assert "max_new_tokens" not in spec_of(chat())
+    assert spec_of({"prompt": ["one"], "model": "m"}, chat=False)["prompt"] == "one"
+
+
+def test_roles_content_parts_and_the_lane() -> None:
+    body = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": "c", "name": "bot"},
+        ]
+    )
+    assert spec_of(body)["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "c"},
+    ]
+    assert spec_of(chat(), lane="heavy")["lane"] == "heavy"
+    assert spec_of(chat(lane="background"), lane="heavy")["lane"] == "background"  # body wins
+    extra = spec_of(chat(top_k=5, min_p=0.1, ignore_eos=True, tool_risk=0.5))
+    assert (extra["top_k"], extra["min_p"], extra["ignore_eos"], extra["tool_risk"]) == (
+        5,
+        0.1,
+        True,
+        0.5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(n=2), "n"),
+        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (chat(logprobs=True), "logprobs"),
+        (chat(frequency_penalty=0.5), "frequency_penalty"),
+        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(surprise=1), "surprise"),
+        (chat(messages=[{"role": "tool", "content": "x"}]), "messages"),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+        (chat(messages=[]), "messages"),
+        (chat(max_tokens="7"), "max_tokens"),
+        (chat(seed=-1), "seed"),
+        (chat(stream="yes"), "stream"),
+        (chat(stream=True, stream_options=[]), "stream_options"),
+        ({"prompt": "hi"}, "prompt"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(api.ApiError) as caught:
+        spec_of(body)
+    error = caught.value
+    assert (error.status, error.param, error.code) == (
+        HTTPStatus.BAD_REQUEST,
+        param,
+        "spec_invalid",
+    )
+    assert orjson.loads(error.body())["error"]["type"] == "invalid_request_error"
+
+
+def test_defaults_that_change_nothing_are_accepted() -> None:
+    body = chat(n=1, logprobs=False, presence_penalty=0, tools=[], tool_choice="none", echo=False)
+    assert spec_of(body)["messages"] == [{"role": "user", "content": "hi"}]
+    assert "stream_options" not in spec_of(chat(stream_options={"include_usage": True}))
+
+
+def test_include_usage_only_with_a_stream() -> None:
+    def call(**fields: Any) -> api.Call:
+        return api.parse_call(orjson.dumps(chat(**fields)), chat=True, lane_header=None)
+
+    assert call(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not call(stream=False, stream_options={"include_usage": True}).include_usage
+    assert not call(stream=True).include_usage
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)  # (what a JSON parser gives: orjson reads larger as floats)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+FIELDS = st.sampled_from(
+    [*sorted(api.MAPPED | api.NO_EFFECT | set(api.DEFAULTS)), "other", "messages", "prompt"]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(FIELDS, JSON_VALUES, max_size=6), st.booleans(), st.binary(max_size=20))
+def test_any_body_is_a_job_spec_or_a_400(body: dict[str, Any], is_chat: bool, noise: bytes) -> None:
+    """Whatever a client sends: a spec the job codec then accepts or refuses with its own code,
+    or a 400 naming a need code; never another exception."""
+    for raw in (orjson.dumps(body), noise):
+        try:
+            call = api.parse_call(raw, chat=is_chat, lane_header=None)
+        except api.ApiError as exc:
+            refused = exc
+        else:
+            refused = None
+        if refused is not None:
+            assert (refused.status, refused.code) == (HTTPStatus.BAD_REQUEST, "spec_invalid")
+            continue
+        try:
+            spec = parse_spec(call.spec, SPEC_CONTENT_TYPE, max_new_tokens_ceiling=64)
+        except SpecInvalid:
+            continue
+        assert spec.stream == call.stream
+        assert (spec.messages is not None) == is_chat
+
+
+@given(st.integers(1, 10**7))
+def test_retry_after_never_says_sooner_than_the_hint(hint_ms: int) -> None:
+    headers = dict(api.retry_headers(hint_ms))
+    assert int(headers["retry-after-ms"]) == hint_ms
+    seconds = int(headers["retry-after"])
+    assert seconds * 1000 >= hint_ms
+    assert seconds == max(1, math.ceil(hint_ms / 1000))
+
+
+def test_statuses() -> None:
+    assert api.yield_status(ErrorCode.BUSY) == HTTPStatus.TOO_MANY_REQUESTS
+    assert api.yield_status(ErrorCode.UNAVAILABLE) == HTTPStatus.SERVICE_UNAVAILABLE
+    assert api.abort_status(NeedCode.BACKEND_ERROR) == HTTPStatus.BAD_GATEWAY
+    assert api.abort_status(NeedCode.RUNNER_CRASHED) == HTTPStatus.BAD_GATEWAY
+    assert api.abort_status(NeedCode.UPSTREAM_TIMEOUT) == HTTPStatus.GATEWAY_TIMEOUT
+    assert api.abort_status(NeedCode.SHUTDOWN) == HTTPStatus.SERVICE_UNAVAILABLE
+
+
+RESULT = {
+    "text": "Hello there",
+    "prompt_tokens": 9,
+    "completion_tokens": 3,
+    "finish_reason": "length",
+}
+
+
+def answers(*, chat: bool, stream: bool, include_usage: bool = False) -> api.Answers:
+    return api.Answers(api.Call(chat, b"{}", stream, include_usage), "id-1", 1700000000, "smol")
+
+
+def events(data: bytes) -> list[Any]:
+    parts = [p.removeprefix(b"data: ") for p in data.split(b"\n\n") if p]
+    assert parts[-1] == b"[DONE]"
+    return [orjson.loads(p) for p in parts[:-1]]
+
+
+def test_whole_answers_are_what_the_sdk_parses() -> None:
+    completion = ChatCompletion.model_validate_json(answers(chat=True, stream=False).whole(RESULT))
+    assert completion.choices[0].message.content == "Hello there"
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.total_tokens) == (9, 12)
+    text = Completion.model_validate_json(answers(chat=False, stream=False).whole(RESULT))
+    assert (text.choices[0].text, text.model, text.object) == (
+        "Hello there",
+        "smol",
+        "text_completion",
+    )
+    assert text.usage is not None
+
+
+def test_a_stream_is_what_the_sdk_parses() -> None:
+    a = answers(chat=True, stream=True, include_usage=True)
+    chunks = [
+        ChatCompletionChunk.model_validate(e)
+        for e in events(a.first() + a.delta("Hel") + a.delta("lo") + a.last(RESULT))
+    ]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 3
+    plain = answers(chat=False, stream=True)
+    texts = events(plain.delta("Hi") + plain.last(RESULT))  # (the SDK reads them unvalidated)
+    assert [t["choices"][0]["text"] for t in texts] == ["Hi", ""]
+    assert [t["choices"][0]["finish_reason"] for t in texts] == [None, "length"]
+    assert {t["object"] for t in texts} == {"text_completion"}
+    assert all("usage" not in t for t in texts)  # no usage chunk unless asked for
+
+
+# Places kept for retries: a model of keep / take / the clock -----------------------------
+
+
+class Places(RuleBasedStateMachine):
+    """Against a plain model: take() gives the oldest live place of its key; places expire at
+    their hint plus the grace and are forgotten exactly once; at most ``limit`` are kept; each
+    tenant's ``waiting`` counts its places."""
+
+    LIMIT = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.forgotten: list[Attempt] = []
+        self.places = api.KeptPlaces(
+            lambda: self.now, self.forgotten.append, grace_s=1.0, limit=self.LIMIT
+        )
+        tenants = Tenants(
+            [TenantConfig(name=n, key_sha256=f"{i:064x}") for i, n in enumerate("ab")],
+            clock=lambda: self.now,
+        )
+        self.tenants = {t.name: t for t in tenants.all()}
+        self.model: list[tuple[api.Key, Attempt, float]] = []  # in order of keeping
+        self.expected_forgotten: list[Attempt] = []
+
+    def _expire_model(self) -> None:
+        live = [m for m in self.model if m[2] > self.now]
+        gone = [m[1] for m in self.model if m[2] <= self.now]
+        self.model = live
+        self.expected_forgotten.extend(gone)
+
+    @rule(
+        tenant=st.sampled_from("ab"), body=st.sampled_from([b"x", b"y"]), hint=st.integers(1, 3000)
+    )
+    def keep(self, tenant: str, body: bytes, hint: int) -> None:
+        self._expire_model()
+        attempt = Attempt(self.tenants[tenant], None)
+        kept = self.places.keep((tenant, body), attempt, self.now, hint)
+        assert kept == (len(self.model) < self.LIMIT)
+        if kept:
+            self.model.append(((tenant, body), attempt, self.now + hint / 1000 + 1.0))
+
+    @rule(tenant=st.sampled_from("ab"), body=st.sampled_from([b"x", b"y"]))
+    def take(self, tenant: str, body: bytes) -> None:
+        self._expire_model()
+        got = self.places.take((tenant, body))
+        match = next((m for m in self.model if m[0] == (tenant, body)), None)
+        if match is None:
+            assert got is None
+        else:
+            assert got is not None
+            assert got.attempt is match[1]
+            self.model.remove(match)
+
+    @rule(seconds=st.floats(0.0, 2.5))
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+        self._expire_model()
+        self.places.expire(self.now)
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.places.count == len(self.model)
+        for name, tenant in self.tenants.items():
+            assert tenant.waiting == sum(1 for m in self.model if m[0][0] == name)
+        # Forgotten when their time is up, each once; never one that was taken.
+        assert sorted(map(id, self.forgotten)) == sorted(map(id, self.expected_forgotten))
+
+
+Places.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_places_kept_for_retries() -> None:
+    Places.TestCase().runTest()
