@@ -15,6 +15,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from clients import NO_RETRY, GovernorClient
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
@@ -26,7 +27,12 @@ from protocol.spec import JobSpec, Message
 
 from .conftest import ServerFactory, wait_until
 
-CHAT = [{"role": "user", "content": "hi"}]
+
+def user(text: str) -> list[ChatCompletionMessageParam]:
+    return [{"role": "user", "content": text}]
+
+
+CHAT = user("hi")
 
 
 def url(server: Server) -> str:
@@ -96,9 +102,7 @@ async def test_the_sdk_own_retries_finish_every_job(make_server: ServerFactory, 
     client = sdk(server)  # max_retries: the SDK's default, 2
     answers = await asyncio.gather(
         *(
-            client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"job {i}"}], max_tokens=3
-            )
+            client.chat.completions.create(model="m", messages=user(f"job {i}"), max_tokens=3)
             for i in range(6)
         )
     )
@@ -403,7 +407,7 @@ async def test_the_sdk_gets_what_the_tcp_protocol_gets_on_the_model(
     server = await front(make_server, runner="llama", max_inflight=1, n_ctx=512, threads=1)
     stream = await sdk(server).chat.completions.create(
         model="m",
-        messages=[{"role": "user", "content": "Name a colour."}],
+        messages=user("Name a colour."),
         max_tokens=8,
         temperature=0,
         seed=7,

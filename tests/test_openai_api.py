@@ -147,12 +147,11 @@ def test_any_body_is_a_job_spec_or_a_400(body: dict[str, Any], is_chat: bool, no
     """Whatever a client sends: a spec the job codec then accepts or refuses with its own code,
     or a 400 naming a need code; never another exception."""
     for raw in (orjson.dumps(body), noise):
+        refused: api.ApiError | None = None
         try:
             call = api.parse_call(raw, chat=is_chat, lane_header=None)
         except api.ApiError as exc:
             refused = exc
-        else:
-            refused = None
         if refused is not None:
             assert (refused.status, refused.code) == (HTTPStatus.BAD_REQUEST, "spec_invalid")
             continue
