@@ -199,6 +199,13 @@ class GovernorCollector(Collector):
             ["reason"],
             (((k,), v) for k, v in server.refused.items()),
         )
+        yield _counter(
+            "governor_http_responses",
+            "The OpenAI-compatible front door's answers, by path and HTTP status (429 and 503 "
+            "are its yields).",
+            ["path", "status"],
+            server.http_responses.items(),
+        )
         fleet = server.fleet
         if fleet is not None:
             yield from _fleet_families(fleet)

@@ -67,7 +67,8 @@ MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer i
 BUFFERS_FULL_HINT_MS = 500
 BACKLOG = 4096
 JSON = "application/json"
-PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # (True: a chat)
+MODELS = "/v1/models"
 
 _connection_ids = itertools.count(1)
 
@@ -152,6 +153,7 @@ class HttpConnection(asyncio.Protocol):
         self.close_after = False  # this answer is the connection's last
         self.jobs = 0
         self.request: h11.Request | None = None
+        self.path = "other"  # the request's, if it is one the door serves (for the metric)
         self.body = bytearray()
         self.reservation: Reservation | None = None
         self.conn_budget = Budget(self.config.max_payload_bytes)
@@ -291,6 +293,8 @@ class HttpConnection(asyncio.Protocol):
             )
             return
         self.request = request
+        path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
+        self.path = path if path in PATHS or path == MODELS else "other"
         length = _header(request, b"content-length")
         limit = self.config.max_payload_bytes
         if length is not None and int(length) > limit:  # (h11 checked it is a number)
@@ -298,7 +302,9 @@ class HttpConnection(asyncio.Protocol):
             return
         self.reservation = Reservation(self.conn_budget, self.door.buffers, 0)
         if self.http.client_is_waiting_for_100_continue:
-            self.http.send(h11.InformationalResponse(status_code=100, headers=[]))
+            self.write(
+                self.http.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+            )
 
     def _on_body(self, data: bytes) -> None:
         self.body += data
@@ -328,10 +334,10 @@ class HttpConnection(asyncio.Protocol):
         assert request is not None
         self._deadline(None, None)
         method = request.method.decode("ascii", "replace")
-        path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
+        path = self.path
         exchange = self.exchange = Exchange(self, method == "HEAD")
         chat = PATHS.get(path)
-        if path == "/v1/models":
+        if path == MODELS:
             if method not in ("GET", "HEAD"):
                 exchange.fail(api.ApiError(HTTPStatus.METHOD_NOT_ALLOWED, "not_found", "use GET"))
                 return
@@ -341,7 +347,7 @@ class HttpConnection(asyncio.Protocol):
                 api.ApiError(
                     HTTPStatus.NOT_FOUND,
                     "not_found",
-                    f"no {path}: try /v1/completions, /v1/chat/completions or /v1/models",
+                    "no such path: try /v1/completions, /v1/chat/completions or /v1/models",
                 )
             )
         elif method != "POST":
@@ -354,12 +360,13 @@ class HttpConnection(asyncio.Protocol):
         self.exchange = None
         self.request = None
         self.arriving = False
+        self.path = "other"
         self.body = bytearray()
         self._release_body()
         if self.closed:
             return
         http = self.http
-        if http.our_state is h11.DONE and http.their_state is h11.DONE and not self._closing():
+        if http.our_state is h11.DONE and http.their_state is h11.DONE and not self.closing():
             http.start_next_cycle()
             self.read_ahead = 0
             if self.transport is not None:
@@ -373,7 +380,7 @@ class HttpConnection(asyncio.Protocol):
         else:
             self.close()
 
-    def _closing(self) -> bool:
+    def closing(self) -> bool:
         """Close after this answer (the server is draining, or the client's keys failed); a
         client that asked to close is closed by h11's state."""
         return self.close_after or self.state.ledger.draining
@@ -423,6 +430,7 @@ class HttpConnection(asyncio.Protocol):
         self.closed = True
         if transport is None or transport.is_closing():
             return
+        self.state.http_responses[(self.path, str(status.value))] += 1
         body = api.error_body(status, code, message)
         lines = [
             f"HTTP/1.1 {status.value} {status.phrase}",
@@ -511,8 +519,9 @@ class Exchange:
         ]
         if length is not None:
             fields.append(("content-length", str(length)))
-        if conn._closing():
+        if conn.closing():
             fields.append(("connection", "close"))
+        conn.state.http_responses[(conn.path, str(status.value))] += 1
         self._send(h11.Response(status_code=int(status), headers=fields))
 
     def _send(self, ev: h11.Event | None) -> None:

@@ -48,6 +48,8 @@ class ServerState:
         self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
         # Connections ended by the server before they were served, or cut without a frame.
         self.refused: collections.Counter[str] = collections.Counter()  # by reason
+        # The front door's answers, by path (a known one, else "other") and status.
+        self.http_responses: collections.Counter[tuple[str, str]] = collections.Counter()
         self.sources = Sources(
             config.max_connections_per_source, config.auth_backoff, admission.ledger.clock
         )

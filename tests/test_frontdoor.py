@@ -93,6 +93,11 @@ async def test_a_yield_is_a_rate_limit_error_carrying_retry_after_ms(
     assert response.headers["x-governor-inflight"] == "1"
     await running
     assert server.ledger.yielded_total == 1
+    answers = server.state.http_responses
+    assert (answers[("/v1/chat/completions", "429")], answers[("/v1/chat/completions", "200")]) == (
+        1,
+        1,
+    )
 
 
 async def test_the_sdk_own_retries_finish_every_job(make_server: ServerFactory, sdk: Sdk) -> None:
