@@ -29,6 +29,7 @@ from . import (
     peer,
     rate,
     replay,
+    sdkbench,
     soak,
     tls_cost,
 )
@@ -80,6 +81,7 @@ COMMANDS: dict[str, Command] = {
         _generation,
         fleetbench,
         fleet,
+        sdkbench,
     )
 }
 

@@ -7,8 +7,9 @@ Two targets with one interface, so that one workload runs unchanged against both
 * :class:`FleetTarget`: the same protocol over several replicas of the governor, each client
   a :class:`clients.FleetClient` (a connection to every replica);
 * :class:`OpenAITarget`: an OpenAI-compatible server's streamed ``/v1/completions`` or
-  ``/v1/chat/completions`` (the queueing baseline: llama-cpp-python's own server on the same
-  model, llama.cpp's llama-server, or any such sidecar).
+  ``/v1/chat/completions``: the queueing baseline (llama-cpp-python's own server on the same
+  model, llama.cpp's llama-server, or any such sidecar), or the governor's own front door, whose
+  refusals (429 or 503 with ``retry-after-ms``) are yields, retried as the governor target's are.
 
 The driver makes an :class:`Outcome` per request (``timed_out`` until told otherwise) and the
 target fills it in as replies arrive, so a request cancelled at the deadline keeps what it had
@@ -19,19 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import email.utils
+import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 import orjson
 
-from clients.client import ClientError, GovernorClient, RetryPolicy, UploadResult
+from clients.client import ClientError, GovernorClient, RetryBudget, RetryPolicy, UploadResult
 from clients.fleet import FleetClient, FleetResult, Replicas, resolve
 from governor.policy import LANES
-from protocol.codes import Status
+from protocol.codes import NeedCode, Status
 from protocol.frames import Reply
 from protocol.spec import JobSpec, Message
 
@@ -306,14 +309,73 @@ async def exchange(
     return result
 
 
+# HTTP statuses that are a refusal (a yield) when they carry a hint; any other is an abort.
+YIELD_STATUSES = frozenset({429, 503})
+
+
+def retry_hint_ms(headers: Mapping[str, str]) -> int | None:
+    """A refusal's hint in ms, read as the OpenAI SDKs read it: ``retry-after-ms``, else
+    ``Retry-After`` (seconds, or an HTTP date); None when neither is there or makes sense."""
+    for name, scale in (("retry-after-ms", 1), ("retry-after", 1000)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            amount = float(value) * scale
+        except ValueError:
+            if name == "retry-after-ms":
+                continue
+            try:  # an HTTP date
+                amount = (email.utils.parsedate_to_datetime(value).timestamp() - time.time()) * 1000
+            except (TypeError, ValueError):
+                return None
+            amount = max(amount, 0.0)
+        return math.ceil(amount) if math.isfinite(amount) and amount >= 0 else None
+    return None
+
+
+def error_code(body: bytes) -> str | None:
+    """The ``code`` of an OpenAI-style error body ``{"error": {"code": ...}}`` (the governor's
+    front door puts its need code there); None when the body is not one."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = obj.get("error") if isinstance(obj, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) and code else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """An attempt that did not stream to its end: its status, the error's code (None when its
+    body had none), the hint (None: not a yield) and, for a stream cut by an ``error`` event,
+    the reason it ends with."""
+
+    status: int
+    code: str | None
+    hint_ms: int | None = None
+    reason: str | None = None
+
+
 class OpenAITarget:
     """Streamed ``POST /v1/completions`` (``/v1/chat/completions`` for a chat shape) on an
-    OpenAI-compatible server; it queues, never yields.
+    OpenAI-compatible server.
 
     ``extra`` goes into every request body as is: a server's own fields, such as llama-server's
     ``ignore_eos`` and ``cache_prompt``. A server that reports ``usage`` (ask with
     ``"stream_options": {"include_usage": true}``) has its completion token count taken over
     the count of chunks with text.
+
+    A 429 or 503 carrying a hint (``retry-after-ms``, else ``Retry-After``) is a yield, as the
+    governor's front door answers when it has no slot: recorded on the outcome with the error
+    body's ``code`` (the need code) and retried as ``retry`` says, after ``retry.delay_s`` of the
+    hint, with the identical body (the front door keeps its place in line). As
+    :class:`clients.GovernorClient` does, a ``draining`` yield is never retried, and a
+    ``breaker_open`` one only while the target's :class:`~clients.client.RetryBudget` allows
+    (shared by its requests) and its hint is within ``retry.max_sleep_s``. Any other status is
+    an abort (``http_<status>``); a stream that ends with an ``error`` event is one too (its
+    code as the reason). A queueing server never yields: it is loaded as before.
     """
 
     kind = "openai"
@@ -324,11 +386,16 @@ class OpenAITarget:
         shape: Shape,
         model: str | None = None,
         extra: dict[str, Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.addr = url.rstrip("/")
         self.shape = shape
         self.model = model
         self.extra = dict(extra or {})
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.budget = RetryBudget()
+        self._rng = random.Random()
         self._http: httpx.AsyncClient | None = None
 
     async def open(self, connections: int, *, timeout: float) -> None:
@@ -348,12 +415,11 @@ class OpenAITarget:
             await self._http.aclose()
             self._http = None
 
-    async def send(self, index: int, outcome: Outcome, t0: float, connection: int) -> None:
-        assert self._http is not None, "open() first"
-        req, shape = outcome.request, self.shape
-        text = shape.prompt(req, index)
+    def body(self, index: int, request: Request) -> dict[str, Any]:
+        shape = self.shape
+        text = shape.prompt(request, index)
         body: dict[str, Any] = {
-            "max_tokens": req.output_tokens,
+            "max_tokens": request.output_tokens,
             "temperature": shape.temperature,
             "seed": index,
             "stream": True,
@@ -365,38 +431,87 @@ class OpenAITarget:
             body["prompt"] = text
         if self.model:
             body["model"] = self.model
-        path = "/v1/chat/completions" if shape.chat else "/v1/completions"
+        return body
+
+    async def send(self, index: int, outcome: Outcome, t0: float, connection: int) -> None:
+        assert self._http is not None, "open() first"
+        path = "/v1/chat/completions" if self.shape.chat else "/v1/completions"
+        content = orjson.dumps(self.body(index, outcome.request))  # the same bytes every attempt
+        retry = self.retry
+        while True:
+            sent_at = time.monotonic()
+            outcome.attempts += 1
+            try:
+                refused = await self._attempt(path, content, outcome, t0)
+            except (httpx.HTTPError, orjson.JSONDecodeError, OSError) as exc:
+                outcome.status, outcome.reason = ERROR, type(exc).__name__
+                outcome.end_s = _since(t0)
+                return
+            if refused is None:  # streamed to its end
+                self.budget.record_success()
+                outcome.status, outcome.end_s = DONE, _since(t0)
+                outcome.first_retry_admitted = outcome.attempts == 2
+                return
+            if refused.hint_ms is None or refused.status not in YIELD_STATUSES:
+                if refused.code == NeedCode.BACKEND_ERROR:
+                    self.budget.record_failure()
+                outcome.status, outcome.end_s = ABORTED, _since(t0)
+                outcome.reason = refused.reason or f"http_{refused.status}"
+                return
+            now = time.monotonic()
+            code = refused.code or f"http_{refused.status}"
+            outcome.yields.append((now - t0, code, (now - sent_at) * 1000))
+            failing = code == NeedCode.BREAKER_OPEN
+            if failing:
+                self.budget.record_failure()
+            if (
+                outcome.attempts >= retry.max_attempts
+                or code == NeedCode.DRAINING
+                or (failing and not self.budget.allows_retry())
+                or (failing and refused.hint_ms / 1000 > retry.max_sleep_s)
+            ):
+                outcome.status, outcome.reason, outcome.end_s = YIELDED, code, _since(t0)
+                return
+            await asyncio.sleep(retry.delay_s(refused.hint_ms, self._rng))
+
+    async def _attempt(
+        self, path: str, content: bytes, outcome: Outcome, t0: float
+    ) -> _Refused | None:
+        """One attempt: None when its stream ran to its end (the outcome has its tokens), else
+        what refused it, or what cut the stream (an ``error`` event, after its 200)."""
+        assert self._http is not None
+        shape = self.shape
         reported: int | None = None
-        outcome.attempts = 1
-        try:
-            async with self._http.stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    outcome.status, outcome.reason = ABORTED, f"http_{response.status_code}"
-                    outcome.end_s = _since(t0)
-                    return
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = orjson.loads(data)
-                    choice = (chunk.get("choices") or [{}])[0]
-                    if shape.chat:
-                        piece = (choice.get("delta") or {}).get("content")
-                    else:
-                        piece = choice.get("text")
-                    if piece:
-                        if outcome.first_token_s is None:
-                            outcome.first_token_s = _since(t0)
-                        outcome.tokens += 1
-                    usage = chunk.get("usage") or {}
-                    if isinstance(usage.get("completion_tokens"), int):
-                        reported = usage["completion_tokens"]
-        except (httpx.HTTPError, orjson.JSONDecodeError, OSError) as exc:
-            outcome.status, outcome.reason, outcome.end_s = ERROR, type(exc).__name__, _since(t0)
-            return
+        headers = {"content-type": "application/json"}
+        async with self._http.stream("POST", path, content=content, headers=headers) as response:
+            if response.status_code != 200:
+                body = await response.aread()
+                hint = retry_hint_ms(response.headers)
+                return _Refused(response.status_code, error_code(body), hint_ms=hint)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = orjson.loads(data)
+                error = chunk.get("error")
+                if isinstance(error, dict):
+                    code = error.get("code")
+                    code = code if isinstance(code, str) and code else None
+                    return _Refused(200, code, reason=code or "stream_error")
+                choice = (chunk.get("choices") or [{}])[0]
+                if shape.chat:
+                    piece = (choice.get("delta") or {}).get("content")
+                else:
+                    piece = choice.get("text")
+                if piece:
+                    if outcome.first_token_s is None:
+                        outcome.first_token_s = _since(t0)
+                    outcome.tokens += 1
+                usage = chunk.get("usage") or {}
+                if isinstance(usage.get("completion_tokens"), int):
+                    reported = usage["completion_tokens"]
         if reported is not None:
             outcome.tokens = reported
-        outcome.status, outcome.end_s = DONE, _since(t0)
+        return None

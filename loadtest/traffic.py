@@ -60,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         "--openai",
         metavar="URL",
         help="load an OpenAI-compatible server at URL instead (streamed /v1/completions), e.g. "
-        "the queueing baseline `python -m loadtest baseline`; --addr and --retry are ignored",
+        "the queueing baseline `python -m loadtest baseline`, or the governor's own front door "
+        "(`governor serve --http-listen`), whose refusals (429 or 503 with retry-after-ms) count "
+        "as yields and are retried as --retry, --max-attempts and --fixed-ms say, after the "
+        "hint's sleep; --addr is ignored",
     )
     target.add_argument("--model", help="--openai: the model name to send (default: none)")
     add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
@@ -70,9 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         "--retry",
         choices=RETRY_MODES,
         default=default_retry,
-        help="on yield: hint (sleep retry_hint_ms plus jitter, then resend), naive (resend at "
-        "once), fixed (sleep --fixed-ms, ignoring the hint, as heptamini's client does with its "
-        f"daemon's constant 500 ms), none (one attempt) (default: {default_retry})",
+        help="on yield (--openai: a 429 or 503 with a hint): hint (sleep retry_hint_ms plus "
+        "jitter, then resend), naive (resend at once), fixed (sleep --fixed-ms, ignoring the "
+        "hint, as heptamini's client does with its daemon's constant 500 ms), none (one "
+        f"attempt) (default: {default_retry})",
     )
     client.add_argument(
         "--max-attempts",
@@ -187,12 +191,12 @@ def target_from(
         temperature=args.temperature,
         send_lane=not args.no_lanes,
     )
+    retry = retry_policy(args.retry, args.max_attempts, args.fixed_ms)
     if args.openai:
         if payload_bytes is not None or ping or reconnect:
             raise SystemExit("loadtest: --openai sends inference jobs only: give --prompt-tokens")
-        return OpenAITarget(args.openai, shape, args.model)
+        return OpenAITarget(args.openai, shape, args.model, retry=retry)
     endpoints = endpoints_from(args)
-    retry = retry_policy(args.retry, args.max_attempts, args.fixed_ms)
     if len(endpoints) == 1 and len(resolve_now([endpoints[0].addr])) == 1:
         return GovernorTarget(endpoints[0], shape, retry)
     return FleetTarget(endpoints, shape, retry)
