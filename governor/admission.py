@@ -149,9 +149,6 @@ class Attempt:
     refusals: int = 0
     pauses: int = 0  # the times a pause refused it (the ladder counts a pause once per job)
     lane: str = NO_LANE  # the lane it was given, once classified
-    # Its client retries only a few times (the HTTP front door's): hints say when a slot has
-    # most likely freed, not when it may have (SlotLedger.expected_end).
-    sure: bool = False
 
 
 class Ticket:
@@ -317,11 +314,11 @@ class Admission:
         if refusal is not None:
             return self._refuse(attempt, None, refusal)
         # 5. The tenant's limits.
-        refusal = self._tenant_refusal(attempt.tenant, plan.tokens, now, attempt.sure)
+        refusal = self._tenant_refusal(attempt.tenant, plan.tokens, now)
         if refusal is not None:
             return self._refuse(attempt, promise, refusal)
         # 6. Breaker and fallback, then 7. the ledger.
-        placed = self._place(plan, promise, now, attempt.sure)
+        placed = self._place(plan, promise, now)
         if isinstance(placed, Refusal):
             return self._refuse(attempt, None, placed, counted=True)
         pool, slot, plan, trial = placed
@@ -438,24 +435,17 @@ class Admission:
             now, now + overload.pause_hint_s(demand.lane, attempt.refusals + 1)
         )
         hint_ms, promise = self.ledger.place(
-            promise,
-            rank,
-            plan.size,
-            doublings=attempt.pauses - 1,
-            until_ms=until_ms,
-            sure=attempt.sure,
+            promise, rank, plan.size, doublings=attempt.pauses - 1, until_ms=until_ms
         )
         return Refusal(NeedCode.LANE_PAUSED, hint_ms, promise)
 
-    def _tenant_refusal(
-        self, tenant: Tenant, tokens: int, now: float, sure: bool = False
-    ) -> Refusal | None:
+    def _tenant_refusal(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
         """The tenant's concurrency cap, its weighted share, then its request and token rates."""
         ledger, cap = self.ledger, tenant.config.max_inflight
         share = self.tenants.fair_share(tenant, ledger.cap)
         for limit, code in ((cap, NeedCode.TENANT_BUSY), (share, NeedCode.TENANT_SHARE)):
             if limit and tenant.inflight >= limit:  # (a share is contention: shared by weight)
-                first_end = min(ledger.slot_end(slot, now, sure=sure) for slot in tenant.running)
+                first_end = min(ledger.slot_end(slot, now) for slot in tenant.running)
                 return Refusal(code, ledger.hint_ms(now, first_end))
         wait = tenant.wait_s(tokens, now)
         if wait > 0:
@@ -463,7 +453,7 @@ class Admission:
         return None
 
     def _place(
-        self, plan: _Plan, promise: Promise | None, now: float, sure: bool = False
+        self, plan: _Plan, promise: Promise | None, now: float
     ) -> tuple[Pool, Slot, _Plan, bool] | Refusal:
         """A slot in the fallback pool when the breaker or the ladder sends the job there, else
         in the primary pool; or a refusal with its hint.
@@ -483,7 +473,7 @@ class Admission:
             if blocked is not None:
                 self._withdraw(promise)
                 return Refusal(NeedCode.BREAKER_OPEN, ledger.hint_ms(now, now + blocked))
-        decision = ledger.admit(promise, plan.demand, plan.size, sure=sure)
+        decision = ledger.admit(promise, plan.demand, plan.size)
         if isinstance(decision, Refusal):
             return decision
         return self.primary, decision, plan, breaker.started()

@@ -548,7 +548,7 @@ class Exchange:
         job_id = f"http-{conn.id}-{conn.jobs}"
         key = (tenant.name, hashlib.sha256(body).digest())
         kept = conn.door.places.take(key)
-        attempt = kept.attempt if kept is not None else Attempt(tenant, None, sure=True)
+        attempt = kept.attempt if kept is not None else Attempt(tenant, None)
         attempt.job, attempt.spec_error = None, None
         try:
             attempt.job = admission.primary.runner.prepare(job_id, call.spec, SPEC_CONTENT_TYPE)

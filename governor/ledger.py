@@ -49,11 +49,6 @@ slot releases instead of all returning at the same instant.
 * A client that comes back (it resends the final chunk of the payload it was refused) and
   finds no slot for it keeps its place in line and is re-timed to that place's release
   (``k = q``, the promises ahead of it).
-* A client that retries only a few times (an OpenAI SDK's two, through the HTTP front door:
-  ``sure``) is told when its slot has most likely freed, as the window closes (``start_i +
-  S_i + w_i``, each later turn ``W (1 + err) + T``), and, back too early, the window's width
-  or a quarter of what the job has run, not a poll: a slot may idle for up to ``2 w_i``, and
-  the client's retries are not spent on a job that ran a little long.
 
 Under a lane policy (:mod:`governor.policy`) the line is lane-aware: a promise carries its
 job's lane, and a client counts, and a freed slot is held for, only the promises of its own lane
@@ -277,8 +272,6 @@ class SlotLedger:
         promise: Promise | None = None,
         demand: Demand | None = None,
         size: JobSize | None = None,
-        *,
-        sure: bool = False,
     ) -> Slot | Refusal:
         """Take a slot, or say why not and when to come back.
 
@@ -286,7 +279,6 @@ class SlotLedger:
         ``demand`` the job's lane and KV reservation, when a lane policy is in force; ``size``
         its prompt and ``max_new_tokens``, when it is an inference job: the slot's expected
         end, and the turns of the slots it waits for when refused, are predicted from it.
-        ``sure``: the client retries only a few times (see :meth:`expected_end`).
         """
         now = self.clock()
         self._lapse(now)
@@ -303,7 +295,7 @@ class SlotLedger:
         usable = free - reserved
         # A free slot is not for the taking while clients ahead in line have their time come.
         if usable <= self._due_ahead(now, promise, rank, reserved):
-            hint_ms, promise = self._promise(now, promise, rank, size, sure=sure)
+            hint_ms, promise = self._promise(now, promise, rank, size)
             code = NeedCode.LANE_FULL if usable <= 0 < free else NeedCode.SERVER_BUSY
             return self.refused(Refusal(code, hint_ms, promise))
         refusal = None
@@ -361,7 +353,6 @@ class SlotLedger:
         *,
         doublings: int = 0,
         until_ms: int | None = None,
-        sure: bool = False,
     ) -> tuple[int, Promise | None]:
         """A place in line for a client refused before the ledger's own check (a paused lane),
         as :meth:`admit` gives one: ``promise`` is kept and re-timed, a newcomer goes to the
@@ -370,7 +361,7 @@ class SlotLedger:
         """
         now = self.clock()
         self._lapse(now)
-        return self._promise(now, promise, rank, size, doublings, until_ms, sure=sure)
+        return self._promise(now, promise, rank, size, doublings, until_ms)
 
     def predict_s(self, size: JobSize | None, lane: Lane | None = None) -> float:
         """How long a job of ``size`` (in ``lane``) is expected to hold its slot: the model's
@@ -449,33 +440,22 @@ class SlotLedger:
         """The expected service time of a job of ``lane`` (``None``: of any job)."""
         return self.lane_service_s.get(lane, self.service_s) if lane is not None else self.service_s
 
-    def slot_end(self, slot: Slot, now: float, *, sure: bool = False) -> float:
+    def slot_end(self, slot: Slot, now: float) -> float:
         """When a running job is expected to end, from its own predicted service time."""
-        return self.expected_end(slot.started, now, slot.expected_s, sure=sure)
+        return self.expected_end(slot.started, now, slot.expected_s)
 
-    def expected_end(
-        self, started: float, now: float, service_s: float | None = None, *, sure: bool = False
-    ) -> float:
+    def expected_end(self, started: float, now: float, service_s: float | None = None) -> float:
         """When a job started at ``started`` may have freed its slot: as the window in which
         it is likely to end opens, ``started + S - err * S`` (``service_s``: the job's own
         prediction, :attr:`Slot.expected_s`; the pool's mean by default); inside the window,
         half its half-width from now; once it has overrun ``S``, as much more as it has
         overrun, at most a quarter of what it has run (see the module docstring).
-
-        ``sure``: when it has most likely freed it, for a client that retries only a few times
-        (the OpenAI SDKs' two, through the HTTP front door) and must not spend them polling: as
-        the window closes, ``started + S + err * S``, and never sooner than the window's
-        width, nor a quarter of what the job has run, from now. Its slot may idle for up to
-        the window; the client is not refused again for a job that ran a little long.
         """
         service = self.service_s if service_s is None else service_s
         window = service * self.error  # (it is likely to end within this of its prediction)
         ran = now - started
-        if sure:
-            expected = max(started + service + window, now + max(window, ran / 4))
-        else:
-            poll = min(max(ran - service, window / 2), ran / 4)
-            expected = max(started + service - window, now + poll)
+        poll = min(max(ran - service, window / 2), ran / 4)
+        expected = max(started + service - window, now + poll)
         return max(expected, now + self.min_hint_ms / 1000)
 
     def hint_ms(self, now: float, at: float) -> int:
@@ -581,8 +561,6 @@ class SlotLedger:
         size: JobSize | None = None,
         doublings: int = 0,
         until_ms: int | None = None,
-        *,
-        sure: bool = False,
     ) -> tuple[int, Promise | None]:
         """The hint for a refusal, and the promise that goes with it.
 
@@ -611,7 +589,7 @@ class SlotLedger:
             ahead -= min(counts[0], reserve)
             ahead_s -= seconds[0] * min(counts[0], reserve) / counts[0]
         turn_s = ahead_s / ahead if ahead > 0 else own_s
-        hint_ms = self.hint_ms(now, self._release_time(now, ahead, rank, turn_s, sure=sure))
+        hint_ms = self.hint_ms(now, self._release_time(now, ahead, rank, turn_s))
         if doublings:
             longest = self.max_hint_ms if until_ms is None else until_ms
             hint_ms = min(max(hint_ms, min(hint_ms << doublings, longest)), self.max_hint_ms)
@@ -633,7 +611,7 @@ class SlotLedger:
         self._sweep()  # (re-timed promises leave stale entries in the heap)
         return hint_ms, promise
 
-    def _ends(self, now: float, rank: int, sure: bool = False) -> tuple[list[float], int]:
+    def _ends(self, now: float, rank: int) -> tuple[list[float], int]:
         """The expected ends of the running jobs whose release frees a slot a client of the
         lane ranked ``rank`` may take, and how many slots it may take.
 
@@ -644,11 +622,11 @@ class SlotLedger:
         slot_end = self.slot_end
         reserve = self._reserve(rank, now)
         if not reserve:
-            return [slot_end(slot, now, sure=sure) for slot in self._running], self.cap
+            return [slot_end(slot, now) for slot in self._running], self.cap
         ends: list[float] = []
         interactive: list[float] = []
         for slot in self._running:
-            end = slot_end(slot, now, sure=sure)
+            end = slot_end(slot, now)
             lane = slot.demand.lane if slot.demand is not None else None
             (interactive if lane == Lane.INTERACTIVE else ends).append(end)
         if len(interactive) > reserve:
@@ -657,13 +635,7 @@ class SlotLedger:
         return ends, max(self.cap - reserve, 1)
 
     def _release_time(
-        self,
-        now: float,
-        k: int,
-        rank: int = 0,
-        turn_s: float | None = None,
-        *,
-        sure: bool = False,
+        self, now: float, k: int, rank: int = 0, turn_s: float | None = None
     ) -> float:
         """When the ``k``-th slot release from now is expected (``k`` = 0: the next one), for
         a client of the lane ranked ``rank``: the ``k``-th smallest of the times
@@ -676,14 +648,12 @@ class SlotLedger:
         period from the first: in round ``r``, slot ``i`` frees at ``e_0 + r * (W + T) + o_i``
         once ``r >= q_i``, where ``e_i - e_0 = q_i * (W + T) + o_i``.
         """
-        ends, slots = self._ends(now, rank, sure)
+        ends, slots = self._ends(now, rank)
         floor = now + self.min_hint_ms / 1000
         ends += [floor] * (slots - len(ends))  # a free slot is held for a promise due now
         ends.sort()
         if turn_s is None:
             turn_s = self.service_for(LANES[rank] if self.policy is not None else None)
-        if sure:  # (each turn may run long too)
-            turn_s *= 1 + self.error
         # (no turn is shorter than a millisecond: a period of 0 would never move on)
         period = max(turn_s + self.turnaround_s, 0.001)
         first, n = ends[0], len(ends)

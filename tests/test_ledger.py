@@ -218,28 +218,6 @@ def test_the_first_in_line_comes_as_the_likely_window_opens_and_polls_in_it(
         promise = refusal.promise
 
 
-def test_a_client_with_few_retries_comes_as_the_window_closes(clock: FakeClock) -> None:
-    """``sure``: the same 1 s job, 20 % off, for a client with two retries (the OpenAI SDK's):
-    told 1.2 s, when the job has most likely ended; back early and refused, told the window's
-    width (or a quarter of what the job has run) again, never a poll of a few milliseconds."""
-    ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)
-    ledger.error = 0.2
-    start = clock.now
-    assert isinstance(ledger.admit(), Slot)
-    promise = None
-    for ran, hint in ((0.0, 1200), (1.15, 288), (1.3, 325), (4.0, 1000)):
-        clock.now = start + ran
-        refusal = ledger.admit(promise, sure=True)
-        assert isinstance(refusal, Refusal)
-        assert refusal.retry_hint_ms == hint, ran
-        promise = refusal.promise
-    # Two more in line: each later turn is a job's time with its window, 1.2 s, and the
-    # turnaround (5 ms), after the first.
-    clock.now = start
-    hints = [ledger.admit(sure=True) for _ in range(2)]
-    assert [h.retry_hint_ms for h in hints if isinstance(h, Refusal)] == [2405, 3610]
-
-
 def test_the_typical_error_is_learnt_from_completed_jobs(clock: FakeClock) -> None:
     ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
     for held in (1.0, 1.0, 1.0, 1.0):
