@@ -105,17 +105,20 @@ class Config:
         "stub: extra milliseconds per max_new_tokens of a job spec (37.7 calibrates it likewise).",
     )
     idle_timeout: float = _opt(
-        60.0, "Seconds without a frame (and with no job running) before a connection is closed."
+        60.0,
+        "Seconds without a frame (and with no job running) before a connection is closed; on the front door, seconds between requests on a kept-alive connection.",
     )
     max_line_bytes: int = _opt(262144, "Longest accepted line; a longer one closes the connection.")
     max_jobs_per_conn: int = _opt(
         64, "Jobs a connection may have open at once (uploading, held after a yield, or running)."
     )
     max_connections: int = _opt(
-        1024, "Connections served at once; one more gets an abort frame and is closed."
+        1024,
+        "Connections served at once, the front door's included; one more gets an abort frame (or a 503) and is closed.",
     )
     max_payload_bytes: int = _opt(
-        DEFAULT_MAX_PAYLOAD_BYTES, "Largest payload a manifest may declare."
+        DEFAULT_MAX_PAYLOAD_BYTES,
+        "Largest payload a manifest may declare, and largest request body the front door reads (413).",
     )
     max_conn_buffer_bytes: int = _opt(
         64 * 1024 * 1024,
@@ -125,14 +128,15 @@ class Config:
         1024 * 1024 * 1024, "Payload bytes all connections together may have buffered."
     )
     held_payloads_per_conn: int = _opt(
-        8, "Payloads a connection may have held after a yield, awaiting the client's retry."
+        8,
+        "Payloads a connection may have held after a yield, awaiting the client's retry; times max_connections, the places the front door keeps for retries.",
     )
     max_chunks: int = _opt(
         65536, "Most chunks a manifest may declare (each costs memory beyond its bytes)."
     )
     upload_timeout: float = _opt(
         30.0,
-        "Seconds an upload may go without a new chunk before it is dropped (pings and other jobs' frames do not extend it).",
+        "Seconds an upload may go without a new chunk before it is dropped (pings and other jobs' frames do not extend it); on the front door, for a whole request to arrive (408), and how long past its hint a refused request's place is kept.",
     )
     max_connections_per_source: int = _opt(
         256, "Connections one source address may hold at once; 0: no per-source limit."
@@ -158,7 +162,8 @@ class Config:
         "Seconds a source's new connections are refused after one of its connections was closed for failed keys.",
     )
     tls_cert: str | None = _opt(
-        None, "PEM certificate chain for TLS on the protocol listener; unset: plain TCP."
+        None,
+        "PEM certificate chain for TLS on the protocol listener and the front door (HTTPS); unset: plain TCP.",
     )
     tls_key: str | None = _opt(None, "PEM private key of tls_cert.")
     tls_client_ca: str | None = _opt(

@@ -201,8 +201,8 @@ class GovernorCollector(Collector):
         )
         yield _counter(
             "governor_http_responses",
-            "The OpenAI-compatible front door's answers, by path and HTTP status (429 and 503 "
-            "are its yields).",
+            "The OpenAI-compatible front door's answers, by path (other: any other, and "
+            "answers before a request was read) and HTTP status.",
             ["path", "status"],
             server.http_responses.items(),
         )

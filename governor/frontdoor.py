@@ -51,13 +51,14 @@ from protocol.frames import Request
 from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid
 
 from . import openai_api as api
-from .admission import Admitted, Attempt, Budget, Rejected, Reservation, Yielded
+from .admission import Admitted, Attempt, Budget, Rejected, Reservation, Ticket, Yielded
 from .execution import Execution
 from .ledger import Refusal
 from .logs import event
 from .sources import Refused, source_of
 from .state import ServerState
 from .tenants import Tenant
+from .tls import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("governor.http")
 
@@ -65,6 +66,15 @@ MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
 MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer is on its way
 BUFFERS_FULL_HINT_MS = 500
+# A request that comes back for its place and is refused again with a hint this short waits at
+# the door until then (and again, up to DOOR_MAX_S in all) instead of spending one of its few
+# retries: an OpenAI SDK has two, and hints are predictions.
+DOOR_HINT_MS = 1000
+DOOR_MAX_S = 5.0
+# A draining replica's 503 says to retry within this: behind a load balancer the retry (on a
+# new connection: the answer closes this one) reaches another replica. The TCP protocol's
+# draining hint is the longest (its clients leave a draining replica themselves).
+DRAINING_HINT_MS = 1000
 BACKLOG = 4096
 JSON = "application/json"
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # (True: a chat)
@@ -101,7 +111,11 @@ class FrontDoor:
     async def serve(self, tls: ssl.SSLContext | None) -> None:
         assert self._sock is not None
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: HttpConnection(self), sock=self._sock, backlog=BACKLOG, ssl=tls
+            lambda: HttpConnection(self),
+            sock=self._sock,
+            backlog=BACKLOG,
+            ssl=tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
         )
 
     @property
@@ -226,8 +240,10 @@ class HttpConnection(asyncio.Protocol):
                 timer.cancel()
         self._release_body()
         exchange = self.exchange
-        if exchange is not None and exchange.execution is not None:
-            exchange.execution.client_gone()
+        if exchange is not None:
+            exchange.left()
+            if exchange.execution is not None:
+                exchange.execution.client_gone()
         if self.served:
             self.served = False
             self.state.connections.discard(self)
@@ -339,7 +355,7 @@ class HttpConnection(asyncio.Protocol):
         chat = PATHS.get(path)
         if path == MODELS:
             if method not in ("GET", "HEAD"):
-                exchange.fail(api.ApiError(HTTPStatus.METHOD_NOT_ALLOWED, "not_found", "use GET"))
+                exchange.fail(_not_allowed("GET, HEAD"))
                 return
             exchange.respond(HTTPStatus.OK, api.models(self.door.model, self.door.created))
         elif chat is None:
@@ -351,7 +367,7 @@ class HttpConnection(asyncio.Protocol):
                 )
             )
         elif method != "POST":
-            exchange.fail(api.ApiError(HTTPStatus.METHOD_NOT_ALLOWED, "not_found", "use POST"))
+            exchange.fail(_not_allowed("POST"))
         else:
             exchange.job(request, bytes(self.body), chat)
 
@@ -481,6 +497,13 @@ class Exchange:
         self.head_only = head_only
         self.execution: Execution | None = None
         self.answers: api.Answers | None = None
+        self.call: api.Call | None = None
+        self.key: api.Key = ("", b"")
+        self.attempt: Attempt | None = None
+        self.first_refusal: float | None = None  # came back for its place: when first refused
+        self.at_door = False  # waiting at the door for its place
+        self.door_s = 0.0  # how long it has waited there
+        self.door_timer: asyncio.TimerHandle | None = None
         self.streaming = False  # the 200 and the stream's head are out
 
     # Plain answers ---------------------------------------------------------------------
@@ -522,7 +545,9 @@ class Exchange:
         if conn.closing():
             fields.append(("connection", "close"))
         conn.state.http_responses[(conn.path, str(status.value))] += 1
-        self._send(h11.Response(status_code=int(status), headers=fields))
+        self._send(
+            h11.Response(status_code=int(status), headers=fields, reason=status.phrase.encode())
+        )
 
     def _send(self, ev: h11.Event | None) -> None:
         if ev is None or self.conn.closed:
@@ -535,7 +560,6 @@ class Exchange:
 
     def job(self, request: h11.Request, body: bytes, chat: bool) -> None:
         conn = self.conn
-        state, admission = conn.state, conn.state.admission
         tenant = self._tenant(request)
         if tenant is None:
             return
@@ -546,12 +570,19 @@ class Exchange:
             return
         conn.jobs += 1
         job_id = f"http-{conn.id}-{conn.jobs}"
-        key = (tenant.name, hashlib.sha256(body).digest())
-        kept = conn.door.places.take(key)
-        attempt = kept.attempt if kept is not None else Attempt(tenant, None)
+        self.call = call
+        self.key = (tenant.name, hashlib.sha256(body).digest())
+        kept = conn.door.places.take(self.key)
+        if kept is not None:
+            self.attempt, self.first_refusal = kept.attempt, kept.first_refusal
+        else:
+            self.attempt = Attempt(tenant, None)
+        attempt = self.attempt
         attempt.job, attempt.spec_error = None, None
         try:
-            attempt.job = admission.primary.runner.prepare(job_id, call.spec, SPEC_CONTENT_TYPE)
+            attempt.job = conn.state.admission.primary.runner.prepare(
+                job_id, call.spec, SPEC_CONTENT_TYPE
+            )
         except SpecInvalid as exc:
             attempt.spec_error = exc
         except Exception:  # a runner bug costs this request, not the connection
@@ -559,31 +590,86 @@ class Exchange:
             attempt.spec_error = SpecInvalid(
                 NeedCode.SPEC_INVALID, "the runner cannot run this request"
             )
+        self._decide()
+
+    def _decide(self) -> None:
+        """Admission's answer: the job runs, is refused for good (400), or yields: 429 (503),
+        or, for a request that came back for its place and is told to wait a moment more, a
+        wait at the door (:data:`DOOR_HINT_MS`)."""
+        conn, attempt = self.conn, self.attempt
+        assert attempt is not None
+        state = conn.state
+        self.door_timer = None
         started = time.perf_counter()
-        decision = admission.decide(attempt)
+        decision = state.admission.decide(attempt)
         state.metrics.decision.observe(attempt.lane, time.perf_counter() - started)
-        if isinstance(decision, Admitted):
-            ticket = decision.ticket
-            ticket.reservation = conn.take_reservation()
-            waited = None if kept is None else ticket.slot.started - kept.first_refusal
-            state.metrics.wait.observe(ticket.lane, waited or 0.0)
-            self.answers = api.Answers(
-                call,
-                f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
-                int(time.time()),
-                conn.door.model,
-            )
-            frame = Request(Verb.SHARE, job_id, 1)
-            self.execution = Execution(state, ticket, frame, attempt, self, waited)
+        if isinstance(decision, Yielded) and self._waits(decision):
             return
-        if isinstance(decision, Rejected):
+        if self.at_door:
+            self.at_door = False
+            attempt.tenant.waiting -= 1
+        if isinstance(decision, Admitted):
+            self._run(decision.ticket)
+        elif isinstance(decision, Rejected):
             error = decision.error
             code = error.need_code if error is not None else decision.need_code
             state.metrics.aborts[code] += 1
             self.fail(api.bad_request(error.detail if error else decision.detail, code=code))
-            return
-        first = kept.first_refusal if kept is not None else state.clock()
-        self._yielded(decision, key, attempt, first)
+        else:
+            first = self.first_refusal if self.first_refusal is not None else state.clock()
+            self._yielded(decision, self.key, attempt, first)
+
+    def _waits(self, decision: Yielded) -> bool:
+        """Wait at the door, if this request came back for its place (it was told to, and has
+        few retries left: an OpenAI SDK has two in all), its place is busy for a moment more
+        (``server_busy``, ``lane_full``, a tenant's limit: not draining, not a broken runner),
+        and it has waited here less than :data:`DOOR_MAX_S`. It is decided again at the hint,
+        as it would be if it came back then: the cap and the line hold as they do for any
+        client."""
+        hint_s = decision.retry_hint_ms / 1000
+        if (
+            self.first_refusal is None
+            or decision.error_code != ErrorCode.BUSY
+            or decision.retry_hint_ms > DOOR_HINT_MS
+            or self.door_s + hint_s > DOOR_MAX_S
+        ):
+            return False
+        if not self.at_door:
+            assert self.attempt is not None
+            self.at_door = True
+            self.attempt.tenant.waiting += 1
+        self.door_s += hint_s
+        self.door_timer = asyncio.get_running_loop().call_later(hint_s, self._decide)
+        return True
+
+    def left(self) -> None:
+        """The client left while its request waited at the door: its place is given up."""
+        if self.door_timer is not None:
+            self.door_timer.cancel()
+            self.door_timer = None
+            assert self.attempt is not None
+            self.conn.state.admission.forget(self.attempt)
+            if self.at_door:
+                self.at_door = False
+                self.attempt.tenant.waiting -= 1
+
+    def _run(self, ticket: Ticket) -> None:
+        conn, state = self.conn, self.conn.state
+        assert self.call is not None
+        ticket.reservation = conn.take_reservation()
+        first = self.first_refusal
+        waited = None if first is None else ticket.slot.started - first
+        state.metrics.wait.observe(ticket.lane, waited or 0.0)
+        chat = self.call.chat
+        self.answers = api.Answers(
+            self.call,
+            f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            int(time.time()),
+            conn.door.model,
+        )
+        frame = Request(Verb.SHARE, ticket.job.id, 1)
+        assert self.attempt is not None
+        self.execution = Execution(state, ticket, frame, self.attempt, self, waited)
 
     def _tenant(self, request: h11.Request) -> Tenant | None:
         """The key's tenant (or the client certificate's, without a key); None after a 401."""
@@ -674,11 +760,23 @@ class Exchange:
 
 
 def _refusal(decision: Yielded) -> api.ApiError:
+    hint_ms = decision.retry_hint_ms
+    if decision.need_code == NeedCode.DRAINING:  # (the retry is for another replica)
+        hint_ms = min(hint_ms, DRAINING_HINT_MS)
     return api.ApiError(
         api.yield_status(decision.error_code),
         decision.need_code,
-        f"{decision.need_code}: no slot for this request now; retry in {decision.retry_hint_ms} ms",
-        headers=api.retry_headers(decision.retry_hint_ms),
+        f"{decision.need_code}: no slot for this request now; retry in {hint_ms} ms",
+        headers=api.retry_headers(hint_ms),
+    )
+
+
+def _not_allowed(allow: str) -> api.ApiError:
+    return api.ApiError(
+        HTTPStatus.METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        f"use {allow}",
+        headers=(("allow", allow),),
     )
 
 

@@ -72,7 +72,7 @@ MAPPED = frozenset(
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Ends of a job that the runner (or the upstream) caused and a retry may get past: 502, or 504
 # for those that ran out of time.
-TIMEOUTS = frozenset({NeedCode.RUNNER_TIMEOUT, NeedCode.UPSTREAM_TIMEOUT, NeedCode.TTL_EXPIRED})
+TIMEOUTS = frozenset({NeedCode.RUNNER_TIMEOUT, NeedCode.UPSTREAM_TIMEOUT})
 
 
 class ApiError(Exception):

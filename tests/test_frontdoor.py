@@ -137,6 +137,71 @@ async def test_a_retry_keeps_its_place_in_line(make_server: ServerFactory, sdk: 
         assert late.json()["error"]["code"] == "server_busy"
 
 
+async def test_a_request_back_for_its_place_waits_at_the_door_rather_than_spend_a_retry(
+    make_server: ServerFactory,
+) -> None:
+    """Back too early (hints are predictions; an SDK has two retries), it is not refused again:
+    it waits at the door and runs as the slot frees; one back for a place far off is told so."""
+    server = await front(make_server, max_inflight=1, stub_ms=400)
+    body = {"model": "m", "messages": CHAT}
+    async with httpx.AsyncClient(base_url=url(server)) as http:
+        running = asyncio.create_task(http.post("/v1/chat/completions", json=body | {"seed": 1}))
+        await wait_until(lambda: server.inflight == 1)
+        first = await http.post("/v1/chat/completions", json=body)
+        assert first.status_code == 429
+        back = await http.post("/v1/chat/completions", json=body)  # at once: ~400 ms early
+        assert back.status_code == 200
+        assert (await running).status_code == 200
+        assert server.ledger.yielded_total >= 2  # refused again, inside, at least once
+        assert server.state.http_responses[("/v1/chat/completions", "429")] == 1
+        # A place more than DOOR_HINT_MS away: told so, not held at the door.
+        long = await front(make_server, max_inflight=1, stub_ms=3000)
+        async with httpx.AsyncClient(base_url=url(long)) as other:
+            slow = asyncio.create_task(other.post("/v1/chat/completions", json=body | {"seed": 1}))
+            await wait_until(lambda: long.inflight == 1)
+            statuses = [(await other.post("/v1/chat/completions", json=body)).status_code]
+            statuses.append((await other.post("/v1/chat/completions", json=body)).status_code)
+            assert statuses == [429, 429]
+            slow.cancel()
+    assert [t.waiting for t in server.tenants.all()] == [0]
+
+
+async def test_a_client_that_leaves_the_door_gives_up_its_place(
+    make_server: ServerFactory,
+) -> None:
+    server = await front(make_server, max_inflight=1, stub_ms=500)
+    body = orjson.dumps({"model": "m", "messages": CHAT})
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    async with httpx.AsyncClient(base_url=url(server)) as http:
+        running = asyncio.create_task(
+            http.post("/v1/chat/completions", json={"model": "m", "messages": CHAT, "seed": 1})
+        )
+        await wait_until(lambda: server.inflight == 1)
+        assert (await http.post("/v1/chat/completions", content=body)).status_code == 429
+        host, port = server.http_address or ("", 0)
+        _, writer = await asyncio.open_connection(host, port)
+        writer.write(request)  # back for its place: it waits at the door
+        (tenant,) = server.tenants.all()
+        await wait_until(
+            lambda: tenant.waiting == 1 and server.state.admission.ledger.waiting(0) == 1
+        )
+        writer.close()
+        await wait_until(
+            lambda: tenant.waiting == 0 and server.state.admission.ledger.waiting(0) == 0
+        )
+        await running
+        # The slot is not held for a client that left: a newcomer gets it at once.
+        fresh = await http.post(
+            "/v1/chat/completions", json={"model": "m", "messages": CHAT, "n": 1}
+        )
+        assert fresh.status_code == 200
+    assert server.buffered_bytes == 0
+
+
 # Answers ---------------------------------------------------------------------------------
 
 
@@ -266,8 +331,26 @@ async def test_draining_is_a_503_with_a_hint(make_server: ServerFactory) -> None
         answer = await http.post("/v1/completions", json={"model": "m", "prompt": "p"})
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "draining"
-    assert int(answer.headers["retry-after-ms"]) > 0
+    # Retry soon: behind a load balancer, on a new connection, another replica answers.
+    assert (answer.headers["retry-after-ms"], answer.headers["retry-after"]) == ("1000", "1")
     assert answer.headers["connection"] == "close"  # (a load balancer's next try goes elsewhere)
+
+
+async def test_paths_and_methods(make_server: ServerFactory) -> None:
+    server = await front(make_server)
+    async with httpx.AsyncClient(base_url=url(server)) as http:
+        wrong = await http.get("/v1/chat/completions")
+        missing = await http.post("/v2/anything", json={})
+        head = await http.head("/v1/models")
+    assert (wrong.status_code, wrong.headers["allow"], wrong.reason_phrase) == (
+        405,
+        "POST",
+        "Method Not Allowed",
+    )
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert (missing.status_code, missing.json()["error"]["type"]) == (404, "invalid_request_error")
+    assert (head.status_code, head.content) == (200, b"")
+    assert server.state.http_responses[("other", "404")] == 1
 
 
 class Failing(StubRunner):
@@ -391,6 +474,9 @@ async def test_the_fleet_refusal_is_a_429(
         for _ in range(2)
     ]
     running = await hold_slot(servers[0], sdk)
+    fleet = servers[0].fleet
+    assert fleet is not None
+    await wait_until(lambda: bool(fleet.gate.leases))  # (the fleet's step follows admission)
     with pytest.raises(openai.RateLimitError) as caught:
         await sdk(servers[1], max_retries=0).chat.completions.create(model="m", messages=CHAT)
     assert caught.value.code == "fleet_busy"

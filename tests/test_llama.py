@@ -328,10 +328,12 @@ async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
 
 
 async def test_a_hung_worker_fails_readiness_while_liveness_holds(llama: Any) -> None:
-    server = await llama(metrics_listen="127.0.0.1:0", probe_interval=0.2, probe_timeout=1.0)
+    # (A loaded run once saw no first readiness within 10 s with 1 s probes: both are looser;
+    # the stopped worker still fails a probe within 3 s.)
+    server = await llama(metrics_listen="127.0.0.1:0", probe_interval=0.2, probe_timeout=3.0)
     runner = server.runner
     assert isinstance(runner, LlamaRunner)
-    await until_ready(server)
+    await until_ready(server, timeout=60)
     (victim,) = worker_pids(runner)
     os.kill(victim, signal.SIGSTOP)  # alive, but silent: the next probe times out
     try:
