@@ -172,7 +172,7 @@ class HttpConnection(asyncio.Protocol):
         self.reservation: Reservation | None = None
         self.conn_budget = Budget(self.config.max_payload_bytes)
         self.exchange: Exchange | None = None  # the request being answered
-        self.read_ahead = 0  # bytes received while answering (pipelined requests)
+        self.advancing = False  # in _advance (an answer given there must not re-enter it)
         self.arriving = False  # a request has begun: its deadline runs
         self.timer: asyncio.TimerHandle | None = None
         self.write_timer: asyncio.TimerHandle | None = None
@@ -218,16 +218,24 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        if self.exchange is not None:  # pipelined: read ahead, within a bound
-            self.read_ahead += len(data)
-            if self.read_ahead > MAX_READ_AHEAD and self.transport is not None:
-                self.transport.pause_reading()
-        elif not self.arriving:  # the request's deadline, from its first byte: set once
-            self.arriving = True
+        if self.exchange is None and not self.arriving:  # the request's deadline, from its
+            self.arriving = True  # first byte: set once
             self._deadline(self.config.upload_timeout, HTTPStatus.REQUEST_TIMEOUT)
         self.http.receive_data(data)
         if self.exchange is None:
             self._advance()
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """While an answer is on its way, read pipelined requests ahead by MAX_READ_AHEAD bytes
+        (and one read) at most: the bytes h11 holds unhandled, however many answers went since."""
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        if self.exchange is not None and len(self.http.trailing_data[0]) > MAX_READ_AHEAD:
+            transport.pause_reading()
+        elif not transport.is_reading():
+            transport.resume_reading()
 
     def eof_received(self) -> bool:
         # The client leaving: its job is cancelled (a half-close is not told apart).
@@ -281,6 +289,9 @@ class HttpConnection(asyncio.Protocol):
 
     def _advance(self) -> None:
         """Handle what h11 has parsed, up to the next request that needs an answer."""
+        if self.advancing:  # (an answer given in the loop below: the loop goes on, not a new one)
+            return
+        self.advancing = True
         try:
             while not self.closed and self.exchange is None:
                 ev = self.http.next_event()
@@ -298,6 +309,8 @@ class HttpConnection(asyncio.Protocol):
             self._raw(
                 HTTPStatus(exc.error_status_hint), NeedCode.SPEC_INVALID, f"bad request: {exc}"
             )
+        finally:
+            self.advancing = False
 
     def _on_head(self, request: h11.Request) -> None:
         size = len(request.target) + sum(len(n) + len(v) + 4 for n, v in request.headers)
@@ -384,15 +397,13 @@ class HttpConnection(asyncio.Protocol):
         http = self.http
         if http.our_state is h11.DONE and http.their_state is h11.DONE and not self.closing():
             http.start_next_cycle()
-            self.read_ahead = 0
-            if self.transport is not None:
-                self.transport.resume_reading()
             if http.trailing_data[0]:  # (a pipelined request has begun)
                 self.arriving = True
                 self._deadline(self.config.upload_timeout, HTTPStatus.REQUEST_TIMEOUT)
             else:
                 self._deadline(self.config.idle_timeout, None)
             self._advance()
+            self._read_ahead()
         else:
             self.close()
 
