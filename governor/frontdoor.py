@@ -66,11 +66,10 @@ MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
 MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer is on its way
 BUFFERS_FULL_HINT_MS = 500
-# A request that comes back for its place and is refused again with a hint this short waits at
-# the door until then (and again, up to DOOR_MAX_S in all) instead of spending one of its few
-# retries: an OpenAI SDK has two, and hints are predictions.
-DOOR_HINT_MS = 1000
-DOOR_MAX_S = 5.0
+# A request that comes back for its place and is refused again waits at the door until its new
+# hint (and again, up to DOOR_MAX_S in all) instead of spending one of its few retries: an
+# OpenAI SDK has two, and hints are predictions (a cold start's especially).
+DOOR_MAX_S = 10.0
 # A draining replica's 503 says to retry within this: behind a load balancer the retry (on a
 # new connection: the answer closes this one) reaches another replica. The TCP protocol's
 # draining hint is the longest (its clients leave a draining replica themselves).
@@ -605,8 +604,8 @@ class Exchange:
 
     def _decide(self) -> None:
         """Admission's answer: the job runs, is refused for good (400), or yields: 429 (503),
-        or, for a request that came back for its place and is told to wait a moment more, a
-        wait at the door (:data:`DOOR_HINT_MS`)."""
+        or, for a request that came back for its place and is told to wait more, a wait at the
+        door (:meth:`_waits`)."""
         conn, attempt = self.conn, self.attempt
         assert attempt is not None
         state = conn.state
@@ -632,16 +631,16 @@ class Exchange:
 
     def _waits(self, decision: Yielded) -> bool:
         """Wait at the door, if this request came back for its place (it was told to, and has
-        few retries left: an OpenAI SDK has two in all), its place is busy for a moment more
-        (``server_busy``, ``lane_full``, a tenant's limit: not draining, not a broken runner),
-        and it has waited here less than :data:`DOOR_MAX_S`. It is decided again at the hint,
-        as it would be if it came back then: the cap and the line hold as they do for any
-        client."""
+        few retries left: an OpenAI SDK has two in all), its place is still busy (a ``busy``
+        yield: ``server_busy``, ``lane_full``, a tenant's limit; not draining, not a broken
+        runner), and it would have waited here no more than :data:`DOOR_MAX_S` by the new
+        hint. It is decided again at the hint, as it would be if it came back then: the cap
+        and the line hold as they do for any client. The server's wrong prediction costs the
+        client time, not a retry."""
         hint_s = decision.retry_hint_ms / 1000
         if (
             self.first_refusal is None
             or decision.error_code != ErrorCode.BUSY
-            or decision.retry_hint_ms > DOOR_HINT_MS
             or self.door_s + hint_s > DOOR_MAX_S
         ):
             return False

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -157,6 +157,8 @@ class Record:
     tokens: int = 0  # usage's completion_tokens, else content deltas
     usage: bool = False  # the server reported usage
     error: str | None = None  # the exception's type, when it failed
+    # Each HTTP answer its attempts got: (seconds from the run's start, status, retry-after-ms).
+    answers: list[tuple[float, int, str | None]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -240,18 +242,27 @@ async def load(url: str, args: argparse.Namespace) -> Load:
     model = await model_of(url, args)
     run = Load()
 
-    async def seen(response: httpx2.Response) -> None:
-        if response.request.method == "POST":
-            run.statuses[response.status_code] += 1
+    current: dict[int, Record] = {}  # each client's request in flight
+
+    def seen(index: int) -> Callable[[httpx2.Response], Awaitable[None]]:
+        async def hook(response: httpx2.Response) -> None:
+            if response.request.method == "POST":
+                run.statuses[response.status_code] += 1
+                hint = response.headers.get("retry-after-ms")
+                current[index].answers.append(
+                    (round(time.monotonic() - t0, 3), response.status_code, hint)
+                )
+
+        return hook
 
     clients = [
         openai.AsyncOpenAI(
             base_url=url,
             api_key=API_KEY,
-            http_client=openai.DefaultAsyncHttpxClient(event_hooks={"response": [seen]}),
+            http_client=openai.DefaultAsyncHttpxClient(event_hooks={"response": [seen(i)]}),
             **_timeout(args.timeout),
         )
-        for _ in range(args.clients)
+        for i in range(args.clients)
     ]
     per_client = args.requests_per_client
     t0 = time.monotonic()
@@ -259,7 +270,7 @@ async def load(url: str, args: argparse.Namespace) -> Load:
     async def one_client(index: int) -> None:
         for r in range(per_client):
             k = index * per_client + r
-            record = Record(time.monotonic() - t0)
+            record = current[index] = Record(time.monotonic() - t0)
             run.records.append(record)
             await chat(clients[index], model, prompt(k), k, args.max_tokens, record, t0)
 
@@ -313,6 +324,12 @@ def run_row(server: str, run: Load) -> dict[str, Any]:
         # 429s the SDK retried past; the rest it raised (RateLimitError), its retries spent.
         "absorbed_429": run.statuses[429] - failed["RateLimitError"],
         "sdk_retries": max(posts - len(run.records), 0),
+        # What each failed request was answered, attempt by attempt: why it failed.
+        "failures": [
+            {"error": r.error, "sent_s": round(r.sent_s, 3), "answers": r.answers}
+            for r in run.records
+            if r.error is not None
+        ],
     }
 
 
