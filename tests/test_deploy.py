@@ -258,6 +258,8 @@ def serve_config(daemon: DaemonFactory, config: Path, *flags: str) -> Daemon:
         "10",
         "--metrics-listen",
         "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
     )
 
 
@@ -360,7 +362,9 @@ def test_the_network_policy_opens_the_governors_ports_only() -> None:
     opened = {port_number(governor, p["port"]) for rule in policy["ingress"] for p in rule["ports"]}
     config = configmap_config()
     assert config.metrics_address is not None
-    assert opened == {config.listen_address[1], config.metrics_address[1]}
+    assert config.http_address is not None
+    listeners = (config.listen_address, config.metrics_address, config.http_address)
+    assert opened == {address[1] for address in listeners}
     assert all(rule["from"] for rule in policy["ingress"])  # no rule open to everyone
 
 
@@ -410,14 +414,18 @@ def test_prestop_drain_fits_in_the_termination_grace_period() -> None:
     assert grace >= max(args.wait, config.shutdown_grace) + MARGIN_S
 
 
-def test_service_sends_clients_to_the_listen_port() -> None:
+def test_service_sends_clients_to_the_protocol_and_openai_ports() -> None:
     config = configmap_config()
-    host, listen_port = config.listen_address
-    assert host not in LOOPBACK
+    assert config.http_address is not None
+    for host, _ in (config.listen_address, config.http_address):
+        assert host not in LOOPBACK
     service = resource("Service")
     assert selects(service["spec"]["selector"], pod_labels())
-    (port,) = service["spec"]["ports"]
-    assert port_number(container("governor"), port["targetPort"]) == listen_port
+    targets = {
+        p["name"]: port_number(container("governor"), p["targetPort"])
+        for p in service["spec"]["ports"]
+    }
+    assert targets == {"protocol": config.listen_address[1], "openai": config.http_address[1]}
 
 
 def test_model_server_is_a_loopback_sidecar_sized_for_the_cap() -> None:
