@@ -66,14 +66,6 @@ MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
 MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer is on its way
 BUFFERS_FULL_HINT_MS = 500
-# A request that comes back for its place and is refused again waits at the door until its new
-# hint (and again, up to DOOR_MAX_S in all) instead of spending one of its few retries: an
-# OpenAI SDK has two, and hints are predictions (a cold start's especially).
-DOOR_MAX_S = 10.0
-# A draining replica's 503 says to retry within this: behind a load balancer the retry (on a
-# new connection: the answer closes this one) reaches another replica. The TCP protocol's
-# draining hint is the longest (its clients leave a draining replica themselves).
-DRAINING_HINT_MS = 1000
 BACKLOG = 4096
 JSON = "application/json"
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # (True: a chat)
@@ -367,7 +359,7 @@ class HttpConnection(asyncio.Protocol):
         chat = PATHS.get(path)
         if path == MODELS:
             if method not in ("GET", "HEAD"):
-                exchange.fail(_not_allowed("GET, HEAD"))
+                exchange.fail(api.not_allowed("GET, HEAD"))
                 return
             exchange.respond(HTTPStatus.OK, api.models(self.door.model, self.door.created))
         elif chat is None:
@@ -379,7 +371,7 @@ class HttpConnection(asyncio.Protocol):
                 )
             )
         elif method != "POST":
-            exchange.fail(_not_allowed("POST"))
+            exchange.fail(api.not_allowed("POST"))
         else:
             exchange.job(request, bytes(self.body), chat)
 
@@ -630,18 +622,15 @@ class Exchange:
             self._yielded(decision, self.key, attempt, first)
 
     def _waits(self, decision: Yielded) -> bool:
-        """Wait at the door, if this request came back for its place (it was told to, and has
-        few retries left: an OpenAI SDK has two in all), its place is still busy (a ``busy``
-        yield: ``server_busy``, ``lane_full``, a tenant's limit; not draining, not a broken
-        runner), and it would have waited here no more than :data:`DOOR_MAX_S` by the new
-        hint. It is decided again at the hint, as it would be if it came back then: the cap
-        and the line hold as they do for any client. The server's wrong prediction costs the
-        client time, not a retry."""
+        """Wait at the door for the new hint (:func:`~governor.openai_api.waits_at_door`), to
+        be decided again then, as if the client came back: the cap and the line hold as they
+        do for any client."""
         hint_s = decision.retry_hint_ms / 1000
-        if (
-            self.first_refusal is None
-            or decision.error_code != ErrorCode.BUSY
-            or self.door_s + hint_s > DOOR_MAX_S
+        if not api.waits_at_door(
+            returning=self.first_refusal is not None,
+            error_code=decision.error_code,
+            waited_s=self.door_s,
+            hint_ms=decision.retry_hint_ms,
         ):
             return False
         if not self.at_door:
@@ -710,7 +699,7 @@ class Exchange:
             conn.door.kept()
         else:
             conn.state.admission.forget(attempt)
-        self.fail(_refusal(decision))
+        self.fail(api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms))
 
     # execution.Replies -------------------------------------------------------------------
 
@@ -765,29 +754,8 @@ class Exchange:
         """The fleet refused the job admitted here: 429 now (it keeps no place in line: the
         fleet's hint is not the ledger's); the exchange ends with the job's task."""
         decision = self.conn.state.admission.revoke(execution.attempt, execution.ticket, refusal)
-        error = _refusal(decision)
+        error = api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms)
         self._whole(error.status, error.body(), error.headers)
-
-
-def _refusal(decision: Yielded) -> api.ApiError:
-    hint_ms = decision.retry_hint_ms
-    if decision.need_code == NeedCode.DRAINING:  # (the retry is for another replica)
-        hint_ms = min(hint_ms, DRAINING_HINT_MS)
-    return api.ApiError(
-        api.yield_status(decision.error_code),
-        decision.need_code,
-        f"{decision.need_code}: no slot for this request now; retry in {hint_ms} ms",
-        headers=api.retry_headers(hint_ms),
-    )
-
-
-def _not_allowed(allow: str) -> api.ApiError:
-    return api.ApiError(
-        HTTPStatus.METHOD_NOT_ALLOWED,
-        "method_not_allowed",
-        f"use {allow}",
-        headers=(("allow", allow),),
-    )
 
 
 def _header(request: h11.Request, name: bytes) -> str | None:

@@ -70,6 +70,13 @@ MAPPED = frozenset(
     | {"temperature", "top_p", "seed", "stop", "stream", *EXTRA_FIELDS}
 )
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# A request back for its place waits at the door for its new hint, up to this long in all (see
+# waits_at_door): hints are predictions, a cold start's especially.
+DOOR_MAX_S = 10.0
+# A draining replica's 503 says to retry within this: behind a load balancer the retry (on a
+# new connection: the answer closes this one) reaches another replica. The TCP protocol's
+# draining hint is the longest (its clients leave a draining replica themselves).
+DRAINING_HINT_MS = 1000
 # Ends of a job that the runner (or the upstream) caused and a retry may get past: 502, or 504
 # for those that ran out of time.
 TIMEOUTS = frozenset({NeedCode.RUNNER_TIMEOUT, NeedCode.UPSTREAM_TIMEOUT})
@@ -364,6 +371,37 @@ def abort_status(need_code: str) -> HTTPStatus:
     if need_code == NeedCode.SHUTDOWN:
         return HTTPStatus.SERVICE_UNAVAILABLE
     return HTTPStatus.BAD_GATEWAY
+
+
+def refusal(need_code: str, error_code: str, retry_hint_ms: int) -> ApiError:
+    """A yield's answer: 429 or 503, the need code, the hint in both headers."""
+    if need_code == NeedCode.DRAINING:  # (the retry is for another replica)
+        retry_hint_ms = min(retry_hint_ms, DRAINING_HINT_MS)
+    return ApiError(
+        yield_status(error_code),
+        need_code,
+        f"{need_code}: no slot for this request now; retry in {retry_hint_ms} ms",
+        headers=retry_headers(retry_hint_ms),
+    )
+
+
+def not_allowed(allow: str) -> ApiError:
+    return ApiError(
+        HTTPStatus.METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        f"use {allow}",
+        headers=(("allow", allow),),
+    )
+
+
+def waits_at_door(*, returning: bool, error_code: str, waited_s: float, hint_ms: int) -> bool:
+    """Whether a refused request waits at the door for its new hint rather than be answered
+    429: it came back for its kept place (it was told to, and has few retries left: an OpenAI
+    SDK has two in all), its place is still busy (a ``busy`` yield: ``server_busy``,
+    ``lane_full``, a tenant's limit; not draining, not a broken runner), and its waits there
+    would add up to :data:`DOOR_MAX_S` at most. The server's wrong prediction costs the client
+    time, not a retry."""
+    return returning and error_code == ErrorCode.BUSY and waited_s + hint_ms / 1000 <= DOOR_MAX_S
 
 
 # Places in line kept for retries --------------------------------------------------------------

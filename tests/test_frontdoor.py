@@ -18,7 +18,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from clients import NO_RETRY, GovernorClient
-from governor.frontdoor import DOOR_MAX_S
+from governor.openai_api import DOOR_MAX_S
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
 from governor.server import Server
 from governor.tenants import TenantConfig

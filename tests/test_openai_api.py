@@ -308,3 +308,33 @@ Places.TestCase.settings = settings(max_examples=150, stateful_step_count=40, de
 
 def test_places_kept_for_retries() -> None:
     Places.TestCase().runTest()
+
+
+@given(st.lists(st.integers(1, 60_000), max_size=50), st.booleans(), st.booleans())
+def test_the_door_holds_only_a_returning_busy_request_and_never_past_its_bound(
+    hints: list[int], returning: bool, busy: bool
+) -> None:
+    """Re-refused again and again, with any hints: its waits add up to DOOR_MAX_S at most, and
+    it waits at all only if it came back for its place and the refusal is ``busy``."""
+    code = ErrorCode.BUSY if busy else ErrorCode.UNAVAILABLE
+    waited = 0.0
+    for hint_ms in hints:
+        if not api.waits_at_door(
+            returning=returning, error_code=code, waited_s=waited, hint_ms=hint_ms
+        ):
+            break
+        waited += hint_ms / 1000
+    assert waited <= api.DOOR_MAX_S
+    if not (returning and busy):
+        assert waited == 0
+    elif hints and hints[0] <= api.DOOR_MAX_S * 1000:
+        assert waited > 0  # (a returning busy request with a first hint within the bound waits)
+
+
+def test_a_draining_replica_says_retry_soon_elsewhere() -> None:
+    draining = api.refusal(NeedCode.DRAINING, ErrorCode.UNAVAILABLE, 60_000)
+    assert draining.status == HTTPStatus.SERVICE_UNAVAILABLE
+    assert dict(draining.headers) == {"retry-after-ms": "1000", "retry-after": "1"}
+    busy = api.refusal(NeedCode.SERVER_BUSY, ErrorCode.BUSY, 2_500)
+    assert (busy.status, busy.code) == (HTTPStatus.TOO_MANY_REQUESTS, "server_busy")
+    assert dict(busy.headers) == {"retry-after-ms": "2500", "retry-after": "3"}
