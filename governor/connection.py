@@ -28,7 +28,7 @@ from protocol.codes import ErrorCode, NeedCode
 
 from .logs import event
 from .session import Session
-from .sources import Refused, source_of
+from .sources import source_of
 from .state import ServerState
 
 log = logging.getLogger("governor.connection")
@@ -56,18 +56,8 @@ class GovernorProtocol(asyncio.Protocol):
         state, session = self.state, self.session
         peer = transport.get_extra_info("peername")
         session.source = source = source_of(str(peer[0])) if peer else ""
-        limit = state.config.max_connections
-        refused = (
-            Refused(
-                NeedCode.TOO_MANY_CONNECTIONS,
-                ErrorCode.QUOTA,
-                f"the server is at its limit of {limit} connections",
-            )
-            if len(state.connections) >= limit
-            else state.sources.open(source)
-        )
+        refused = state.open_connection(source)
         if refused is not None:
-            state.refused[refused.need_code] += 1
             session.fatal(refused.need_code, refused.error_code, refused.detail)
             return
         self._served = True

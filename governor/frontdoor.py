@@ -55,7 +55,7 @@ from .admission import Admitted, Attempt, Budget, Rejected, Reservation, Ticket,
 from .execution import Execution
 from .ledger import Refusal
 from .logs import event
-from .sources import Refused, source_of
+from .sources import source_of
 from .state import ServerState
 from .tenants import Tenant
 from .tls import HANDSHAKE_TIMEOUT_S
@@ -176,18 +176,8 @@ class HttpConnection(asyncio.Protocol):
         state = self.state
         peer = transport.get_extra_info("peername")
         self.source = source_of(str(peer[0])) if peer else ""
-        limit = self.config.max_connections
-        refused = (
-            Refused(
-                NeedCode.TOO_MANY_CONNECTIONS,
-                ErrorCode.QUOTA,
-                f"the server is at its limit of {limit} connections",
-            )
-            if len(state.connections) >= limit
-            else state.sources.open(self.source)
-        )
+        refused = state.open_connection(self.source)
         if refused is not None:
-            state.refused[refused.need_code] += 1
             if refused.need_code == NeedCode.AUTH_BACKOFF:
                 self._raw(HTTPStatus.UNAUTHORIZED, refused.need_code, refused.detail)
             else:  # (a connection limit: another may free within a second)

@@ -19,7 +19,7 @@ from protocol.codes import ErrorCode, NeedCode, Receipt
 from .admission import Admission, Budget
 from .config import Config
 from .metrics import JobMetrics
-from .sources import Sources
+from .sources import Refused, Sources
 
 if TYPE_CHECKING:  # (imported by the server only with redis_url: no Redis client otherwise)
     from .fleetstore import Fleet
@@ -79,6 +79,24 @@ class ServerState:
         if self.listener is None:
             return not self.started
         return self.listener.is_serving()
+
+    def open_connection(self, source: str) -> Refused | None:
+        """A new connection, on either listener: counted against its source's limit, or refused
+        (``max_connections``, the source's limit or its wait after failed keys), the refusal
+        counted."""
+        limit = self.config.max_connections
+        refused = (
+            Refused(
+                NeedCode.TOO_MANY_CONNECTIONS,
+                ErrorCode.QUOTA,
+                f"the server is at its limit of {limit} connections",
+            )
+            if len(self.connections) >= limit
+            else self.sources.open(source)
+        )
+        if refused is not None:
+            self.refused[refused.need_code] += 1
+        return refused
 
     def job_started(self, task: asyncio.Task[None]) -> None:
         self.jobs.add(task)
