@@ -684,8 +684,12 @@ class Exchange:
         return None
 
     def _yielded(self, decision: Yielded, key: api.Key, attempt: Attempt, first: float) -> None:
+        """429 (503); a place kept for the retry of a ``busy`` yield (an unavailable server's
+        retry is for another replica, or after a cooldown: no place in line waits for it)."""
         conn = self.conn
-        if conn.door.places.keep(key, attempt, first, decision.retry_hint_ms):
+        if decision.error_code == ErrorCode.BUSY and conn.door.places.keep(
+            key, attempt, first, decision.retry_hint_ms
+        ):
             conn.door.kept()
         else:
             conn.state.admission.forget(attempt)
