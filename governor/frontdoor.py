@@ -376,7 +376,10 @@ class HttpConnection(asyncio.Protocol):
         if self.closed:
             return
         http = self.http
-        if http.our_state is h11.DONE and http.their_state is h11.DONE and not self.closing():
+        # (An answer that said ``connection: close``, or that h11 must close after, leaves h11
+        # in MUST_CLOSE; one whose head went out before a drain began did not say so: a request
+        # pipelined behind it is answered, its 503 closing the connection.)
+        if http.our_state is h11.DONE and http.their_state is h11.DONE and not self.close_after:
             http.start_next_cycle()
             if http.trailing_data[0]:  # (a pipelined request has begun)
                 self.arriving = True
@@ -389,8 +392,9 @@ class HttpConnection(asyncio.Protocol):
             self.close()
 
     def closing(self) -> bool:
-        """Close after this answer (the server is draining, or the client's keys failed); a
-        client that asked to close is closed by h11's state."""
+        """Say ``connection: close`` in this answer, and close after it: the server is
+        draining, or the client's keys failed (a client that asked to close is closed by h11's
+        state)."""
         return self.close_after or self.state.ledger.draining
 
     def _release_body(self) -> None:
