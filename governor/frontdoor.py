@@ -13,12 +13,14 @@ keep-alive and pipelining.
   connection and make its source wait ``auth_backoff``.
 - A yield is 429 (503 for ``draining``, ``breaker_open``, ``fleet_unavailable``) with
   ``retry-after-ms``, ``Retry-After`` (whole seconds, rounded up) and an OpenAI error body whose
-  ``code`` is the need code; the request's place in line is kept for its retry
-  (:class:`~governor.openai_api.KeptPlaces`). A request the policy refuses for good is 400.
+  ``code`` is the need code; a busy yield's place in line is kept for its retry
+  (:class:`~governor.openai_api.KeptPlaces`), and a retry refused again waits here for its new
+  hint rather than spend one of its SDK's two retries (:meth:`Exchange._waits`). A request the
+  policy refuses for good is 400.
 - A job that fails is 502 (504 when out of time, 503 at shutdown); once its stream has begun,
   an ``error`` event ends it instead.
-- A client that closes its connection cancels its job at once: its runner stops at its next
-  token.
+- A client that closes its connection cancels its job at once (its runner stops before its next
+  token), and gives up a place it waits for at the door.
 
 Bounds, as on the TCP side: connections (``max_connections``, all listeners together, and
 ``max_connections_per_source``); a request head of :data:`MAX_HEAD_BYTES` and
