@@ -84,6 +84,9 @@ class Pool:
     breaker: CircuitBreaker
 
 
+BUFFERS_FULL_HINT_MS = 500  # how soon a client refused for the server's buffers may try again
+
+
 class Budget:
     """A bound on bytes held: the server's payload buffers, or one connection's."""
 

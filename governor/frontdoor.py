@@ -53,7 +53,16 @@ from protocol.frames import Request
 from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid
 
 from . import openai_api as api
-from .admission import Admitted, Attempt, Budget, Rejected, Reservation, Ticket, Yielded
+from .admission import (
+    BUFFERS_FULL_HINT_MS,
+    Admitted,
+    Attempt,
+    Budget,
+    Rejected,
+    Reservation,
+    Ticket,
+    Yielded,
+)
 from .execution import Execution
 from .ledger import Refusal
 from .logs import event
@@ -67,7 +76,6 @@ log = logging.getLogger("governor.http")
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
 MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer is on its way
-BUFFERS_FULL_HINT_MS = 500
 BACKLOG = 4096
 JSON = "application/json"
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # (True: a chat)

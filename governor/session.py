@@ -43,7 +43,15 @@ from protocol.lines import LineReader
 from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
-from .admission import Admitted, Attempt, Budget, Rejected, Reservation, Yielded
+from .admission import (
+    BUFFERS_FULL_HINT_MS,
+    Admitted,
+    Attempt,
+    Budget,
+    Rejected,
+    Reservation,
+    Yielded,
+)
 from .execution import Execution
 from .ledger import Refusal
 from .logs import event
@@ -52,7 +60,6 @@ from .tenants import Tenant
 
 log = logging.getLogger("governor.connection")
 
-BUFFERS_FULL_HINT_MS = 500  # how soon a client refused for the server's buffers may try again
 # Lines one connection has handled before the others get a turn: a client pipelining thousands
 # of frames delays another's ping by one turn of each busy connection, not by all its frames.
 LINES_PER_TURN = 64
