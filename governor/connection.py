@@ -62,11 +62,8 @@ class GovernorProtocol(asyncio.Protocol):
             return
         self._served = True
         state.connections.add(self)
-        if transport.get_extra_info("ssl_object") is not None:
-            cert = transport.get_extra_info("peercert")
-            if cert:
-                session.cert_tenant = state.tenants.find_cert(cert)
-                session.authenticated = session.authenticated or session.cert_tenant is not None
+        session.cert_tenant = state.certificate_tenant(transport)
+        session.authenticated = session.authenticated or session.cert_tenant is not None
         self._schedule()
 
     def connection_lost(self, exc: Exception | None) -> None:

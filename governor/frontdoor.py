@@ -200,10 +200,7 @@ class HttpConnection(asyncio.Protocol):
             return
         self.served = True
         state.connections.add(self)
-        if transport.get_extra_info("ssl_object") is not None:
-            cert = transport.get_extra_info("peercert")
-            if cert:
-                self.cert_tenant = state.tenants.find_cert(cert)
+        self.cert_tenant = state.certificate_tenant(transport)
         self._deadline(self.config.idle_timeout, None)
 
     def data_received(self, data: bytes) -> None:

@@ -20,6 +20,7 @@ from .admission import Admission, Budget
 from .config import Config
 from .metrics import JobMetrics
 from .sources import Refused, Sources
+from .tenants import Tenant
 
 if TYPE_CHECKING:  # (imported by the server only with redis_url: no Redis client otherwise)
     from .fleetstore import Fleet
@@ -97,6 +98,13 @@ class ServerState:
         if refused is not None:
             self.refused[refused.need_code] += 1
         return refused
+
+    def certificate_tenant(self, transport: asyncio.BaseTransport) -> Tenant | None:
+        """The tenant a TLS connection's verified client certificate names, if any."""
+        if transport.get_extra_info("ssl_object") is None:
+            return None
+        cert = transport.get_extra_info("peercert")
+        return self.tenants.find_cert(cert) if cert else None
 
     def job_started(self, task: asyncio.Task[None]) -> None:
         self.jobs.add(task)
