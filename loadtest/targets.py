@@ -34,6 +34,7 @@ import orjson
 from clients.client import ClientError, GovernorClient, RetryBudget, RetryPolicy, UploadResult
 from clients.fleet import FleetClient, FleetResult, Replicas, resolve
 from governor.policy import LANES
+from governor.runners.http import sse_events
 from protocol.codes import NeedCode, Status
 from protocol.frames import Reply
 from protocol.spec import JobSpec, Message
@@ -488,13 +489,7 @@ class OpenAITarget:
                 body = await response.aread()
                 hint = retry_hint_ms(response.headers)
                 return _Refused(response.status_code, error_code(body), hint_ms=hint)
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = orjson.loads(data)
+            async for chunk in sse_events(response):
                 error = chunk.get("error")
                 if isinstance(error, dict):
                     code = error.get("code")

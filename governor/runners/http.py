@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,13 +148,7 @@ class HttpRunner:
                         f"the upstream answered {response.status_code}: {detail}",
                         NeedCode.UPSTREAM_ERROR,
                     )
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = orjson.loads(data)
+                async for event in sse_events(response):
                     usage = event.get("usage") or usage
                     for choice in event.get("choices") or ():
                         finish = choice.get("finish_reason") or finish
@@ -181,3 +175,15 @@ class HttpRunner:
                 "finish_reason": FINISH_REASONS.get(finish or "", finish),
             }
         )
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[Any]:
+    """The JSON of each ``data:`` event of an OpenAI-style stream, up to ``data: [DONE]``
+    (``orjson.JSONDecodeError`` for one that is not JSON)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield orjson.loads(data)
