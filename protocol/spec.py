@@ -25,6 +25,7 @@ MAX_STOP_CHARS = 64
 MAX_LABEL_CHARS = 64
 MAX_SEED = 2**31 - 1
 MAX_TOP_K = 1000
+MAX_SLO_MS = 3_600_000.0  # an hour: a request's own objectives are at most this
 
 _FIELDS = frozenset(
     {
@@ -42,6 +43,8 @@ _FIELDS = frozenset(
         "tenant",
         "lane",
         "tool_risk",
+        "ttft_slo_ms",
+        "tpot_slo_ms",
     }
 )
 
@@ -74,6 +77,9 @@ class JobSpec:
     tenant: str | None = None  # for the policy layer
     lane: str | None = None  # for the policy layer
     tool_risk: float = 0.0  # how likely the job calls tools (0 to 1): weighs in its cost
+    # Its own objectives in ms, over its lane's (an interactive job's only tightened); 0: none.
+    ttft_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
 
     def estimated_prompt_tokens(self) -> int:
         """The prompt's length in tokens for a runner without a tokenizer: about 4 characters each."""
@@ -105,8 +111,9 @@ class JobSpec:
         for name in ("tenant", "lane"):
             if getattr(self, name) is not None:
                 obj[name] = getattr(self, name)
-        if self.tool_risk:
-            obj["tool_risk"] = self.tool_risk
+        for name in ("tool_risk", "ttft_slo_ms", "tpot_slo_ms"):
+            if getattr(self, name):
+                obj[name] = getattr(self, name)
         return obj
 
     def encode(self) -> bytes:
@@ -225,4 +232,13 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
         tenant=labels["tenant"],
         lane=labels["lane"],
         tool_risk=_number(obj, "tool_risk", 0.0, 0.0, 1.0),
+        ttft_slo_ms=_slo(obj, "ttft_slo_ms"),
+        tpot_slo_ms=_slo(obj, "tpot_slo_ms"),
     )
+
+
+def _slo(obj: dict[str, Any], name: str) -> float:
+    value = _number(obj, name, 0.0, 0.0, MAX_SLO_MS)
+    if name in obj and value == 0:
+        raise _invalid(f"{name!r} must be above 0")
+    return value

@@ -37,10 +37,14 @@ class Job:
     spec: JobSpec | None = None  # what an inference runner made of the payload
     tokens: tuple[int, ...] = ()  # the prompt, tokenised
     stop: tuple[str, ...] = ()  # the spec's stop strings and the chat template's
-    # Set by admission: how urgent it is (its lane's rank, 0 the interactive lane) and, for a
-    # runner with KV caches, the one its cells are reserved in.
+    # Set by admission: how urgent it is (its lane's rank, 0 the interactive lane), for a
+    # runner with KV caches the one its cells are reserved in, and for a batched runner its
+    # time-per-output-token objective (0: none) and how far prompt tokens may stretch a step
+    # while it generates (:mod:`governor.runners.batching`; 0: no limit).
     priority: int = 0
     kv_cache: int | None = None
+    tpot_ms: float = 0.0
+    stall: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,15 +6,36 @@ operations of :class:`Cache`. One model context holds ``slots`` sequences over o
 ``cells`` cells, and each step is one batch:
 
 1. **Every generating sequence's next token** (the one it sampled last step, fed back), so a
-   running stream advances at every step whatever else arrives.
-2. **Prompt tokens of sequences still being prefilled**, up to ``step_tokens`` for the whole
-   step (chunked prefill). Only the most urgent priority with a prompt pending gets prefill in a
-   step (interactive prompts go before heavy ones: a chat's prompt never shares its step with a
-   rewrite's), oldest first within it. A prompt passed over for ``MAX_PASSED`` steps in a row is
-   taken anyway, so that a stream of chats cannot starve a rewrite for ever.
+   running stream advances at every step whatever else arrives (stall-free batching).
+2. **Prompt tokens of sequences still being prefilled** (chunked prefill). Only the most urgent
+   priority with a prompt pending gets prefill in a step (interactive prompts go before heavy
+   ones: a chat's prompt never shares its step with a rewrite's), oldest first within it. A
+   prompt passed over for ``MAX_PASSED`` steps in a row is taken anyway, so that a stream of
+   chats cannot starve a rewrite for ever.
 
-So a long prompt delays the running streams by at most one step of ``step_tokens`` tokens, and
-a newly admitted interactive prompt waits at most for the step in progress.
+**How many prompt tokens: the step budget.** A step is as long as its tokens make it, and every
+generating sequence waits for the whole step for its next token, so the step's prompt tokens
+are cut to fit the generating sequences' time per output token (TPOT). Each sequence may carry
+``tpot_s``, its objective, and ``stall``, how many times longer than it would be without prompt
+tokens it lets a step be (the interactive lane's: a chat never runs much slower because long
+prompts are being fed). Over the generating sequences, two bounds:
+
+* the objective bound, the tightest ``MARGIN * tpot_s``;
+* the stall bound, the tightest ``stall * D``, ``D`` being the step's predicted cost with no
+  prompt tokens.
+
+A step takes the most prompt tokens whose predicted step (:class:`~.stepcost.StepCosts`, learnt
+online by the worker) fits both bounds; but prompts that it can feed whole within the objective
+bound alone (in the order prompts are taken) it feeds whole. So a chat's short prompt gets its
+first token at the next step even beside running chats, at the cost of one step of at most
+their objective, while a long prompt is fed in chunks that keep them within the stall bound. With
+no bound (nothing generating, or nothing with an objective or a stall), a step takes up to
+``step_tokens``. Whatever the bounds, a step with a prompt pending takes at least
+``PREFILL_FLOOR`` of its tokens, so a prompt always progresses: where a bound cannot be met even
+without prompt tokens, it is met as nearly as that allows.
+
+So a long prompt slows the running streams by at most their bound while it is fed, and a newly
+admitted interactive prompt waits at most for the step in progress.
 
 **Prefix reuse.** A slot keeps its cells when its sequence ends (the tokens they hold are
 known). A new sequence starts from the longest prefix of its prompt that some slot holds: its
@@ -37,8 +58,12 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .stepcost import StepCosts
+
 MAX_PASSED = 8  # steps a pending prompt may be passed over for a more urgent one
 MIN_PREFILL = 16  # prompt tokens a step takes, at least, even when decodes fill step_tokens
+PREFILL_FLOOR = 1  # prompt tokens a step takes, at least, whatever the bound
+MARGIN = 0.9  # steps are planned to this share of a TPOT objective: predictions err
 
 
 class Cache(Protocol):
@@ -70,6 +95,8 @@ class Sequence:
     pending: int = -1  # the token sampled last, fed at the next step (-1: none)
     passed: int = 0  # steps in a row its prompt was passed over
     preempted: int = 0  # steps with its prompt in them preempted in a row (see the worker)
+    tpot_s: float = 0.0  # its time-per-output-token objective (0: none)
+    stall: float = 0.0  # the most a step may be stretched by prompt tokens, x (0: no limit)
 
     @property
     def prefilling(self) -> bool:
@@ -97,6 +124,7 @@ class Scheduler:
     step_tokens: int
     cells: int
     cache: Cache
+    costs: StepCosts = field(default_factory=StepCosts)
     running: dict[str, Sequence] = field(default_factory=dict)  # those with a slot
     waiting: list[Sequence] = field(default_factory=list)
     held: list[list[int]] = field(default_factory=list)  # the tokens each slot's cells hold
@@ -203,6 +231,12 @@ class Scheduler:
         """Cells the free slots keep for reuse."""
         return sum(len(self.held[slot]) for slot in self._free)
 
+    @property
+    def occupied(self) -> int:
+        """Cells the cache holds, as the step-cost model counts them: every slot's, running or
+        kept (a prefix two slots share counted in each; the model learns on the same count)."""
+        return sum(len(tokens) for tokens in self.held)
+
     def plan(self) -> list[Entry]:
         """The next step's entries (empty when there is nothing to compute)."""
         entries = [
@@ -213,13 +247,59 @@ class Scheduler:
         pending = sorted((s for s in self.running.values() if s.prefilling), key=_urgency)
         if not pending:
             return entries
-        budget = max(self.step_tokens - len(entries), MIN_PREFILL)
+        full = max(self.step_tokens - len(entries), MIN_PREFILL)
+        objective, stall = self.bounds(entries)
+        if objective is None and stall is None:
+            take = full
+        else:
+            tightest = min(b for b in (objective, stall) if b is not None)
+            take = self._fit(entries, pending, full, tightest)
+            if stall is not None and (objective is None or objective > stall):
+                # Prompts that the objective bound alone lets in whole, go in whole.
+                whole = full if objective is None else self._fit(entries, pending, full, objective)
+                take = max(take, _whole(self._prefill(pending, whole, commit=False)))
+        return entries + self._prefill(pending, take, commit=True)
+
+    def bounds(self, decodes: list[Entry]) -> tuple[float | None, float | None]:
+        """The objective bound and the stall bound on the next step, in seconds, for the
+        generating sequences ``decodes`` (None: no such bound)."""
+        objective = min((MARGIN * e.seq.tpot_s for e in decodes if e.seq.tpot_s > 0), default=None)
+        stall = min((e.seq.stall for e in decodes if e.seq.stall > 0), default=None)
+        if stall is None:
+            return objective, None
+        n = len(decodes)
+        return objective, stall * self.costs.predict(n, n, self.occupied + n)
+
+    def cost(self, entries: list[Entry]) -> float:
+        """A step's predicted seconds."""
+        tokens = sum(len(e.tokens) for e in entries)
+        sampled = sum(e.sample for e in entries)
+        return self.costs.predict(tokens, sampled, self.occupied + tokens)
+
+    def _fit(self, decodes: list[Entry], pending: list[Sequence], full: int, bound: float) -> int:
+        """The most prompt tokens (``PREFILL_FLOOR`` to ``full``) whose step fits ``bound``
+        (a step's cost grows with its tokens: a bisection)."""
+        low, high = PREFILL_FLOOR, full
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.cost(decodes + self._prefill(pending, mid, commit=False)) <= bound:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def _prefill(self, pending: list[Sequence], budget: int, *, commit: bool) -> list[Entry]:
+        """Prompt chunks of ``budget`` tokens at most, most urgent first (see the module
+        docstring); ``commit``: count the prompts passed over."""
+        entries: list[Entry] = []
         first = pending[0].priority
         for seq in pending:
             if budget <= 0 or (seq.priority != first and seq.passed < MAX_PASSED):
-                seq.passed += 1
+                if commit:
+                    seq.passed += 1
                 continue
-            seq.passed = 0
+            if commit:
+                seq.passed = 0
             take = min(budget, len(seq.prompt) - seq.fed)
             end = seq.fed + take
             entries.append(Entry(seq, seq.prompt[seq.fed : end], seq.fed, end == len(seq.prompt)))
@@ -235,6 +315,16 @@ class Scheduler:
                 seq.fed += len(entry.tokens)
             else:
                 seq.pending = -1
+
+
+def _whole(prefill: list[Entry]) -> int:
+    """The prompt tokens of the leading entries that end their prompts."""
+    total = 0
+    for entry in prefill:
+        if not entry.sample:
+            break
+        total += len(entry.tokens)
+    return total
 
 
 def _urgency(seq: Sequence) -> tuple[int, int]:

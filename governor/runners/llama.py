@@ -465,6 +465,8 @@ class LlamaRunner:
                 "tokens": job.tokens,
                 "max_new_tokens": spec.max_new_tokens,
                 "priority": job.priority,
+                "tpot_ms": job.tpot_ms,
+                "stall": job.stall,
                 "temperature": spec.temperature,
                 "top_p": spec.top_p,
                 "top_k": spec.top_k,

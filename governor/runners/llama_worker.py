@@ -6,22 +6,31 @@ diagnostics on stderr. A crash here (a segfault in the native code, an out-of-me
 seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
-             "temperature": float, "top_p": float, "top_k": int, "min_p": float,
-             "seed": int | null, "stop": [str], "ignore_eos": bool}
+             "tpot_ms": float, "stall": float, "temperature": float, "top_p": float,
+             "top_k": int, "min_p": float, "seed": int | null, "stop": [str],
+             "ignore_eos": bool}
             {"op": "cancel", "id": str}
     stdout: {"ev": "ready", "cells": int, "slots": int}         once, after loading and warming up
-            {"ev": "step", "kv": int, "acks": int, "out": {id: text}, "done": [{"id": str,
-             "text": str, "completion_tokens": int, "cached_tokens": int, "finish_reason":
-             "stop" | "length" | "error", "error"?: str}]}      after each decode step
+            {"ev": "step", "kv": int, "acks": int, "out": {id: text}, "n": {id: int},
+             "done": [{"id": str, "text": str, "completion_tokens": int, "cached_tokens": int,
+             "finish_reason": "stop" | "length" | "error", "error"?: str}]}
+                                                                after each decode step
 
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
-of every generating sequence and chunks of pending prompts. ``out`` holds the text each
-sequence produced in the step (left out when empty), ``kv`` the cache cells held after it,
+of every generating sequence and chunks of pending prompts, cut to fit the generating
+sequences' ``tpot_ms`` and ``stall`` (the step budget, in that module). ``out`` holds the text
+each sequence produced in the step (left out when empty) and ``n`` how many tokens it has
+generated so far (for the same sequences), ``kv`` the cache cells held after it,
 ``acks`` how many cancels were handled since the last event; ``cached_tokens`` is how much of
 a job's prompt was already in the cache (a prefix kept from an earlier job, or shared). Requests are read between steps,
 in the order sent: a cancel stops its sequence before the next step and frees its cells at once
 (an event with nothing else in it says so when no step follows), and a run sent after a cancel
 or a finished job always finds their cells free.
+
+Every step is timed, from its planning to its event, and the time taught to the scheduler's
+:class:`~.stepcost.StepCosts` (a preempted or failed step teaches nothing). Before "ready", a
+few calibration steps of known shape (prompts and generating sequences side by side) give the
+model its first figures on this model and device.
 
 Tokens are sampled by llama.cpp's own sampler chain, one per sequence (top_k, top_p, min_p,
 temperature, then a seeded draw; greedy at temperature 0).
@@ -44,11 +53,13 @@ import queue
 import random
 import sys
 import threading
+import time
 from typing import Any, BinaryIO
 
 import orjson
 
 from .batching import MAX_PASSED, Entry, Scheduler, Sequence
+from .stepcost import StepCosts
 
 PROBE_SLOTS = 1  # a sequence beyond the admitted ones, for the health probe
 PROBE_CELLS = 16  # and the cells its job (a few prompt tokens, one generated) needs
@@ -227,6 +238,8 @@ class Job:
             tuple(request["tokens"]),
             request["max_new_tokens"],
             priority=request["priority"],
+            tpot_s=request.get("tpot_ms", 0.0) / 1000,
+            stall=request.get("stall", 0.0),
         )
         self.chain = model.sampler(request)
         self.text = Text(request["stop"])
@@ -272,10 +285,12 @@ class Worker:
         return bool(self.jobs)
 
     def step(self) -> None:
-        entries = self.scheduler.plan()
+        started = time.perf_counter()
+        scheduler = self.scheduler
+        entries = scheduler.plan()
         if not entries:
             if self.acks:
-                self._emit({}, [])
+                self._emit({}, {}, [])
             return
         prefill = [e.seq for e in entries if e.seq.prefilling]
         preemptible = bool(prefill) and all(
@@ -292,27 +307,39 @@ class Worker:
             return
         for seq in prefill:
             seq.preempted = 0
-        self.scheduler.advance(entries)
+        tokens = sum(len(e.tokens) for e in entries)
+        cells = scheduler.occupied + tokens
+        scheduler.advance(entries)
         out: dict[str, str] = {}
+        counts: dict[str, int] = {}
         done: list[dict[str, Any]] = []
         if status != 0:
             # Admission reserves every job's cells, so this is a fault, not a full cache.
             for entry in entries:
                 if (job := self._end(entry.seq.key, keep=False)) is not None:
                     done.append(self._done(job, "error", f"llama_decode returned {status}"))
-        else:
-            samplers = (e for e in entries if e.sample)
-            for entry, index in zip(samplers, sampled, strict=True):
-                self._sample(self.jobs[entry.seq.key], index, out, done)
-        self._emit(out, done)
+            self._emit(out, counts, done)
+            return
+        samplers = (e for e in entries if e.sample)
+        for entry, index in zip(samplers, sampled, strict=True):
+            self._sample(self.jobs[entry.seq.key], index, out, counts, done)
+        self._emit(out, counts, done)
+        scheduler.costs.observe(tokens, len(sampled), cells, time.perf_counter() - started)
 
-    def _emit(self, out: dict[str, str], done: list[dict[str, Any]]) -> None:
+    def _emit(
+        self, out: dict[str, str], counts: dict[str, int], done: list[dict[str, Any]]
+    ) -> None:
         event = {"ev": "step", "kv": self.scheduler.used, "acks": self.acks, "out": out}
-        emit(self.out, {**event, "done": done})
+        emit(self.out, {**event, "n": counts, "done": done})
         self.acks = 0
 
     def _sample(
-        self, job: Job, index: int, out: dict[str, str], done: list[dict[str, Any]]
+        self,
+        job: Job,
+        index: int,
+        out: dict[str, str],
+        counts: dict[str, int],
+        done: list[dict[str, Any]],
     ) -> None:
         model, seq = self.model, job.seq
         token = model.sample(job.chain, index)
@@ -330,9 +357,11 @@ class Worker:
         if finish is None:
             if delta := job.text.delta(final=False):
                 out[seq.key] = delta
+                counts[seq.key] = seq.generated
             return
         if delta := job.text.delta(final=True):
             out[seq.key] = delta
+            counts[seq.key] = seq.generated
         self._end(seq.key)
         done.append(self._done(job, finish))
 
@@ -363,14 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr  # nothing but events may reach the daemon's pipe
 
     model = Model(args)
-    # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
     scheduler = Scheduler(model.slots, args.step_tokens, model.size, model)
     worker = Worker(model, scheduler, io.BytesIO())
-    warm_up = {"tokens": model.tokenize(b"Hello"), "max_new_tokens": 2, "priority": 0}
-    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0}
-    worker.handle({**warm_up, **sampling, "op": "run", "id": "", "stop": [], "ignore_eos": False})
+    # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
+    worker.handle(_private("warm-up", model.tokenize(b"Hello"), 2))
     while worker.busy:
         worker.step()
+    calibrate(worker)
     worker.out = out
     emit(out, {"ev": "ready", "cells": model.cells, "slots": args.slots})
 
@@ -392,6 +420,41 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             worker.handle(request)
             request = _poll(inbox)
+        worker.step()
+
+
+def _private(key: str, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """A greedy run request of the worker's own (warm-up, calibration)."""
+    return {
+        "op": "run",
+        "id": key,
+        "tokens": tokens,
+        "max_new_tokens": max_new_tokens,
+        "priority": 0,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "seed": 0,
+        "stop": [],
+        "ignore_eos": True,
+    }
+
+
+def calibrate(worker: Worker) -> None:
+    """Steps of known shape, for the step-cost model's first figures: a prompt alone, a prompt
+    beside a generating sequence, two generating, one (about 80 tokens in all, scaled down
+    for a tiny cache)."""
+    model, scheduler = worker.model, worker.scheduler
+    scheduler.costs = StepCosts()  # (the warm-up's first step is no measure of any other)
+    size = scheduler.cells
+    text = b"The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 8
+    first = model.tokenize(text)[: max(min(48, size // 3), 2)]
+    second = model.tokenize(text[::-1])[: max(min(16, size // 8), 1)]
+    worker.handle(_private("calibration-1", first, 6))
+    worker.step()
+    worker.handle(_private("calibration-2", second, 4))
+    while worker.busy:
         worker.step()
 
 
