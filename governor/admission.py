@@ -52,6 +52,7 @@ from .overload import OverloadController, State
 from .policy import LANES, NO_LANE, Demand, Lane
 from .runners import Job, Runner
 from .service import JobSize
+from .slo import NO_OBJECTIVES, Objectives, SloPolicy
 from .tenants import Tenant, Tenants
 
 # Outcomes that say the backend failed: the circuit breaker counts these as failures and
@@ -164,6 +165,7 @@ class Ticket:
         "job",
         "lane",
         "lease",
+        "objectives",
         "pool",
         "reservation",
         "slot",
@@ -184,6 +186,7 @@ class Ticket:
         trial: bool,
         overload: OverloadController | None,
         tokens: int = 0,
+        objectives: Objectives = NO_OBJECTIVES,
     ) -> None:
         self.pool = pool
         self.slot = slot
@@ -194,6 +197,7 @@ class Ticket:
         self.degraded = degraded
         self.trial = trial
         self.tokens = tokens  # what the tenant's token bucket was charged
+        self.objectives = objectives  # what the job is held to (see governor.slo)
         self.lease: Lease | None = None  # its claim on the fleet, once the fleet granted it
         self.reservation: Reservation | None = None
         self._released: OverloadController | bool | None = overload  # False once released
@@ -281,12 +285,14 @@ class Admission:
         *,
         fallback: Pool | None = None,
         overload: OverloadController | None = None,
+        slo: SloPolicy | None = None,
     ) -> None:
         self.primary = primary
         self.fallback = fallback
         self.pools = (primary,) if fallback is None else (primary, fallback)
         self.tenants = tenants
         self.overload = overload
+        self.slo = slo or SloPolicy()
         self.ledger = primary.ledger
         self.clock: Callable[[], float] = primary.ledger.clock
         self.policy = primary.ledger.policy
@@ -325,12 +331,17 @@ class Admission:
         if isinstance(placed, Refusal):
             return self._refuse(attempt, None, placed, counted=True)
         pool, slot, plan, trial = placed
-        job = plan.job
-        if plan.demand is not None or slot.kv_cache is not None:
-            # What the runner needs of the decision: how urgent the job is, and where its KV
-            # cells are reserved.
-            rank = LANES.index(plan.demand.lane) if plan.demand is not None else 0
-            job = dataclasses.replace(job, priority=rank, kv_cache=slot.kv_cache)
+        lane = plan.demand.lane if plan.demand is not None else None
+        objectives = self._objectives(lane, attempt.tenant, plan.job)
+        # What the runner needs of the decision: how urgent the job is, where its KV cells are
+        # reserved, and what its steps are sized to.
+        job = dataclasses.replace(
+            plan.job,
+            priority=LANES.index(lane) if lane is not None else 0,
+            kv_cache=slot.kv_cache,
+            tpot_ms=objectives.tpot_ms,
+            stall=self.slo.stall(lane),
+        )
         if self.overload is not None:
             self.overload.observe_admission(yielded=False)
         for step in plan.degraded:
@@ -346,6 +357,7 @@ class Admission:
             trial=trial,
             overload=self.overload,
             tokens=plan.tokens,
+            objectives=objectives,
         )
         return Admitted(ticket)
 
@@ -359,6 +371,21 @@ class Admission:
         return self._refuse(attempt, None, refusal)
 
     # The steps ---------------------------------------------------------------------------
+
+    def _objectives(self, lane: Lane | None, tenant: Tenant, job: Job) -> Objectives:
+        """The job's objectives: its lane's, its tenant's, its own (see :mod:`governor.slo`)."""
+        spec, config = job.spec, tenant.config
+        own = (
+            Objectives(spec.ttft_slo_ms, spec.tpot_slo_ms)
+            if spec is not None and (spec.ttft_slo_ms or spec.tpot_slo_ms)
+            else None
+        )
+        tenants = (
+            Objectives(config.ttft_slo_ms, config.tpot_slo_ms)
+            if config.ttft_slo_ms or config.tpot_slo_ms
+            else None
+        )
+        return self.slo.objectives(lane, tenants, own)
 
     def _plan(self, attempt: Attempt) -> _Plan | Rejected:
         """The job priced and given a lane under a lane policy, or why it can never run."""

@@ -17,10 +17,12 @@ from typing import Any
 from protocol import addresses
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
-from .policy import LANES
+from .policy import LANES, Lane
+from .slo import DEFAULT_OBJECTIVES, DEFAULT_STALL, Objectives, SloPolicy
 from .tenants import TenantConfig
 
 RUNNERS = ("llama", "http", "stub")
+RENAMED = {"ttft_slo_ms": "interactive_ttft_slo_ms"}  # old keys, refused with their new names
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 
@@ -226,9 +228,33 @@ class Config:
     kv_interactive_share: float = _opt(
         0.2, "lanes: share of kv_capacity kept for interactive work."
     )
-    ttft_slo_ms: float = _opt(
-        1000.0,
-        "lanes: the interactive p95 time-to-first-token objective that drives the overload states.",
+    interactive_ttft_slo_ms: float = _opt(
+        DEFAULT_OBJECTIVES[Lane.INTERACTIVE].ttft_ms,
+        "The interactive lane's time-to-first-token objective, from a job's first refusal (also every job's without lanes); its p95 drives the overload states; a tenant or request may tighten it, never loosen it.",
+    )
+    interactive_tpot_slo_ms: float = _opt(
+        DEFAULT_OBJECTIVES[Lane.INTERACTIVE].tpot_ms,
+        "The interactive lane's time-per-output-token objective (also every job's without lanes); llama: a step's prompt tokens are cut to keep generating jobs within it.",
+    )
+    heavy_ttft_slo_ms: float = _opt(
+        DEFAULT_OBJECTIVES[Lane.HEAVY].ttft_ms,
+        "lanes: the heavy lane's time-to-first-token objective; 0: none.",
+    )
+    heavy_tpot_slo_ms: float = _opt(
+        DEFAULT_OBJECTIVES[Lane.HEAVY].tpot_ms,
+        "lanes: the heavy lane's time-per-output-token objective; 0: none.",
+    )
+    background_ttft_slo_ms: float = _opt(
+        DEFAULT_OBJECTIVES[Lane.BACKGROUND].ttft_ms,
+        "lanes: the background lane's time-to-first-token objective; 0: none.",
+    )
+    background_tpot_slo_ms: float = _opt(
+        DEFAULT_OBJECTIVES[Lane.BACKGROUND].tpot_ms,
+        "lanes: the background lane's time-per-output-token objective; 0: none.",
+    )
+    interactive_stall: float = _opt(
+        DEFAULT_STALL,
+        "llama: while an interactive job (every job, without lanes) is generating, prompt tokens may stretch a decode step to at most this many times its length without them (at least 1); 0: only the TPOT objectives bound it.",
     )
     overload_window: float = _opt(
         30.0, "lanes: seconds over which the overload signals are measured."
@@ -254,7 +280,7 @@ class Config:
     fallback_n_ctx: int = _opt(512, "lanes, ladder: the fallback pool's longest job (n_ctx).")
     tenants: tuple[TenantConfig, ...] = _opt(
         (),
-        "TOML only: [[tenants]] tables (name, key_sha256 and/or cert_name, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight); none: open, one default tenant.",
+        "TOML only: [[tenants]] tables (name, key_sha256 and/or cert_name, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight, ttft_slo_ms, tpot_slo_ms); none: open, one default tenant.",
     )
     shutdown_grace: float = _opt(
         30.0,
@@ -366,6 +392,10 @@ class Config:
             "threads",
             "interactive_reserve",
             "reserve_lend_after",
+            "heavy_ttft_slo_ms",
+            "heavy_tpot_slo_ms",
+            "background_ttft_slo_ms",
+            "background_tpot_slo_ms",
             "heavy_slots",
             "background_slots",
             "prompt_ceiling",
@@ -383,7 +413,8 @@ class Config:
         for name in (
             "idle_timeout",
             "job_timeout",
-            "ttft_slo_ms",
+            "interactive_ttft_slo_ms",
+            "interactive_tpot_slo_ms",
             "overload_window",
             "breaker_window",
             "breaker_cooldown",
@@ -400,6 +431,8 @@ class Config:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.interactive_stall != 0 and not self.interactive_stall >= 1:
+            raise ConfigError("interactive_stall must be 0 (off) or at least 1")
         if self.write_buffer_bytes < 64 * 1024:
             raise ConfigError("write_buffer_bytes must be at least 65536")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -457,6 +490,22 @@ class Config:
         return frozenset(words) if words <= set(LANES) else None
 
     @property
+    def slo_policy(self) -> SloPolicy:
+        """The lanes' objectives, and the interactive stall."""
+        return SloPolicy(
+            lanes={
+                Lane.INTERACTIVE: Objectives(
+                    self.interactive_ttft_slo_ms, self.interactive_tpot_slo_ms
+                ),
+                Lane.HEAVY: Objectives(self.heavy_ttft_slo_ms, self.heavy_tpot_slo_ms),
+                Lane.BACKGROUND: Objectives(
+                    self.background_ttft_slo_ms, self.background_tpot_slo_ms
+                ),
+            },
+            interactive_stall=self.interactive_stall,
+        )
+
+    @property
     def listen_address(self) -> tuple[str, int]:
         return parse_address(self.listen)
 
@@ -483,6 +532,8 @@ class Config:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
+            if key in RENAMED:
+                raise ConfigError(f"{source}: {key!r} is now {RENAMED[key]!r}")
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key {key!r}")
             if key == "tenants":

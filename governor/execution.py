@@ -25,15 +25,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 from protocol.codes import ErrorCode, NeedCode
 from protocol.frames import Request
 
-from .admission import Attempt, Ticket
+from .admission import BACKEND_FAILURES, Attempt, Ticket
 from .ledger import Completed, Refusal
 from .logs import event
 from .policy import Lane
 from .runners import RunnerError, Token
+from .slo import judge, ratios
 from .state import ServerState
 
 if TYPE_CHECKING:
     from .fleetstore import Fleet
+    from .overload import OverloadController
+
+# Ends judged against the objectives as misses (see governor.slo); "done" is judged too.
+JUDGED_FAILURES = BACKEND_FAILURES | {NeedCode.TTL_EXPIRED}
 
 log = logging.getLogger("governor.connection")
 jobs_log = logging.getLogger("governor.jobs")
@@ -237,12 +242,20 @@ class Execution:
         raise RunnerError("the runner ended the job without finishing it")
 
     def _first_token(self, ttft_s: float) -> None:
-        """Interactive time to first token feeds the overload state, as its client saw it:
-        from its first refusal, if it was refused (a chat held in line for seconds by heavy
-        work is the overload the pauses are for, however fast it runs once admitted)."""
+        """Interactive time to first token feeds the overload state, against the job's
+        objective, as its client saw it: from its first refusal, if it was refused (a chat held
+        in line for seconds by heavy work is the overload the pauses are for, however fast it
+        runs once admitted)."""
+        if (overload := self._interactive_overload()) is not None:
+            share, _ = ratios(self.ticket.objectives, (self.waited_s or 0.0) + ttft_s, None)
+            if share is not None:
+                overload.observe_ttft(share)
+
+    def _interactive_overload(self) -> OverloadController | None:
         overload, demand = self.state.overload, self.ticket.demand
         if overload is not None and demand is not None and demand.lane == Lane.INTERACTIVE:
-            overload.observe_ttft(((self.waited_s or 0.0) + ttft_s) * 1000)
+            return overload
+        return None
 
     # The end, whatever it was ------------------------------------------------------------
 
@@ -280,10 +293,10 @@ class Execution:
     def _record(
         self, held_s: float, ttft_s: float | None, prompt: object, completion: object
     ) -> None:
-        """The job's measurements, and its one log line."""
+        """The job's measurements, its objectives judged, and its one log line."""
         ticket, metrics = self.ticket, self.state.metrics
-        lane = ticket.lane
-        metrics.finished[(self.outcome, lane, ticket.pool.name)] += 1
+        lane, outcome = ticket.lane, self.outcome
+        metrics.finished[(outcome, lane, ticket.pool.name)] += 1
         metrics.e2e.observe(lane, held_s)
         tpot_s = self.tpot_s
         if ttft_s is not None:
@@ -294,19 +307,29 @@ class Execution:
             metrics.prompt_tokens.observe(lane, prompt)
         if isinstance(completion, int):
             metrics.output_tokens.observe(lane, completion)
+        objectives, verdict = ticket.objectives, None
+        if outcome == "done" or outcome in JUDGED_FAILURES:
+            # TTFT as the client felt it: its wait in line too; a job with no text, its end.
+            felt_s = (self.waited_s or 0.0) + (held_s if ttft_s is None else ttft_s)
+            verdict = judge(objectives, ttft_s=felt_s, tpot_s=tpot_s, succeeded=outcome == "done")
+            self.state.slo.record(lane, verdict)
+            if tpot_s is not None and (overload := self._interactive_overload()) is not None:
+                _, share = ratios(objectives, None, tpot_s)
+                if share is not None:
+                    overload.observe_tpot(share)
         if not jobs_log.isEnabledFor(logging.INFO):
             return
         event(
             jobs_log,
             logging.INFO,
-            f"job {self.outcome}",
+            f"job {outcome}",
             event="job",
             conn=self.replies.id,
             job=self.request.job,
             tenant=ticket.tenant.name,
             lane=lane,
             pool=ticket.pool.name,
-            outcome=self.outcome,
+            outcome=outcome,
             degraded=list(ticket.degraded),
             yields=self.attempt.refusals,
             wait_ms=_ms(self.waited_s),
@@ -316,6 +339,11 @@ class Execution:
             e2e_ms=_ms(held_s),
             prompt_tokens=prompt,
             completion_tokens=completion,
+            slo_ttft_ms=objectives.ttft_ms or None,
+            slo_tpot_ms=objectives.tpot_ms or None,
+            met_ttft=None if verdict is None else verdict.ttft,
+            met_tpot=None if verdict is None else verdict.tpot,
+            good=None if verdict is None else verdict.good,
         )
 
 

@@ -10,7 +10,8 @@ for a refused request's retry.
   ``top_p``, ``seed``, ``stop`` and ``stream`` keep their names, with OpenAI's defaults
   (temperature 1, top_p 1); ``stream_options.include_usage`` adds the usage chunk;
 * the governor's own fields ride along as extra body fields: ``lane`` (or the
-  ``x-governor-lane`` header), ``top_k``, ``min_p``, ``ignore_eos``, ``tool_risk``;
+  ``x-governor-lane`` header), ``top_k``, ``min_p``, ``ignore_eos``, ``tool_risk``,
+  ``ttft_slo_ms``, ``tpot_slo_ms``;
 * fields that change nothing here (``model``, ``user``, ``metadata``, ``store``, ...) are
   accepted, and so are the others at their defaults (``n`` 1, ``logprobs`` false, no
   ``tools``, penalties 0, ...); any other value is refused (400, ``spec_invalid``, with the
@@ -40,7 +41,15 @@ from .admission import Attempt
 
 LANE_HEADER = "x-governor-lane"
 # Passed on to the job spec as they are (the governor's own parameters).
-EXTRA_FIELDS = ("lane", "top_k", "min_p", "ignore_eos", "tool_risk")
+EXTRA_FIELDS = (
+    "lane",
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "tool_risk",
+    "ttft_slo_ms",
+    "tpot_slo_ms",
+)
 # Accepted whatever their value: they change nothing about the generation.
 NO_EFFECT = frozenset(
     {"model", "user", "metadata", "store", "service_tier", "stream_options", "prompt_cache_key"}

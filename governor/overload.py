@@ -2,9 +2,10 @@
 
     normal < degraded < batch_paused < interactive_only
 
-Pure code with an injectable clock. The server feeds it what it measures (interactive time to
-first token, from a refused job's first refusal; admissions and yields, job outcomes, KV
-utilisation) and calls :meth:`update` periodically. Each signal proposes a level: the state
+Pure code with an injectable clock. The server feeds it what it measures (interactive jobs'
+attainment of their objectives: how far each one's time to first token, from its first
+refusal, and its time per output token went into them; admissions and yields, job outcomes,
+KV utilisation) and calls :meth:`update` periodically. Each signal proposes a level: the state
 rises at once to the highest level any signal proposes, and falls one level at a time, only
 once every signal has stayed below the current level's *lower* thresholds (80 % of the rising
 ones) for ``min_dwell_s``.
@@ -26,11 +27,11 @@ has fallen below the level that pauses it, ``n`` levels from here; so, at the ea
 
 * the first fall, at the first re-evaluation (every ``evaluate_s``) after both the dwell
   (``changed_at + min_dwell_s``) and the moment the signals allow it. While the interactive
-  p95 time to first token is above the falling threshold of the pausing level, that is when
-  enough of the slow samples have left the window for the p95 to drop below it, were every
-  sample from now on fast, at the same rate (the ``m``-th newest slow sample's time plus
-  ``window_s``, with ``m - 1`` the slow samples a p95 allows); KV utilisation, which has no
-  history, says nothing of when it will fall;
+  p95 TTFT or TPOT (as a share of each job's objective) is above the falling threshold of the
+  pausing level, that is when enough of the slow samples have left the window for the p95 to
+  drop below it, were every sample from now on fast, at the same rate (the ``m``-th newest slow
+  sample's time plus ``window_s``, with ``m - 1`` the slow samples a p95 allows); KV
+  utilisation, which has no history, says nothing of when it will fall;
 * then one more level every ``min_dwell_s`` (and re-evaluation) after the other.
 
 That is never less than ``floor``: ``max(evaluate_s, window_s / 20)``. The signals are
@@ -66,7 +67,6 @@ class State(IntEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OverloadSettings:
-    ttft_slo_ms: float = 1000.0  # interactive p95 time to first token
     window_s: float = 30.0  # signals are measured over this sliding window
     min_dwell_s: float = 10.0  # a state lasts at least this long before it falls
     kv_danger: float = 0.8
@@ -82,8 +82,10 @@ class OverloadSettings:
 HYSTERESIS = 0.8  # falling thresholds, as a share of the rising ones
 PAUSE_FLOOR_SHARE = 0.05  # the shortest pause hint, as a share of the window
 MAX_DOUBLINGS = 32  # (2 ** 32 windows: far past any cap, and no float overflow)
-# The interactive p95 TTFT, as a multiple of the objective, at which each level is proposed.
-TTFT_LEVELS = ((State.INTERACTIVE_ONLY, 1.5), (State.BATCH_PAUSED, 1.0), (State.DEGRADED, 0.8))
+# The interactive p95 TTFT or TPOT, as a multiple of each job's objective, at which each level
+# is proposed: at 1.0, a twentieth of the chats miss it.
+SLO_LEVELS = ((State.INTERACTIVE_ONLY, 1.5), (State.BATCH_PAUSED, 1.0), (State.DEGRADED, 0.8))
+OBJECTIVES = ("ttft", "tpot")
 
 
 class OverloadController:
@@ -93,15 +95,23 @@ class OverloadController:
         self.state = State.NORMAL
         self.changed_at = clock()
         self.transitions: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._ttft: collections.deque[tuple[float, float]] = collections.deque()
+        # Interactive jobs' TTFT and TPOT, each as a share of its objective, by objective.
+        self._slo: dict[str, collections.deque[tuple[float, float]]] = {
+            name: collections.deque() for name in OBJECTIVES
+        }
         self._admissions: collections.deque[tuple[float, bool]] = collections.deque()  # yielded?
         self._outcomes: collections.deque[tuple[float, bool]] = collections.deque()  # failed?
         self.kv_utilisation = 0.0
 
     # What the server measures ----------------------------------------------------------
 
-    def observe_ttft(self, ms: float) -> None:
-        self._ttft.append((self.clock(), ms))
+    def observe_ttft(self, share: float) -> None:
+        """An interactive job's first token: its TTFT over its objective."""
+        self._slo["ttft"].append((self.clock(), share))
+
+    def observe_tpot(self, share: float) -> None:
+        """An interactive job's end: its TPOT over its objective."""
+        self._slo["tpot"].append((self.clock(), share))
 
     def observe_admission(self, yielded: bool) -> None:
         self._admissions.append((self.clock(), yielded))
@@ -115,11 +125,13 @@ class OverloadController:
         """The measured signals over the window (None: too few samples)."""
         now = self.clock()
         horizon = now - self.settings.window_s
-        for samples in (self._ttft, self._admissions, self._outcomes):
+        windows: list[collections.deque[tuple[float, float]] | collections.deque[tuple[float, bool]]]
+        windows = [*self._slo.values(), self._admissions, self._outcomes]
+        for samples in windows:
             while samples and samples[0][0] < horizon:
                 samples.popleft()
         return {
-            "ttft_p95_ms": self._p95([ms for _, ms in self._ttft]),
+            **{f"{name}_p95": self._p95([v for _, v in self._slo[name]]) for name in OBJECTIVES},
             "yield_rate": self._rate([y for _, y in self._admissions]),
             "error_rate": self._rate([f for _, f in self._outcomes]),
             "kv_utilisation": self.kv_utilisation,
@@ -139,12 +151,13 @@ class OverloadController:
     def _level(self, signals: dict[str, float | None], scale: float) -> State:
         """The state the signals call for, with thresholds scaled by ``scale``."""
         s, level = self.settings, State.NORMAL
-        ttft = signals["ttft_p95_ms"]
-        if ttft is not None:
-            for state, share in TTFT_LEVELS:
-                if ttft >= share * s.ttft_slo_ms * scale:
-                    level = max(level, state)
-                    break
+        for name in OBJECTIVES:
+            p95 = signals[f"{name}_p95"]
+            if p95 is not None:
+                for state, share in SLO_LEVELS:
+                    if p95 >= share * scale:
+                        level = max(level, state)
+                        break
         level = max(level, self._kv_level(signals["kv_utilisation"] or 0.0, scale))
         for name, threshold in (("yield_rate", s.yield_rate), ("error_rate", s.error_rate)):
             value = signals[name]
@@ -215,23 +228,24 @@ class OverloadController:
         self, signals: dict[str, float | None], level: State, now: float
     ) -> float:
         """The earliest time the signals could let the state fall below ``level``: now, if
-        they already do; else when the slow TTFT samples holding it leave the window, were
-        every later sample fast (KV utilisation holding it: unknown, so now)."""
+        they already do; else when the slow TTFT and TPOT samples holding it leave the window,
+        were every later sample fast (KV utilisation holding it: unknown, so now)."""
         if self._level(signals, HYSTERESIS) < level:
             return now
         s = self.settings
-        share = next(share for proposed, share in TTFT_LEVELS if proposed <= level)
-        slow_ms = share * s.ttft_slo_ms * HYSTERESIS
-        samples = self._ttft
-        n = len(samples)
-        if n < s.min_samples:
-            return now
-        over = n - math.ceil(0.95 * n)  # the slow samples a p95 below slow_ms allows
-        slow = [t for t, ms in samples if ms >= slow_ms]
-        if len(slow) <= over:
-            return now
-        # Held up until the (over + 1)-th newest slow sample leaves the window.
-        return slow[-over - 1] + s.window_s
+        share = next(share for proposed, share in SLO_LEVELS if proposed <= level)
+        slow_share = share * HYSTERESIS
+        allowed = now
+        for samples in self._slo.values():
+            n = len(samples)
+            if n < s.min_samples:
+                continue
+            over = n - math.ceil(0.95 * n)  # the slow samples a p95 below slow_share allows
+            slow = [t for t, v in samples if v >= slow_share]
+            if len(slow) > over:
+                # Held up until the (over + 1)-th newest slow sample leaves the window.
+                allowed = max(allowed, slow[-over - 1] + s.window_s)
+        return allowed
 
     def max_new_tokens(self, lane: Lane, asked: int) -> int | None:
         """A lowered max_new_tokens for this job, or None to leave it as asked."""

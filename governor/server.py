@@ -231,7 +231,6 @@ class Server:
         self.overload = (
             OverloadController(
                 OverloadSettings(
-                    ttft_slo_ms=config.ttft_slo_ms,
                     window_s=config.overload_window,
                     min_dwell_s=config.overload_dwell,
                     kv_danger=config.kv_danger,
@@ -245,7 +244,11 @@ class Server:
             else None
         )
         self.admission = Admission(
-            self.primary, self.tenants, fallback=self.fallback, overload=self.overload
+            self.primary,
+            self.tenants,
+            fallback=self.fallback,
+            overload=self.overload,
+            slo=config.slo_policy,
         )
         self.state = ServerState(config, self.admission)
         self.fleet = self.state.fleet = build_fleet(config, self.ledger)

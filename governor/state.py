@@ -19,6 +19,7 @@ from protocol.codes import ErrorCode, NeedCode, Receipt
 from .admission import Admission, Budget
 from .config import Config
 from .metrics import JobMetrics
+from .slo import Attainment
 from .sources import Refused, Sources
 from .tenants import Tenant
 
@@ -46,6 +47,7 @@ class ServerState:
         self.tenants = admission.tenants
         self.overload = admission.overload
         self.metrics = JobMetrics()
+        self.slo = Attainment(config.overload_window, self.clock)  # objectives met, by lane
         self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
         # Connections ended by the server before they were served, or cut without a frame.
         self.refused: collections.Counter[str] = collections.Counter()  # by reason

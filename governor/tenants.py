@@ -37,6 +37,9 @@ class TenantConfig:
     token_burst: float = 0.0
     lanes: tuple[str, ...] = ()  # allowed lanes; empty: all
     weight: float = 1.0
+    # Its own objectives, over its lane's (an interactive job's only tightened): 0, the lane's.
+    ttft_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.key_sha256 is None and self.cert_name is None:
@@ -57,7 +60,17 @@ class TenantConfig:
                 f"tenant {self.name!r}: cert_name must be a certificate's name, a non-empty "
                 "string without surrounding spaces"
             )
-        if min(self.max_inflight, self.requests_per_s, self.tokens_per_s) < 0 or self.weight <= 0:
+        if (
+            min(
+                self.max_inflight,
+                self.requests_per_s,
+                self.tokens_per_s,
+                self.ttft_slo_ms,
+                self.tpot_slo_ms,
+            )
+            < 0
+            or self.weight <= 0
+        ):
             raise ValueError(f"tenant {self.name!r}: limits must be >= 0 and weight > 0")
 
 

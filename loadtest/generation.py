@@ -23,13 +23,27 @@ during the measures. Measures (``--measures``):
 * ``idle``: time to first token of ``--chats`` chats sent one after another (distinct
   questions through the chat template, ``--chat-tokens`` new tokens, streamed), from the
   client's send to the first non-empty delta; p50 and p90.
-* ``burst``: on a fresh target (a cold prompt cache; llama-server also gets ``cache_prompt``
-  false; governors get ``--lanes on``): 3 chats one after another (the idle reference), then 2
-  rewrites of about ``--rewrite-tokens`` prompt tokens and ``--max-new-tokens`` new tokens,
-  and ``--burst-delay`` seconds later ``--burst-chats`` chats at once. Chat TTFT counts from
-  each chat's first send, yields and retries included (the client honours ``retry_hint_ms``);
-  reported: chat p50 and p99, p99 over the idle median, each rewrite's end from the burst's
-  start, and lost requests (no terminal answer: timed out, broken, retries spent).
+* ``burst``: chats beside long rewrites, for each S of ``--burst-slots``, on a target started
+  with S slots (llama-server also gets ``cache_prompt`` false; governors get ``--lanes on``):
+  3 chats one after another (the idle reference), then four rounds, each of distinct chats
+  (distinct questions through the chat template, ``--chat-tokens`` new tokens, streamed) and
+  rewrites of about ``--rewrite-tokens`` prompt tokens (distinct, sharing no prefix, through
+  the chat template, ``--max-new-tokens`` new tokens):
+
+  - ``alone``: S - 2 chats at once;
+  - ``beside``: 2 rewrites, and ``--burst-delay`` seconds later the S - 2 chats of ``alone``'s
+    size (every job has a slot);
+  - ``alone_all``: S chats at once;
+  - ``over``: 2 rewrites, and ``--burst-delay`` seconds later S chats (two more than there
+    are slots: two chats wait for a slot).
+
+  Chat TTFT counts from each chat's first send, yields and retries included (the client
+  honours ``retry_hint_ms``); TPOT is over the tokens after the first. Reported per round: chat
+  TTFT and TPOT p50 and p99, e2e p99, yields, each rewrite's end from the round's start, and
+  lost requests (no terminal answer: timed out, broken, retries spent); and the ratios the
+  targets are set on: ``beside`` over ``alone`` (TTFT p99, TPOT p99), ``over``'s TPOT p99 over
+  ``alone_all``'s, and ``over``'s TTFT p99 over ``alone_all``'s TTFT p99 + e2e p99 (a waiting
+  chat starts within about one chat's run).
 * ``memory``: proportional set size (``Pss`` of ``/proc/PID/smaps_rollup``) of the target and
   every process below it, after the warm-up round, with S slots; then on a fresh target with
   1 slot after one job; and their ratio.
@@ -48,7 +62,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +92,13 @@ RETRY = RetryPolicy(max_attempts=10_000, max_sleep_s=2.0)  # bounded by --timeou
 SAMPLE_S = 1.0
 IDLE_IN_BURST = 3  # chats one after another before the burst: its idle reference
 REWRITES = 2
+# The burst's rounds: (name, rewrites in it, chats as slots less this).
+ROUNDS = (
+    ("alone", 0, REWRITES),
+    ("beside", REWRITES, REWRITES),
+    ("alone_all", 0, 0),
+    ("over", REWRITES, 0),
+)
 WARMUP_TOKENS = 8
 
 # llama-server: the fields every request carries; burst requests also skip its prompt cache.
@@ -396,25 +416,44 @@ def ttft_row(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     }
 
 
-def burst_row(idle: Sequence[Outcome], burst: Sequence[Outcome]) -> dict[str, Any]:
-    """The mixed burst: ``idle`` the chats before it, ``burst`` its rewrites and chats
-    (told apart by their request class); times in ms, rewrite ends in s from the start."""
-    idle_ttfts = [t for o in idle if (t := o.ttft_ms) is not None]
-    chats = [o for o in burst if o.request.cls == "chat"]
-    rewrites = [o for o in burst if o.request.cls == "rewrite"]
+def round_row(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """One round of the burst: its chats' TTFT, TPOT (ms) and e2e (s), its rewrites' ends (s
+    from the round's start), told apart by their request class."""
+    chats = [o for o in outcomes if o.request.cls == "chat"]
+    rewrites = [o for o in outcomes if o.request.cls == "rewrite"]
+
+    def pct(values: list[float], q: float, scale: float = 1.0) -> float | None:
+        return _r(percentile(values, q) / scale) if values else None
+
     ttfts = [t for o in chats if (t := o.ttft_ms) is not None]
-    idle_ms = statistics.median(idle_ttfts) if idle_ttfts else None
-    p99 = percentile(ttfts, 99) if ttfts else None
+    tpots = [t for o in chats if (t := o.tpot_ms) is not None]
+    e2es = [t for o in chats if (t := o.e2e_ms) is not None]
     return {
-        "idle_ttft_ms": _r(idle_ms),
         "chats": len(chats),
-        "chat_ttft_p50_ms": _r(percentile(ttfts, 50)) if ttfts else None,
-        "chat_ttft_p99_ms": _r(p99),
-        "p99_over_idle": ratio(p99, idle_ms),
-        "chat_yields": sum(len(o.yields) for o in chats),
+        "ttft_p50_ms": pct(ttfts, 50),
+        "ttft_p99_ms": pct(ttfts, 99),
+        "tpot_p50_ms": pct(tpots, 50),
+        "tpot_p99_ms": pct(tpots, 99),
+        "e2e_p99_ms": pct(e2es, 99),
+        "yields": sum(len(o.yields) for o in chats),
         "rewrite_end_s": [_r(o.end_s, 3) if o.status == DONE else None for o in rewrites],
         "rewrite_tokens": [o.tokens for o in rewrites],
-        "lost": lost([*idle, *burst]),
+        "lost": lost(outcomes),
+    }
+
+
+def burst_ratios(rounds: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """The ratios the targets are set on (see the module docstring)."""
+    alone, beside = rounds.get("alone", {}), rounds.get("beside", {})
+    alone_all, over = rounds.get("alone_all", {}), rounds.get("over", {})
+    run_ms = None
+    if alone_all.get("ttft_p99_ms") is not None and alone_all.get("e2e_p99_ms") is not None:
+        run_ms = alone_all["ttft_p99_ms"] + alone_all["e2e_p99_ms"]
+    return {
+        "beside_ttft": ratio(beside.get("ttft_p99_ms"), alone.get("ttft_p99_ms")),
+        "beside_tpot": ratio(beside.get("tpot_p99_ms"), alone.get("tpot_p99_ms")),
+        "over_tpot": ratio(over.get("tpot_p99_ms"), alone_all.get("tpot_p99_ms")),
+        "over_ttft": ratio(over.get("ttft_p99_ms"), run_ms),
     }
 
 
@@ -567,43 +606,10 @@ async def measure_target(
             peer.stop(inst.proc, 15.0)
 
     if "burst" in want:
-        lanes = name in GOVERNORS
-        inst = await start(name, settings, slots=slots, lanes=lanes, log=logs / f"{name}-burst.log")
-        result["burst_argv"] = inst.argv
-        try:
-            base = args.chats
-            await _quiet(args, inst)
-            idle = await _chats(
-                inst,
-                [question(base + k) for k in range(IDLE_IN_BURST)],
-                args.chat_tokens,
-                args.timeout,
-                cold=True,
-            )
-            base += IDLE_IN_BURST
-            prompts = [text for text, _ in rewrites]
-            prompts += [question(base + k) for k in range(args.burst_chats)]
-            requests = _requests("rewrite", REWRITES, args.max_new_tokens)
-            requests += _requests("chat", args.burst_chats, args.chat_tokens, args.burst_delay)
-            shape = Shape(temperature=0.0, chat=True, prompts=tuple(prompts))
-            window = CpuWindow(inst.proc.pid)
-            run = await open_loop(
-                inst.target(shape, cold=True),
-                requests,
-                connections=len(requests),
-                timeout_s=args.timeout,
-                sample_s=SAMPLE_S,
-                label=f"{name} burst",
-            )
-            result["burst"] = {
-                **burst_row(idle, run.outcomes),
-                "lanes": lanes,
-                "rewrite_prompt_tokens": [n for _, n in rewrites],
-                "others_cpu": window.others(),
-            }
-            _note(f"{name} burst {result['burst']}")
-        finally:
-            peer.stop(inst.proc, 15.0)
+        result["bursts"] = [
+            await measure_burst(name, args, settings, rewrites, slots)
+            for slots in args.burst_slots or (slots,)
+        ]
 
     if "memory" in want:
         inst = await start(name, settings, slots=1, lanes=False, log=logs / f"{name}-one.log")
@@ -615,6 +621,60 @@ async def measure_target(
             peer.stop(inst.proc, 15.0)
         result["memory"] = memory_row(at_slots, at_one)
         _note(f"{name} memory {result['memory']}")
+    return result
+
+
+async def measure_burst(
+    name: str,
+    args: argparse.Namespace,
+    settings: Settings,
+    rewrites: list[tuple[str, int]],
+    slots: int,
+) -> dict[str, Any]:
+    """The burst's rounds on a target started with ``slots`` slots (see the module docstring)."""
+    lanes = name in GOVERNORS
+    log = args.logs / f"{name}-burst-{slots}.log"
+    inst = await start(name, settings, slots=slots, lanes=lanes, log=log)
+    result: dict[str, Any] = {"slots": slots, "lanes": lanes, "argv": inst.argv, "rounds": {}}
+    try:
+        asked = args.chats
+        await _quiet(args, inst)
+        window = CpuWindow(inst.proc.pid)
+        idle = await _chats(
+            inst,
+            [question(asked + k) for k in range(IDLE_IN_BURST)],
+            args.chat_tokens,
+            args.timeout,
+            cold=True,
+        )
+        asked += IDLE_IN_BURST
+        result["idle"] = ttft_row(idle)
+        unused = list(rewrites)
+        for label, heavy, fewer in ROUNDS:
+            chats = max(slots - fewer, 1)
+            prompts = [text for text, _ in unused[:heavy]]
+            del unused[:heavy]
+            prompts += [question(asked + k) for k in range(chats)]
+            asked += chats
+            delay = args.burst_delay if heavy else 0.0
+            requests = _requests("rewrite", heavy, args.max_new_tokens)
+            requests += _requests("chat", chats, args.chat_tokens, delay)
+            shape = Shape(temperature=0.0, chat=True, prompts=tuple(prompts))
+            run = await open_loop(
+                inst.target(shape, cold=True),
+                requests,
+                connections=len(requests),
+                timeout_s=args.timeout,
+                sample_s=SAMPLE_S,
+                label=f"{name} {label} x{slots}",
+            )
+            result["rounds"][label] = round_row(run.outcomes)
+            _note(f"{name} {slots} slots, {label}: {result['rounds'][label]}")
+        result["ratios"] = burst_ratios(result["rounds"])
+        result["rewrite_prompt_tokens"] = [n for _, n in rewrites]
+        result["others_cpu"] = window.others()
+    finally:
+        peer.stop(inst.proc, 15.0)
     return result
 
 
@@ -653,7 +713,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         vocab = Llama(model_path=str(model), vocab_only=True, verbose=False)
         rewrites = rewrite_prompts(
-            REWRITES,
+            REWRITES * sum(1 for _, heavy, _ in ROUNDS if heavy),
             args.rewrite_tokens,
             lambda text: len(vocab.tokenize(text.encode(), add_bos=False)),
         )
@@ -730,22 +790,33 @@ def render(report: dict[str, Any]) -> list[str]:
                     f"{name:<{width}} {r['n']:>4} {_cell(r['p50_ms'], 8)} "
                     f"{_cell(r['p90_ms'], 8)} {r['lost']:>5} {_share(r):>7}"
                 )
-    if any("burst" in t for _, t in with_):
+    if any("bursts" in t for _, t in with_):
         lines += [
             "",
-            "c. mixed burst on a cold target: 2 rewrites, then chats together "
-            "(TTFT ms from first send; rewrite ends s from the burst's start)",
-            f"{'target':<{width}} {'idle':>7} {'p50':>8} {'p99':>8} {'p99/idle':>9} "
-            f"{'yields':>6} {'rewrite ends':>16} {'lost':>5} {'others':>7}",
+            "c. chats beside 2 rewrites, S slots: chats alone (S - 2, then S at once), beside "
+            "(2 rewrites then S - 2 chats), over (2 rewrites then S chats); chat TTFT and TPOT "
+            "ms (TTFT from first send), rewrite ends s from the round's start",
+            f"{'target':<{width}} {'S':>3} {'round':>9} {'ttft p50':>9} {'p99':>8} "
+            f"{'tpot p50':>9} {'p99':>7} {'e2e p99':>8} {'yields':>6} {'rewrite ends':>14} "
+            f"{'lost':>5}",
         ]
         for name, t in with_:
-            if (r := t.get("burst")) is not None:
-                ends = ", ".join("-" if e is None else f"{e:g}" for e in r["rewrite_end_s"])
+            for burst in t.get("bursts", []):
+                for label, r in burst["rounds"].items():
+                    ends = ", ".join("-" if e is None else f"{e:g}" for e in r["rewrite_end_s"])
+                    lines.append(
+                        f"{name:<{width}} {burst['slots']:>3} {label:>9} "
+                        f"{_cell(r['ttft_p50_ms'], 9)} {_cell(r['ttft_p99_ms'], 8)} "
+                        f"{_cell(r['tpot_p50_ms'], 9)} {_cell(r['tpot_p99_ms'], 7)} "
+                        f"{_cell(r['e2e_p99_ms'], 8)} {r['yields']:>6} {ends:>14} "
+                        f"{r['lost']:>5}"
+                    )
+                q = burst["ratios"]
                 lines.append(
-                    f"{name:<{width}} {_cell(r['idle_ttft_ms'], 7)} "
-                    f"{_cell(r['chat_ttft_p50_ms'], 8)} {_cell(r['chat_ttft_p99_ms'], 8)} "
-                    f"{_cell(r['p99_over_idle'], 9)} {r['chat_yields']:>6} {ends:>16} "
-                    f"{r['lost']:>5} {_share(r):>7}"
+                    f"{'':<{width}} {burst['slots']:>3} {'ratios':>9} beside/alone TTFT "
+                    f"{_cell(q['beside_ttft'], 5)} TPOT {_cell(q['beside_tpot'], 5)}; over TPOT "
+                    f"/alone_all {_cell(q['over_tpot'], 5)}, over TTFT/(alone_all TTFT+e2e) "
+                    f"{_cell(q['over_ttft'], 5)}; others {_share(burst)}"
                 )
     if any("memory" in t for _, t in with_):
         lines += [
@@ -824,7 +895,9 @@ def add_parser(commands: Any) -> None:
         help="a rewrite's prompt, in tokens at least (default: 1400)",
     )
     parser.add_argument(
-        "--burst-chats", type=positive_int, default=8, help="chats at once (default: 8)"
+        "--burst-slots",
+        type=positive_ints,
+        help="the burst's slot counts S, a target started for each (default: --slots)",
     )
     parser.add_argument(
         "--burst-delay",

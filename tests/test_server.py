@@ -798,7 +798,8 @@ async def test_the_overload_state_sees_a_chat_s_ttft_from_its_first_refusal(
     done = {f["job"]: f for f in (heavy_done, await conn.recv()) if f.get("status") == "done"}
     assert set(done) == {"J_h", "J_chat"}
     admitted_ttft_ms = done["J_chat"]["result"]["ttft_ms"]
-    (observed_ms,) = [ms for _, ms in server.overload._ttft]
+    objective_ms = server.config.interactive_ttft_slo_ms
+    (observed_ms,) = [share * objective_ms for _, share in server.overload._slo["ttft"]]
     # It waited for the rest of the heavy job's 300 ms and its own 100 ms, then ran.
     assert observed_ms - admitted_ttft_ms >= 300
 
@@ -811,7 +812,7 @@ async def test_overload_states_drive_the_fallback_ladder(
         stub_ms=200,
         lanes=True,
         interactive_reserve=1,
-        ttft_slo_ms=1,  # any measured TTFT is far over it (for the whole overload_window)
+        interactive_ttft_slo_ms=1,  # any measured TTFT is far over it (for the whole overload_window)
         overload_dwell=5,
         degraded_max_new_tokens=16,
     )
