@@ -22,6 +22,7 @@ from .slo import DEFAULT_OBJECTIVES, DEFAULT_STALL, Objectives, SloPolicy
 from .tenants import TenantConfig
 
 RUNNERS = ("llama", "http", "stub")
+KV_TYPES = ("f16", "q8_0")
 RENAMED = {"ttft_slo_ms": "interactive_ttft_slo_ms"}  # old keys, refused with their new names
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
@@ -79,6 +80,10 @@ class Config:
     )
     threads: int = _opt(
         0, "llama: CPU threads per worker; 0: the cores shared out among the workers."
+    )
+    kv_type: str = _opt(
+        "f16",
+        "llama: the type of the KV cache's cells: f16, or q8_0 (8-bit, with flash attention: about half the memory a cell; on a CPU, long prompts are fed up to twice as slowly).",
     )
     n_gpu_layers: int = _opt(
         0,
@@ -219,7 +224,7 @@ class Config:
     )
     kv_capacity: int = _opt(
         0,
-        "KV cache cells across all llama workers; each admitted job reserves its prompt + max_new_tokens in one worker's cache, or yields kv_pressure. 0: n_ctx * max_inflight. Other runners: a notional budget, under lanes only.",
+        "KV cache cells across all llama workers; each admitted job reserves its prompt + max_new_tokens in one worker's cache, or yields kv_pressure. 0: in each worker's cache, n_ctx for each of two jobs and n_ctx / 4 for each further slot. Other runners: a notional budget, under lanes only.",
     )
     kv_danger: float = _opt(
         0.8,
@@ -460,6 +465,8 @@ class Config:
             raise ConfigError("interactive_reserve must leave heavy and background work a slot")
         if not self.upstream.startswith(("http://", "https://")):
             raise ConfigError("upstream must be an http:// or https:// URL")
+        if self.kv_type not in KV_TYPES:
+            raise ConfigError(f"kv_type must be one of {', '.join(KV_TYPES)}")
         if self.runner not in RUNNERS:
             raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}")
         if self.redis_url is not None and not self.redis_url.startswith(

@@ -221,6 +221,8 @@ class Execution:
                     if self.first_token is None:
                         self.first_token = now
                         self._first_token(now - ticket.slot.started)
+                    elif item.generated is not None:
+                        ticket.slot.progress(item.generated, self.first_token, now)
                     parts.append(item.text)
                     if stream and not self.terminal_sent:
                         self.replies.send_delta(self, item.text)

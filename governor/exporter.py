@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from .health import Health
 from .logs import dropped_records
 from .policy import LANES
+from .slo import OBJECTIVES, Attainment
 from .state import ServerState
 
 if TYPE_CHECKING:
@@ -181,6 +182,7 @@ class GovernorCollector(Collector):
         probe.add_metric([], jobs.probe.buckets(), jobs.probe.sum)
         yield probe
         yield from jobs.lane_families()
+        yield from _slo_families(server.slo)
         yield CounterMetricFamily(
             "governor_log_records_dropped",
             "Log records dropped because the log writer fell behind (a slow stderr reader).",
@@ -214,6 +216,37 @@ class GovernorCollector(Collector):
             "Source addresses refused for now after failed keys (auth_backoff).",
             value=server.sources.waiting,
         )
+
+
+def _slo_families(slo: Attainment) -> Iterator[Metric]:
+    yield _counter(
+        "governor_slo_jobs",
+        "Jobs judged against their objectives (done, failed in the backend or out of ttl_ms), "
+        "by lane.",
+        ["lane"],
+        (((lane,), counts[0]) for lane, counts in slo.totals.items()),
+    )
+    yield _counter(
+        "governor_slo_met",
+        "Judged jobs that met their objectives, by lane and objective (ttft, tpot, both: "
+        "goodput).",
+        ["lane", "objective"],
+        (
+            ((lane, objective), counts[i + 1])
+            for lane, counts in slo.totals.items()
+            for i, objective in enumerate(OBJECTIVES)
+        ),
+    )
+    shares = GaugeMetricFamily(
+        "governor_slo_attainment",
+        "The share of the jobs judged over the last overload_window that met their objectives, "
+        "by lane and objective (ttft, tpot, both: goodput); absent for a lane with none.",
+        labels=["lane", "objective"],
+    )
+    for lane, (_, *met) in sorted(slo.shares().items()):
+        for objective, share in zip(OBJECTIVES, met, strict=True):
+            shares.add_metric([lane, objective], share)
+    yield shares
 
 
 def _fleet_families(fleet: Fleet) -> Iterator[Metric]:

@@ -50,6 +50,19 @@ slot releases instead of all returning at the same instant.
   finds no slot for it keeps its place in line and is re-timed to that place's release
   (``k = q``, the promises ahead of it).
 
+Running jobs' progress
+----------------------
+A job's predicted time holds only as long as the work beside it is what it was when the job
+was admitted: on a batched runner every running sequence waits for every step, so a chat
+admitted alone runs at another pace once long prompts are fed beside it. So while a job
+generates, its execution reports its progress (:meth:`Slot.progress`: tokens generated, and
+when the first came), and its end is predicted again from its own pace: ``p`` seconds per token
+so far, ``e = now + (ratio * max_new - generated) * p``, with a window of ``err * (e - now)``
+(what is left is all that is uncertain now). Past its expected length (``ratio * max_new``
+tokens, or ``e``), how long it will go on is unknown again, and its end is predicted from its
+admission, as above. A newcomer's decode is predicted at the running jobs' mean pace (the pace it
+will run at beside them), rather than at the rate learnt from jobs that finished, perhaps alone.
+
 Under a lane policy (:mod:`governor.policy`) the line is lane-aware: a promise carries its
 job's lane, and a client counts, and a freed slot is held for, only the promises of its own lane
 or a higher one. A client of a lower lane counts only the slots it may take: those the
@@ -140,6 +153,8 @@ class Slot:
         "expected_s",
         "kv_cache",
         "kv_tokens",
+        "live_end",
+        "pace_s",
         "size",
         "started",
     )
@@ -156,11 +171,22 @@ class Slot:
         self.expected_s = ledger.predict_s(size, demand.lane if demand is not None else None)
         self.kv_cache: int | None = None  # the KV cache its cells are reserved in
         self.kv_tokens = 0  # how many
+        # From its progress, once it is generating (see :meth:`progress`): seconds per output
+        # token so far, and when it is now expected to end (None: from expected_s).
+        self.pace_s: float | None = None
+        self.live_end: float | None = None
         self._released = False
 
     @property
     def released(self) -> bool:
         return self._released
+
+    def progress(self, generated: int, first_token: float, now: float) -> None:
+        """The job has generated ``generated`` tokens, the first at ``first_token``: its end is
+        predicted again from its own pace (see "Running jobs' progress" above)."""
+        if self._released:
+            return
+        self._ledger._progress(self, generated, first_token, now)
 
     def release(self, *, done: Completed | None = None) -> float:
         """Free the slot; a job that finished (``done``: what it measured) teaches the
@@ -228,6 +254,9 @@ class SlotLedger:
         # interactive reserve once none has for a while); the reserve is kept from the start.
         self._interactive_seen = clock()
         self._running: dict[Slot, None] = {}  # insertion-ordered set
+        # The running jobs' paces (seconds per output token), summed, and how many have one.
+        self._pace_sum = 0.0
+        self._paced = 0
         # The line, in order. A promise withdrawn or lapsed (``queued`` False) stays in it, and
         # is skipped, until it reaches the front (removing it from the middle would cost a
         # walk of the line).
@@ -365,9 +394,27 @@ class SlotLedger:
 
     def predict_s(self, size: JobSize | None, lane: Lane | None = None) -> float:
         """How long a job of ``size`` (in ``lane``) is expected to hold its slot: the model's
-        prediction from its size, or the lane's (or the pool's) mean where it has none."""
+        prediction from its size (at the running jobs' pace, when they have one), or the lane's
+        (or the pool's) mean where it has none."""
         model = self.model
-        return model.predict_s(size) if model.knows(size) else self.service_for(lane)
+        if not model.knows(size):
+            return self.service_for(lane)
+        return model.predict_s(size, self._pace_sum / self._paced if self._paced else None)
+
+    def _progress(self, slot: Slot, generated: int, first_token: float, now: float) -> None:
+        """A running job's progress (see "Running jobs' progress" above)."""
+        size = slot.size
+        if generated < 2 or size is None:
+            return
+        pace = (now - first_token) / (generated - 1)
+        if slot.pace_s is None:
+            self._paced += 1
+            self._pace_sum += pace
+        else:
+            self._pace_sum += pace - slot.pace_s
+        slot.pace_s = pace
+        expected = self.model.ratio * size.max_new_tokens
+        slot.live_end = now + (expected - generated) * pace if generated < expected else None
 
     def refused(self, refusal: Refusal) -> Refusal:
         """Count a refusal (also one decided outside the ledger, for a tenant's limits)."""
@@ -441,8 +488,13 @@ class SlotLedger:
         return self.lane_service_s.get(lane, self.service_s) if lane is not None else self.service_s
 
     def slot_end(self, slot: Slot, now: float) -> float:
-        """When a running job is expected to end, from its own predicted service time."""
-        return self.expected_end(slot.started, now, slot.expected_s)
+        """When a running job is expected to end: from its progress while it is generating
+        within its expected length, else from its own predicted service time."""
+        end = slot.live_end
+        if end is None or end <= now:
+            return self.expected_end(slot.started, now, slot.expected_s)
+        # Only what is left is uncertain now: the window is the error on that.
+        return max(end - self.error * (end - now), now + self.min_hint_ms / 1000)
 
     def expected_end(self, started: float, now: float, service_s: float | None = None) -> float:
         """When a job started at ``started`` may have freed its slot: as the window in which
@@ -481,6 +533,10 @@ class SlotLedger:
 
     def _release(self, slot: Slot, done: Completed | None) -> float:
         del self._running[slot]
+        if slot.pace_s is not None:
+            self._paced -= 1
+            # (a sum kept by adding and subtracting drifts: none left starts again from 0)
+            self._pace_sum = self._pace_sum - slot.pace_s if self._paced else 0.0
         if slot.demand is not None:
             self.lane_inflight[slot.demand.lane] -= 1
         if slot.kv_cache is not None:

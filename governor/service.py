@@ -94,16 +94,18 @@ class ServiceModel:
         the rates have been learnt)."""
         return size is not None and self.prefill_s is not None
 
-    def predict_s(self, size: JobSize | None) -> float:
-        """The seconds a job of ``size`` is expected to hold its slot."""
+    def predict_s(self, size: JobSize | None, decode_s: float | None = None) -> float:
+        """The seconds a job of ``size`` is expected to hold its slot (``decode_s``: a decode
+        rate known better than the one learnt, the pace of the jobs it will run beside)."""
         prefill_s = self.prefill_s
         if size is None or prefill_s is None:
             return self.mean_s
         after_first = self.ratio * size.max_new_tokens - 1.0
+        decode_s = decode_s if decode_s is not None else self.decode_s
         return (
             self.base_s
             + size.prompt_tokens * prefill_s
-            + (self.decode_s * after_first if after_first > 0.0 and self.decode_s else 0.0)
+            + (decode_s * after_first if after_first > 0.0 and decode_s else 0.0)
         )
 
     def observe(

@@ -77,7 +77,7 @@ def test_generation_defaults_and_choices() -> None:
     assert args.measures == generation.MEASURES
     assert args.streams == (1, 4, 8, 16)
     assert (args.max_new_tokens, args.chats, args.chat_tokens) == (128, 20, 16)
-    assert (args.rewrite_tokens, args.burst_chats, args.burst_delay) == (1400, 8, 0.2)
+    assert (args.rewrite_tokens, args.burst_slots, args.burst_delay) == (1400, None, 0.2)
     assert args.slots is None
     assert args.threads == 2
     assert args.llama_server == generation.default_llama_server()
@@ -210,27 +210,39 @@ def test_idle_ttft_percentiles_by_nearest_rank() -> None:
     assert row == {"n": 10, "p50_ms": 50.0, "p90_ms": 90.0, "lost": 1}
 
 
-def test_burst_row() -> None:
-    idle = [outcome("chat", first=t, end=0.5) for t in (0.05, 0.04, 0.06)]
-    burst = [
+def test_round_row_and_the_ratios_the_targets_are_set_on() -> None:
+    beside = [
         outcome("rewrite", first=0.9, end=6.5, tokens=128),
         outcome("rewrite", ABORTED, end=2.0),
         *(
-            outcome("chat", sent=0.2, first=0.2 + t, end=1.5, tokens=16, yields=1)
+            outcome("chat", sent=0.2, first=0.2 + t, end=0.2 + t + 1.5, tokens=16, yields=1)
             for t in (0.1, 0.2, 0.4)
         ),
         outcome("chat", TIMED_OUT, sent=0.2),
     ]
-    row = generation.burst_row(idle, burst)
-    assert row["idle_ttft_ms"] == 50.0
+    row = generation.round_row(beside)
     assert row["chats"] == 4
-    assert row["chat_ttft_p50_ms"] == 200.0
-    assert row["chat_ttft_p99_ms"] == 400.0
-    assert row["p99_over_idle"] == 8.0
-    assert row["chat_yields"] == 3
+    assert (row["ttft_p50_ms"], row["ttft_p99_ms"]) == (200.0, 400.0)
+    assert (row["tpot_p50_ms"], row["tpot_p99_ms"]) == (100.0, 100.0)  # 1.5 s over 15 tokens
+    assert row["e2e_p99_ms"] == 1900.0
+    assert row["yields"] == 3
     assert row["rewrite_end_s"] == [6.5, None]
     assert row["rewrite_tokens"] == [128, 0]
     assert row["lost"] == 1  # the timed-out chat; an abort is an answer
+    alone = generation.round_row(
+        [outcome("chat", first=0.1, end=0.85, tokens=16) for _ in range(3)]
+    )
+    assert (alone["ttft_p99_ms"], alone["tpot_p99_ms"], alone["e2e_p99_ms"]) == (100, 50, 850)
+    ratios = generation.burst_ratios(
+        {"alone": alone, "beside": row, "alone_all": alone, "over": row}
+    )
+    assert ratios == {
+        "beside_ttft": 4.0,
+        "beside_tpot": 2.0,
+        "over_tpot": 2.0,
+        "over_ttft": round(400 / 950, 3),
+    }
+    assert generation.burst_ratios({})["over_ttft"] is None
 
 
 def test_memory_ratio() -> None:

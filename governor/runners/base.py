@@ -49,9 +49,11 @@ class Job:
 
 @dataclass(frozen=True, slots=True)
 class Token:
-    """Partial output."""
+    """Partial output; ``generated``: the job's output tokens so far, where the runner counts
+    them (admission predicts a running job's end from its pace)."""
 
     text: str
+    generated: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ operations of :class:`Cache`. One model context holds ``slots`` sequences over o
 2. **Prompt tokens of sequences still being prefilled** (chunked prefill). Only the most urgent
    priority with a prompt pending gets prefill in a step (interactive prompts go before heavy
    ones: a chat's prompt never shares its step with a rewrite's), oldest first within it. A
-   prompt passed over for ``MAX_PASSED`` steps in a row is taken anyway, so that a stream of
-   chats cannot starve a rewrite for ever.
+   prompt passed over for ``MAX_PASSED`` steps in a row is taken anyway, first, so that a
+   stream of chats cannot starve a rewrite for ever.
 
 **How many prompt tokens: the step budget.** A step is as long as its tokens make it, and every
 generating sequence waits for the whole step for its next token, so the step's prompt tokens
@@ -293,7 +293,9 @@ class Scheduler:
         docstring); ``commit``: count the prompts passed over."""
         entries: list[Entry] = []
         first = pending[0].priority
-        for seq in pending:
+        # A prompt passed over MAX_PASSED times goes first: were the budget spent before it
+        # came, it would be passed over for good.
+        for seq in sorted(pending, key=_overdue_first):
             if budget <= 0 or (seq.priority != first and seq.passed < MAX_PASSED):
                 if commit:
                     seq.passed += 1
@@ -325,6 +327,10 @@ def _whole(prefill: list[Entry]) -> int:
             break
         total += len(entry.tokens)
     return total
+
+
+def _overdue_first(seq: Sequence) -> tuple[bool, int, int]:
+    return (seq.passed < MAX_PASSED, seq.priority, seq.order)
 
 
 def _urgency(seq: Sequence) -> tuple[int, int]:

@@ -58,6 +58,9 @@ MAX_BACKOFF_S = 30.0
 GPU_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 CANCEL_GRACE_S = 10.0  # a worker with no jobs that has not confirmed a cancel by then is hung
 WATCH_S = 1.0  # how often a silent worker is looked at
+# The default cache: n_ctx for each of AUTO_LONG jobs, n_ctx / AUTO_SHARE for each further slot.
+AUTO_LONG = 2
+AUTO_SHARE = 4
 PROBE_PRIORITY = 9  # less urgent than any lane's job: the probe measures the path, preempts nothing
 
 
@@ -78,22 +81,34 @@ class LlamaSettings:
     model: Path
     n_ctx: int = 2048  # the longest job: prompt + max_new_tokens
     slots: int = 4  # jobs at once, shared out among the workers
-    kv_cells: int = 0  # KV cache cells, shared out among the workers; 0: n_ctx * slots
+    kv_cells: int = 0  # KV cache cells, shared out among the workers; 0: sized to the work
     workers: int = 1
     threads: int = 1  # per worker
     n_gpu_layers: int = 0
     step_tokens: int = 256  # tokens per decode step
+    kv_type: str = "f16"  # the cache's cells: f16 or q8_0
     max_new_tokens: int = 1024  # the ceiling a job may ask for
     job_timeout_s: float = 120.0  # a worker silent this long with jobs in hand is hung
     start_timeout_s: float = 120.0
 
     def caches(self) -> tuple[CacheShape, ...]:
-        """Each worker's cache: its share of the slots and of the cells."""
-        cells = self.kv_cells or self.n_ctx * self.slots
-        return tuple(
-            CacheShape(_share(cells, self.workers, i), _share(self.slots, self.workers, i))
-            for i in range(self.workers)
-        )
+        """Each worker's cache: its share of the slots and of the cells (``kv_cells``), or by
+        default room for ``AUTO_LONG`` jobs of ``n_ctx`` (a job that fits ``n_ctx`` always fits
+        alone, and two long ones side by side) and ``n_ctx / AUTO_SHARE`` for each further
+        slot: memory grows with the slots by a fraction of what a worst case for each would
+        take (admission refuses, with ``kv_pressure``, a job whose reservation does not fit
+        beside the running ones')."""
+        caches = []
+        for i in range(self.workers):
+            slots = _share(self.slots, self.workers, i)
+            cells = (
+                _share(self.kv_cells, self.workers, i)
+                if self.kv_cells
+                else self.n_ctx * min(slots, AUTO_LONG)
+                + max(slots - AUTO_LONG, 0) * (self.n_ctx // AUTO_SHARE)
+            )
+            caches.append(CacheShape(cells, slots))
+        return tuple(caches)
 
 
 def _share(total: int, parts: int, index: int) -> int:
@@ -115,7 +130,7 @@ class WorkerProcess:
         self.settings = settings
         self.shape = settings.caches()[index]
         self.proc: asyncio.subprocess.Process | None = None
-        self.jobs: dict[str, asyncio.Queue[dict[str, Any] | str | _Ended]] = {}
+        self.jobs: dict[str, asyncio.Queue[dict[str, Any] | Token | _Ended]] = {}
         self.kv_used = 0
         self.killed = False
         self.exited = asyncio.Event()
@@ -144,6 +159,8 @@ class WorkerProcess:
             str(s.step_tokens),
             "--threads",
             str(s.threads),
+            "--kv-type",
+            s.kv_type,
             "--n-gpu-layers",
             str(s.n_gpu_layers),
             stdin=asyncio.subprocess.PIPE,
@@ -209,9 +226,10 @@ class WorkerProcess:
             step = orjson.loads(line)
             self.kv_used = step["kv"]
             self._owed -= step["acks"]
+            counts = step["n"]
             for key, text in step["out"].items():
                 if (job := self.jobs.get(key)) is not None:
-                    job.put_nowait(text)
+                    job.put_nowait(Token(text, counts.get(key)))
             for done in step["done"]:
                 if (job := self.jobs.pop(done["id"], None)) is not None:
                     job.put_nowait(done)
@@ -224,9 +242,9 @@ class WorkerProcess:
         self.jobs.clear()
         self.exited.set()
 
-    def submit(self, request: dict[str, Any]) -> asyncio.Queue[dict[str, Any] | str | _Ended]:
+    def submit(self, request: dict[str, Any]) -> asyncio.Queue[dict[str, Any] | Token | _Ended]:
         """Send a job; its text, then its end, arrive on the queue returned."""
-        events: asyncio.Queue[dict[str, Any] | str | _Ended] = asyncio.Queue()
+        events: asyncio.Queue[dict[str, Any] | Token | _Ended] = asyncio.Queue()
         if not self.jobs:
             self._heard = asyncio.get_running_loop().time()
         self.jobs[request["id"]] = events
@@ -479,8 +497,8 @@ class LlamaRunner:
         try:
             while True:
                 event = await events.get()
-                if isinstance(event, str):
-                    yield Token(event)
+                if isinstance(event, Token):
+                    yield event
                     continue
                 if isinstance(event, _Ended):
                     raise event.error

@@ -135,6 +135,9 @@ class Model:
         cparams.n_seq_max = self.slots
         cparams.n_threads = cparams.n_threads_batch = args.threads
         cparams.kv_unified = True  # one pool of cells that any sequence may take
+        if args.kv_type == "q8_0":  # (llama.cpp quantises the V cache only with flash attention)
+            cparams.type_k = cparams.type_v = ll.GGML_TYPE_Q8_0
+            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cparams.no_perf = True
         self.ctx = ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -387,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-tokens", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
+    parser.add_argument("--kv-type", choices=("f16", "q8_0"), default="f16")
     args = parser.parse_args(argv)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but events may reach the daemon's pipe
