@@ -13,7 +13,9 @@ with one step per offered load (``rate --rate 1,2,4`` has three; the others one)
 Every offered request ends in exactly one status, so ``offered == done + yielded + aborted +
 timed_out + errors`` in each stats. A request is *good* when it is done and meets every
 objective set for its class: time to first token, time per output token, end to end (a payload
-job's first output is its done frame). Goodput is good requests per second of the step.
+job's first output is its done frame). Goodput is good requests per second of the step. Each
+stats also has ``met``: the shares of its offered requests done within their TTFT objective,
+their TPOT objective and both (the governor's attainment by lane, as the client saw it).
 *Wasted* tokens are the output tokens of requests that were not good: work the target did that
 no user could use.
 
@@ -63,14 +65,15 @@ class Slo:
         return self.by_class.get(cls, {}).get(objective, self.default.get(objective))
 
     def met(self, outcome: Outcome) -> bool:
+        return all(self.meets(outcome, objective) for objective in OBJECTIVES)
+
+    def meets(self, outcome: Outcome, objective: str) -> bool:
+        """Done, and within this one objective (or none set, or nothing to measure)."""
         if outcome.status != DONE:
             return False
-        for objective in OBJECTIVES:
-            limit = self.limit(objective, outcome.request.cls)
-            value = getattr(outcome, objective)
-            if limit is not None and value is not None and value > limit:
-                return False
-        return True
+        limit = self.limit(objective, outcome.request.cls)
+        value = getattr(outcome, objective)
+        return limit is None or value is None or value <= limit
 
     def as_dict(self) -> dict[str, Any]:
         return {"default": self.default, "by_class": self.by_class}
@@ -98,6 +101,10 @@ def stats(outcomes: Sequence[Outcome], duration_s: float, slo: Slo) -> dict[str,
     """The numbers of one group of requests (a class, or all)."""
     by_status = collections.Counter(o.status for o in outcomes)
     good = [o for o in outcomes if slo.met(o)]
+    n = len(outcomes)
+    met_ttft = [slo.meets(o, "ttft_ms") for o in outcomes]
+    met_tpot = [slo.meets(o, "tpot_ms") for o in outcomes]
+    both = sum(t and p for t, p in zip(met_ttft, met_tpot, strict=True))
     tokens = sum(o.tokens for o in outcomes)
     retried = [o for o in outcomes if o.attempts > 1]
     return {
@@ -112,6 +119,11 @@ def stats(outcomes: Sequence[Outcome], duration_s: float, slo: Slo) -> dict[str,
         "retried_jobs": len(retried),
         "first_retry_admitted": sum(o.first_retry_admitted for o in outcomes),
         "good": len(good),
+        "met": {
+            "ttft": round(sum(met_ttft) / n, 4) if n else None,
+            "tpot": round(sum(met_tpot) / n, 4) if n else None,
+            "both": round(both / n, 4) if n else None,
+        },
         "goodput_rps": round(len(good) / duration_s, 4) if duration_s > 0 else 0.0,
         "throughput_rps": round(by_status[DONE] / duration_s, 4) if duration_s > 0 else 0.0,
         "tokens": tokens,
@@ -299,16 +311,20 @@ def table(step_report: dict[str, Any]) -> list[str]:
     """A step's summary table: one row per class and one for all (latencies p50/p90/p99/max)."""
     rows = [
         f"{'class':12} {'offered':>7} {'done':>5} {'good':>5} {'goodput/s':>9} "
-        f"{'yields':>6} {'retries':>7} {'wasted tok':>10}  "
+        f"{'met ttft/tpot/both %':>20} {'yields':>6} {'retries':>7} {'wasted tok':>10}  "
         f"{'ttft ms':>20}  {'tpot ms':>15}  {'e2e ms':>22}"
     ]
     groups = dict(step_report["classes"])
     if len(groups) != 1:
         groups["all"] = step_report["all"]
     for name, s in groups.items():
+        met = "/".join(
+            "-" if (v := s["met"][k]) is None else f"{100 * v:.0f}"
+            for k in ("ttft", "tpot", "both")
+        )
         rows.append(
             f"{name:12} {s['offered']:7} {s['done']:5} {s['good']:5} {s['goodput_rps']:9.3f} "
-            f"{s['yields']:6} {s['retries']:7} {s['wasted_tokens']:10}  "
+            f"{met:>20} {s['yields']:6} {s['retries']:7} {s['wasted_tokens']:10}  "
             f"{_latency(s['ttft_ms']):>20}  {_latency(s['tpot_ms']):>15}  {_latency(s['e2e_ms']):>22}"
         )
     return rows

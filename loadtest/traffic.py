@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from clients.fleet import resolve_now
+from governor.policy import Lane
+from governor.slo import DEFAULT_OBJECTIVES
 
 from .common import (
     DEFAULT_ADDR,
@@ -103,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
     )
 
     objectives = parser.add_argument_group(
-        "objectives (MS sets the default; CLASS=MS one class's; repeatable)"
+        "objectives (MS sets the default; CLASS=MS one class's; repeatable; TTFT and TPOT "
+        "unset: the governor's lane defaults, a class named after a lane its lane's, any other "
+        "the interactive lane's)"
     )
     for name, what in (
         ("ttft", "time to first token, from the first send"),
@@ -169,11 +173,27 @@ def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
 def slo_from(args: argparse.Namespace) -> Slo:
     slo = Slo()
     for name in ("ttft", "tpot", "e2e"):
+        given = getattr(args, f"slo_{name}_ms")
+        if not given and name != "e2e":
+            given = lane_defaults(f"{name}_ms")
         try:
-            parse_slo(f"{name}_ms", getattr(args, f"slo_{name}_ms"), slo)
+            parse_slo(f"{name}_ms", given, slo)
         except ValueError as exc:
             raise SystemExit(f"loadtest: --slo-{name}-ms: {exc}") from None
     return slo
+
+
+def lane_defaults(objective: str) -> list[str]:
+    """The governor's default objective ``ttft_ms`` or ``tpot_ms`` per lane, as
+    ``--slo-*-ms`` values: a class named after a lane gets its lane's, any other the
+    interactive lane's (an objective of 0, none, is left unset)."""
+    values = [f"{getattr(DEFAULT_OBJECTIVES[Lane.INTERACTIVE], objective):g}"]
+    values += [
+        f"{lane}={getattr(objectives, objective):g}"
+        for lane, objectives in DEFAULT_OBJECTIVES.items()
+        if getattr(objectives, objective)
+    ]
+    return values
 
 
 def target_from(

@@ -10,13 +10,23 @@ advances.
 from __future__ import annotations
 
 import itertools
+import math
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from governor.runners.batching import MAX_PASSED, MIN_PREFILL, Entry, Scheduler, Sequence
+from governor.runners.batching import (
+    MAX_PASSED,
+    MIN_PREFILL,
+    PREFILL_FLOOR,
+    Entry,
+    Scheduler,
+    Sequence,
+)
+from governor.runners.stepcost import StepCosts, features
 
 
 class FakeCache:
@@ -309,3 +319,206 @@ def test_streamed_text_adds_up_and_never_shows_a_stop_string(
     assert whole.startswith(text.text)
     if not stopped:
         assert text.text == whole
+
+
+# The step budget ------------------------------------------------------------------------
+
+
+def costs(
+    step_ms: float, token_ms: float, sample_ms: float = 0.0, attend_ms: float = 0.0
+) -> StepCosts:
+    """A step-cost model that knows these coefficients (it learns nothing here)."""
+    return StepCosts((step_ms / 1000, token_ms / 1000, sample_ms / 1000, attend_ms / 1000))
+
+
+def budgeted(
+    step_costs: StepCosts, *, slots: int = 8, step_tokens: int = 256, cells: int = 100_000
+) -> tuple[Scheduler, FakeCache]:
+    cache = FakeCache(slots)
+    return Scheduler(slots, step_tokens, cells, cache, costs=step_costs), cache
+
+
+def generating(s: Scheduler, cache: FakeCache, key: str, **limits: float) -> Sequence:
+    """A sequence already generating (its one-token prompt fed, a token pending)."""
+    q = Sequence(key, (hash(key) % 1000 + 1,), 10_000, **limits)  # type: ignore[arg-type]
+    s.submit(q)
+    entries = [Entry(q, q.prompt, 0, True)]
+    cache.decode(entries)
+    s.advance(entries)
+    q.pending = 7
+    return q
+
+
+def step_and_sample(s: Scheduler, cache: FakeCache) -> list[Entry]:
+    entries = s.plan()
+    cache.decode(entries)
+    s.advance(entries)
+    for entry in entries:
+        if entry.sample:
+            entry.seq.pending = 7  # every sequence goes on generating
+    return entries
+
+
+def prefill_tokens(entries: list[Entry]) -> int:
+    return sum(len(e.tokens) for e in entries if e.seq.prefilling or e.start < len(e.seq.prompt))
+
+
+def test_a_chat_keeps_its_pace_beside_a_long_prompt() -> None:
+    """1 ms a step and 3 ms a token: a chat generating alone takes 4 ms a step; with a stall of
+    1.5 a long prompt beside it gets 2 ms of each step (none of a token: the floor, 1 token)."""
+    s, cache = budgeted(costs(1, 3), slots=4)
+    chat = generating(s, cache, "chat", tpot_s=0.100, stall=1.5)
+    s.submit(Sequence("rewrite", tuple(range(10, 1000)), 16, priority=1))
+    entries = step_and_sample(s, cache)
+    assert any(e.seq is chat for e in entries)
+    assert prefill_tokens(entries) == 1  # 4 + 3 = 7 ms > 1.5 x 4 ms: only the floor
+    # Without the stall, the objective (90 ms) bounds it: (90 - 4) / 3 = 28 tokens.
+    chat.stall = 0.0
+    assert prefill_tokens(step_and_sample(s, cache)) == 28
+    # Without any objective, the whole step_tokens less the decodes.
+    chat.tpot_s = 0.0
+    assert prefill_tokens(step_and_sample(s, cache)) == 255
+
+
+def test_a_short_prompt_goes_whole_beside_running_chats() -> None:
+    """A chat's prompt that fits the objective goes in one step, stall or not (its first token
+    comes at once); a long one beside it is held to the stall."""
+    s, cache = budgeted(costs(2, 3), slots=8)
+    for i in range(4):
+        generating(s, cache, f"chat{i}", tpot_s=0.100, stall=1.5)
+    s.submit(Sequence("new", tuple(range(10, 30)), 16))  # 20 tokens: 14 + 60 ms < 90 ms
+    entries = step_and_sample(s, cache)
+    assert [(e.seq.key, len(e.tokens), e.sample) for e in entries if e.seq.key == "new"] == [
+        ("new", 20, True)
+    ]
+    s.submit(Sequence("long", tuple(range(100, 400)), 16))  # 300 tokens: never whole
+    entries = step_and_sample(s, cache)
+    # 5 generating: 2 + 15 = 17 ms a step; 1.5 x that is 25.5 ms: 2 prompt tokens (23 ms).
+    assert prefill_tokens(entries) == 2
+
+
+@given(
+    step_ms=st.floats(0.5, 10),
+    token_ms=st.floats(0.05, 5),
+    sample_ms=st.floats(0, 2),
+    attend_ms=st.floats(0, 0.01),
+    limits=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.01, 0.03, 0.1, 0.3]), st.sampled_from([0.0, 1.0, 1.5, 3.0])
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    prompts=st.lists(st.tuples(st.integers(1, 600), st.integers(0, 2)), min_size=1, max_size=4),
+    step_tokens=st.integers(16, 256),
+)
+@settings(max_examples=200, deadline=None)
+def test_every_step_fits_its_bounds_and_leaves_no_stream_out(
+    step_ms: float,
+    token_ms: float,
+    sample_ms: float,
+    attend_ms: float,
+    limits: list[tuple[float, float]],
+    prompts: list[tuple[int, int]],
+    step_tokens: int,
+) -> None:
+    """For any step costs, objectives, stalls and prompts: every generating sequence gets its
+    token every step; a step's predicted cost stays within the tightest TPOT objective (less
+    the margin), and within the tightest stall unless it feeds only whole prompts that fit the
+    objective, wherever taking more than the floor of prompt tokens is what breaks them; every
+    prompt is fed to its end, each step feeding some."""
+    s, cache = budgeted(
+        costs(step_ms, token_ms, sample_ms, attend_ms), slots=12, step_tokens=step_tokens
+    )
+    for i, (tpot_s, stall) in enumerate(limits):
+        generating(s, cache, f"g{i}", tpot_s=tpot_s, stall=stall, priority=i % 3)
+    for i, (length, priority) in enumerate(prompts):
+        s.submit(Sequence(f"p{i}", tuple(range(1, length + 1)), 4, priority=priority))
+    total = sum(length for length, _ in prompts)
+    for _ in range(total + 1):
+        if not any(q.prefilling for q in s.running.values()):
+            break
+        decoding = {q.key for q in s.running.values() if q.pending >= 0}
+        before = s.occupied
+        entries = s.plan()
+        decodes = [e for e in entries if not e.seq.prefilling]
+        prefill = [e for e in entries if e.seq.prefilling]
+        assert {e.seq.key for e in decodes} == decoding
+        assert prefill, "a step with prompts pending fed none"
+        objective, stall_bound = s.bounds(decodes)
+        cost = s.cost(entries)
+        fed = sum(len(e.tokens) for e in prefill)
+        assert fed <= max(step_tokens - len(decodes), MIN_PREFILL)
+        if fed > PREFILL_FLOOR:
+            if objective is not None:
+                assert cost <= objective * (1 + 1e-9)
+            if stall_bound is not None and cost > stall_bound * (1 + 1e-9):
+                assert all(e.start + len(e.tokens) == len(e.seq.prompt) for e in prefill), (
+                    "past the stall with a prompt that does not end"
+                )
+        cache.decode(entries)
+        s.advance(entries)
+        assert s.occupied == before + sum(len(e.tokens) for e in entries)
+        for entry in entries:
+            if entry.sample:
+                entry.seq.pending = 7
+    assert not any(q.prefilling for q in s.running.values()), "a prompt was never fed whole"
+
+
+def test_a_heavy_prompt_progresses_beside_a_stream_of_chats_with_tight_objectives() -> None:
+    """Chats whose objective no step can meet, and a chat prompt pending at every step: the
+    rewrite's prompt still progresses (the floor, and its turn after MAX_PASSED steps)."""
+    s, cache = budgeted(costs(5, 3), slots=10, step_tokens=64)
+    for i in range(4):
+        generating(s, cache, f"chat{i}", tpot_s=0.001, stall=1.1)
+    s.submit(Sequence("rewrite", tuple(range(100, 150)), 4, priority=1))
+    chats = itertools.count()
+    steps = 0
+    while s.running["rewrite"].prefilling:
+        if len(s.running) < 10:
+            s.submit(Sequence(f"new{next(chats)}", tuple(range(1, 30)), 2))
+        step_and_sample(s, cache)
+        for q in list(s.running.values()):
+            if q.key.startswith("new") and q.pending >= 0:
+                s.remove(q.key)
+        steps += 1
+        assert steps <= 50 * (MAX_PASSED + 1)
+    assert steps <= 50 * (MAX_PASSED + 1)
+
+
+def test_the_step_costs_learn_a_machine_from_its_steps() -> None:
+    """Steps timed on a machine of known costs, with noise and a hiccup: the fit finds the costs
+    (the prior says a CPU; this machine is a GPU's shape: a dear step, cheap tokens)."""
+    truth = (0.012, 0.00008, 0.0004, 0.000002)
+    learnt = StepCosts()
+    rng = random.Random(3)
+    for i in range(200):
+        tokens = rng.choice([1, 2, 4, 8, 16, 64, 256])
+        sampled = min(tokens, rng.choice([1, 2, 4, 8]))
+        cells = rng.randrange(16, 4096)
+        seconds = sum(c * v for c, v in zip(truth, features(tokens, sampled, cells), strict=True))
+        if i == 150:
+            seconds *= 40  # a hiccup: counted at most OUTLIER times the prediction
+        learnt.observe(tokens, sampled, cells, seconds * rng.uniform(0.97, 1.03))
+    for tokens, sampled, cells in [(1, 1, 100), (8, 8, 2000), (256, 1, 3000), (64, 4, 500)]:
+        want = sum(c * v for c, v in zip(truth, features(tokens, sampled, cells), strict=True))
+        assert learnt.predict(tokens, sampled, cells) == pytest.approx(want, rel=0.05)
+    assert all(c >= 0 for c in learnt.coefficients)
+
+
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(1, 512), st.integers(0, 16), st.integers(0, 8192), st.floats(1e-5, 5.0)
+        ),
+        max_size=60,
+    )
+)
+def test_step_costs_are_never_negative_whatever_the_steps(
+    steps: list[tuple[int, int, int, float]],
+) -> None:
+    learnt = StepCosts()
+    for tokens, sampled, cells, seconds in steps:
+        learnt.observe(tokens, sampled, cells, seconds)
+        assert all(c >= 0 and math.isfinite(c) for c in learnt.coefficients)
+        assert learnt.per_token(cells) > 0

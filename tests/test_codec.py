@@ -44,7 +44,7 @@ from protocol.frames import (
     error_reply,
 )
 from protocol.lines import LineReader
-from protocol.spec import SPEC_CONTENT_TYPE, is_json_content_type, parse_spec
+from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, is_json_content_type, parse_spec
 from protocol.upload import PreparedUpload, Upload, split_payload
 
 _DROP = object()  # a field value meaning "leave this field out"
@@ -1285,3 +1285,27 @@ def test_which_content_types_are_json_job_specs(content_type: str, is_json: bool
     assert is_json_content_type(content_type) is is_json
     spec = parse_spec(b'{"prompt": "hi"}', content_type, max_new_tokens_ceiling=64)
     assert spec.prompt == ("hi" if is_json else '{"prompt": "hi"}')
+
+
+@pytest.mark.parametrize(
+    ("fields", "objectives"),
+    [
+        ({}, (0.0, 0.0)),
+        ({"ttft_slo_ms": 500, "tpot_slo_ms": 40.5}, (500.0, 40.5)),
+        ({"ttft_slo_ms": 0}, "'ttft_slo_ms' must be above 0"),
+        ({"tpot_slo_ms": -1}, "'tpot_slo_ms' must be a number"),
+        ({"tpot_slo_ms": "fast"}, "'tpot_slo_ms' must be a number"),
+        ({"ttft_slo_ms": 4e6}, "'ttft_slo_ms' must be a number"),
+    ],
+)
+def test_a_job_spec_may_carry_its_own_objectives(
+    fields: dict[str, object], objectives: tuple[float, float] | str
+) -> None:
+    payload = orjson.dumps({"prompt": "hi", **fields})
+    if isinstance(objectives, str):
+        with pytest.raises(SpecInvalid, match=objectives):
+            parse_spec(payload, SPEC_CONTENT_TYPE, max_new_tokens_ceiling=64)
+        return
+    spec = parse_spec(payload, SPEC_CONTENT_TYPE, max_new_tokens_ceiling=64)
+    assert (spec.ttft_slo_ms, spec.tpot_slo_ms) == objectives
+    assert parse_spec(spec.encode(), SPEC_CONTENT_TYPE, max_new_tokens_ceiling=64) == spec

@@ -14,6 +14,8 @@ import clients
 import protocol
 from governor.cli import build_parser, config_from_args, drain
 from governor.config import RUNNERS, Config, ConfigError, parse_address, reference_markdown
+from governor.policy import Lane
+from governor.slo import Objectives, SloPolicy
 from loadtest.common import parse_addr
 from protocol import addresses
 
@@ -85,11 +87,28 @@ def test_every_field_is_a_flag_and_flags_override_the_file(tmp_path: Path) -> No
         ({"log_level": "loud"}, "log_level"),
         ({"metrics_listen": "nowhere"}, "HOST:PORT"),
         ({"nope": 1}, "unknown key 'nope'"),
+        ({"ttft_slo_ms": 500.0}, "'ttft_slo_ms' is now 'interactive_ttft_slo_ms'"),
+        ({"interactive_tpot_slo_ms": 0}, "interactive_tpot_slo_ms must be positive"),
+        ({"heavy_tpot_slo_ms": -1}, "heavy_tpot_slo_ms must not be negative"),
+        ({"interactive_stall": 0.5}, "interactive_stall must be 0"),
+        ({"kv_type": "q4_0"}, "kv_type must be one of f16, q8_0"),
     ],
 )
 def test_invalid_values_are_refused(values: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config.from_mapping(values)
+
+
+def test_the_slo_policy_is_the_configs() -> None:
+    config = Config.from_mapping(
+        {"interactive_tpot_slo_ms": 60, "heavy_ttft_slo_ms": 0, "interactive_stall": 0}
+    )
+    policy = config.slo_policy
+    assert policy.lanes[Lane.INTERACTIVE] == Objectives(1000.0, 60.0)
+    assert policy.lanes[Lane.HEAVY] == Objectives(0.0, 250.0)
+    assert policy.lanes[Lane.BACKGROUND] == Objectives(60000.0, 1000.0)
+    assert policy.stall(Lane.INTERACTIVE) == 0.0
+    assert Config().slo_policy == SloPolicy()  # (the config's defaults are the policy's)
 
 
 def test_missing_config_file(tmp_path: Path) -> None:

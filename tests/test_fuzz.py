@@ -336,7 +336,7 @@ spec_values = st.recursive(
 SPEC_FIELDS = (
     *("prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "min_p"),
     *("seed", "stop", "ignore_eos"),
-    *("stream", "tenant", "lane", "tool_risk"),
+    *("stream", "tenant", "lane", "tool_risk", "ttft_slo_ms", "tpot_slo_ms"),
 )
 message_like = st.fixed_dictionaries(
     {"role": spec_values | st.sampled_from(["user", "system"]), "content": spec_values}

@@ -499,3 +499,39 @@ def test_a_promise_lapses_at_its_own_time_not_the_lines(clock: FakeClock) -> Non
     again = ledger.admit(chat.promise, interactive)  # too late: to the back of its line
     assert isinstance(again, Refusal)
     assert again.promise is not chat.promise
+
+
+def test_a_running_jobs_end_and_a_newcomers_pace_follow_the_jobs_progress(
+    clock: FakeClock,
+) -> None:
+    """A chat learnt alone at 20 ms a token runs at 100 ms beside long prompts: once it reports
+    its progress, a refused client is told when it will really end (not polled from its
+    overrun), and a newcomer is predicted at that pace."""
+    ledger = SlotLedger(1, clock=clock)
+    alone = ledger.admit(size=JobSize(10, 16))
+    assert isinstance(alone, Slot)
+    clock.now += 0.4
+    alone.release(done=Completed(10, 16, 0.1))  # ttft 0.1 s, then 15 tokens in 0.3 s
+    learnt = ledger.predict_s(JobSize(10, 16))
+    assert learnt == pytest.approx(0.4)
+    chat = ledger.admit(size=JobSize(10, 16))
+    assert isinstance(chat, Slot)
+    clock.now += 0.1
+    first_token = clock.now
+    clock.now += 0.5
+    chat.progress(6, first_token, clock.now)  # 5 tokens in 0.5 s: 100 ms a token
+    refused = ledger.admit(size=JobSize(10, 16))
+    assert isinstance(refused, Refusal)
+    # 10 tokens to go at 100 ms: 1 s, less the error window on what is left.
+    assert 1000 * (1 - ledger.error) - 1 <= refused.retry_hint_ms <= 1000
+    assert ledger.predict_s(JobSize(10, 16)) == pytest.approx(0.1 + 15 * 0.1)
+    # Past its expected length, its end is unknown again: predicted from its admission.
+    chat.progress(16, first_token, clock.now)
+    assert chat.live_end is None
+    assert ledger.slot_end(chat, clock.now) == ledger.expected_end(
+        chat.started, clock.now, chat.expected_s
+    )
+    chat.release(done=Completed(10, 16, 0.1))
+    assert ledger.predict_s(JobSize(10, 16)) != pytest.approx(0.1 + 15 * 0.1)  # (no pace now)
+    chat.progress(3, first_token, clock.now)  # (a late report after the release: ignored)
+    assert ledger._paced == 0

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from clients import NO_RETRY, GovernorClient
 from governor.overload import State
 from governor.runners import Finished
-from governor.runners.llama import LlamaRunner, embedded_model_path
+from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_path
 from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 from protocol.upload import split_payload
@@ -452,3 +454,26 @@ async def test_a_worker_lost_for_good_fails_liveness(
         r.getMessage().startswith("worker supervision failed: RuntimeError('injected")
         for r in caplog.records
     )
+
+
+@given(
+    n_ctx=st.integers(16, 8192),
+    slots=st.integers(1, 64),
+    workers=st.integers(1, 8),
+)
+def test_the_default_cache_takes_any_job_alone_and_grows_by_a_fraction_a_slot(
+    n_ctx: int, slots: int, workers: int
+) -> None:
+    """By default each worker's cache holds two jobs of n_ctx (one, with one slot) and a
+    quarter of n_ctx for each further slot: a job that fits n_ctx is never refused alone."""
+    assume(workers <= slots)
+    settings = LlamaSettings(model=Path("m.gguf"), n_ctx=n_ctx, slots=slots, workers=workers)
+    caches = settings.caches()
+    assert sum(c.sequences for c in caches) == slots
+    for cache in caches:
+        assert cache.cells >= n_ctx
+        assert cache.cells == n_ctx * min(cache.sequences, 2) + max(cache.sequences - 2, 0) * (
+            n_ctx // 4
+        )
+    given_cells = LlamaSettings(model=Path("m.gguf"), n_ctx=n_ctx, slots=slots, kv_cells=9999)
+    assert sum(c.cells for c in given_cells.caches()) == 9999

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from clients import NO_RETRY
+from clients import NO_RETRY, GovernorClient
 from governor.runners.llama import LlamaRunner
 from governor.server import Server
 from loadtest.idle import parent_pids
@@ -201,6 +201,8 @@ async def test_two_workers_each_take_their_share(make_server: ServerFactory) -> 
     assert isinstance(runner, LlamaRunner)
     assert len(worker_pids(runner)) == 2
     assert [c.sequences for c in runner.kv_caches()] == [2, 2]
+    # The default cache: two jobs of n_ctx in each (two slots each: nothing more).
+    assert [c.cells for c in runner.kv_caches()] == [2 * 512, 2 * 512]
     caches = []
     original = runner.run
 
@@ -315,3 +317,40 @@ async def test_closing_while_a_worker_restarts_leaves_no_process_behind(
     assert runner._restarting == 1  # the new worker is loading
     await server.close()
     await wait_until(lambda: not [p for p in worker_children() if p != victim], timeout=10)
+
+
+async def test_chats_keep_their_pace_beside_long_rewrites(make_server: ServerFactory) -> None:
+    """Eight slots, lanes on: six chats alone, then the same six beside two rewrites whose long
+    prompts are being fed. Each chat's time per output token beside them stays within a loose
+    multiple of the chats' alone (the step budget holds it near 1.5: prompt chunks are cut to
+    the chats' stall; without it, a chunk of batch_tokens, about a second here, every token)."""
+    server = await batched(make_server, lanes=True, n_ctx=2048, probe_interval=600)
+    questions = [f"In one sentence, what is {topic}?" for topic in PROMPTS]
+
+    async def chat(client: GovernorClient, k: int) -> float:
+        spec = greedy(messages=(Message("user", questions[k % 8]),), max_new_tokens=16)
+        result = await client.generate(dataclasses.replace(spec, ignore_eos=True))
+        assert result.done, result.reply
+        assert result.reply.result is not None
+        return float(result.reply.result["tpot_ms"])
+
+    async def chats(first: int) -> list[float]:
+        clients = [await client_for(server) for _ in range(6)]
+        try:
+            return list(await asyncio.gather(*(chat(c, first + i) for i, c in enumerate(clients))))
+        finally:
+            for c in clients:
+                await c.close()
+
+    alone = await chats(0)
+    words = "The harbour committee met on the first Tuesday of the month. " * 60  # ~800 tokens
+    rewrite = greedy(words, max_new_tokens=4, lane="heavy")
+    async with await client_for(server) as a, await client_for(server) as b:
+        heavy = [
+            asyncio.ensure_future(c.generate(dataclasses.replace(rewrite, prompt=f"{i} {words}")))
+            for i, c in enumerate((a, b))
+        ]
+        await wait_until(lambda: server.ledger.inflight == 2, timeout=10)
+        beside = await chats(2)
+        assert [(await h).done for h in heavy] == [True, True]
+    assert max(beside) <= 4 * max(alone), (alone, beside)

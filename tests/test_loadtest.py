@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from loadtest.monitor import Sample
-from loadtest.report import paused, saturation
+from loadtest.report import Slo, paused, saturation, stats
 from loadtest.stats import Summary, percentile, summarize
 from loadtest.targets import DONE, YIELDED, Outcome
 from loadtest.workload import Request
@@ -331,6 +331,10 @@ def test_rate_objectives_split_good_from_wasted(
     assert stats["good"] == 0
     assert stats["goodput_rps"] == 0
     assert stats["wasted_tokens"] == stats["tokens"] == 20
+    # TPOT unset: the governor's interactive default (100 ms), which 4 stub tokens meet.
+    assert stats["met"] == {"ttft": 0.0, "tpot": 1.0, "both": 0.0}
+    assert report["slo"]["default"] == {"ttft_ms": 100.0, "tpot_ms": 100.0}
+    assert report["slo"]["by_class"]["heavy"] == {"tpot_ms": 250.0}
 
 
 @pytest.mark.slow
@@ -620,3 +624,23 @@ def test_tls_cost_answers_every_job_of_both_modes() -> None:
     assert yielded["median"]["tls"]["cpu_us_per_job"] > 0
     assert len(yielded["per_pair_cpu"]) == 1
     assert yielded["statuses"] == {"plain": {"yield": 320}, "tls": {"yield": 320}}  # 32 x 10
+
+
+def test_every_report_has_the_shares_that_met_each_objective() -> None:
+    """Per class, over its offered requests: done within TTFT, within TPOT, within both (a
+    request not done met none; a request with one token has no TPOT to miss)."""
+
+    def outcome(status: str, first: float | None = None, end: float | None = None) -> Outcome:
+        o = Outcome(Request(0.0, "interactive", 0, 8), 0.0, status)
+        o.first_token_s, o.end_s, o.tokens = first, end, 8
+        return o
+
+    slo = Slo(by_class={"interactive": {"ttft_ms": 500.0, "tpot_ms": 100.0}})
+    outcomes = [
+        outcome(DONE, 0.1, 0.5),  # both
+        outcome(DONE, 0.9, 1.2),  # TPOT only
+        outcome(DONE, 0.1, 1.6),  # TTFT only (1.5 s over 7 tokens)
+        outcome(YIELDED),  # neither
+    ]
+    assert stats(outcomes, 10.0, slo)["met"] == {"ttft": 0.5, "tpot": 0.5, "both": 0.25}
+    assert stats([], 10.0, slo)["met"] == {"ttft": None, "tpot": None, "both": None}

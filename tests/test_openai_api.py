@@ -70,13 +70,16 @@ def test_roles_content_parts_and_the_lane() -> None:
     ]
     assert spec_of(chat(), lane="heavy")["lane"] == "heavy"
     assert spec_of(chat(lane="background"), lane="heavy")["lane"] == "background"  # body wins
-    extra = spec_of(chat(top_k=5, min_p=0.1, ignore_eos=True, tool_risk=0.5))
+    extra = spec_of(
+        chat(top_k=5, min_p=0.1, ignore_eos=True, tool_risk=0.5, ttft_slo_ms=500, tpot_slo_ms=40)
+    )
     assert (extra["top_k"], extra["min_p"], extra["ignore_eos"], extra["tool_risk"]) == (
         5,
         0.1,
         True,
         0.5,
     )
+    assert (extra["ttft_slo_ms"], extra["tpot_slo_ms"]) == (500, 40)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import logging
 import re
@@ -25,6 +26,7 @@ from governor import logs
 from governor.admin import _is_loopback
 from governor.runners import StubRunner
 from governor.server import Server
+from governor.slo import OBJECTIVES
 from protocol.spec import JobSpec
 
 from .conftest import Daemon, ServerFactory, wait_until
@@ -256,7 +258,9 @@ async def test_metrics_after_a_scripted_run(make_server: ServerFactory) -> None:
     host, port = server.address
     chat = JobSpec(prompt="hello there", max_new_tokens=8)
     async with await GovernorClient.connect(host, port) as client:
-        done = [await client.generate(chat, retry=NO_RETRY) for _ in range(3)]
+        # The third asks for a TPOT the stub's 5 ms a token misses: judged, not good.
+        tight = dataclasses.replace(chat, tpot_slo_ms=1.0)
+        done = [await client.generate(c, retry=NO_RETRY) for c in (chat, chat, tight)]
         assert all(r.done for r in done)
         # A heavy job may not take the interactive reserve: one yield, lane_full.
         heavy = JobSpec(prompt="word " * 1000, max_new_tokens=300)
@@ -294,6 +298,13 @@ async def test_metrics_after_a_scripted_run(make_server: ServerFactory) -> None:
     assert m['governor_lane_inflight{lane="interactive"}'] == 0
     assert m["governor_kv_capacity_tokens"] == 0
     assert m['governor_tenant_inflight{tenant="default"}'] == 0
+    # Objectives: the three chats judged (the cancelled heavy job is not), two good.
+    assert m[f"governor_slo_jobs_total{{{lane}}}"] == 3
+    met = {o: m[f'governor_slo_met_total{{{lane},objective="{o}"}}'] for o in OBJECTIVES}
+    assert met == {"ttft": 3, "tpot": 2, "both": 2}
+    shares = {o: m[f'governor_slo_attainment{{{lane},objective="{o}"}}'] for o in OBJECTIVES}
+    assert shares == {"ttft": 1.0, "tpot": pytest.approx(2 / 3), "both": pytest.approx(2 / 3)}
+    assert not [k for k in m if k.startswith("governor_slo_") and 'lane="heavy"' in k]
 
 
 async def test_log_lines_the_writer_cannot_take_are_dropped_and_counted(
@@ -446,6 +457,11 @@ def test_governor_drain_then_sigterm_loses_nothing_and_logs_json(
     assert job["pool"] == "primary"
     assert job["e2e_ms"] >= held_s * 1000  # it ran through the whole hold
     assert job["expected_ms"] > 0  # what the governor predicted it would hold the slot
+    # Without lanes, the interactive lane's objectives; judged as the client felt it.
+    assert (job["slo_ttft_ms"], job["slo_tpot_ms"]) == (1000.0, 100.0)
+    felt_ms = (job["wait_ms"] or 0) + (job["ttft_ms"] or job["e2e_ms"])
+    assert job["met_ttft"] == (felt_ms <= 1000)
+    assert job["good"] == (job["met_ttft"] and job["met_tpot"])
     assert isinstance(job["conn"], int)
     drain = [line for line in lines if line.get("event") == "drain"]
     assert [line["reason"] for line in drain] == ["POST /drain"]

@@ -226,3 +226,25 @@ def test_the_pause_hint_grows_with_each_refusal_within_its_bounds(
     assert hints[-1] == max(c.settings.window_s, hints[0])  # up to the window, then no more
     rest = c.changed_at + c.settings.min_dwell_s - clock.now
     assert hints[0] >= rest  # never before the dwell has passed
+
+
+def test_chats_slower_than_their_tpot_objective_raise_the_state_too(clock: FakeClock) -> None:
+    """TTFT within its objective, TPOT at 1.2 times it: a twentieth of the chats miss, so
+    batch work is paused; it can fall once those TPOT samples have left the window."""
+    c = controller(clock)
+    feed_ttft(c, clock, 200)
+    for _ in range(10):
+        clock.now += 0.1
+        c.observe_tpot(1.2)
+    assert c.update() == State.BATCH_PAUSED
+    assert c.signals()["tpot_p95"] == pytest.approx(1.2)
+    last_slow = clock.now
+    # A paused heavy job is told to come back once the slow samples have left the window.
+    assert c.pause_hint_s(Lane.HEAVY, 1) == 0.0  # (heavy work is paused only from interactive_only)
+    assert c.pause_hint_s(Lane.BACKGROUND, 1) >= last_slow + 10.0 - clock.now
+    for _ in range(10):
+        clock.now += 0.1
+        c.observe_tpot(0.5)
+    clock.now = last_slow + 10.5
+    feed_ttft(c, clock, 200)
+    assert c.update() == State.DEGRADED

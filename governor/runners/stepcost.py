@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 DECAY = 0.95
 PRIOR_STEPS = 0.5
-OUTLIER = 3.0
+OUTLIER = 1.5
 # Typical features of a step, the scale of the prior: (1, tokens, sampled, tokens x cells / 1024).
 SCALE = (1.0, 32.0, 4.0, 32.0)
 # A first guess at a CPU (seconds): 2 ms a step, 3 ms a token, 0.5 ms a sampled token, nothing
