@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from loadtest.monitor import Sample
-from loadtest.report import Slo, paused, saturation, stats
+from loadtest.report import Slo, paused, saturation
+from loadtest.report import stats as class_stats
 from loadtest.stats import Summary, percentile, summarize
 from loadtest.targets import DONE, YIELDED, Outcome
 from loadtest.workload import Request
@@ -642,5 +643,5 @@ def test_every_report_has_the_shares_that_met_each_objective() -> None:
         outcome(DONE, 0.1, 1.6),  # TTFT only (1.5 s over 7 tokens)
         outcome(YIELDED),  # neither
     ]
-    assert stats(outcomes, 10.0, slo)["met"] == {"ttft": 0.5, "tpot": 0.5, "both": 0.25}
-    assert stats([], 10.0, slo)["met"] == {"ttft": None, "tpot": None, "both": None}
+    assert class_stats(outcomes, 10.0, slo)["met"] == {"ttft": 0.5, "tpot": 0.5, "both": 0.25}
+    assert class_stats([], 10.0, slo)["met"] == {"ttft": None, "tpot": None, "both": None}
