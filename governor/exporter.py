@@ -228,8 +228,7 @@ def _slo_families(slo: Attainment) -> Iterator[Metric]:
     )
     yield _counter(
         "governor_slo_met",
-        "Judged jobs that met their objectives, by lane and objective (ttft, tpot, both: "
-        "goodput).",
+        "Judged jobs that met their objectives, by lane and objective (ttft, tpot, both: goodput).",
         ["lane", "objective"],
         (
             ((lane, objective), counts[i + 1])

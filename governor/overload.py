@@ -125,7 +125,9 @@ class OverloadController:
         """The measured signals over the window (None: too few samples)."""
         now = self.clock()
         horizon = now - self.settings.window_s
-        windows: list[collections.deque[tuple[float, float]] | collections.deque[tuple[float, bool]]]
+        windows: list[
+            collections.deque[tuple[float, float]] | collections.deque[tuple[float, bool]]
+        ]
         windows = [*self._slo.values(), self._admissions, self._outcomes]
         for samples in windows:
             while samples and samples[0][0] < horizon:
