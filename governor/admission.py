@@ -339,6 +339,7 @@ class Admission:
             plan.job,
             priority=LANES.index(lane) if lane is not None else 0,
             kv_cache=slot.kv_cache,
+            ttft_ms=objectives.ttft_ms,
             tpot_ms=objectives.tpot_ms,
             stall=self.slo.stall(lane),
         )

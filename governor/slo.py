@@ -50,11 +50,13 @@ class Objectives:
 NO_OBJECTIVES = Objectives()
 
 # The defaults (the config's): fitted to the embedded model on a CPU of two cores, where a
-# chat's token takes 10 to 40 ms alone and a 1,400-token rewrite's prompt about 5 s.
+# chat's token takes 10 to 40 ms alone, a 1,400-token rewrite's prompt about 5 s, and a step
+# feeding 256 tokens of a long prompt about a second (a heavy job's TPOT objective bounds the
+# steps while it generates: below that, another rewrite's prompt is fed in small, dear chunks).
 DEFAULT_OBJECTIVES: Mapping[Lane, Objectives] = {
     Lane.INTERACTIVE: Objectives(1000.0, 100.0),
-    Lane.HEAVY: Objectives(15000.0, 250.0),
-    Lane.BACKGROUND: Objectives(60000.0, 1000.0),
+    Lane.HEAVY: Objectives(15000.0, 1000.0),
+    Lane.BACKGROUND: Objectives(60000.0, 2000.0),
 }
 DEFAULT_STALL = 1.5
 

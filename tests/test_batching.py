@@ -522,3 +522,54 @@ def test_step_costs_are_never_negative_whatever_the_steps(
         learnt.observe(tokens, sampled, cells, seconds)
         assert all(c >= 0 and math.isfinite(c) for c in learnt.coefficients)
         assert learnt.per_token(cells) > 0
+
+
+def test_a_burst_of_chats_is_fed_in_as_few_steps_as_their_deadlines_need() -> None:
+    """Eight chats of 15 new prompt tokens arrive while one chat generates (2 ms a step, 3 ms a
+    token; a stall of 1.5 lets in a token a step, the objective 90 ms 28 tokens, one prompt
+    whole). One a step, the last would wait over 0.7 s; with a 400 ms deadline each, the
+    steps take as many as the deadlines need, and every chat has its first token in time."""
+    s, cache = budgeted(costs(2, 3), slots=10)
+    generating(s, cache, "running", tpot_s=0.100, stall=1.5)
+    now = 0.0
+    for i in range(8):
+        q = Sequence(f"chat{i}", tuple(range(100 * i + 1, 100 * i + 16)), 16)
+        q.deadline = now + 0.4
+        s.submit(q)
+    first: dict[str, float] = {}
+    while any(q.prefilling for q in s.running.values()):
+        entries = s.plan(now)
+        now += s.cost(entries)  # the step runs as predicted
+        cache.decode(entries)
+        s.advance(entries)
+        for entry in entries:
+            if entry.sample:
+                first.setdefault(entry.seq.key, now)
+                entry.seq.pending = 7
+    assert len(first) == 9
+    assert max(first[f"chat{i}"] for i in range(8)) <= 0.4
+    # Without deadlines, one chat a step: the last one's first token comes much later.
+    s, cache = budgeted(costs(2, 3), slots=10)
+    generating(s, cache, "running", tpot_s=0.100, stall=1.5)
+    for i in range(8):
+        s.submit(Sequence(f"chat{i}", tuple(range(100 * i + 1, 100 * i + 16)), 16))
+    steps = 0
+    while any(q.prefilling for q in s.running.values()):
+        step_and_sample(s, cache)
+        steps += 1
+    assert steps == 8
+
+
+def test_a_heavy_prompt_past_its_deadline_is_fed_within_the_chats_objective() -> None:
+    """A rewrite's first token is overdue beside generating chats: its prompt goes at the
+    chats' objective (90 ms a step), no longer at their stall, and never past the objective."""
+    s, cache = budgeted(costs(2, 3), slots=4)
+    chat = generating(s, cache, "chat", tpot_s=0.100, stall=1.5)
+    rewrite = Sequence("rewrite", tuple(range(1000, 1600)), 4, priority=1)
+    rewrite.deadline = 10.0
+    s.submit(rewrite)
+    assert prefill_tokens(step_and_sample(s, cache)) == 1  # on time: the stall's pace
+    entries = s.plan(now=11.0)
+    assert sum(len(e.tokens) for e in entries if e.seq is rewrite) == 28  # (90 - 5) / 3
+    assert s.cost(entries) <= 0.09
+    assert any(e.seq is chat for e in entries)

@@ -105,8 +105,8 @@ def test_the_slo_policy_is_the_configs() -> None:
     )
     policy = config.slo_policy
     assert policy.lanes[Lane.INTERACTIVE] == Objectives(1000.0, 60.0)
-    assert policy.lanes[Lane.HEAVY] == Objectives(0.0, 250.0)
-    assert policy.lanes[Lane.BACKGROUND] == Objectives(60000.0, 1000.0)
+    assert policy.lanes[Lane.HEAVY] == Objectives(0.0, 1000.0)
+    assert policy.lanes[Lane.BACKGROUND] == Objectives(60000.0, 2000.0)
     assert policy.stall(Lane.INTERACTIVE) == 0.0
     assert Config().slo_policy == SloPolicy()  # (the config's defaults are the policy's)
 

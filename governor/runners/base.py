@@ -39,10 +39,12 @@ class Job:
     stop: tuple[str, ...] = ()  # the spec's stop strings and the chat template's
     # Set by admission: how urgent it is (its lane's rank, 0 the interactive lane), for a
     # runner with KV caches the one its cells are reserved in, and for a batched runner its
-    # time-per-output-token objective (0: none) and how far prompt tokens may stretch a step
-    # while it generates (:mod:`governor.runners.batching`; 0: no limit).
+    # objectives (time to first token, time per output token; 0: none) and how far prompt
+    # tokens may stretch a step while it generates (:mod:`governor.runners.batching`; 0: no
+    # limit).
     priority: int = 0
     kv_cache: int | None = None
+    ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     stall: float = 0.0
 

@@ -25,11 +25,20 @@ prompts are being fed). Over the generating sequences, two bounds:
   prompt tokens.
 
 A step takes the most prompt tokens whose predicted step (:class:`~.stepcost.StepCosts`, learnt
-online by the worker) fits both bounds; but prompts that it can feed whole within the objective
-bound alone (in the order prompts are taken) it feeds whole. So a chat's short prompt gets its
-first token at the next step even beside running chats, at the cost of one step of at most
-their objective, while a long prompt is fed in chunks that keep them within the stall bound. With
-no bound (nothing generating, or nothing with an objective or a stall), a step takes up to
+online by the worker) fits both bounds, and then more where either of these asks for it:
+
+* prompts that it can feed whole within the objective bound alone (in the order prompts are
+  taken) it feeds whole: a chat's short prompt gets its first token at the next step even
+  beside running chats, at the cost of one step of at most their objective, while a long prompt
+  is fed in chunks that keep them within the stall bound;
+* prompts that, fed at that pace, would get their first token after their ``deadline`` (when
+  the step is planned at ``now``: the worker sets it from the job's TTFT objective) it feeds
+  now, through the last such prompt, up to ``step_tokens``; a prompt less urgent than a
+  generating sequence only within the objective bound. A burst of chats arriving together is
+  fed in as few steps as their first tokens need, not one chat a step; a heavy prompt starved
+  past its own objective by a stream of chats is fed at the chats' objective, not their stall.
+
+With no bound (nothing generating, or nothing with an objective or a stall), a step takes up to
 ``step_tokens``. Whatever the bounds, a step with a prompt pending takes at least
 ``PREFILL_FLOOR`` of its tokens, so a prompt always progresses: where a bound cannot be met even
 without prompt tokens, it is met as nearly as that allows.
@@ -54,6 +63,7 @@ worker's own probe and for safety.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -97,6 +107,7 @@ class Sequence:
     preempted: int = 0  # steps with its prompt in them preempted in a row (see the worker)
     tpot_s: float = 0.0  # its time-per-output-token objective (0: none)
     stall: float = 0.0  # the most a step may be stretched by prompt tokens, x (0: no limit)
+    deadline: float = math.inf  # when its first token is due (the clock of plan's ``now``)
 
     @property
     def prefilling(self) -> bool:
@@ -237,8 +248,9 @@ class Scheduler:
         kept (a prefix two slots share counted in each; the model learns on the same count)."""
         return sum(len(tokens) for tokens in self.held)
 
-    def plan(self) -> list[Entry]:
-        """The next step's entries (empty when there is nothing to compute)."""
+    def plan(self, now: float = 0.0) -> list[Entry]:
+        """The next step's entries (empty when there is nothing to compute), planned at
+        ``now`` (the clock of the sequences' deadlines)."""
         entries = [
             Entry(seq, (seq.pending,), len(self.held[seq.slot]), True)
             for seq in self.running.values()
@@ -258,6 +270,7 @@ class Scheduler:
                 # Prompts that the objective bound alone lets in whole, go in whole.
                 whole = full if objective is None else self._fit(entries, pending, full, objective)
                 take = max(take, _whole(self._prefill(pending, whole, commit=False)))
+            take = max(take, self._due(entries, pending, full, take, objective, now))
         return entries + self._prefill(pending, take, commit=True)
 
     def bounds(self, decodes: list[Entry]) -> tuple[float | None, float | None]:
@@ -287,6 +300,36 @@ class Scheduler:
             else:
                 high = mid - 1
         return low
+
+    def _due(
+        self,
+        decodes: list[Entry],
+        pending: list[Sequence],
+        full: int,
+        take: int,
+        objective: float | None,
+        now: float,
+    ) -> int:
+        """The prompt tokens to feed now so that no prompt gets its first token after its
+        deadline, were ``take`` tokens fed a step: through the last prompt that would (see
+        the module docstring); 0 when none would."""
+        if all(seq.deadline == math.inf for seq in pending):
+            return 0
+        step_s = self.cost(decodes + self._prefill(pending, take, commit=False))
+        urgent = min((e.seq.priority for e in decodes), default=math.inf)
+        within: int | None = None  # what the objective bound lets in, once asked
+        fed = due = 0
+        for entry in self._prefill(pending, full, commit=False):
+            fed += len(entry.tokens)
+            if now + -(-fed // take) * step_s <= entry.seq.deadline:
+                continue
+            limit = full
+            if objective is not None and entry.seq.priority > urgent:
+                if within is None:
+                    within = self._fit(decodes, pending, full, objective)
+                limit = within
+            due = max(due, min(fed, limit))
+        return due
 
     def _prefill(self, pending: list[Sequence], budget: int, *, commit: bool) -> list[Entry]:
         """Prompt chunks of ``budget`` tokens at most, most urgent first (see the module

@@ -483,6 +483,7 @@ class LlamaRunner:
                 "tokens": job.tokens,
                 "max_new_tokens": spec.max_new_tokens,
                 "priority": job.priority,
+                "ttft_ms": job.ttft_ms,
                 "tpot_ms": job.tpot_ms,
                 "stall": job.stall,
                 "temperature": spec.temperature,

@@ -6,7 +6,8 @@ diagnostics on stderr. A crash here (a segfault in the native code, an out-of-me
 seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
-             "tpot_ms": float, "stall": float, "temperature": float, "top_p": float,
+             "ttft_ms": float, "tpot_ms": float, "stall": float, "temperature": float,
+             "top_p": float,
              "top_k": int, "min_p": float, "seed": int | null, "stop": [str],
              "ignore_eos": bool}
             {"op": "cancel", "id": str}
@@ -18,7 +19,8 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
 of every generating sequence and chunks of pending prompts, cut to fit the generating
-sequences' ``tpot_ms`` and ``stall`` (the step budget, in that module). ``out`` holds the text
+sequences' ``tpot_ms`` and ``stall``, and to the first-token deadlines ``ttft_ms`` after each
+job's arrival sets (the step budget, in that module). ``out`` holds the text
 each sequence produced in the step (left out when empty) and ``n`` how many tokens it has
 generated so far (for the same sequences), ``kv`` the cache cells held after it,
 ``acks`` how many cancels were handled since the last event; ``cached_tokens`` is how much of
@@ -244,6 +246,8 @@ class Job:
             tpot_s=request.get("tpot_ms", 0.0) / 1000,
             stall=request.get("stall", 0.0),
         )
+        if ttft_ms := request.get("ttft_ms", 0.0):
+            self.seq.deadline = time.perf_counter() + ttft_ms / 1000
         self.chain = model.sampler(request)
         self.text = Text(request["stop"])
 
@@ -290,7 +294,7 @@ class Worker:
     def step(self) -> None:
         started = time.perf_counter()
         scheduler = self.scheduler
-        entries = scheduler.plan()
+        entries = scheduler.plan(started)
         if not entries:
             if self.acks:
                 self._emit({}, {}, [])
