@@ -57,8 +57,10 @@ was admitted: on a batched runner every running sequence waits for every step, s
 admitted alone runs at another pace once long prompts are fed beside it. So while a job
 generates, its execution reports its progress (:meth:`Slot.progress`: tokens generated, and
 when the first came), and its end is predicted again from its own pace: ``p`` seconds per token
-so far, ``e = now + (ratio * max_new - generated) * p``, with a window of ``err * (e - now)``
-(what is left is all that is uncertain now). Past its expected length (``ratio * max_new``
+so far, ``e = now + (ratio * max_new - generated) * p``, and its waiters are told ``e`` itself:
+no window opens before it, since a window of ``err`` of what is left would be opened again at
+every re-timing (a client told half of what is left, then half of that, ...), and the pace is
+measured, not predicted. Past its expected length (``ratio * max_new``
 tokens, or ``e``), how long it will go on is unknown again, and its end is predicted from its
 admission, as above. A newcomer's decode is predicted at the running jobs' mean pace (the pace it
 will run at beside them), rather than at the rate learnt from jobs that finished, perhaps alone.
@@ -493,8 +495,7 @@ class SlotLedger:
         end = slot.live_end
         if end is None or end <= now:
             return self.expected_end(slot.started, now, slot.expected_s)
-        # Only what is left is uncertain now: the window is the error on that.
-        return max(end - self.error * (end - now), now + self.min_hint_ms / 1000)
+        return max(end, now + self.min_hint_ms / 1000)
 
     def expected_end(self, started: float, now: float, service_s: float | None = None) -> float:
         """When a job started at ``started`` may have freed its slot: as the window in which

@@ -522,8 +522,15 @@ def test_a_running_jobs_end_and_a_newcomers_pace_follow_the_jobs_progress(
     chat.progress(6, first_token, clock.now)  # 5 tokens in 0.5 s: 100 ms a token
     refused = ledger.admit(size=JobSize(10, 16))
     assert isinstance(refused, Refusal)
-    # 10 tokens to go at 100 ms: 1 s, less the error window on what is left.
-    assert 1000 * (1 - ledger.error) - 1 <= refused.retry_hint_ms <= 1000
+    # 10 tokens to go at 100 ms: 1 s (without its progress: a poll, 150 ms: a quarter of the
+    # 0.6 s it has run, past its predicted 0.4 s).
+    assert refused.retry_hint_ms == 1000
+    # Back a little early (the jitter), it is told what is left: no window opens again.
+    clock.now += 0.9
+    chat.progress(15, first_token, clock.now)  # (still at 100 ms a token)
+    again = ledger.admit(promise=refused.promise, size=JobSize(10, 16))
+    assert isinstance(again, Refusal)
+    assert again.retry_hint_ms == 100
     assert ledger.predict_s(JobSize(10, 16)) == pytest.approx(0.1 + 15 * 0.1)
     # Past its expected length, its end is unknown again: predicted from its admission.
     chat.progress(16, first_token, clock.now)

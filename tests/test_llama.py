@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from clients import NO_RETRY, GovernorClient
 from governor.overload import State
-from governor.runners import Finished
+from governor.runners import Finished, Token
 from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_path
 from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
@@ -117,10 +117,14 @@ async def test_the_runner_leaves_ttft_and_tpot_to_the_governor(llama: Any) -> No
     runner = server.runner
     job = runner.prepare("J_1", greedy("Hi", max_new_tokens=3).encode(), SPEC_CONTENT_TYPE)
     async with contextlib.aclosing(runner.run(job)) as events:
-        finished = [event async for event in events][-1]
+        *tokens, finished = [event async for event in events]
     assert isinstance(finished, Finished)
     assert finished.result["completion_tokens"] == 3
     assert not {"ttft_ms", "tpot_ms"} & finished.result.keys()
+    # Each piece of text says how many tokens the job has generated: its pace, for admission.
+    counts = [t.generated for t in tokens if isinstance(t, Token)]
+    assert counts == sorted(counts)
+    assert counts[-1] == 3
 
 
 async def test_output_matches_llama_cpp_called_directly(llama: Any) -> None:

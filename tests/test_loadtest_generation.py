@@ -265,6 +265,11 @@ def test_memory_ratio() -> None:
 
 
 def test_render_has_a_row_per_target_and_measure() -> None:
+    beside = [
+        outcome("rewrite", first=0.9, end=6.5, tokens=128),
+        outcome("rewrite", ABORTED, end=2.0),
+        outcome("chat", sent=0.2, first=0.3, end=1.8, tokens=16),
+    ]
     report = {
         "model": "m.gguf",
         "threads": 2,
@@ -284,12 +289,22 @@ def test_render_has_a_row_per_target_and_measure() -> None:
             "per-process": {
                 "memory": generation.memory_row(
                     generation.Memory(2048, 1024, 5), generation.Memory(1024, 512, 2)
-                )
+                ),
+                "bursts": [
+                    {
+                        "slots": 8,
+                        "rounds": {"beside": generation.round_row(beside)},
+                        "ratios": generation.burst_ratios({}),
+                        "others_cpu": 0.02,
+                    }
+                ],
             },
         },
     }
     text = "\n".join(generation.render(report))
     assert "64.0 [128-128]" in text
+    assert "   beside " in text  # the round
+    assert "6.5, -" in text  # its rewrites' ends
     assert "governor" in text
     assert "per-process" in text
     assert "note: llama-server skipped" in text

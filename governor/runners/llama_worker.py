@@ -7,9 +7,8 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
              "ttft_ms": float, "tpot_ms": float, "stall": float, "temperature": float,
-             "top_p": float,
-             "top_k": int, "min_p": float, "seed": int | null, "stop": [str],
-             "ignore_eos": bool}
+             "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
+             "stop": [str], "ignore_eos": bool}
             {"op": "cancel", "id": str}
     stdout: {"ev": "ready", "cells": int, "slots": int}         once, after loading and warming up
             {"ev": "step", "kv": int, "acks": int, "out": {id: text}, "n": {id: int},
@@ -19,10 +18,10 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
 of every generating sequence and chunks of pending prompts, cut to fit the generating
-sequences' ``tpot_ms`` and ``stall``, and to the first-token deadlines ``ttft_ms`` after each
-job's arrival sets (the step budget, in that module). ``out`` holds the text
-each sequence produced in the step (left out when empty) and ``n`` how many tokens it has
-generated so far (for the same sequences), ``kv`` the cache cells held after it,
+sequences' ``tpot_ms`` and ``stall`` and the first-token deadlines ``ttft_ms`` after each
+job's arrival (the step budget, in that module). ``out`` holds the text each sequence produced
+in the step (left out when empty) and ``n`` how many tokens it has generated so far (for the
+same sequences), ``kv`` the cache cells held after it,
 ``acks`` how many cancels were handled since the last event; ``cached_tokens`` is how much of
 a job's prompt was already in the cache (a prefix kept from an earlier job, or shared). Requests are read between steps,
 in the order sent: a cancel stops its sequence before the next step and frees its cells at once
