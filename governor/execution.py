@@ -29,7 +29,7 @@ from .admission import BACKEND_FAILURES, Attempt, Ticket
 from .ledger import Completed, Refusal
 from .logs import event
 from .policy import Lane
-from .runners import RunnerError, Token
+from .runners import Fed, RunnerError, Token
 from .slo import judge, ratios
 from .state import ServerState
 
@@ -226,6 +226,9 @@ class Execution:
                     parts.append(item.text)
                     if stream and not self.terminal_sent:
                         self.replies.send_delta(self, item.text)
+                    continue
+                if isinstance(item, Fed):
+                    ticket.slot.feeding(item.tokens, clock())
                     continue
                 result = dict(item.result)
                 if parts:

@@ -55,9 +55,13 @@ Running jobs' progress
 A job's predicted time holds only as long as the work beside it is what it was when the job
 was admitted: on a batched runner every running sequence waits for every step, so a chat
 admitted alone runs at another pace once long prompts are fed beside it. So while a job
-generates, its execution reports its progress (:meth:`Slot.progress`: tokens generated, and
-when the first came), and its end is predicted again from its own pace: ``p`` seconds per token
-so far, ``e = now + (ratio * max_new - generated) * p``, and its waiters are told ``e`` itself:
+runs, its execution reports its progress, and its end is predicted again from its own pace.
+While its prompt is fed (in chunks, beside other jobs' tokens: :meth:`Slot.feeding`, the
+prompt tokens in the cache), ``e = now + (prompt - fed) * q + (ratio * max_new - 1) * p``,
+``q`` the seconds per prompt token since its first report, ``p`` the running jobs' mean pace
+below (else the decode rate learnt). While it generates (:meth:`Slot.progress`: tokens
+generated, and when the first came): ``p`` seconds per token so far,
+``e = now + (ratio * max_new - generated) * p``, and its waiters are told ``e`` itself:
 no window opens before it, since a window of ``err`` of what is left would be opened again at
 every re-timing (a client told half of what is left, then half of that, ...), and the pace is
 measured, not predicted. Past its expected length (``ratio * max_new``
@@ -153,6 +157,7 @@ class Slot:
         "_released",
         "demand",
         "expected_s",
+        "fed_from",
         "kv_cache",
         "kv_tokens",
         "live_end",
@@ -177,6 +182,7 @@ class Slot:
         # token so far, and when it is now expected to end (None: from expected_s).
         self.pace_s: float | None = None
         self.live_end: float | None = None
+        self.fed_from: tuple[float, int] | None = None  # its first report of its prompt fed
         self._released = False
 
     @property
@@ -189,6 +195,13 @@ class Slot:
         if self._released:
             return
         self._ledger._progress(self, generated, first_token, now)
+
+    def feeding(self, fed: int, now: float) -> None:
+        """``fed`` of the job's prompt tokens are in the cache: its end is predicted again from
+        its prompt's pace (see "Running jobs' progress" above)."""
+        if self._released:
+            return
+        self._ledger._feeding(self, fed, now)
 
     def release(self, *, done: Completed | None = None) -> float:
         """Free the slot; a job that finished (``done``: what it measured) teaches the
@@ -402,6 +415,22 @@ class SlotLedger:
         if not model.knows(size):
             return self.service_for(lane)
         return model.predict_s(size, self._pace_sum / self._paced if self._paced else None)
+
+    def _feeding(self, slot: Slot, fed: int, now: float) -> None:
+        """A job's prompt being fed (see "Running jobs' progress" above)."""
+        size = slot.size
+        if size is None:
+            return
+        if slot.fed_from is None:
+            slot.fed_from = (now, fed)
+            return
+        since, first = slot.fed_from
+        if fed <= first:
+            return
+        pace = (now - since) / (fed - first)
+        decode_s = self._pace_sum / self._paced if self._paced else self.model.decode_s or 0.0
+        after_first = max(self.model.ratio * size.max_new_tokens - 1.0, 0.0)
+        slot.live_end = now + max(size.prompt_tokens - fed, 0) * pace + after_first * decode_s
 
     def _progress(self, slot: Slot, generated: int, first_token: float, now: float) -> None:
         """A running job's progress (see "Running jobs' progress" above)."""

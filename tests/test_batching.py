@@ -524,21 +524,21 @@ def test_step_costs_are_never_negative_whatever_the_steps(
         assert learnt.per_token(cells) > 0
 
 
-def test_a_burst_of_chats_is_fed_in_as_few_steps_as_their_deadlines_need() -> None:
-    """Eight chats of 15 new prompt tokens arrive while one chat generates (2 ms a step, 3 ms a
-    token; a stall of 1.5 lets in a token a step, the objective 90 ms 28 tokens, one prompt
-    whole). One a step, the last would wait over 0.7 s; with a 400 ms deadline each, the
-    steps take as many as the deadlines need, and every chat has its first token in time."""
+def burst_of_chats(deadline: float) -> tuple[float, float]:
+    """Eight chats of 15 new prompt tokens arrive while one chat generates (2 ms a step, 3 ms
+    a token; the stall of 1.5 lets in a token a step, the objective's 90 ms 28): when the last
+    gets its first token, and the longest step."""
     s, cache = budgeted(costs(2, 3), slots=10)
     generating(s, cache, "running", tpot_s=0.100, stall=1.5)
-    now = 0.0
     for i in range(8):
         q = Sequence(f"chat{i}", tuple(range(100 * i + 1, 100 * i + 16)), 16)
-        q.deadline = now + 0.4
+        q.deadline = deadline
         s.submit(q)
+    now = longest = 0.0
     first: dict[str, float] = {}
     while any(q.prefilling for q in s.running.values()):
         entries = s.plan(now)
+        longest = max(longest, s.cost(entries))
         now += s.cost(entries)  # the step runs as predicted
         cache.decode(entries)
         s.advance(entries)
@@ -547,17 +547,18 @@ def test_a_burst_of_chats_is_fed_in_as_few_steps_as_their_deadlines_need() -> No
                 first.setdefault(entry.seq.key, now)
                 entry.seq.pending = 7
     assert len(first) == 9
-    assert max(first[f"chat{i}"] for i in range(8)) <= 0.4
-    # Without deadlines, one chat a step: the last one's first token comes much later.
-    s, cache = budgeted(costs(2, 3), slots=10)
-    generating(s, cache, "running", tpot_s=0.100, stall=1.5)
-    for i in range(8):
-        s.submit(Sequence(f"chat{i}", tuple(range(100 * i + 1, 100 * i + 16)), 16))
-    steps = 0
-    while any(q.prefilling for q in s.running.values()):
-        step_and_sample(s, cache)
-        steps += 1
-    assert steps == 8
+    return max(first.values()), longest
+
+
+def test_a_burst_of_chats_is_fed_as_fast_as_their_objective_allows_when_due() -> None:
+    """Their first tokens due sooner than the prompts can all be fed, the chats' prompts go at
+    the pace of the running chat's objective (whole steps of it), not one prompt a step; and
+    never past the objective, however late they are."""
+    due_last, due_longest = burst_of_chats(deadline=0.3)
+    lax_last, lax_longest = burst_of_chats(deadline=math.inf)
+    assert due_last < lax_last
+    assert lax_longest < due_longest <= 0.09 + 1e-9
+    assert burst_of_chats(deadline=0.0) == (due_last, due_longest)
 
 
 def test_a_heavy_prompt_past_its_deadline_is_fed_within_the_chats_objective() -> None:

@@ -542,3 +542,24 @@ def test_a_running_jobs_end_and_a_newcomers_pace_follow_the_jobs_progress(
     assert ledger.predict_s(JobSize(10, 16)) != pytest.approx(0.1 + 15 * 0.1)  # (no pace now)
     chat.progress(3, first_token, clock.now)  # (a late report after the release: ignored)
     assert ledger._paced == 0
+
+
+def test_a_long_prompts_end_follows_the_pace_it_is_fed_at(clock: FakeClock) -> None:
+    """A rewrite's prompt fed in chunks beside chats, slower than the jobs learnt from: its
+    end is predicted from the prompt tokens fed so far, and a waiter told so."""
+    ledger = SlotLedger(1, clock=clock)
+    alone = ledger.admit(size=JobSize(10, 16))
+    assert isinstance(alone, Slot)
+    clock.now += 0.4
+    alone.release(done=Completed(10, 16, 0.1))  # 10 ms a prompt token, 20 ms a token after
+    rewrite = ledger.admit(size=JobSize(1000, 10))
+    assert isinstance(rewrite, Slot)
+    assert rewrite.expected_s == pytest.approx(1000 * 0.01 + 9 * 0.02)
+    clock.now += 0.5
+    rewrite.feeding(100, clock.now)  # (the first report: a pace needs two)
+    assert rewrite.live_end is None
+    clock.now += 1.0
+    rewrite.feeding(300, clock.now)  # 200 tokens a second: 5 ms each
+    refused = ledger.admit(size=JobSize(10, 16))
+    assert isinstance(refused, Refusal)
+    assert refused.retry_hint_ms == round(1000 * (700 * 0.005 + 9 * 0.02))

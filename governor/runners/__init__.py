@@ -1,6 +1,7 @@
 """Runners execute admitted jobs; :mod:`.base` defines the interface."""
 
 from .base import (
+    Fed,
     Finished,
     Job,
     KvCacheRunner,
@@ -14,6 +15,7 @@ from .base import (
 from .stub import StubRunner
 
 __all__ = [
+    "Fed",
     "Finished",
     "Job",
     "KvCacheRunner",

@@ -2,7 +2,8 @@
 
 A :class:`Runner` first checks a verified payload with :meth:`Runner.prepare` (an invalid job
 spec is refused there, before it can take a slot), then executes each admitted job in one call
-of :meth:`Runner.run`, an async generator of :class:`Token` events (partial output, as it is produced) ending with one
+of :meth:`Runner.run`, an async generator of :class:`Token` events (partial output, as it is produced;
+before them, a batched runner's :class:`Fed` progress while the prompt is fed) ending with one
 :class:`Finished`. The server cancels the iteration's task to stop a job (client gone,
 ``ttl_ms`` spent, shutdown): a runner must stop work promptly when cancelled and raise
 :class:`RunnerError` for a job that failed, never anything else.
@@ -59,13 +60,21 @@ class Token:
 
 
 @dataclass(frozen=True, slots=True)
+class Fed:
+    """Progress while the prompt is fed (a batched runner's chunked prefill): ``tokens`` of it
+    are in the cache so far (admission predicts the job's end from that pace)."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     """The job's end; ``result`` goes into the terminal ``confirm done`` frame."""
 
     result: Mapping[str, Any] = field(default_factory=dict)
 
 
-RunEvent = Token | Finished
+RunEvent = Token | Fed | Finished
 
 
 @dataclass(frozen=True, slots=True)

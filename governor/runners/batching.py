@@ -33,10 +33,11 @@ online by the worker) fits both bounds, and then more where either of these asks
   is fed in chunks that keep them within the stall bound;
 * prompts that, fed at that pace, would get their first token after their ``deadline`` (when
   the step is planned at ``now``: the worker sets it from the job's TTFT objective) it feeds
-  now, through the last such prompt, up to ``step_tokens``; a prompt less urgent than a
-  generating sequence only within the objective bound. A burst of chats arriving together is
-  fed in as few steps as their first tokens need, not one chat a step; a heavy prompt starved
-  past its own objective by a stream of chats is fed at the chats' objective, not their stall.
+  now, through the last such prompt, as far as the objective bound allows: a chat's long prompt
+  beside running chats, or a heavy prompt starved past its own objective by a stream of chats,
+  is fed at the pace of the chats' objective, not of their stall. (Past the objective, a
+  running chat's TPOT would pay for a new one's TTFT: a prompt the objective cannot feed in
+  time waits, as in a queue.)
 
 With no bound (nothing generating, or nothing with an objective or a stall), a step takes up to
 ``step_tokens``. Whatever the bounds, a step with a prompt pending takes at least
@@ -316,20 +317,14 @@ class Scheduler:
         if all(seq.deadline == math.inf for seq in pending):
             return 0
         step_s = self.cost(decodes + self._prefill(pending, take, commit=False))
-        urgent = min((e.seq.priority for e in decodes), default=math.inf)
-        within: int | None = None  # what the objective bound lets in, once asked
         fed = due = 0
         for entry in self._prefill(pending, full, commit=False):
             fed += len(entry.tokens)
-            if now + -(-fed // take) * step_s <= entry.seq.deadline:
-                continue
-            limit = full
-            if objective is not None and entry.seq.priority > urgent:
-                if within is None:
-                    within = self._fit(decodes, pending, full, objective)
-                limit = within
-            due = max(due, min(fed, limit))
-        return due
+            if now + -(-fed // take) * step_s > entry.seq.deadline:
+                due = fed
+        if not due or objective is None:
+            return due
+        return min(due, self._fit(decodes, pending, full, objective))
 
     def _prefill(self, pending: list[Sequence], budget: int, *, commit: bool) -> list[Entry]:
         """Prompt chunks of ``budget`` tokens at most, most urgent first (see the module

@@ -38,6 +38,7 @@ from protocol.spec import SpecInvalid, parse_spec
 from ..kvbudget import CacheShape
 from ..logs import event
 from .base import (
+    Fed,
     Finished,
     Job,
     RunEvent,
@@ -130,7 +131,7 @@ class WorkerProcess:
         self.settings = settings
         self.shape = settings.caches()[index]
         self.proc: asyncio.subprocess.Process | None = None
-        self.jobs: dict[str, asyncio.Queue[dict[str, Any] | Token | _Ended]] = {}
+        self.jobs: dict[str, asyncio.Queue[dict[str, Any] | Token | Fed | _Ended]] = {}
         self.kv_used = 0
         self.killed = False
         self.exited = asyncio.Event()
@@ -226,6 +227,9 @@ class WorkerProcess:
             step = orjson.loads(line)
             self.kv_used = step["kv"]
             self._owed -= step["acks"]
+            for key, fed in step["f"].items():
+                if (job := self.jobs.get(key)) is not None:
+                    job.put_nowait(Fed(fed))
             counts = step["n"]
             for key, text in step["out"].items():
                 if (job := self.jobs.get(key)) is not None:
@@ -242,9 +246,11 @@ class WorkerProcess:
         self.jobs.clear()
         self.exited.set()
 
-    def submit(self, request: dict[str, Any]) -> asyncio.Queue[dict[str, Any] | Token | _Ended]:
+    def submit(
+        self, request: dict[str, Any]
+    ) -> asyncio.Queue[dict[str, Any] | Token | Fed | _Ended]:
         """Send a job; its text, then its end, arrive on the queue returned."""
-        events: asyncio.Queue[dict[str, Any] | Token | _Ended] = asyncio.Queue()
+        events: asyncio.Queue[dict[str, Any] | Token | Fed | _Ended] = asyncio.Queue()
         if not self.jobs:
             self._heard = asyncio.get_running_loop().time()
         self.jobs[request["id"]] = events
@@ -498,7 +504,7 @@ class LlamaRunner:
         try:
             while True:
                 event = await events.get()
-                if isinstance(event, Token):
+                if isinstance(event, Token | Fed):
                     yield event
                     continue
                 if isinstance(event, _Ended):

@@ -11,9 +11,10 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
              "stop": [str], "ignore_eos": bool}
             {"op": "cancel", "id": str}
     stdout: {"ev": "ready", "cells": int, "slots": int}         once, after loading and warming up
-            {"ev": "step", "kv": int, "acks": int, "out": {id: text}, "n": {id: int},
-             "done": [{"id": str, "text": str, "completion_tokens": int, "cached_tokens": int,
-             "finish_reason": "stop" | "length" | "error", "error"?: str}]}
+            {"ev": "step", "kv": int, "acks": int, "f": {id: int}, "out": {id: text},
+             "n": {id: int}, "done": [{"id": str, "text": str, "completion_tokens": int,
+             "cached_tokens": int, "finish_reason": "stop" | "length" | "error",
+             "error"?: str}]}
                                                                 after each decode step
 
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
@@ -21,7 +22,8 @@ of every generating sequence and chunks of pending prompts, cut to fit the gener
 sequences' ``tpot_ms`` and ``stall`` and the first-token deadlines ``ttft_ms`` after each
 job's arrival (the step budget, in that module). ``out`` holds the text each sequence produced
 in the step (left out when empty) and ``n`` how many tokens it has generated so far (for the
-same sequences), ``kv`` the cache cells held after it,
+same sequences), ``f`` how many prompt tokens each sequence whose prompt is still being fed has
+in the cache, ``kv`` the cache cells held after it,
 ``acks`` how many cancels were handled since the last event; ``cached_tokens`` is how much of
 a job's prompt was already in the cache (a prefix kept from an earlier job, or shared). Requests are read between steps,
 in the order sent: a cancel stops its sequence before the next step and frees its cells at once
@@ -326,17 +328,22 @@ class Worker:
                     done.append(self._done(job, "error", f"llama_decode returned {status}"))
             self._emit(out, counts, done)
             return
+        fed = {e.seq.key: e.seq.fed for e in entries if e.seq.prefilling}
         samplers = (e for e in entries if e.sample)
         for entry, index in zip(samplers, sampled, strict=True):
             self._sample(self.jobs[entry.seq.key], index, out, counts, done)
-        self._emit(out, counts, done)
+        self._emit(out, counts, done, fed)
         scheduler.costs.observe(tokens, len(sampled), cells, time.perf_counter() - started)
 
     def _emit(
-        self, out: dict[str, str], counts: dict[str, int], done: list[dict[str, Any]]
+        self,
+        out: dict[str, str],
+        counts: dict[str, int],
+        done: list[dict[str, Any]],
+        fed: dict[str, int] | None = None,
     ) -> None:
-        event = {"ev": "step", "kv": self.scheduler.used, "acks": self.acks, "out": out}
-        emit(self.out, {**event, "n": counts, "done": done})
+        event = {"ev": "step", "kv": self.scheduler.used, "acks": self.acks, "f": fed or {}}
+        emit(self.out, {**event, "out": out, "n": counts, "done": done})
         self.acks = 0
 
     def _sample(
