@@ -76,7 +76,7 @@ class Config:
     )
     batch_tokens: int = _opt(
         256,
-        "llama: tokens per decode step: the next token of every running sequence, then chunks of waiting prompts, interactive first; a long prompt delays running streams by one such step at most.",
+        "llama: the most tokens in a decode step: the next token of every running sequence, then chunks of waiting prompts, interactive first; while jobs generate, the prompt chunks are cut to their TPOT objectives (and interactive_stall).",
     )
     threads: int = _opt(
         0, "llama: CPU threads per worker; 0: the cores shared out among the workers."

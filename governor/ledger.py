@@ -58,8 +58,10 @@ admitted alone runs at another pace once long prompts are fed beside it. So whil
 runs, its execution reports its progress, and its end is predicted again from its own pace.
 While its prompt is fed (in chunks, beside other jobs' tokens: :meth:`Slot.feeding`, the
 prompt tokens in the cache), ``e = now + (prompt - fed) * q + (ratio * max_new - 1) * p``,
-``q`` the seconds per prompt token since its first report, ``p`` the running jobs' mean pace
-below (else the decode rate learnt). While it generates (:meth:`Slot.progress`: tokens
+``q`` the fewest seconds per prompt token between two of its reports so far (a prompt fed
+slowly beside chats goes faster once they end: a client told too early is refused and told
+again, one told too late leaves the slot idle), ``p`` the running jobs' mean pace below (else
+the decode rate learnt). While it generates (:meth:`Slot.progress`: tokens
 generated, and when the first came): ``p`` seconds per token so far,
 ``e = now + (ratio * max_new - generated) * p``, and its waiters are told ``e`` itself:
 no window opens before it, since a window of ``err`` of what is left would be opened again at
@@ -182,7 +184,8 @@ class Slot:
         # token so far, and when it is now expected to end (None: from expected_s).
         self.pace_s: float | None = None
         self.live_end: float | None = None
-        self.fed_from: tuple[float, int] | None = None  # its first report of its prompt fed
+        # Its prompt's last report (when, tokens fed) and its fastest pace so far.
+        self.fed_from: tuple[float, int, float] | None = None
         self._released = False
 
     @property
@@ -421,13 +424,13 @@ class SlotLedger:
         size = slot.size
         if size is None:
             return
-        if slot.fed_from is None:
-            slot.fed_from = (now, fed)
+        last = slot.fed_from
+        if last is None or fed <= last[1]:
+            slot.fed_from = (now, fed, math.inf) if last is None else last
             return
-        since, first = slot.fed_from
-        if fed <= first:
-            return
-        pace = (now - since) / (fed - first)
+        since, before, fastest = last
+        pace = min((now - since) / (fed - before), fastest)
+        slot.fed_from = (now, fed, pace)
         decode_s = self._pace_sum / self._paced if self._paced else self.model.decode_s or 0.0
         after_first = max(self.model.ratio * size.max_new_tokens - 1.0, 0.0)
         slot.live_end = now + max(size.prompt_tokens - fed, 0) * pace + after_first * decode_s

@@ -563,3 +563,7 @@ def test_a_long_prompts_end_follows_the_pace_it_is_fed_at(clock: FakeClock) -> N
     refused = ledger.admit(size=JobSize(10, 16))
     assert isinstance(refused, Refusal)
     assert refused.retry_hint_ms == round(1000 * (700 * 0.005 + 9 * 0.02))
+    # Slower for a while (chats beside it): predicted at its fastest pace so far.
+    clock.now += 1.0
+    rewrite.feeding(400, clock.now)  # 10 ms each
+    assert rewrite.live_end == pytest.approx(clock.now + 600 * 0.005 + 9 * 0.02)
