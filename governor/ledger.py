@@ -54,22 +54,24 @@ Running jobs' progress
 ----------------------
 A job's predicted time holds only as long as the work beside it is what it was when the job
 was admitted: on a batched runner every running sequence waits for every step, so a chat
-admitted alone runs at another pace once long prompts are fed beside it. So while a job
-runs, its execution reports its progress, and its end is predicted again from its own pace.
-While its prompt is fed (in chunks, beside other jobs' tokens: :meth:`Slot.feeding`, the
-prompt tokens in the cache), ``e = now + (prompt - fed) * q + (ratio * max_new - 1) * p``,
-``q`` the fewest seconds per prompt token between two of its reports so far (a prompt fed
-slowly beside chats goes faster once they end: a client told too early is refused and told
-again, one told too late leaves the slot idle), ``p`` the running jobs' mean pace below (else
-the decode rate learnt). While it generates (:meth:`Slot.progress`: tokens
-generated, and when the first came): ``p`` seconds per token so far,
-``e = now + (ratio * max_new - generated) * p``, and its waiters are told ``e`` itself:
-no window opens before it, since a window of ``err`` of what is left would be opened again at
-every re-timing (a client told half of what is left, then half of that, ...), and the pace is
-measured, not predicted. Past its expected length (``ratio * max_new``
-tokens, or ``e``), how long it will go on is unknown again, and its end is predicted from its
-admission, as above. A newcomer's decode is predicted at the running jobs' mean pace (the pace it
-will run at beside them), rather than at the rate learnt from jobs that finished, perhaps alone.
+admitted alone runs at another pace once long prompts are fed beside it. So while a job runs,
+its execution reports its progress, and its end (``e``) is predicted again from its own pace:
+
+* while its prompt is fed (in chunks, beside other jobs' tokens; :meth:`Slot.feeding`: the
+  prompt tokens in the cache), ``e = now + (prompt - fed) * q + (ratio * max_new - 1) * p``,
+  ``q`` the fewest seconds per prompt token between two of its reports so far (a prompt fed
+  slowly beside chats goes faster once they end: a client told too early is refused and told
+  again, one told too late leaves the slot idle), ``p`` the running jobs' mean pace (below),
+  else the decode rate learnt;
+* while it generates (:meth:`Slot.progress`: tokens generated, and when the first came), ``p``
+  its own seconds per token so far, ``e = now + (ratio * max_new - generated) * p``.
+
+Its waiters are told ``e`` itself: the pace is measured, not predicted, and a window of ``err``
+of what is left would open again at every re-timing (a client told half of what is left, then
+half of that, ...). Past ``e``, or past its expected length (``ratio * max_new`` tokens), how
+long it will go on is unknown again, and its end is predicted from its admission, as above. A
+newcomer's decode is predicted at the running jobs' mean pace (the pace it will run at beside
+them), rather than at the rate learnt from jobs that finished, perhaps alone.
 
 Under a lane policy (:mod:`governor.policy`) the line is lane-aware: a promise carries its
 job's lane, and a client counts, and a freed slot is held for, only the promises of its own lane
@@ -180,8 +182,8 @@ class Slot:
         self.expected_s = ledger.predict_s(size, demand.lane if demand is not None else None)
         self.kv_cache: int | None = None  # the KV cache its cells are reserved in
         self.kv_tokens = 0  # how many
-        # From its progress, once it is generating (see :meth:`progress`): seconds per output
-        # token so far, and when it is now expected to end (None: from expected_s).
+        # From its progress (:meth:`feeding`, :meth:`progress`): seconds per output token so
+        # far, and when it is now expected to end (None: from expected_s).
         self.pace_s: float | None = None
         self.live_end: float | None = None
         # Its prompt's last report (when, tokens fed) and its fastest pace so far.
