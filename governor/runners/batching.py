@@ -257,7 +257,10 @@ class Scheduler:
             for seq in self.running.values()
             if seq.pending >= 0
         ]
-        pending = sorted((s for s in self.running.values() if s.prefilling), key=_urgency)
+        # The order prompts are taken in: most urgent first, but a prompt passed over
+        # MAX_PASSED times before all (were the budget spent before it came, it would be passed
+        # over for good).
+        pending = sorted((s for s in self.running.values() if s.prefilling), key=_overdue_first)
         if not pending:
             return entries
         full = max(self.step_tokens - len(entries), MIN_PREFILL)
@@ -327,13 +330,11 @@ class Scheduler:
         return min(due, self._fit(decodes, pending, full, objective))
 
     def _prefill(self, pending: list[Sequence], budget: int, *, commit: bool) -> list[Entry]:
-        """Prompt chunks of ``budget`` tokens at most, most urgent first (see the module
-        docstring); ``commit``: count the prompts passed over."""
+        """Prompt chunks of ``budget`` tokens at most, from ``pending`` in the order taken
+        (see :meth:`plan`); ``commit``: count the prompts passed over."""
         entries: list[Entry] = []
-        first = pending[0].priority
-        # A prompt passed over MAX_PASSED times goes first: were the budget spent before it
-        # came, it would be passed over for good.
-        for seq in sorted(pending, key=_overdue_first):
+        first = min(seq.priority for seq in pending)
+        for seq in pending:
             if budget <= 0 or (seq.priority != first and seq.passed < MAX_PASSED):
                 if commit:
                     seq.passed += 1
