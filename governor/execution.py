@@ -30,7 +30,7 @@ from .ledger import Completed, Refusal
 from .logs import event
 from .policy import Lane
 from .runners import Fed, RunnerError, Token
-from .slo import judge, ratios
+from .slo import judge, share
 from .state import ServerState
 
 if TYPE_CHECKING:
@@ -252,9 +252,9 @@ class Execution:
         in line for seconds by heavy work is the overload the pauses are for, however fast it
         runs once admitted)."""
         if (overload := self._interactive_overload()) is not None:
-            share, _ = ratios(self.ticket.objectives, (self.waited_s or 0.0) + ttft_s, None)
-            if share is not None:
-                overload.observe_ttft(share)
+            ttft = share((self.waited_s or 0.0) + ttft_s, self.ticket.objectives.ttft_ms)
+            if ttft is not None:
+                overload.observe_ttft(ttft)
 
     def _interactive_overload(self) -> OverloadController | None:
         overload, demand = self.state.overload, self.ticket.demand
@@ -318,10 +318,9 @@ class Execution:
             felt_s = (self.waited_s or 0.0) + (held_s if ttft_s is None else ttft_s)
             verdict = judge(objectives, ttft_s=felt_s, tpot_s=tpot_s, succeeded=outcome == "done")
             self.state.slo.record(lane, verdict)
-            if tpot_s is not None and (overload := self._interactive_overload()) is not None:
-                _, share = ratios(objectives, None, tpot_s)
-                if share is not None:
-                    overload.observe_tpot(share)
+            tpot = share(tpot_s, objectives.tpot_ms)
+            if tpot is not None and (overload := self._interactive_overload()) is not None:
+                overload.observe_tpot(tpot)
         if not jobs_log.isEnabledFor(logging.INFO):
             return
         event(

@@ -419,7 +419,11 @@ class SlotLedger:
         model = self.model
         if not model.knows(size):
             return self.service_for(lane)
-        return model.predict_s(size, self._pace_sum / self._paced if self._paced else None)
+        return model.predict_s(size, self._running_pace())
+
+    def _running_pace(self) -> float | None:
+        """The running jobs' mean seconds per output token (None: none has reported one)."""
+        return self._pace_sum / self._paced if self._paced else None
 
     def _feeding(self, slot: Slot, fed: int, now: float) -> None:
         """A job's prompt being fed (see "Running jobs' progress" above)."""
@@ -433,7 +437,9 @@ class SlotLedger:
         since, before, fastest = last
         pace = min((now - since) / (fed - before), fastest)
         slot.fed_from = (now, fed, pace)
-        decode_s = self._pace_sum / self._paced if self._paced else self.model.decode_s or 0.0
+        decode_s = self._running_pace()
+        if decode_s is None:
+            decode_s = self.model.decode_s or 0.0
         after_first = max(self.model.ratio * size.max_new_tokens - 1.0, 0.0)
         slot.live_end = now + max(size.prompt_tokens - fed, 0) * pace + after_first * decode_s
 

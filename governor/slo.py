@@ -113,14 +113,10 @@ def judge(
     return Verdict(ttft_ok, tpot_ok)
 
 
-def ratios(
-    objectives: Objectives, ttft_s: float | None, tpot_s: float | None
-) -> tuple[float | None, float | None]:
-    """How far a job's TTFT and TPOT went into their objectives (1.0: at it; None: no objective
-    or no measure): what the overload states read."""
-    ttft = ttft_s * 1000 / objectives.ttft_ms if objectives.ttft_ms and ttft_s is not None else None
-    tpot = tpot_s * 1000 / objectives.tpot_ms if objectives.tpot_ms and tpot_s is not None else None
-    return ttft, tpot
+def share(measured_s: float | None, objective_ms: float) -> float | None:
+    """How far a measure went into its objective (1.0: at it; None: no objective or no
+    measure): what the overload states read."""
+    return measured_s * 1000 / objective_ms if objective_ms and measured_s is not None else None
 
 
 class Attainment:
