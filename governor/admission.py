@@ -375,18 +375,9 @@ class Admission:
 
     def _objectives(self, lane: Lane | None, tenant: Tenant, job: Job) -> Objectives:
         """The job's objectives: its lane's, its tenant's, its own (see :mod:`governor.slo`)."""
-        spec, config = job.spec, tenant.config
-        own = (
-            Objectives(spec.ttft_slo_ms, spec.tpot_slo_ms)
-            if spec is not None and (spec.ttft_slo_ms or spec.tpot_slo_ms)
-            else None
-        )
-        tenants = (
-            Objectives(config.ttft_slo_ms, config.tpot_slo_ms)
-            if config.ttft_slo_ms or config.tpot_slo_ms
-            else None
-        )
-        return self.slo.objectives(lane, tenants, own)
+        spec, config = job.spec, tenant.config  # (0 fields set nothing: the lane's stand)
+        own = Objectives(spec.ttft_slo_ms, spec.tpot_slo_ms) if spec is not None else None
+        return self.slo.objectives(lane, Objectives(config.ttft_slo_ms, config.tpot_slo_ms), own)
 
     def _plan(self, attempt: Attempt) -> _Plan | Rejected:
         """The job priced and given a lane under a lane policy, or why it can never run."""
