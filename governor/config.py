@@ -19,11 +19,19 @@ from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
 from .policy import LANES, Lane
 from .slo import DEFAULT_OBJECTIVES, DEFAULT_STALL, Objectives, SloPolicy
+from .sources import LOOPBACK, parse_networks
 from .tenants import TenantConfig
 
 RUNNERS = ("llama", "http", "stub")
 KV_TYPES = ("f16", "q8_0")
-RENAMED = {"ttft_slo_ms": "interactive_ttft_slo_ms"}  # old keys, refused with their new names
+# Old keys, refused with what took their place.
+RENAMED = {
+    "ttft_slo_ms": "now 'interactive_ttft_slo_ms'",
+    "auth_backoff": (
+        "gone: failed keys now slow their address's key checks (auth_guess_rate, "
+        "auth_guess_burst) instead of refusing its connections"
+    ),
+}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 
@@ -146,7 +154,12 @@ class Config:
         "Seconds an upload may go without a new chunk before it is dropped (pings and other jobs' frames do not extend it); on the front door, for a whole request to arrive (408), and how long past its hint a refused request's place is kept.",
     )
     max_connections_per_source: int = _opt(
-        256, "Connections one source address may hold at once; 0: no per-source limit."
+        256,
+        "Connections one source address (an IPv6 /64) may hold at once, but a trusted one; at the limit a new one displaces the source's oldest idle connection (nothing in flight, no key shown), else it is refused. 0: no per-source limit.",
+    )
+    trusted_sources: str = _opt(
+        ",".join(LOOPBACK),
+        "Comma-separated addresses or CIDRs exempt from max_connections_per_source, where many clients share an address (a sidecar's, a load test's, a proxy's); they still count against max_connections. Default: loopback; '': none.",
     )
     write_buffer_bytes: int = _opt(
         1024 * 1024,
@@ -162,11 +175,14 @@ class Config:
     )
     max_auth_failures: int = _opt(
         3,
-        "With tenants declared: unauthorized answers on one connection before it is closed and its source is refused for auth_backoff seconds.",
+        "With tenants declared: unauthorized answers on one connection before it is closed.",
     )
-    auth_backoff: float = _opt(
-        10.0,
-        "Seconds a source's new connections are refused after one of its connections was closed for failed keys.",
+    auth_guess_burst: int = _opt(
+        10,
+        "With tenants declared: keys a source address may fail at once; past them its connections' new keys wait for a turn at auth_guess_rate (valid keys spend no turn; connections are never refused for another's failures).",
+    )
+    auth_guess_rate: float = _opt(
+        1.0, "With tenants declared: failed keys a source address may have checked a second."
     )
     tls_cert: str | None = _opt(
         None,
@@ -380,6 +396,7 @@ class Config:
             "max_chunks",
             "admin_threads",
             "max_auth_failures",
+            "auth_guess_burst",
             "max_new_tokens",
             "interactive_max_new_tokens",
             "heavy_max_new_tokens",
@@ -432,7 +449,7 @@ class Config:
             "upload_timeout",
             "write_timeout",
             "auth_grace",
-            "auth_backoff",
+            "auth_guess_rate",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
@@ -480,6 +497,10 @@ class Config:
             )
         if self.fleet_timeout >= self.lease_ttl:
             raise ConfigError("fleet_timeout must be shorter than lease_ttl")
+        try:
+            parse_networks(self.trusted_sources)
+        except ValueError as exc:
+            raise ConfigError(f"trusted_sources: {exc}") from None
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:
@@ -540,7 +561,7 @@ class Config:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key in RENAMED:
-                raise ConfigError(f"{source}: {key!r} is now {RENAMED[key]!r}")
+                raise ConfigError(f"{source}: {key!r} is {RENAMED[key]}")
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key {key!r}")
             if key == "tenants":

@@ -3,8 +3,9 @@
 Everything the protocol decides lives in :class:`~governor.session.Session` (sans-IO) and
 each admitted job's run in its :class:`~governor.execution.Execution`; this class only moves
 bytes and events between them and the transport (uvicorn's ``h11_impl`` is the model): the
-connection limits (all connections, and per source address), one timer for the session's
-deadlines, flow control, and the client's leaving.
+connection limits (:mod:`governor.sources`), one timer for the session's deadlines (a frame
+waiting for its key's turn among them: reading stops meanwhile), flow control, and the
+client's leaving.
 
 Turns: a connection handles at most ``LINES_PER_TURN`` lines, then stops reading until the
 other connections have had theirs (``call_soon``), so that one client pipelining thousands of
@@ -56,14 +57,15 @@ class GovernorProtocol(asyncio.Protocol):
         state, session = self.state, self.session
         peer = transport.get_extra_info("peername")
         session.source = source = source_of(str(peer[0])) if peer else ""
-        refused = state.open_connection(source)
+        session.cert_tenant = state.certificate_tenant(transport)
+        session.authenticated = session.authenticated or session.cert_tenant is not None
+        session.idle = session.is_idle
+        refused = state.open_connection(session, source, idle=session.is_idle)
         if refused is not None:
             session.fatal(refused.need_code, refused.error_code, refused.detail)
             return
         self._served = True
         state.connections.add(self)
-        session.cert_tenant = state.certificate_tenant(transport)
-        session.authenticated = session.authenticated or session.cert_tenant is not None
         self._schedule()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -74,7 +76,7 @@ class GovernorProtocol(asyncio.Protocol):
         if self._served:
             self._served = False
             self.state.connections.discard(self)
-            self.state.sources.close(self.session.source)
+            self.state.sources.close(self.session)
 
     def pause_writing(self) -> None:
         # The client is not reading its replies: stop reading and handling its requests.
@@ -103,6 +105,8 @@ class GovernorProtocol(asyncio.Protocol):
             self._next_turn = True
             self._loop.call_soon(self._take_turn)
             self._reading()
+        elif session.deferred is not None:  # a frame waits for its key's turn: so does reading
+            self._reading()
         sooner = session.sooner
         if sooner is not None:
             session.sooner = None
@@ -120,7 +124,7 @@ class GovernorProtocol(asyncio.Protocol):
         transport, session = self.transport, self.session
         if transport is None or session.closed:
             return
-        wanted = not (session.paused or self._next_turn)
+        wanted = not (session.paused or session.deferred or self._next_turn)
         if transport.is_reading() != wanted:
             if wanted:
                 transport.resume_reading()
@@ -208,6 +212,8 @@ class GovernorProtocol(asyncio.Protocol):
     def _on_timer(self) -> None:
         self._timer = None
         session = self.session
-        session.expire(session.clock())
+        if session.expire(session.clock()):  # a frame that waited for its key's turn went on
+            self._turn_ended(session.receive_data(b""))
+            self._reading()
         if not session.closed:
             self._schedule()

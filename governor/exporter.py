@@ -196,8 +196,8 @@ class GovernorCollector(Collector):
         )
         yield _counter(
             "governor_connections_refused",
-            "Connections refused at once (too_many_connections, auth_backoff) or cut off without "
-            "a frame (slow_reader, write_timeout), by reason.",
+            "Connections refused at once (too_many_connections) or cut off without a frame "
+            "(slow_reader, write_timeout), by reason.",
             ["reason"],
             (((k,), v) for k, v in server.refused.items()),
         )
@@ -211,9 +211,16 @@ class GovernorCollector(Collector):
         fleet = server.fleet
         if fleet is not None:
             yield from _fleet_families(fleet)
+        yield CounterMetricFamily(
+            "governor_connections_displaced",
+            "Idle connections (nothing in flight, no key shown) closed to make way for a new "
+            "one at max_connections or max_connections_per_source.",
+            value=server.displaced,
+        )
         yield GaugeMetricFamily(
             "governor_sources_waiting",
-            "Source addresses refused for now after failed keys (auth_backoff).",
+            "Source addresses whose new keys wait for a turn: their auth_guess_burst of failed "
+            "keys is spent.",
             value=server.sources.waiting,
         )
 

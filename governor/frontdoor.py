@@ -10,7 +10,9 @@ keep-alive and pipelining.
 
 - ``Authorization: Bearer KEY`` is the tenant's key (or the TLS client certificate, as on the
   TCP side); a missing or unknown one is 401, and ``max_auth_failures`` of them close the
-  connection and make its source wait ``auth_backoff``.
+  connection. A key the connection shows for the first time is checked at once while its
+  source's budget of failures lasts, else at its turn (the request waits meanwhile;
+  :meth:`~governor.sources.Sources.key_turn`).
 - A yield is 429 (503 for ``draining``, ``breaker_open``, ``fleet_unavailable``) with
   ``retry-after-ms``, ``Retry-After`` (whole seconds, rounded up) and an OpenAI error body whose
   ``code`` is the need code; a busy yield's place in line is kept for its retry
@@ -23,7 +25,8 @@ keep-alive and pipelining.
   token), and gives up a place it waits for at the door.
 
 Bounds, as on the TCP side: connections (``max_connections``, all listeners together, and
-``max_connections_per_source``); a request head of :data:`MAX_HEAD_BYTES` and
+``max_connections_per_source``; at a limit, a connection between requests that has shown no key
+is displaced, 503 ``displaced``); a request head of :data:`MAX_HEAD_BYTES` and
 :data:`MAX_HEADERS` fields (431); a body of ``max_payload_bytes`` (413, told by Content-Length
 before it is read, or counted as it arrives), counted against the server's payload buffers while
 its job runs (``buffers_full``, 429); a whole request within ``upload_timeout`` of its first byte
@@ -66,7 +69,7 @@ from .admission import (
 from .execution import Execution
 from .ledger import Refusal
 from .logs import event
-from .sources import source_of
+from .sources import KEY_TURN_FAR, NOW, Turn, source_of
 from .state import ServerState
 from .tenants import Tenant
 from .tls import HANDSHAKE_TIMEOUT_S
@@ -164,6 +167,8 @@ class HttpConnection(asyncio.Protocol):
         self.served = False
         self.closed = False
         self.cert_tenant: Tenant | None = None
+        self.authenticated = self.state.tenants.open  # a valid key or certificate was shown
+        self.keys: dict[str, Tenant] = {}  # keys shown valid on this connection
         self.auth_failures = 0
         self.close_after = False  # this answer is the connection's last
         self.jobs = 0
@@ -186,22 +191,40 @@ class HttpConnection(asyncio.Protocol):
         state = self.state
         peer = transport.get_extra_info("peername")
         self.source = source_of(str(peer[0])) if peer else ""
-        refused = state.open_connection(self.source)
-        if refused is not None:
-            if refused.need_code == NeedCode.AUTH_BACKOFF:
-                self._raw(HTTPStatus.UNAUTHORIZED, refused.need_code, refused.detail)
-            else:  # (a connection limit: another may free within a second)
-                self._raw(
-                    HTTPStatus.SERVICE_UNAVAILABLE,
-                    refused.need_code,
-                    refused.detail,
-                    api.retry_headers(1000),
-                )
+        self.cert_tenant = state.certificate_tenant(transport)
+        self.authenticated = self.authenticated or self.cert_tenant is not None
+        refused = state.open_connection(self, self.source, idle=self.is_idle)
+        if refused is not None:  # (a connection limit: another may free within a second)
+            self._raw(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                refused.need_code,
+                refused.detail,
+                api.retry_headers(1000),
+            )
             return
         self.served = True
         state.connections.add(self)
-        self.cert_tenant = state.certificate_tenant(transport)
         self._deadline(self.config.idle_timeout, None)
+
+    def check_key(self, key: str, turn: Turn) -> None:
+        """Check a key not yet seen on this connection (at ``turn``); a valid one is
+        remembered."""
+        state = self.state
+        tenant = state.tenants.find(key)
+        state.sources.key_checked(self.source, tenant is not None, turn)
+        if tenant is not None:
+            self.keys[key] = tenant
+            self.authenticated = True
+
+    @property
+    def is_idle(self) -> bool:
+        """Between requests and, with tenants declared, no valid key shown."""
+        return not self.arriving and (self.state.tenants.open or not self.authenticated)
+
+    def displace(self, detail: str) -> None:
+        """Make way for a new connection at a limit (only one between requests is asked to):
+        a 503 that no request asked for yet, then the close."""
+        self._raw(HTTPStatus.SERVICE_UNAVAILABLE, NeedCode.DISPLACED, detail)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -209,6 +232,7 @@ class HttpConnection(asyncio.Protocol):
         if self.exchange is None and not self.arriving:  # the request's deadline, from its
             self.arriving = True  # first byte: set once
             self._deadline(self.config.upload_timeout, HTTPStatus.REQUEST_TIMEOUT)
+            self.state.sources.idle(self, False)
         self.http.receive_data(data)
         if self.exchange is None:
             self._advance()
@@ -243,7 +267,7 @@ class HttpConnection(asyncio.Protocol):
         if self.served:
             self.served = False
             self.state.connections.discard(self)
-            self.state.sources.close(self.source)
+            self.state.sources.close(self)
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -393,6 +417,7 @@ class HttpConnection(asyncio.Protocol):
                 self._deadline(self.config.upload_timeout, HTTPStatus.REQUEST_TIMEOUT)
             else:
                 self._deadline(self.config.idle_timeout, None)
+                self.state.sources.idle(self, self.is_idle)
             self._advance()
             self._read_ahead()
         else:
@@ -507,6 +532,8 @@ class Exchange:
         self.at_door = False  # waiting at the door for its place
         self.door_s = 0.0  # how long it has waited there
         self.door_timer: asyncio.TimerHandle | None = None
+        self.key_timer: asyncio.TimerHandle | None = None  # the key waits for its turn
+        self.turn = NOW
         self.streaming = False  # the 200 and the stream's head are out
 
     # Plain answers ---------------------------------------------------------------------
@@ -562,8 +589,39 @@ class Exchange:
     # A job -----------------------------------------------------------------------------
 
     def job(self, request: h11.Request, body: bytes, chat: bool) -> None:
+        """A job's request: its key checked (at its turn, if it must wait for one), then
+        prepared and decided."""
         conn = self.conn
-        tenant = self._tenant(request)
+        key = _bearer(_header(request, b"authorization"))
+        if key is not None and key not in conn.keys and not conn.state.tenants.open:
+            turn = conn.state.sources.key_turn(conn.source, conn.config.auth_grace)
+            if turn is None:  # the guessers' turns are many: refused for now, unchecked
+                self.fail(
+                    api.ApiError(
+                        HTTPStatus.UNAUTHORIZED,
+                        NeedCode.UNAUTHORIZED,
+                        KEY_TURN_FAR,
+                        headers=(("www-authenticate", "Bearer"),),
+                    )
+                )
+                return
+            if turn.wait > 0:
+                self.turn = turn
+                self.key_timer = asyncio.get_running_loop().call_later(
+                    turn.wait, self._key_turn, request, body, chat, key
+                )
+                return
+            conn.check_key(key, turn)
+        self._job(request, body, chat, key)
+
+    def _key_turn(self, request: h11.Request, body: bytes, chat: bool, key: str) -> None:
+        self.key_timer = None
+        self.conn.check_key(key, self.turn)
+        self._job(request, body, chat, key)
+
+    def _job(self, request: h11.Request, body: bytes, chat: bool, key: str | None) -> None:
+        conn = self.conn
+        tenant = self._tenant(key)
         if tenant is None:
             return
         try:
@@ -643,7 +701,12 @@ class Exchange:
         return True
 
     def left(self) -> None:
-        """The client left while its request waited at the door: its place is given up."""
+        """The client left while its request waited at the door (its place is given up) or
+        for its key's turn (the turn is given back)."""
+        if self.key_timer is not None:
+            self.key_timer.cancel()
+            self.key_timer = None
+            self.conn.state.sources.turn_unused(self.conn.source, self.turn)
         if self.door_timer is not None:
             self.door_timer.cancel()
             self.door_timer = None
@@ -671,18 +734,19 @@ class Exchange:
         assert self.attempt is not None
         self.execution = Execution(state, ticket, frame, self.attempt, self, waited)
 
-    def _tenant(self, request: h11.Request) -> Tenant | None:
-        """The key's tenant (or the client certificate's, without a key); None after a 401."""
+    def _tenant(self, key: str | None) -> Tenant | None:
+        """The key's tenant (checked: :meth:`job`), or the client certificate's without a key;
+        None after a 401."""
         conn = self.conn
-        key = _bearer(_header(request, b"authorization"))
-        tenant = conn.cert_tenant if key is None else None
-        tenant = tenant or conn.state.tenants.find(key)
+        tenants = conn.state.tenants
+        if tenants.open:
+            return tenants.find(None)
+        tenant = conn.cert_tenant if key is None else conn.keys.get(key)
         if tenant is not None:
             return tenant
         conn.auth_failures += 1
         conn.state.metrics.aborts[NeedCode.UNAUTHORIZED] += 1
-        if conn.auth_failures >= conn.config.max_auth_failures:  # close; the source waits
-            conn.state.sources.keys_failed(conn.source)
+        if conn.auth_failures >= conn.config.max_auth_failures:  # close
             conn.close_after = True
         self.fail(
             api.ApiError(

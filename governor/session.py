@@ -55,6 +55,7 @@ from .admission import (
 from .execution import Execution
 from .ledger import Refusal
 from .logs import event
+from .sources import KEY_TURN_FAR, NOW, Turn
 from .state import ServerState
 from .tenants import Tenant
 
@@ -116,6 +117,12 @@ class Session:
     no valid key within ``auth_grace``; and each job's own: an upload with no new chunk for
     ``upload_timeout``, a held payload whose client has not come back within its hint and
     ``upload_timeout`` more. Pings and other jobs' frames keep the connection, never an upload.
+
+    Keys: a key the connection shows for the first time is checked when its source's budget of
+    failures allows (:meth:`~governor.sources.Sources.key_turn`); until its turn the frame waits
+    (:attr:`deferred`) and so do the lines behind it. A key found valid is remembered for the
+    connection's later frames. The connection is *idle* (:attr:`is_idle`, to be displaced at a
+    limit) while it has no job and, with tenants declared, has shown no valid key.
     """
 
     def __init__(
@@ -151,12 +158,29 @@ class Session:
         self.cert_tenant: Tenant | None = None  # named by a verified client certificate
         self.authenticated = state.tenants.open  # a valid key or certificate was shown
         self.auth_failures = 0
+        self.keys: dict[str, Tenant] = {}  # keys shown valid on this connection
+        # A frame whose key waits for its turn until ``deferred_at``; no line is handled meanwhile.
+        self.deferred: Request | None = None
+        self.deferred_at = 0.0
+        self.turn = NOW  # the deferred frame's
+        self.idle = True  # as last told to the sources
         # The earliest deadline set since the connection last asked (None: none earlier).
         self.sooner: float | None = None
 
     @property
     def running(self) -> int:
         return sum(1 for s in self.jobs.values() if s.phase is Phase.RUNNING)
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing in flight and, with tenants declared, no valid key shown."""
+        return not self.jobs and (self.state.tenants.open or not self.authenticated)
+
+    def _idle_changed(self) -> None:
+        idle = self.is_idle
+        if idle != self.idle:
+            self.idle = idle
+            self.state.sources.idle(self, idle)
 
     # Events from the connection ----------------------------------------------------------
 
@@ -171,7 +195,10 @@ class Session:
         lines = self.lines
         turn_ends = lines + LINES_PER_TURN
         try:
-            while not (self.closed or self.paused) and (line := reader.next_line()) is not None:
+            while (
+                not (self.closed or self.paused or self.deferred)
+                and (line := reader.next_line()) is not None
+            ):
                 self.lines += 1
                 if line.strip():
                     self._handle_line(line)
@@ -201,14 +228,18 @@ class Session:
             deadline = now + config.idle_timeout
         if not self.authenticated:
             deadline = min(deadline, self.opened_at + config.auth_grace)
+        if self.deferred is not None:
+            deadline = min(deadline, self.deferred_at)
         for state in self.jobs.values():
             deadline = min(deadline, state.deadline)
         return deadline
 
-    def expire(self, now: float) -> None:
-        """End what has outlived its deadline: the connection, or a job's upload or hold."""
+    def expire(self, now: float) -> bool:
+        """End what has outlived its deadline: the connection, or a job's upload or hold; and
+        handle a frame whose key's turn has come. True when that frame was handled: the lines
+        behind it may be (call :meth:`receive_data` with ``b""``)."""
         if self.closed:
-            return
+            return False
         config = self.config
         if not self.authenticated and now >= self.opened_at + config.auth_grace:
             self.fatal(
@@ -216,11 +247,17 @@ class Session:
                 ErrorCode.UNAUTHORIZED,
                 f"no valid api_key within {config.auth_grace:g} s",
             )
-            return
+            return False
         if now >= self.last_frame_at + config.idle_timeout and not self.running:
             timeout = config.idle_timeout
             self.fatal(NeedCode.IDLE_TIMEOUT, ErrorCode.TIMEOUT, f"no frame for {timeout:g} s")
-            return
+            return False
+        deferred = self.deferred
+        if deferred is not None and now >= self.deferred_at:
+            self.deferred = None
+            assert deferred.api_key is not None
+            self._check_key(deferred.api_key, self.turn)
+            self._handle(deferred)
         for job, state in list(self.jobs.items()):
             if state.deadline <= now:
                 held = state.phase is Phase.HELD
@@ -243,6 +280,7 @@ class Session:
                         receipts=self._receipts(),
                     )
                 )
+        return deferred is not None and self.deferred is None and not self.closed
 
     def _expect_progress(self, state: JobState, wait_s: float = 0.0) -> None:
         """The job is dropped unless it moves on within ``wait_s`` + ``upload_timeout``."""
@@ -253,11 +291,18 @@ class Session:
     def connection_lost(self) -> None:
         """The client is gone: stop its work now; each execution gives back its own ticket."""
         self.closed = True
+        if self.deferred is not None:
+            self.deferred = None
+            self.state.sources.turn_unused(self.source, self.turn)
         for job, state in list(self.jobs.items()):
             if state.execution is None:
                 self._forget(job)
             else:
                 state.execution.client_gone()
+
+    def displace(self, detail: str) -> None:
+        """Make way for a new connection at a limit (only an idle one is asked to)."""
+        self.fatal(NeedCode.DISPLACED, ErrorCode.QUOTA, detail)
 
     def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send each running job its terminal abort now, then cancel it."""
@@ -316,9 +361,42 @@ class Session:
             self._send(error_reply(exc, job, seq + 1, self.last_ttl_ms, self._receipts()))
             return
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
+        key = req.api_key
+        if key is not None and key not in self.keys and self._looks_up(req):
+            turn = self.state.sources.key_turn(self.source, self.config.auth_grace)
+            if turn is None:  # the guessers' turns are many: refused for now, unchecked
+                if req.verb != Verb.PING:
+                    self._abort(req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, KEY_TURN_FAR)
+                    return
+            elif turn.wait > 0:  # the source's failures are spent: this key waits for its turn
+                self.deferred, self.turn = req, turn
+                self.deferred_at = self.clock() + turn.wait
+                if self.sooner is None or self.deferred_at < self.sooner:
+                    self.sooner = self.deferred_at
+                return
+            else:
+                self._check_key(key, turn)
+        self._handle(req)
+
+    def _looks_up(self, req: Request) -> bool:
+        """Whether ``req``'s key is looked up: an unauthenticated ping's, a new job's."""
+        if self.state.tenants.open:
+            return False
         if req.verb == Verb.PING:
-            if not self.authenticated and req.api_key is not None:
-                self.authenticated = self.state.tenants.find(req.api_key) is not None
+            return not self.authenticated
+        return req.verb == Verb.SHARE and req.chunk is None and req.job not in self.jobs
+
+    def _check_key(self, key: str, turn: Turn) -> None:
+        """Check a key not yet seen on this connection; a valid one is remembered."""
+        tenant = self.state.tenants.find(key)
+        self.state.sources.key_checked(self.source, tenant is not None, turn)
+        if tenant is not None:
+            self.keys[key] = tenant
+            self.authenticated = True
+            self._idle_changed()
+
+    def _handle(self, req: Request) -> None:
+        if req.verb == Verb.PING:
             self._send(self._reply(req, Verb.CONFIRM, Status.OK, extra=self.state.ping_receipts()))
             return
         if req.verb == Verb.CANCEL:
@@ -452,9 +530,13 @@ class Session:
 
     def _new_job(self, req: Request) -> JobState | None:
         """A job id not seen before on this connection; None if refused (its reply is sent)."""
-        tenant = self.cert_tenant
-        if req.api_key is not None or tenant is None:
-            tenant = self.state.tenants.find(req.api_key)
+        tenants, key = self.state.tenants, req.api_key
+        if tenants.open:
+            tenant: Tenant | None = tenants.find(None)
+        elif key is not None:
+            tenant = self.keys.get(key)  # (checked as the frame came: _handle_line)
+        else:
+            tenant = self.cert_tenant
         if tenant is None:  # says nothing of which tenants exist
             self.auth_failures += 1
             if self.auth_failures >= self.config.max_auth_failures:
@@ -464,7 +546,6 @@ class Session:
                     req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, "a valid api_key is needed"
                 )
             return None
-        self.authenticated = True
         if len(self.jobs) >= self.config.max_jobs_per_conn:
             self.fatal(
                 NeedCode.TOO_MANY_JOBS,
@@ -477,15 +558,14 @@ class Session:
         upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
         # (its deadline is set by what comes of this frame: an accepted manifest, a hold)
         state = self.jobs[req.job] = JobState(upload, Attempt(tenant, None))
+        self._idle_changed()
         return state
 
     def _keys_failed(self, req: Request) -> None:
-        """Too many unauthorized answers: close, and make the source wait."""
-        sources, config = self.state.sources, self.config
-        sources.keys_failed(self.source)
-        line = sources.line(
+        """Too many unauthorized answers: close."""
+        line = self.state.sources.line(
             f"closing connection {self.id} from {self.source} after {self.auth_failures} "
-            f"failed keys; the address waits {config.auth_backoff:g} s"
+            "failed keys"
         )
         if line is not None:
             event(
@@ -500,7 +580,7 @@ class Session:
             NeedCode.UNAUTHORIZED,
             ErrorCode.UNAUTHORIZED,
             f"a valid api_key is needed; after {self.auth_failures} failed keys the connection "
-            f"closes: connect again in {config.auth_backoff:g} s",
+            "closes",
             job=req.job,
             seq=req.seq + 1,
         )
@@ -666,6 +746,7 @@ class Session:
             self._unhold(state)  # (and its place in line: only a held job has one)
         if state.reservation is not None:
             state.reservation.release()
+        self._idle_changed()
 
     # Replies for executions (execution.Replies) ------------------------------------------
 
@@ -706,6 +787,7 @@ class Session:
         state = self.jobs.get(job)
         if state is not None and state.execution is execution:
             del self.jobs[job]
+            self._idle_changed()
 
     # Replies -----------------------------------------------------------------------------
 

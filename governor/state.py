@@ -20,7 +20,7 @@ from .admission import Admission, Budget
 from .config import Config
 from .metrics import JobMetrics
 from .slo import Attainment
-from .sources import Refused, Sources
+from .sources import Displaced, Refused, Sources, parse_networks
 from .tenants import Tenant
 
 if TYPE_CHECKING:  # (imported by the server only with redis_url: no Redis client otherwise)
@@ -33,6 +33,15 @@ class Connection(Protocol):
     def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None: ...
 
     def close(self) -> None: ...
+
+
+class Displaceable(Protocol):
+    """A connection as :class:`~governor.sources.Sources` counts it: one that can be told it
+    makes way for a new one, and closed."""
+
+    def displace(self, detail: str) -> None: ...
+
+    def __hash__(self) -> int: ...
 
 
 class ServerState:
@@ -53,9 +62,15 @@ class ServerState:
         self.refused: collections.Counter[str] = collections.Counter()  # by reason
         # The front door's answers, by path (a known one, else "other") and status.
         self.http_responses: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.sources = Sources(
-            config.max_connections_per_source, config.auth_backoff, admission.ledger.clock
+        self.sources: Sources[Displaceable] = Sources(
+            max_connections=config.max_connections,
+            max_per_source=config.max_connections_per_source,
+            trusted=parse_networks(config.trusted_sources),
+            guess_rate=config.auth_guess_rate,
+            guess_burst=config.auth_guess_burst,
+            clock=admission.ledger.clock,
         )
+        self.displaced = 0  # connections closed to make way for new ones
         self.connections: set[Connection] = set()
         self.jobs: set[asyncio.Task[None]] = set()  # every admitted job's execution
         self.buffers = Budget(config.max_buffer_bytes)  # payload bytes held, server-wide
@@ -83,23 +98,18 @@ class ServerState:
             return not self.started
         return self.listener.is_serving()
 
-    def open_connection(self, source: str) -> Refused | None:
-        """A new connection, on either listener: counted against its source's limit, or refused
-        (``max_connections``, the source's limit or its wait after failed keys), the refusal
-        counted."""
-        limit = self.config.max_connections
-        refused = (
-            Refused(
-                NeedCode.TOO_MANY_CONNECTIONS,
-                ErrorCode.QUOTA,
-                f"the server is at its limit of {limit} connections",
-            )
-            if len(self.connections) >= limit
-            else self.sources.open(source)
-        )
-        if refused is not None:
-            self.refused[refused.need_code] += 1
-        return refused
+    def open_connection(self, conn: Displaceable, source: str, *, idle: bool) -> Refused | None:
+        """A new connection, on either listener: counted (in place of an idle one, told why, at
+        a limit), or refused (at ``max_connections`` or its source's limit with no idle
+        connection to displace), the refusal counted."""
+        opened = self.sources.open(conn, source, idle=idle)
+        if isinstance(opened, Displaced):
+            self.displaced += 1
+            opened.victim.displace(opened.detail)
+            return None
+        if opened is not None:
+            self.refused[opened.need_code] += 1
+        return opened
 
     def certificate_tenant(self, transport: asyncio.BaseTransport) -> Tenant | None:
         """The tenant a TLS connection's verified client certificate names, if any."""

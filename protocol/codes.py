@@ -103,7 +103,7 @@ class NeedCode(StrEnum):
     IDLE_TIMEOUT = "idle_timeout"
     TOO_MANY_JOBS = "too_many_jobs"
     TOO_MANY_CONNECTIONS = "too_many_connections"  # extension
-    AUTH_BACKOFF = "auth_backoff"  # extension: the source's keys failed; it must wait
+    DISPLACED = "displaced"  # extension: an idle connection made way for a new one at a limit
 
 
 class ErrorCode(StrEnum):

@@ -37,7 +37,7 @@ from governor.server import Server
 from governor.tenants import TenantConfig
 
 from .conftest import RawConn, ServerFactory, outcomes, wait_until
-from .test_server import ping
+from .test_server import ping, share
 
 KEY = "k-front"
 TENANT = TenantConfig(name="front", key_sha256=hashlib.sha256(KEY.encode()).hexdigest())
@@ -848,15 +848,18 @@ async def assert_refused(client: Client, status: int, code: str) -> Answer:
 async def test_connections_over_the_limit_get_503_and_are_closed(
     make_server: ServerFactory, dial: Dial
 ) -> None:
+    """At max_connections with none idle (each has a request arriving), one more is refused."""
     server = await front(make_server, max_connections=2)
     held = [await dial(server) for _ in range(2)]
-    await wait_until(lambda: len(http_connections(server)) == 2)
+    for client in held:
+        client.send(post()[:20])  # a request begun: not idle
+    await wait_until(lambda: sum(c.arriving for c in http_connections(server)) == 2)
     third = await dial(server)
     answer = await assert_refused(third, 503, "too_many_connections")
     assert answer.headers["retry-after"] == "1"
     assert answer.headers["retry-after-ms"] == "1000"
     assert server.state.refused["too_many_connections"] == 1
-    held[0].send(get())  # the held ones are served meanwhile
+    held[0].send(post()[20:])  # the held ones are served meanwhile
     assert (await held[0].answer()).status == 200
     for client in held:
         client.abort()
@@ -866,13 +869,15 @@ async def test_connections_over_the_limit_get_503_and_are_closed(
 async def test_the_connection_limit_counts_both_listeners(
     make_server: ServerFactory, dial: Dial
 ) -> None:
-    server = await front(make_server, max_connections=2)
+    server = await front(make_server, max_connections=2, stub_ms=3000)
     tcp = await RawConn.open(server)
     try:
-        tcp.send(ping())
-        assert (await tcp.recv())["status"] == "ok"
+        inline = {"data": "x", "sha256": hashlib.sha256(b"x").hexdigest()}
+        tcp.send({**share("J_1", 1), "payload_inline": inline})
+        await wait_until(lambda: server.inflight == 1)  # a job running: not idle
         http = await dial(server)
-        await wait_until(lambda: len(server.state.connections) == 2)
+        http.send(post()[:20])
+        await wait_until(lambda: sum(c.arriving for c in http_connections(server)) == 1)
         await assert_refused(await dial(server), 503, "too_many_connections")
         other_tcp = await RawConn.open(server)
         try:
@@ -891,25 +896,38 @@ async def test_the_connection_limit_counts_both_listeners(
 async def test_one_source_at_its_limit_leaves_room_for_others(
     make_server: ServerFactory, dial: Dial
 ) -> None:
-    server = await front(make_server, max_connections=8, max_connections_per_source=2)
+    """An untrusted source's connections that showed a key hold its limit: one more is refused,
+    and another source is served."""
+    server = await front(
+        make_server,
+        tenants=(TENANT,),
+        max_connections=8,
+        max_connections_per_source=2,
+        trusted_sources="",
+    )
     held = [await dial(server) for _ in range(2)]
-    await wait_until(lambda: len(http_connections(server)) == 2)
+    for client in held:
+        client.send(post(BODY, f"Authorization: Bearer {KEY}"))
+        assert (await client.answer()).status == 200
     answer = await assert_refused(await dial(server), 503, "too_many_connections")
     assert "this address" in answer.json()["error"]["message"]
     other = await dial(server, source="127.0.0.2")
-    other.send(post())
+    other.send(post(BODY, f"Authorization: Bearer {KEY}"))
     assert (await other.answer()).status == 200
     for client in [*held, other]:
         client.abort()
     await wait_until(lambda: not http_connections(server))
     assert server.state.sources.open_by_source == {}
-    await assert_healthy(server)
+    assert idle(server)
 
 
-async def test_failed_keys_close_the_connection_and_make_the_source_wait(
+async def test_failed_keys_close_the_connection_and_not_the_neighbours(
     make_server: ServerFactory, dial: Dial
 ) -> None:
-    server = await front(make_server, tenants=(TENANT,), max_auth_failures=2, auth_backoff=30)
+    """The connection that fails ``max_auth_failures`` keys is closed; a new connection from
+    the same address with a valid key is served at once (the burst is not spent), over HTTP and
+    over TCP."""
+    server = await front(make_server, tenants=(TENANT,), max_auth_failures=2)
     client = await dial(server)
     client.send(post())  # no key
     first = await client.answer()
@@ -926,24 +944,53 @@ async def test_failed_keys_close_the_connection_and_make_the_source_wait(
     assert (second.status, second.headers["connection"]) == (401, "close")
     await client.closed()
     again = await dial(server)
-    answer = await assert_refused(again, 401, "auth_backoff")
-    assert "connect again" in answer.json()["error"]["message"]
-    tcp = await RawConn.open(server)  # the TCP listener makes the source wait too
+    again.send(post(BODY, f"Authorization: Bearer {KEY}"))
+    assert (await again.answer()).status == 200
+    tcp = await RawConn.open(server)
     try:
-        assert (await tcp.recv())["need_code"] == "auth_backoff"
+        tcp.send(ping())
+        assert (await tcp.recv())["status"] == "ok"
     finally:
         await tcp.close()
-    other = await dial(server, source="127.0.0.3")
-    other.send(post(BODY, f"Authorization: Bearer {KEY}"))
-    assert (await other.answer()).status == 200
-    other.abort()
+    again.abort()
+    await wait_until(lambda: idle(server) and not http_connections(server))
+
+
+async def test_a_key_past_the_burst_waits_for_its_turn_and_is_served(
+    make_server: ServerFactory, dial: Dial
+) -> None:
+    """Past the source's burst a new key is checked at its turn (the request waits), a valid
+    one is served and gives its turn back; a client that leaves gives its turn back too."""
+    server = await front(make_server, tenants=(TENANT,), auth_guess_burst=2, auth_guess_rate=0.5)
+    guesser = await dial(server)
+    guesser.send(b"".join(post(BODY, f"Authorization: Bearer guess-{i}") for i in range(2)))
+    assert [(await guesser.answer()).status for _ in range(2)] == [401, 401]
+    sources = server.state.sources
+    spent = sources._paid_at["127.0.0.1"]
+    leaving = await dial(server)
+    leaving.send(post(BODY, "Authorization: Bearer another-guess"))  # its turn: about 2 s away
+    await wait_until(lambda: sources._paid_at["127.0.0.1"] > spent)
+    leaving.abort()
+    await wait_until(lambda: sources._paid_at["127.0.0.1"] == spent)  # given back
+    keyed = await dial(server)
+    keyed.send(post(BODY, f"Authorization: Bearer {KEY}"))
+    assert (await keyed.answer()).status == 200
+    assert sources._paid_at["127.0.0.1"] == spent  # its turn given back
+    for client in (guesser, keyed):
+        client.abort()
     await wait_until(lambda: idle(server) and not http_connections(server))
 
 
 async def test_pipelined_guesses_get_max_auth_failures_answers_then_a_close(
     make_server: ServerFactory, dial: Dial
 ) -> None:
-    server = await front(make_server, tenants=(TENANT,), max_auth_failures=3, auth_backoff=30)
+    server = await front(
+        make_server,
+        tenants=(TENANT,),
+        max_auth_failures=3,
+        auth_guess_burst=3,
+        auth_guess_rate=0.1,
+    )
     client = await dial(server)
     client.send(b"".join(post(BODY, f"Authorization: Bearer guess-{i}") for i in range(10)))
     answers = [await client.answer() for _ in range(3)]

@@ -17,7 +17,7 @@ import pytest
 from clients import GovernorClient, RetryPolicy
 from governor.runners import Finished, Job, RunEvent, Token
 from governor.server import Server
-from governor.sources import MAX_WAITING, Sources, source_of
+from governor.sources import MAX_PACED, NOW, Sources, Turn, source_of
 from governor.tenants import TenantConfig
 from protocol.upload import split_payload
 
@@ -263,8 +263,15 @@ async def test_a_stream_nobody_reads_is_cut_at_the_write_budget_and_gives_its_sl
 
 
 async def test_one_source_at_its_limit_leaves_room_for_others(make_server: ServerFactory) -> None:
-    server = await make_server(max_connections=8, max_connections_per_source=4)
+    """An untrusted source's connections with work in flight hold its limit: one more is
+    refused, and another source is served."""
+    server = await make_server(
+        max_connections=8, max_connections_per_source=4, trusted_sources="", stub_ms=5000
+    )
     held = [await RawConn.open(server) for _ in range(4)]
+    for i, conn in enumerate(held):
+        conn.send(inline(f"J_{i}", 1, "working"))
+    await wait_until(lambda: server.inflight == 4)
     extra = await RawConn.open(server)
     try:
         refused = await extra.recv()
@@ -302,27 +309,38 @@ async def test_without_a_valid_key_within_the_grace_a_connection_is_closed(
         await keyed.close()
 
 
-async def test_guessing_keys_closes_the_connection_and_makes_the_source_wait(
+async def test_guessing_keys_closes_the_connection_and_paces_the_sources_keys(
     make_server: ServerFactory,
 ) -> None:
-    server = await make_server(tenants=(TENANT,), max_auth_failures=3, auth_backoff=30)
+    """Three failures close the connection; a client that reconnects to guess on gets its
+    keys checked at the source's rate, past its burst, and a valid key beside it is served."""
+    server = await make_server(
+        tenants=(TENANT,), max_auth_failures=3, auth_guess_burst=3, auth_guess_rate=4.0
+    )
     guesser = await RawConn.open(server)
     for i in range(1, 6):
         guesser.send(inline(f"J_{i}", 1, "x", api_key=f"guess-{i}"))
     answers = [await guesser.recv() for _ in range(3)]
     await guesser.recv_eof()
+    await guesser.close()
     assert [a["status"] for a in answers] == ["abort"] * 3
     assert [a["job"] for a in answers] == ["J_1", "J_2", "J_3"]  # one answer a job
-    assert "connect again" in answers[-1]["detail"]
-    again = await RawConn.open(server)
-    refused = await again.recv()
-    assert (refused["need_code"], refused["error_code"]) == ("auth_backoff", "unauthorized")
-    await again.recv_eof()
-    other = await RawConn.open(server, source="127.0.0.3")
-    other.send(inline("J_ok", 1, "fine", api_key=KEY))
-    assert (await other.recv())["status"] == "done"
-    for conn in (guesser, again, other):
+    assert "connection closes" in answers[-1]["detail"]
+    checked = 3
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while loop.time() - started < 1.5:  # reconnecting, a guess a frame
+        conn = await RawConn.open(server)
+        for i in range(3):
+            conn.send(inline(f"J_{i}", 1, "x", api_key=f"again-{checked}-{i}"))
+            checked += (await conn.recv())["need_code"] == "unauthorized"
         await conn.close()
+    elapsed = loop.time() - started
+    assert checked <= 3 + 4.0 * elapsed + 2  # the burst, then the rate (and a turn or two)
+    keyed = await RawConn.open(server)  # beside the guesser: waits its turn, is served
+    keyed.send(inline("J_ok", 1, "fine", api_key=KEY))
+    assert (await keyed.recv())["status"] == "done"
+    await keyed.close()
 
 
 def test_sources_group_ipv6_by_64_and_keep_ipv4_whole() -> None:
@@ -332,16 +350,17 @@ def test_sources_group_ipv6_by_64_and_keep_ipv4_whole() -> None:
     assert source_of("10.0.0.1") != source_of("10.0.0.2")
 
 
-def test_sources_bound_the_waits_they_remember_and_the_lines_they_log() -> None:
+def test_sources_bound_the_budgets_they_remember_and_the_lines_they_log() -> None:
     now = [0.0]
-    sources = Sources(2, 10.0, lambda: now[0])
-    for i in range(MAX_WAITING + 100):
-        sources.keys_failed(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}")
-    assert len(sources._waiting) == MAX_WAITING
-    assert sources.open("10.0.0.0") is None  # the oldest wait was forgotten first
-    refused = sources.open(f"10.0.{(MAX_WAITING + 99) >> 8}.{(MAX_WAITING + 99) & 255}")
-    assert refused is not None
-    assert refused.need_code == "auth_backoff"
+    sources: Sources[int] = Sources(
+        max_connections=8, max_per_source=2, guess_rate=1.0, guess_burst=1, clock=lambda: now[0]
+    )
+    for i in range(MAX_PACED + 100):
+        sources.key_checked(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", False, NOW)
+    assert len(sources._paid_at) == MAX_PACED
+    assert sources.key_turn("10.0.0.0", 10.0) is NOW  # the oldest budget was forgotten first
+    last = f"10.0.{(MAX_PACED + 99) >> 8}.{(MAX_PACED + 99) & 255}"
+    assert sources.key_turn(last, 10.0) == Turn(1.0, 2.0)
     logged = sum(sources.line("x") is not None for _ in range(1000))
     assert logged == 10  # the burst, then about one a second
     assert sources.unlogged == 990
@@ -349,7 +368,7 @@ def test_sources_bound_the_waits_they_remember_and_the_lines_they_log() -> None:
     assert sources.line("x") == "x (990 such lines not written)"
     assert sum(sources.line("x") is not None for _ in range(99)) == 4
     now[0] += 11.0
-    assert sources.open(f"10.0.{(MAX_WAITING + 99) >> 8}.{(MAX_WAITING + 99) & 255}") is None
+    assert sources.key_turn(last, 10.0) is NOW
 
 
 async def test_a_stalled_upload_beside_a_running_job_is_still_dropped_in_time(

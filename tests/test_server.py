@@ -204,24 +204,34 @@ async def test_finished_jobs_do_not_count_against_the_job_limit(
 
 
 async def test_connection_limit(make_server: ServerFactory, raw: Opener) -> None:
-    server = await make_server(max_connections=2)
+    """At max_connections a new connection displaces the oldest idle one, which is told why;
+    with every connection running a job, it is refused."""
+    server = await make_server(max_connections=2, stub_ms=3000)
     first, second = await raw(server), await raw(server)
     for conn in (first, second):
         conn.send(ping())
         assert (await conn.recv())["status"] == "ok"
     third = await raw(server)
-    reply = await third.recv()
+    displaced = await first.recv()
+    assert (displaced["status"], displaced["need_code"], displaced["error_code"]) == (
+        "abort",
+        "displaced",
+        "quota",
+    )
+    await first.recv_eof()
+    inline = {"data": "x", "sha256": hashlib.sha256(b"x").hexdigest()}
+    for i, conn in enumerate((second, third)):
+        conn.send({**share(f"J_{i}", 1), "payload_inline": inline})
+    await wait_until(lambda: server.inflight == 2)
+    fourth = await raw(server)
+    reply = await fourth.recv()
     assert (reply["status"], reply["need_code"], reply["error_code"]) == (
         "abort",
         "too_many_connections",
         "quota",
     )
-    await third.recv_eof()
-    await first.close()
-    await wait_until(lambda: len(server.connections) == 1)
-    fourth = await raw(server)
-    fourth.send(ping())
-    assert (await fourth.recv())["status"] == "ok"
+    await fourth.recv_eof()
+    assert server.state.displaced == 1
 
 
 async def test_upload_problems_get_their_need_codes(
