@@ -5,17 +5,22 @@ Kinds (issue 12's measurements, each bounded by ``--hold`` seconds, to 127.0.0.1
 - ``slow-readers``: ``--clients`` sockets with a 4 KiB receive buffer pipeline pings and
   read nothing.
 - ``budget``: 16 connections each declare 8 payloads of 8 MiB and send no chunk.
-- ``lockout``: ``--clients`` connections from 127.0.0.1, each pinging every 5 s.
+- ``lockout``: ``--clients`` connections from 127.0.0.1, each pinging every 5 s, and
+  reconnecting (at the next ping) when the daemon closed it.
 - ``keys``: one client guesses API keys as fast as the daemon answers, reconnecting when
-  closed (run the daemon with a tenant declared).
+  closed (run the daemon with a tenant declared); the report counts the keys checked
+  (``guesses``) and those refused unchecked, their turn too far off.
+- ``typo``: a misconfigured client: each second a new connection sends four jobs with a wrong
+  key in one write (run the daemon with a tenant declared).
 - ``tiny-chunks``: 8 connections each upload 65,535 chunks of 2 bytes and never the last one.
 - ``admin-trickle``: ``--clients`` connections to the HTTP listener (``--metrics-addr``), each
   sending its request head a byte every 3 s; reports the daemon's threads.
 - ``metrics-flood``: ``GET /metrics`` at ``--rate`` a second (8 clients, one request per
   connection) on the HTTP listener.
 
-Meanwhile a bystander on another loopback address (``--bystander``, default 127.0.0.2) pings
-every 50 ms; at the end it runs one small job. The report gives the daemon's RSS (``--pid``)
+Meanwhile a bystander on another loopback address (``--bystander``, default 127.0.0.2; give
+127.0.0.1 for a neighbour on the attacker's own address) pings every 50 ms; at the end it runs
+one small job. The report gives the daemon's RSS (``--pid``)
 before, at its highest and after, the bystander's ping latency and failures, the connections
 the daemon still holds at the end (its ``server.connections`` receipt) and the job's answer.
 """
@@ -33,7 +38,8 @@ import socket
 import time
 from typing import Any
 
-from protocol.codes import NeedCode, Receipt, Status, Verb
+from governor.sources import KEY_TURN_FAR
+from protocol.codes import Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
 
@@ -47,6 +53,7 @@ KINDS = (
     "budget",
     "lockout",
     "keys",
+    "typo",
     "tiny-chunks",
     "admin-trickle",
     "metrics-flood",
@@ -125,9 +132,11 @@ class Bystander:
                 writer.close()
 
     async def job(self) -> str:
+        """One job on a new connection: its answer, and the time from connecting to it."""
         data = "a bystander's job"
         inline = {"data": data, "sha256": hashlib.sha256(data.encode()).hexdigest()}
         share = encode_request(Verb.SHARE, "J_b", 1, inline=inline, api_key=self.api_key)
+        started = time.perf_counter()
         try:
             reader, writer = await self._open()
             try:
@@ -136,7 +145,8 @@ class Bystander:
                 writer.close()
         except (OSError, TimeoutError, ConnectionError, ReplyInvalid) as exc:
             return f"failed: {exc!r}"
-        return f"{reply.status} {reply.need_code or ''}".strip()
+        ms = (time.perf_counter() - started) * 1000
+        return f"{reply.status} {reply.need_code or ''}".strip() + f" in {ms:.0f} ms"
 
 
 async def slow_readers(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
@@ -189,22 +199,28 @@ async def budget(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any
 
 
 async def lockout(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
-    writers = []
-    for _ in range(args.clients):
+    async def connect() -> asyncio.StreamWriter | None:
         with contextlib.suppress(OSError):
             _, writer = await asyncio.open_connection(*args.addr)
-            writers.append(writer)
-    seq = 0
+            return writer
+        return None
+
+    writers = [await connect() for _ in range(args.clients)]
+    opened, seq = sum(w is not None for w in writers), 0
     while not stop.is_set():
         seq += 1
-        for writer in writers:
-            if not writer.transport.is_closing():  # (the daemon may have closed it)
+        for i, writer in enumerate(writers):
+            if writer is None or writer.transport.is_closing():  # the daemon closed it: again
+                writers[i] = writer = await connect()
+                opened += 1
+            if writer is not None:
                 writer.write(encode_request(Verb.PING, "J_l", seq))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 5.0)
     for writer in writers:
-        writer.close()
-    return {"attacker_connections": len(writers)}
+        if writer is not None:
+            writer.close()
+    return {"attacker_connections": args.clients, "connections_opened": opened}
 
 
 async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
@@ -221,19 +237,18 @@ async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
         connections += 1
         try:
             while not stop.is_set():
-                guesses += 1
                 writer.write(
                     encode_request(
                         Verb.SHARE, f"J_{guesses}", 1, inline=inline, api_key=f"g{guesses}"
                     )
                 )
-                line = await asyncio.wait_for(reader.readline(), 5)
+                line = await asyncio.wait_for(reader.readline(), 15)
                 if not line:
                     break
-                if decode_reply(line).need_code == NeedCode.AUTH_BACKOFF:
+                if decode_reply(line).detail == KEY_TURN_FAR:  # not checked: no guess
                     refused += 1
-                    guesses -= 1
-                    break
+                else:
+                    guesses += 1
         except (OSError, TimeoutError):
             pass
         finally:
@@ -243,8 +258,32 @@ async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
         "guesses": guesses,
         "guesses_per_s": round(guesses / elapsed, 1),
         "connections": connections,
-        "refused_auth_backoff": refused,
+        "refused_unchecked": refused,
     }
+
+
+async def typo(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
+    """A misconfigured client: every second, a new connection and four jobs with a wrong key
+    in one write (it is closed after ``max_auth_failures`` of them)."""
+    data = "x"
+    inline = {"data": data, "sha256": hashlib.sha256(data.encode()).hexdigest()}
+    rounds = answered = 0
+    while not stop.is_set():
+        rounds += 1
+        with contextlib.suppress(OSError, TimeoutError):
+            reader, writer = await asyncio.open_connection(*args.addr)
+            writer.write(
+                b"".join(
+                    encode_request(Verb.SHARE, f"J_{i}", 1, inline=inline, api_key="k-typo")
+                    for i in range(4)
+                )
+            )
+            while await asyncio.wait_for(reader.readline(), 5):
+                answered += 1
+            writer.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+    return {"rounds": rounds, "answers": answered}
 
 
 async def tiny_chunks(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
@@ -365,6 +404,7 @@ ATTACKS = {
     "budget": budget,
     "lockout": lockout,
     "keys": keys,
+    "typo": typo,
     "tiny-chunks": tiny_chunks,
     "admin-trickle": admin_trickle,
     "metrics-flood": metrics_flood,

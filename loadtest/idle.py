@@ -3,8 +3,9 @@
 Opens ``--connections`` TCP (or, with ``--tls-ca``, TLS) connections that send nothing, holds them ``--hold`` seconds, then
 pings through one more to show the daemon still answers. With ``--pid`` (the daemon's) it reads
 the daemon's resident memory (``VmRSS`` in ``/proc/PID/status``) before and with them open.
-Raise the daemon's ``--max-connections`` (and both sides' open-file limits) above the count, and
-its ``--max-connections-per-source`` (or set it to 0): every connection comes from this host.
+Raise the daemon's ``--max-connections`` (and both sides' open-file limits) above the count (at
+the limit, a new connection displaces the oldest idle one). Every connection comes from
+loopback, which ``trusted_sources`` exempts from ``--max-connections-per-source`` by default.
 """
 
 from __future__ import annotations

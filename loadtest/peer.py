@@ -3,9 +3,10 @@
 Starts each daemon itself (the governor's stub runner, and ``heptaminid`` from ``--heptaminid``:
 built from heptamini's public source, outside this repository) on a free loopback port, with
 the flags of one scenario of ``../shared/bench/README.md``, and loads it with that scenario's
-``burst.py`` command. Runs alternate (governor, heptaminid, heptaminid, governor, ...) so that a
-drift of this shared machine falls on both. Each run reports burst.py's jobs (or pings) per
-second and the daemon's CPU time per job, read from ``/proc/PID/stat`` before and after the
+``burst.py`` command; the governor runs on its defaults but for the scenario's cap and stub.
+Runs alternate (governor, heptaminid, heptaminid, governor, ...) so that a drift of this shared
+machine falls on both. Each run reports burst.py's finished jobs (yields, for the yield
+scenario; pings) per second, how its jobs ended, and the daemon's CPU time per job, read from ``/proc/PID/stat`` before and after the
 load; the summary gives the medians and the governor's ratios to heptaminid's. Every daemon is
 stopped by its own PID.
 
@@ -50,7 +51,7 @@ SCENARIOS = {
         1,
         60_000,
         ("--clients", "1000", "--rounds", "5", "--saturate", "1", "--procs", "2"),
-        "jobs_per_s",  # each job ends in a yield
+        "yield_per_s",  # each job should end in a yield: any other end is not counted
     ),
 }
 
@@ -172,10 +173,6 @@ def daemon_command(
         str(scenario.cap),
         "--stub-ms",
         str(scenario.stub_ms),
-        "--max-connections",
-        "4096",
-        "--max-connections-per-source",  # every client is on loopback
-        "0",
         *args.governor_arg,
     ]
 
@@ -200,11 +197,16 @@ def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[st
     finally:
         stop(proc)
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    rate = summary[scenario.rate_key]
+    if scenario.rate_key == "yield_per_s":
+        rate = round(summary["yield"] / summary["wall_s"], 1)
+    else:
+        rate = summary[scenario.rate_key]
     count = rate * summary["wall_s"] if "wall_s" in summary else None
     return {
         "daemon": which,
         "rate": rate,
+        "ends": {k: summary[k] for k in ("done", "yield", "abort", "need") if summary.get(k)},
+        "need_codes": summary.get("need_codes", {}),
         "errors": summary["errors"],
         "cpu_us_per_job": round(cpu / count * 1e6, 1) if count else None,
         "summary": summary,
@@ -240,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         runs.append(result)
         print(
             f"{which:>10}: {result['rate']:>9} /s  {result['cpu_us_per_job']} µs CPU per job"
-            f"  {result['errors']} errors"
+            f"  {result['errors']} errors  ends {result['ends']}  {result['need_codes']}"
         )
     medians: dict[str, dict[str, float | None]] = {}
     for which in daemons:

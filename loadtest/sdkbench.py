@@ -97,8 +97,6 @@ def governor_command(args: argparse.Namespace, model: Path, http_port: int) -> l
         str(args.max_inflight),
         "--max-connections",
         str(max(1024, 2 * args.clients)),
-        "--max-connections-per-source",  # every client is on loopback
-        "0",
         "--probe-interval",  # no readiness probe during the run
         "600",
         "--log-level",
