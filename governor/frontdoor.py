@@ -211,7 +211,7 @@ class HttpConnection(asyncio.Protocol):
         remembered."""
         state = self.state
         tenant = state.tenants.find(key)
-        state.sources.key_checked(self.source, tenant is not None, turn)
+        state.sources.key_checked(self.source, key, tenant is not None, turn)
         if tenant is not None:
             self.keys[key] = tenant
             self.authenticated = True
@@ -593,8 +593,14 @@ class Exchange:
         prepared and decided."""
         conn = self.conn
         key = _bearer(_header(request, b"authorization"))
-        if key is not None and key not in conn.keys and not conn.state.tenants.open:
-            turn = conn.state.sources.key_turn(conn.source, conn.config.auth_grace)
+        sources = conn.state.sources
+        if (
+            key is not None
+            and key not in conn.keys
+            and not conn.state.tenants.open
+            and not sources.failed_before(conn.source, key)
+        ):
+            turn = sources.key_turn(conn.source, conn.config.auth_grace)
             if turn is None:  # the guessers' turns are many: refused for now, unchecked
                 self.fail(
                     api.ApiError(

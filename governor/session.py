@@ -361,9 +361,14 @@ class Session:
             self._send(error_reply(exc, job, seq + 1, self.last_ttl_ms, self._receipts()))
             return
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
-        key = req.api_key
-        if key is not None and key not in self.keys and self._looks_up(req):
-            turn = self.state.sources.key_turn(self.source, self.config.auth_grace)
+        key, sources = req.api_key, self.state.sources
+        if (
+            key is not None
+            and key not in self.keys
+            and self._looks_up(req)
+            and not sources.failed_before(self.source, key)
+        ):
+            turn = sources.key_turn(self.source, self.config.auth_grace)
             if turn is None:  # the guessers' turns are many: refused for now, unchecked
                 if req.verb != Verb.PING:
                     self._abort(req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, KEY_TURN_FAR)
@@ -389,7 +394,7 @@ class Session:
     def _check_key(self, key: str, turn: Turn) -> None:
         """Check a key not yet seen on this connection; a valid one is remembered."""
         tenant = self.state.tenants.find(key)
-        self.state.sources.key_checked(self.source, tenant is not None, turn)
+        self.state.sources.key_checked(self.source, key, tenant is not None, turn)
         if tenant is not None:
             self.keys[key] = tenant
             self.authenticated = True

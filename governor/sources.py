@@ -19,7 +19,9 @@ to work, and a burst of clients from one machine is served as it comes.
 guess_rate`` seconds: once that budget is spent, each key a connection of the source shows for
 the first time waits for its turn (:meth:`key_turn`) rather than be checked at once, and a key
 that fails spends a turn. A valid key spends nothing (its reserved turn is given back), and a
-connection that has shown a key is not asked for it again. A client beside a guesser on the
+connection that has shown a key is not asked for it again; a key that failed lately from the
+source is refused again at once, unchecked, spending nothing (the last
+:data:`MAX_FAILED_KEYS` are remembered, as digests). A client beside a guesser on the
 same address is therefore not refused for the guesser's failures: at worst its first key
 waits its turn behind the guesser's (a turn further off than ``auth_grace`` is not given: the
 key is refused for now, the guessers' turns being that many). Guessing itself stays at the
@@ -35,6 +37,7 @@ or displaced connections are logged at a bounded rate (:meth:`Sources.line`).
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -45,6 +48,7 @@ from protocol.codes import ErrorCode, NeedCode
 from .tenants import TokenBucket
 
 MAX_PACED = 4096
+MAX_FAILED_KEYS = 4096
 LOG_LINES_PER_S = 1.0
 LOG_BURST = 10.0
 LOOPBACK = ("127.0.0.0/8", "::1/128")
@@ -54,6 +58,10 @@ KEY_TURN_FAR = (
 )
 
 C = TypeVar("C", bound=Hashable)  # a connection, as the listener knows it
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
 
 
 def source_of(host: str) -> str:
@@ -139,6 +147,7 @@ class Sources(Generic[C]):
         # A source whose budget is not whole: when its failures are paid off (GCRA's
         # theoretical arrival time). The dict's order is the order of last change.
         self._paid_at: dict[str, float] = {}
+        self._failed: dict[tuple[str, bytes], None] = {}  # (source, key's sha256): the latest
         self._log = TokenBucket(LOG_LINES_PER_S, LOG_BURST, clock())
         self.unlogged = 0  # lines not written since the last one that was
 
@@ -255,9 +264,20 @@ class Sources(Generic[C]):
         self._pay(source, end, now)
         return Turn(wait, end)
 
-    def key_checked(self, source: str, valid: bool, turn: Turn) -> None:
+    def failed_before(self, source: str, key: str) -> bool:
+        """Whether ``key`` failed from ``source`` lately: refused again without a check or a
+        turn (it tells a guesser nothing new, and a misconfigured client retrying its wrong key
+        spends nothing of its neighbours' budget)."""
+        return (source, _digest(key)) in self._failed
+
+    def key_checked(self, source: str, key: str, valid: bool, turn: Turn) -> None:
         """A key from ``source`` was checked, at ``turn``: a failed one spends a turn (a turn
-        reserved for it already is), a valid one none."""
+        reserved for it already is) and is remembered; a valid one spends none."""
+        if not valid:
+            failed = self._failed
+            failed[(source, _digest(key))] = None
+            if len(failed) > MAX_FAILED_KEYS:
+                del failed[next(iter(failed))]
         if turn is NOW:
             if not valid:
                 now = self.clock()

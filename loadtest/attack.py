@@ -249,7 +249,7 @@ async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
                     refused += 1
                 else:
                     guesses += 1
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError, RuntimeError):  # (uvloop: a write after the close)
             pass
         finally:
             writer.close()

@@ -17,7 +17,7 @@ import pytest
 from clients import GovernorClient, RetryPolicy
 from governor.runners import Finished, Job, RunEvent, Token
 from governor.server import Server
-from governor.sources import MAX_PACED, NOW, Sources, Turn, source_of
+from governor.sources import MAX_FAILED_KEYS, MAX_PACED, NOW, Sources, Turn, source_of
 from governor.tenants import TenantConfig
 from protocol.upload import split_payload
 
@@ -356,8 +356,11 @@ def test_sources_bound_the_budgets_they_remember_and_the_lines_they_log() -> Non
         max_connections=8, max_per_source=2, guess_rate=1.0, guess_burst=1, clock=lambda: now[0]
     )
     for i in range(MAX_PACED + 100):
-        sources.key_checked(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", False, NOW)
+        sources.key_checked(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", "k", False, NOW)
     assert len(sources._paid_at) == MAX_PACED
+    assert len(sources._failed) == MAX_FAILED_KEYS  # the wrong keys remembered, the latest
+    assert not sources.failed_before("10.0.0.0", "k")
+    assert sources.failed_before(f"10.0.{(MAX_PACED + 99) >> 8}.{(MAX_PACED + 99) & 255}", "k")
     assert sources.key_turn("10.0.0.0", 10.0) is NOW  # the oldest budget was forgotten first
     last = f"10.0.{(MAX_PACED + 99) >> 8}.{(MAX_PACED + 99) & 255}"
     assert sources.key_turn(last, 10.0) == Turn(1.0, 2.0)

@@ -81,6 +81,30 @@ async def test_four_wrong_keys_from_one_client_cost_its_neighbours_nothing(
             await conn.close()
 
 
+async def test_a_client_retrying_its_wrong_key_spends_nothing_of_its_neighbours(
+    make_server: ServerFactory, dial: Dial
+) -> None:
+    """A misconfigured client sends its one wrong key again and again, on new connections, on
+    both listeners, far past the burst: the key is refused at once each time, unchecked, so
+    the budget is never spent and a neighbour's valid key is checked at once."""
+    server = await front(make_server, tenants=TENANTS, auth_guess_burst=2, stub_ms=20)
+    for round_ in range(6):
+        conn = await RawConn.open(server)
+        for i in range(3):
+            conn.send(inline(f"J_{round_}_{i}", api_key="k-typo"))
+        assert [(await conn.recv())["need_code"] for _ in range(3)] == ["unauthorized"] * 3
+        await conn.close()
+        http = await dial(server)
+        http.send(post(BODY, "Authorization: Bearer k-typo"))
+        assert (await http.answer()).status == 401
+        http.abort()
+    assert server.state.sources.waiting == 0
+    neighbour = await RawConn.open(server)
+    neighbour.send(inline("J_n", api_key=KEY))
+    assert (await neighbour.recv())["status"] == "done"
+    await neighbour.close()
+
+
 async def test_a_reconnecting_guesser_leaves_a_valid_key_beside_it_served(
     make_server: ServerFactory,
 ) -> None:
@@ -406,7 +430,7 @@ def test_failed_keys_are_checked_at_most_at_the_rate_after_the_burst(
             if leaves:
                 sources.turn_unused(source, turn)
             else:
-                sources.key_checked(source, valid, turn)
+                sources.key_checked(source, f"k{n}", valid, turn)
                 if not valid:
                     failed_at.append(now[0])
 
@@ -419,7 +443,7 @@ def test_failed_keys_are_checked_at_most_at_the_rate_after_the_burst(
         if not failed_at and not waiting:
             assert turn is NOW
         if turn is NOW:
-            sources.key_checked(source, valid, turn)
+            sources.key_checked(source, f"k{n}", valid, turn)
             if not valid:
                 failed_at.append(now[0])
         else:
@@ -435,7 +459,10 @@ def test_a_turn_further_than_the_wait_allowed_is_not_reserved() -> None:
     sources: Sources[int] = Sources(
         max_connections=1, max_per_source=0, guess_rate=1.0, guess_burst=1, clock=lambda: now[0]
     )
-    sources.key_checked("s", False, NOW)
+    sources.key_checked("s", "k-wrong", False, NOW)
+    assert sources.failed_before("s", "k-wrong")  # the same key again: refused, unchecked
+    assert not sources.failed_before("s", "k-other")
+    assert not sources.failed_before("t", "k-wrong")
     first = sources.key_turn("s", max_wait=2.0)
     assert first == Turn(1.0, 2.0)  # reserved: the next is 2 s away
     second = sources.key_turn("s", max_wait=2.0)
