@@ -6,7 +6,7 @@ Kinds (issue 12's measurements, each bounded by ``--hold`` seconds, to 127.0.0.1
   read nothing.
 - ``budget``: 16 connections each declare 8 payloads of 8 MiB and send no chunk.
 - ``lockout``: ``--clients`` connections from 127.0.0.1, each pinging every 5 s, and
-  reconnecting (at the next ping) when the daemon closed it.
+  reconnecting at once when the daemon closed it.
 - ``keys``: one client guesses API keys as fast as the daemon answers, reconnecting when
   closed (run the daemon with a tenant declared); the report counts the keys checked
   (``guesses``) and those refused unchecked, their turn too far off.
@@ -199,27 +199,36 @@ async def budget(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any
 
 
 async def lockout(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
-    async def connect() -> asyncio.StreamWriter | None:
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection(*args.addr)
-            return writer
-        return None
+    opened = 0
 
-    writers = [await connect() for _ in range(args.clients)]
-    opened, seq = sum(w is not None for w in writers), 0
-    while not stop.is_set():
-        seq += 1
-        for i, writer in enumerate(writers):
-            if writer is None or writer.transport.is_closing():  # the daemon closed it: again
-                writers[i] = writer = await connect()
-                opened += 1
-            if writer is not None:
-                writer.write(encode_request(Verb.PING, "J_l", seq))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 5.0)
-    for writer in writers:
-        if writer is not None:
-            writer.close()
+    async def flood(first_ping: float) -> None:
+        nonlocal opened
+        await asyncio.sleep(first_ping)
+        seq = 0
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(*args.addr)
+            except OSError:
+                await asyncio.sleep(1.0)
+                continue
+            opened += 1
+            try:
+                while not stop.is_set():
+                    seq += 1
+                    writer.write(encode_request(Verb.PING, "J_l", seq))
+                    line = await asyncio.wait_for(reader.readline(), 10)
+                    if not line or decode_reply(line).status != Status.OK:
+                        break  # closed (displaced, or no key within auth_grace): again
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 5.0)
+            except (OSError, TimeoutError, RuntimeError, ReplyInvalid):
+                pass
+            finally:
+                writer.close()
+
+    tasks = [asyncio.create_task(flood(i / args.clients)) for i in range(args.clients)]
+    await stop.wait()
+    await asyncio.gather(*tasks)
     return {"attacker_connections": args.clients, "connections_opened": opened}
 
 
@@ -245,10 +254,11 @@ async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
                 line = await asyncio.wait_for(reader.readline(), 15)
                 if not line:
                     break
-                if decode_reply(line).detail == KEY_TURN_FAR:  # not checked: no guess
+                reply = decode_reply(line)
+                if reply.need_code == "unauthorized" and reply.detail != KEY_TURN_FAR:
+                    guesses += 1  # (checked, and failed)
+                else:  # not checked: a key whose turn is far off, or an address refused
                     refused += 1
-                else:
-                    guesses += 1
         except (OSError, TimeoutError, RuntimeError):  # (uvloop: a write after the close)
             pass
         finally:
@@ -258,7 +268,7 @@ async def keys(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
         "guesses": guesses,
         "guesses_per_s": round(guesses / elapsed, 1),
         "connections": connections,
-        "refused_unchecked": refused,
+        "refused_unchecked": refused,  # (before 2026-11-26: auth_backoff refusals)
     }
 
 

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -517,3 +518,27 @@ async def test_a_frame_waiting_for_its_turn_stops_the_reading(
     await wait_until(lambda: len(server.connections) == 1)
     assert sources._paid_at.get("127.0.0.1", spent) <= spent  # the turn given back
     await failer.close()
+
+
+async def test_an_sdk_whose_kept_alive_connection_was_displaced_is_served_on_a_new_one(
+    make_server: ServerFactory, dial: Dial
+) -> None:
+    """httpx (the OpenAI SDK's transport) keeps its connection alive between requests; once it
+    is displaced (its unasked 503 and the close wait on the socket), the next request goes out
+    on a new connection and is served: the 503 is never taken for its answer."""
+    server = await front(make_server, max_connections=2)
+    address = server.http_address
+    assert address is not None
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=f"http://{address[0]}:{address[1]}") as sdk:
+        assert (await sdk.post("/v1/chat/completions", json=body)).status_code == 200
+        others = [await dial(server), await dial(server)]  # the second displaces the SDK's
+        await wait_until(lambda: server.state.displaced == 1)
+        others[0].send(post()[:10])  # a request arriving: not idle
+        others[1].send(post()[:10])
+        await wait_until(lambda: sum(c.arriving for c in http_connections(server)) == 2)
+        for other in others:
+            other.abort()  # room again
+        await wait_until(lambda: not http_connections(server))
+        answer = await sdk.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200
