@@ -487,6 +487,8 @@ async def test_on_the_defaults_a_burst_from_loopback_passes_the_per_source_limit
     for conn in burst:
         conn.send(ping())
     assert [(await conn.recv())["status"] for conn in burst] == ["ok"] * 300
+    assert len(server.connections) == 300
+    assert server.state.displaced == 0
     for conn in burst:
         await conn.close()
     await wait_until(lambda: not server.connections)
