@@ -385,6 +385,10 @@ class Fleet:
             log.debug("fleet store failed a %s: %r", "renewal" if renew else "release", exc)
             return False
         gate.reached(trial=trial, replicas=replicas if renew else None)
+        # A cancel that redis-py hid by finishing the command: stop now, not when the wait
+        # for the next renewal (lease_ttl / 3) runs out and finds it (a server's close waited
+        # that long).
+        _reraise_cancel()
         return True
 
     def _changed(self, before: BreakerState, after: BreakerState, why: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import signal
 import time
@@ -188,6 +189,38 @@ async def test_releases_that_come_while_a_batch_is_written_are_written_next() ->
     finally:
         writer.cancel()
         await asyncio.gather(writer, return_exceptions=True)
+
+
+class CancelHidingStore(SlowStore):
+    """A store whose renewal, once begun, finishes and answers even if its task is cancelled
+    meanwhile, as redis-py may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renewing = asyncio.Event()
+
+    async def renew(self, leases: list[Lease], *, ttl_ms: int, replica: str) -> int:
+        self.renewals += 1
+        self.renewing.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.gate.wait()
+        return 1
+
+
+async def test_a_cancel_the_store_hides_still_stops_the_writer_at_once() -> None:
+    """The writer cancelled (the server closing) while redis-py finishes a renewal and hides the
+    cancel: it stops then, not when its wait for the next renewal runs out."""
+    from governor.fleetstore import Fleet
+
+    store = CancelHidingStore()
+    fleet = Fleet(gate(FakeClock(), lease_ttl_s=30.0), store)  # type: ignore[arg-type]
+    writer = asyncio.create_task(fleet.run())
+    await store.renewing.wait()
+    writer.cancel()
+    done, _ = await asyncio.wait([writer], timeout=5)  # (the next renewal: 10 s away)
+    assert done == {writer}
+    assert writer.cancelled()
+    assert store.renewals == 1
 
 
 # The store's script, against a real Redis ----------------------------------------------------

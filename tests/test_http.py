@@ -173,7 +173,7 @@ async def test_upstream_failures_become_coded_aborts(
 
 async def test_an_unreachable_upstream_stops_startup() -> None:
     runner = HttpRunner(
-        HttpSettings(upstream=f"http://127.0.0.1:{free_port()}", start_timeout_s=1.0)
+        HttpSettings(upstream=f"http://127.0.0.1:{free_port()}", start_timeout_s=0.1)
     )
     with pytest.raises(RunnerStartError, match="cannot be reached"):
         await runner.start()

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from clients import NO_RETRY, GovernorClient
 from governor.overload import State
 from governor.runners import Finished, Token
+from governor.runners import llama as llama_runner
 from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_path
 from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
@@ -334,9 +335,18 @@ async def test_a_hung_worker_is_killed_at_the_job_deadline(llama: Any) -> None:
     assert after.done
 
 
-async def test_a_hung_worker_fails_readiness_while_liveness_holds(llama: Any) -> None:
+async def test_a_hung_worker_fails_readiness_while_liveness_holds(
+    llama: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # (A loaded run once saw no first readiness within 10 s with 1 s probes: both are looser;
     # the stopped worker still fails a probe within 3 s.)
+    # A worker owing a cancel with no job in hand is hung after CANCEL_GRACE_S: here the
+    # probes give the stopped worker a new job 0.2 s after each one's cancel, so it is seen
+    # with none only between two, and only by a look that falls there: every 50 ms rather than
+    # every second, and a grace of 2 s rather than 10, so that it is killed within seconds
+    # (it took 13 to 30) of the readiness failure. A live worker confirms a cancel at once.
+    monkeypatch.setattr(llama_runner, "CANCEL_GRACE_S", 2.0)
+    monkeypatch.setattr(llama_runner, "WATCH_S", 0.05)
     server = await llama(metrics_listen="127.0.0.1:0", probe_interval=0.2, probe_timeout=3.0)
     runner = server.runner
     assert isinstance(runner, LlamaRunner)

@@ -185,15 +185,16 @@ async def test_noisy_neighbour_gets_only_its_cap(make_server: ServerFactory) -> 
             watch()
             return str(result.status), time.monotonic() - start, result.reply.need_code
 
-    async def sampler() -> None:
-        for _ in range(100):
+    async def sampler(jobs: asyncio.Future[Any]) -> None:
+        while not jobs.done():
             watch()
             await asyncio.sleep(0.01)
 
     # The noisy tenant bursts 10 times its quota of 1 slot; the quiet one sends 3 jobs.
-    results = await asyncio.gather(
-        *(job("noisy-key") for _ in range(10)), *(job("quiet-key") for _ in range(3)), sampler()
+    jobs = asyncio.gather(
+        *(job("noisy-key") for _ in range(10)), *(job("quiet-key") for _ in range(3))
     )
+    results, _ = await asyncio.gather(jobs, sampler(jobs))
     noisy = [r for r in results[:10] if r is not None]
     quiet = [r for r in results[10:13] if r is not None]
     assert peak["noisy"] <= 1
