@@ -405,8 +405,12 @@ async def run_job(server: Server, name: str, payload: bytes, attempts: int = 1) 
 
 
 async def fleet_of(make_server: ServerFactory, url: str, n: int, **config: Any) -> list[Server]:
+    """``n`` replicas on one store. Their store deadline is a second (a third of a shorter
+    lease_ttl), not the 50 ms default: on a loaded machine a Redis round trip can take longer,
+    and a test of the fleet's limits must not turn into one of its fail-open."""
     config.setdefault("stub_ms", 300)
     config.setdefault("max_inflight", 2)
+    config.setdefault("fleet_timeout", min(1.0, config.get("lease_ttl", 10.0) / 3))
     return [await make_server(redis_url=url, **config) for _ in range(n)]
 
 
