@@ -619,7 +619,9 @@ def test_attack_lockout_leaves_the_bystander_served(
         *("--clients", "64", "--hold", "1", "--bystander", "127.0.0.1", "--api-key", "k-by"),
     )
     assert report["attack"]["attacker_connections"] == 64
-    assert report["connections_held_at_end"] == 64  # the limit: the bystander's among them
+    # The flood holds the limit (the bystander's among them), but for the attackers
+    # reconnecting after a bystander's connection displaced them.
+    assert 48 < report["connections_held_at_end"] <= 64
     assert report["bystander_job"].startswith("done in ")
     assert report["bystander_failures"] == 0
     assert report["bystander_pings"] > 0
