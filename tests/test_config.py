@@ -92,6 +92,10 @@ def test_every_field_is_a_flag_and_flags_override_the_file(tmp_path: Path) -> No
         ({"heavy_tpot_slo_ms": -1}, "heavy_tpot_slo_ms must not be negative"),
         ({"interactive_stall": 0.5}, "interactive_stall must be 0"),
         ({"kv_type": "q4_0"}, "kv_type must be one of f16, q8_0"),
+        ({"auth_backoff": 10.0}, "'auth_backoff' is gone: failed keys now slow"),
+        ({"trusted_sources": "10.0.0.0/8, nowhere"}, "trusted_sources: 'nowhere' is not"),
+        ({"auth_guess_rate": 0}, "auth_guess_rate must be positive"),
+        ({"auth_guess_burst": 0}, "auth_guess_burst must be at least 1"),
     ],
 )
 def test_invalid_values_are_refused(values: dict[str, object], message: str) -> None:
