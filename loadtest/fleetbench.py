@@ -38,7 +38,7 @@ from governor.fleet import FleetGate, FleetSettings
 from governor.fleetstore import RedisStore
 from governor.tenants import TenantConfig
 
-from .fleet import Replica, replica_set
+from .fleet import Replica, by_label, replica_set
 from .redisserver import RedisServer
 from .stats import percentile
 
@@ -196,6 +196,13 @@ async def measure_cap(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
                 *(closed_loop(fleet[i % 3].addr, tally, until) for i in range(args.clients))
             )
             most, most_replicas, samples, mean = await sampler
+            answers: collections.Counter[str] = collections.Counter()
+            for read in await asyncio.gather(*(r.metrics() for r in fleet)):
+                answers.update(by_label(read or [], "governor_fleet_answers_total", "answer"))
+    # A replica that found the store too slow (``fleet_timeout``) decides on its share of the
+    # cap for a while, beside the others' leases in the store: the sum may pass the cap then,
+    # by design (the lanes that fail open), and only then.
+    on_share = int(answers["on_share"])
     return {
         "replicas": 3,
         "replica_max_inflight": args.max_inflight,
@@ -206,6 +213,8 @@ async def measure_cap(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         "store_samples": samples,
         "mean_leases_in_store": round(mean, 2),
         "held": most <= cap and most_replicas <= cap,
+        "fleet_answers": {k: int(v) for k, v in sorted(answers.items())},
+        "admitted_on_share": on_share,
         "jobs_done": tally.done,
         "jobs_per_s": round(tally.done / args.duration, 1),
         "yields": dict(tally.yields),

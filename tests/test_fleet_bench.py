@@ -25,8 +25,12 @@ def test_the_fleet_cap_holds_under_racing_clients(tmp_path: Path) -> None:
         duration=2.0, clients=60, fleet_cap=6, max_inflight=4, stub_ms=30, fleet_timeout=1.0
     )
     report = uvloop.run(fleetbench.measure_cap(tmp_path, args))
-    assert report["max_leases_in_store"] <= 6
-    assert report["max_sum_of_replica_leases_two_rounds"] <= 6
+    assert report["max_leases_in_store"] <= 6, report
+    # The replicas' own counts stay within the cap while each asks the store. One that found
+    # the store slower than fleet_timeout (a loaded machine) admits within its share (6/3)
+    # beside the others' leases: at most the two other replicas' shares over the cap then.
+    over = 0 if report["admitted_on_share"] == 0 else 2 * 2
+    assert report["max_sum_of_replica_leases_two_rounds"] <= 6 + over, report
     assert report["max_leases_in_store"] == 6  # it was reached: the cap bound
     assert report["jobs_done"] > 0
     assert report["yields"].get("fleet_busy", 0) > 0
