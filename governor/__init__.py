@@ -3,8 +3,8 @@
 Find your way in:
 
 * ``protocol/`` (a top-level package): the sans-IO codec shared with the clients.
-* :mod:`governor.ledger`: the admission ledger, the hard cap and the retry hint.
-* :mod:`governor.connection`: one client connection, from bytes to admission and back.
+* :mod:`governor.core.ledger`: the admission ledger, the hard cap and the retry hint.
+* :mod:`governor.listeners.tcp`: one client connection, from bytes to admission and back.
 * :mod:`governor.server`: the daemon's lifecycle (start, serve, drain, stop).
 * :mod:`governor.runners`: what executes admitted jobs.
 """

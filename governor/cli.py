@@ -17,8 +17,9 @@ from typing import Any
 
 import orjson
 
-from . import __version__, logs, memory
+from . import __version__
 from .config import CLI_FIELDS, Config, ConfigError, parse_address
+from .ops import logs, memory
 from .runners import RunnerStartError
 from .server import Server
 

@@ -17,10 +17,10 @@ from typing import Any
 from protocol import addresses
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
-from .policy import LANES, Lane
-from .slo import DEFAULT_OBJECTIVES, DEFAULT_STALL, Objectives, SloPolicy
-from .sources import LOOPBACK, parse_networks
-from .tenants import TenantConfig
+from .core.policy import LANES, Lane
+from .core.slo import DEFAULT_OBJECTIVES, DEFAULT_STALL, Objectives, SloPolicy
+from .core.sources import LOOPBACK, parse_networks
+from .core.tenants import TenantConfig
 
 RUNNERS = ("llama", "http", "stub")
 KV_TYPES = ("f16", "q8_0")

@@ -25,22 +25,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 from protocol.codes import ErrorCode, NeedCode
 from protocol.frames import Request
 
-from .admission import BACKEND_FAILURES, Attempt, Ticket
-from .ledger import Completed, Refusal
-from .logs import event
-from .policy import Lane
+from .core.admission import BACKEND_FAILURES, Attempt, Ticket
+from .core.ledger import Completed, Refusal
+from .core.policy import Lane
+from .core.slo import judge, share
+from .ops.logs import event
 from .runners import Fed, RunnerError, Token
-from .slo import judge, share
 from .state import ServerState
 
 if TYPE_CHECKING:
+    from .core.overload import OverloadController
     from .fleetstore import Fleet
-    from .overload import OverloadController
 
-# Ends judged against the objectives as misses (see governor.slo); "done" is judged too.
+# Ends judged against the objectives as misses (see governor.core.slo); "done" is judged too.
 JUDGED_FAILURES = BACKEND_FAILURES | {NeedCode.TTL_EXPIRED}
 
-log = logging.getLogger("governor.connection")
+log = logging.getLogger("governor.listeners.tcp")
 jobs_log = logging.getLogger("governor.jobs")
 
 

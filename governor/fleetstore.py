@@ -1,6 +1,6 @@
 """The fleet's store on Redis: one script call per admission, releases and renewals in batches.
 
-The decisions are :mod:`governor.fleet`'s; this module only talks to Redis (redis-py's asyncio
+The decisions are :mod:`governor.core.fleetgate`'s; this module only talks to Redis (redis-py's asyncio
 client, hiredis parsing its replies). Its three Lua scripts are loaded once and called by their
 hash (``EVALSHA``; redis-py loads a script again if the server lost it). Times are the Redis
 server's own (``TIME``), so the replicas' clocks never need to agree.
@@ -27,14 +27,14 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .breaker import BreakerState
-from .fleet import Answer, Ask, FleetGate, Lease
-from .ledger import Refusal
-from .logs import event
-from .metrics import Histogram
-from .tenants import TenantConfig
+from .core.breaker import BreakerState
+from .core.fleetgate import Answer, Ask, FleetGate, Lease
+from .core.ledger import Refusal
+from .core.tenants import TenantConfig
+from .ops.logs import event
+from .ops.metrics import Histogram
 
-log = logging.getLogger("governor.fleet")
+log = logging.getLogger("governor.core.fleetgate")
 
 # Expire what has lapsed, then check the fleet's cap, the tenant's cap and its buckets in that
 # order; only an admission charges the buckets and writes the lease.

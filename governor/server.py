@@ -24,22 +24,23 @@ from typing import TYPE_CHECKING
 
 from protocol.codes import ErrorCode, NeedCode
 
-from . import memory, tls
-from .admin import AdminListener
-from .admission import Admission, Pool
-from .breaker import BreakerSettings, BreakerState, CircuitBreaker
 from .config import Config
-from .connection import GovernorProtocol
-from .frontdoor import FrontDoor
-from .health import Health
-from .kvbudget import KvBudget
-from .ledger import SlotLedger
-from .logs import event
-from .overload import OverloadController, OverloadSettings
-from .policy import Lane, LanePolicy
+from .core.admission import Admission, Pool
+from .core.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from .core.kvbudget import KvBudget
+from .core.ledger import SlotLedger
+from .core.overload import OverloadController, OverloadSettings
+from .core.policy import Lane, LanePolicy
+from .core.tenants import Tenants
+from .listeners import tls
+from .listeners.admin import AdminListener
+from .listeners.http import FrontDoor
+from .listeners.tcp import GovernorProtocol
+from .ops import memory
+from .ops.health import Health
+from .ops.logs import event
 from .runners import KvCacheRunner, Runner, StubRunner
 from .state import ServerState
-from .tenants import Tenants
 
 if TYPE_CHECKING:
     from .fleetstore import Fleet
@@ -176,7 +177,7 @@ def build_fleet(config: Config, ledger: SlotLedger) -> Fleet | None:
     then)."""
     if config.redis_url is None:
         return None
-    from .fleet import FleetGate, FleetSettings
+    from .core.fleetgate import FleetGate, FleetSettings
     from .fleetstore import Fleet, RedisStore
 
     fail_open = config.fleet_fail_lanes

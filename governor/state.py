@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from protocol.codes import ErrorCode, NeedCode, Receipt
 
-from .admission import Admission, Budget
 from .config import Config
-from .metrics import JobMetrics
-from .slo import Attainment
-from .sources import Displaced, Refused, Sources, parse_networks
-from .tenants import Tenant
+from .core.admission import Admission, Budget
+from .core.slo import Attainment
+from .core.sources import Displaced, Refused, Sources, parse_networks
+from .core.tenants import Tenant
+from .ops.metrics import JobMetrics
 
 if TYPE_CHECKING:  # (imported by the server only with redis_url: no Redis client otherwise)
     from .fleetstore import Fleet
@@ -36,7 +36,7 @@ class Connection(Protocol):
 
 
 class Displaceable(Protocol):
-    """A connection as :class:`~governor.sources.Sources` counts it: one that can be told it
+    """A connection as :class:`~governor.core.sources.Sources` counts it: one that can be told it
     makes way for a new one, and closed."""
 
     def displace(self, detail: str) -> None: ...

@@ -1,6 +1,6 @@
 """``admission``: how long the admission decision itself takes, in process, with no network.
 
-It times :meth:`governor.ledger.SlotLedger.admit` on its two paths: a slot taken (and released
+It times :meth:`governor.core.ledger.SlotLedger.admit` on its two paths: a slot taken (and released
 again), and a refusal on a saturated ledger with ``--waiting`` refused clients already holding
 promises (the hint is computed on this path; each refusal adds one more waiting client, up to
 the ledger's bound). The network and the codec are not included: the
@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from governor.ledger import Completed, Refusal, Slot, SlotLedger
+from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
 
 from .common import positive_int
 

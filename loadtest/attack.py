@@ -38,7 +38,7 @@ import socket
 import time
 from typing import Any
 
-from governor.sources import KEY_TURN_FAR
+from governor.core.sources import KEY_TURN_FAR
 from protocol.codes import Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request

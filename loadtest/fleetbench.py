@@ -34,9 +34,9 @@ import orjson
 import uvloop
 
 from clients.client import GovernorClient, RetryPolicy
-from governor.fleet import FleetGate, FleetSettings
+from governor.core.fleetgate import FleetGate, FleetSettings
+from governor.core.tenants import TenantConfig
 from governor.fleetstore import RedisStore
-from governor.tenants import TenantConfig
 
 from .fleet import Replica, by_label, replica_set
 from .redisserver import RedisServer

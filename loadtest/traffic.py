@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from clients.fleet import resolve_now
-from governor.policy import Lane
-from governor.slo import DEFAULT_OBJECTIVES
+from governor.core.policy import Lane
+from governor.core.slo import DEFAULT_OBJECTIVES
 
 from .common import (
     DEFAULT_ADDR,

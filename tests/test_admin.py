@@ -18,8 +18,9 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from governor import admin, cli
+from governor import cli
 from governor.config import ConfigError
+from governor.listeners import admin
 from governor.server import Server
 
 from .conftest import ServerFactory

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from governor.admission import (
+from governor.core.admission import (
     Admission,
     Admitted,
     Attempt,
@@ -21,13 +21,13 @@ from governor.admission import (
     Ticket,
     Yielded,
 )
-from governor.breaker import BreakerSettings, BreakerState, CircuitBreaker
-from governor.ledger import SlotLedger
-from governor.overload import OverloadController, OverloadSettings, State
-from governor.policy import Lane, LanePolicy
+from governor.core.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from governor.core.ledger import SlotLedger
+from governor.core.overload import OverloadController, OverloadSettings, State
+from governor.core.policy import Lane, LanePolicy
+from governor.core.slo import Objectives, SloPolicy
+from governor.core.tenants import TenantConfig, Tenants
 from governor.runners import Job, StubRunner
-from governor.slo import Objectives, SloPolicy
-from governor.tenants import TenantConfig, Tenants
 from protocol.codes import NeedCode
 from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid
 

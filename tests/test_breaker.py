@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from clients import GovernorClient, RetryBudget, RetryPolicy
-from governor.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from governor.core.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from governor.runners import StubRunner
 
 from .conftest import ServerFactory, wait_until

@@ -14,8 +14,8 @@ import clients
 import protocol
 from governor.cli import build_parser, config_from_args, drain
 from governor.config import RUNNERS, Config, ConfigError, parse_address, reference_markdown
-from governor.policy import Lane
-from governor.slo import Objectives, SloPolicy
+from governor.core.policy import Lane
+from governor.core.slo import Objectives, SloPolicy
 from loadtest.common import parse_addr
 from protocol import addresses
 

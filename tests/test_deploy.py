@@ -32,9 +32,9 @@ import redis as redis_client
 import yaml  # type: ignore[import-untyped]  # types-PyYAML would be one more test dependency
 from prometheus_client.parser import text_string_to_metric_families
 
-from governor.admin import READY_TIMEOUT_S
 from governor.cli import build_parser
 from governor.config import Config, parse_address
+from governor.listeners.admin import READY_TIMEOUT_S
 from loadtest.peer import free_port
 from loadtest.redisserver import RedisServer
 
@@ -45,7 +45,7 @@ DaemonFactory = Callable[..., Daemon]
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 MANIFEST = DEPLOY / "kubernetes" / "governor.yaml"
 BARE_CONFIG = DEPLOY / "governor.toml"
-UNIT = DEPLOY / "systemd" / "governor.service"
+UNIT = DEPLOY / "systemd" / "governor.core.service"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DASHBOARD = DEPLOY / "grafana" / "governor-dashboard.json"
 

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from clients.client import GovernorClient, RetryPolicy, connect
-from governor.breaker import BreakerState
 from governor.config import Config, ConfigError
-from governor.fleet import Answer, FleetGate, FleetSettings, Lease
+from governor.core.breaker import BreakerState
+from governor.core.fleetgate import Answer, FleetGate, FleetSettings, Lease
 from governor.fleetstore import RedisStore
 from governor.server import Server
 from loadtest.redisserver import RedisServer
@@ -47,7 +47,7 @@ class FakeClock:
 
 
 def tenant(name: str = "t", **limits: Any) -> Any:
-    from governor.tenants import TenantConfig
+    from governor.core.tenants import TenantConfig
 
     return TenantConfig(name=name, key_sha256="0" * 64, **limits)
 
@@ -549,7 +549,7 @@ async def test_lanes_fail_open_or_closed_while_the_store_is_down_and_it_comes_ba
         lease_ttl=1.0,
         stub_ms=200,
     )
-    caplog.set_level(logging.INFO, logger="governor.fleet")
+    caplog.set_level(logging.INFO, logger="governor.core.fleetgate")
     assert servers[0].fleet is not None
     gate = servers[0].fleet.gate
     # Until the store has answered that there are 2 replicas: the second's first heartbeat may

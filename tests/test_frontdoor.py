@@ -21,11 +21,11 @@ from openai.types.chat import ChatCompletionMessageParam
 
 import governor.server
 from clients import NO_RETRY, GovernorClient
-from governor.ledger import SlotLedger
-from governor.openai_api import DOOR_MAX_S
+from governor.core.ledger import SlotLedger
+from governor.core.tenants import TenantConfig
+from governor.listeners.openai_api import DOOR_MAX_S
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
 from governor.server import Server
-from governor.tenants import TenantConfig
 from loadtest.redisserver import RedisServer
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, Message

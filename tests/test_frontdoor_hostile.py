@@ -6,7 +6,7 @@ answers a normal request with 200, and holds nothing (no slot, no live job, no p
 no connection the test has let go). Every test also fails if the event loop's exception handler was called (a
 protocol callback that raised: the one kind of crash an asyncio server has).
 
-The bounds are those :mod:`governor.frontdoor` promises: malformed HTTP (400, closed), request
+The bounds are those :mod:`governor.listeners.http` promises: malformed HTTP (400, closed), request
 heads (431), bodies (413, ``buffers_full`` 429), the upload deadline (408), the idle keep-alive,
 pipelining and its read-ahead, clients that leave mid-job, slow readers, connection limits and
 failed keys.
@@ -30,11 +30,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from governor.frontdoor import MAX_HEAD_BYTES, MAX_HEADERS, MAX_READ_AHEAD, HttpConnection
+from governor.core.tenants import TenantConfig
+from governor.listeners.http import MAX_HEAD_BYTES, MAX_HEADERS, MAX_READ_AHEAD, HttpConnection
 from governor.runners import Finished, Job, RunEvent, Runner, Token
 from governor.runners.stub import StubRunner
 from governor.server import Server
-from governor.tenants import TenantConfig
 
 from .conftest import RawConn, ServerFactory, outcomes, wait_until
 from .test_server import ping, share

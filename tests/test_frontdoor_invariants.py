@@ -47,11 +47,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from governor import openai_api as api
 from governor.config import Config
-from governor.frontdoor import HttpConnection
-from governor.openai_api import KeptPlaces
-from governor.policy import LANES
+from governor.core.policy import LANES
+from governor.listeners import openai_api as api
+from governor.listeners.http import HttpConnection
+from governor.listeners.openai_api import KeptPlaces
 from governor.runners import Job, RunEvent, Token
 from governor.server import Server
 from protocol.spec import parse_spec

@@ -15,10 +15,10 @@ import orjson
 import pytest
 
 from clients import GovernorClient, RetryPolicy
+from governor.core.sources import MAX_FAILED_KEYS, MAX_PACED, NOW, Sources, Turn, source_of
+from governor.core.tenants import TenantConfig
 from governor.runners import Finished, Job, RunEvent, Token
 from governor.server import Server
-from governor.sources import MAX_FAILED_KEYS, MAX_PACED, NOW, Sources, Turn, source_of
-from governor.tenants import TenantConfig
 from protocol.upload import split_payload
 
 from .conftest import RawConn, ServerFactory, receipt, wait_until
@@ -395,7 +395,7 @@ async def test_a_stalled_upload_beside_a_running_job_is_still_dropped_in_time(
 async def test_a_pipelining_flood_delays_anothers_ping_by_a_turn_not_by_its_frames(
     make_server: ServerFactory, raw: Opener, monkeypatch: pytest.MonkeyPatch, turn: str
 ) -> None:
-    from governor import session as session_module
+    from governor.listeners import session as session_module
 
     if turn == "unbounded":  # as before turns: the test must see the difference
         monkeypatch.setattr(session_module, "LINES_PER_TURN", 10**9)

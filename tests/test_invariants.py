@@ -37,10 +37,10 @@ from hypothesis.stateful import (
 )
 
 from governor.config import Config
-from governor.ledger import Refusal
+from governor.core.ledger import Refusal
+from governor.core.tenants import TenantConfig
 from governor.runners import Finished, Job, RunEvent, RunnerError, RunnerHealth
 from governor.server import Server
-from governor.tenants import TenantConfig
 from loadtest.redisserver import RedisServer
 from protocol.upload import split_payload
 

@@ -1,9 +1,16 @@
-"""The package's shape: no module inside ``governor/`` imports another that imports it back,
-``TYPE_CHECKING`` imports included (a circle there is a design smell, not only a runtime one)."""
+"""The packages' shape: the layers import only downwards, and no module inside ``governor/``
+imports another that imports it back. ``TYPE_CHECKING`` imports count too (a circle or a layer
+crossed there is a design smell, not only a runtime one).
+
+The layers, from the bottom: ``protocol/`` (the wire codec, ours alone), ``clients/`` (on the
+codec only), ``governor.core`` (pure decisions: no IO, no asyncio, no listener; the runners'
+seam ``governor.runners.base`` is the one thing outside it that it knows), the runners, the ops
+code and the listeners, and the composition root (``governor.server``, ``governor.cli``)."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -11,6 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def imports(package: str) -> dict[str, set[str]]:
     """Each module of ``package`` and the modules of ``package`` it imports."""
+    graph = all_imports(package)
+    return {
+        name: {d for d in deps if d in graph and d != name and d.split(".")[0] == package}
+        for name, deps in graph.items()
+    }
+
+
+def all_imports(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` and every module it imports (a name imported from a module
+    counts as that module and as ``module.name``, for the case where it is a submodule)."""
     graph: dict[str, set[str]] = {}
     for path in (ROOT / package).rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
@@ -30,9 +47,9 @@ def imports(package: str) -> dict[str, set[str]]:
                 targets = [a.name for a in node.names]
             else:
                 continue
-            deps.update(t for t in targets if t.split(".")[0] == package)
+            deps.update(targets)
         graph[name] = deps
-    return {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
+    return graph
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -65,5 +82,71 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 def test_no_import_circle_inside_governor() -> None:
     graph = imports("governor")
-    assert {"governor.admission", "governor.session", "governor.connection"} <= set(graph)
+    assert {
+        "governor.core.admission",
+        "governor.listeners.session",
+        "governor.listeners.tcp",
+    } <= set(graph)
     assert cycle(graph) is None
+
+
+OURS = ("protocol", "clients", "governor", "loadtest", "tests")
+# What the pure core may not touch: IO, the event loop, and every layer above it.
+NOT_IN_CORE = (
+    "asyncio", "socket", "ssl", "selectors", "subprocess", "threading", "uvloop", "h11",
+    "redis", "prometheus_client", "llama_cpp", "governor.listeners", "governor.ops",
+    "governor.server", "governor.cli", "governor.state", "governor.execution",
+    "governor.fleetstore", "governor.config",
+)  # fmt: skip
+
+
+def crossings(package: str, allowed: Callable[[str, str], bool]) -> list[str]:
+    """``module -> import`` for each import of ``package``'s modules that ``allowed`` refuses."""
+    return sorted(
+        f"{name} -> {dep}"
+        for name, deps in all_imports(package).items()
+        for dep in deps
+        if not allowed(name, dep)
+    )
+
+
+def within(dep: str, *prefixes: str) -> bool:
+    return any(dep == p or dep.startswith(p + ".") for p in prefixes)
+
+
+def test_the_codec_imports_nothing_of_ours() -> None:
+    assert crossings("protocol", lambda _, dep: not within(dep, *OURS[1:])) == []
+
+
+def test_the_clients_know_only_the_codec() -> None:
+    assert (
+        crossings("clients", lambda _, dep: not within(dep, "governor", "loadtest", "tests")) == []
+    )
+
+
+def test_the_core_decides_without_io_or_listeners() -> None:
+    def allowed(name: str, dep: str) -> bool:
+        if not within(name, "governor.core"):
+            return True
+        if within(dep, "governor.runners"):
+            return within(dep, "governor.runners.base")
+        return not within(dep, *NOT_IN_CORE, "loadtest", "tests", "clients")
+
+    assert crossings("governor", allowed) == []
+    assert len([n for n in all_imports("governor") if within(n, "governor.core")]) >= 10
+
+
+def test_runners_and_ops_know_no_listener() -> None:
+    def allowed(name: str, dep: str) -> bool:
+        below = within(name, "governor.runners", "governor.ops")
+        return not (below and within(dep, "governor.listeners", "governor.server"))
+
+    assert crossings("governor", allowed) == []
+
+
+def test_the_layer_rules_catch_a_crossing() -> None:
+    # The checks above see an import the layers forbid (else they would pass on anything).
+    graph = {"governor.core.x": {"asyncio", "governor.core.y"}, "governor.core.y": set()}
+    bad = [f"{n} -> {d}" for n, ds in graph.items() for d in ds if within(d, *NOT_IN_CORE)]
+    assert bad == ["governor.core.x -> asyncio"]
+    assert not within("governor.runners.baseline", "governor.runners.base")

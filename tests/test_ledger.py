@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from governor.ledger import EWMA_ALPHA, SLACK, Completed, Promise, Refusal, Slot, SlotLedger
-from governor.policy import LANES, Demand, LanePolicy
-from governor.service import JobSize
+from governor.core.ledger import EWMA_ALPHA, SLACK, Completed, Promise, Refusal, Slot, SlotLedger
+from governor.core.policy import LANES, Demand, LanePolicy
+from governor.core.service import JobSize
 from protocol.codes import NeedCode
 
 

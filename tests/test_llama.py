@@ -24,7 +24,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from clients import NO_RETRY, GovernorClient
-from governor.overload import State
+from governor.core.overload import State
 from governor.runners import Finished, Token
 from governor.runners import llama as llama_runner
 from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_path

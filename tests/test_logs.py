@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor import logs
+from governor.ops import logs
 
 
 class Recording(io.StringIO):

@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from governor.sources import NOW, Displaced, Refused, Sources, Turn, parse_networks, source_of
-from governor.tenants import TenantConfig
+from governor.core.sources import NOW, Displaced, Refused, Sources, Turn, parse_networks, source_of
+from governor.core.tenants import TenantConfig
 
 from .conftest import RawConn, ServerFactory, wait_until
 from .test_frontdoor_hostile import BODY, Dial, front, http_connections, post

@@ -15,9 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from governor import openai_api as api
-from governor.admission import Attempt
-from governor.tenants import TenantConfig, Tenants
+from governor.core.admission import Attempt
+from governor.core.tenants import TenantConfig, Tenants
+from governor.listeners import openai_api as api
 from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
 

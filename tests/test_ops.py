@@ -22,11 +22,11 @@ import orjson
 import pytest
 
 from clients import NO_RETRY, GovernorClient, connect
-from governor import logs
-from governor.admin import _is_loopback
+from governor.core.slo import OBJECTIVES
+from governor.listeners.admin import _is_loopback
+from governor.ops import logs
 from governor.runners import StubRunner
 from governor.server import Server
-from governor.slo import OBJECTIVES
 from protocol.spec import JobSpec
 
 from .conftest import Daemon, ServerFactory, wait_until

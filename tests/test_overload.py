@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.overload import OverloadController, OverloadSettings, State
-from governor.policy import Lane
+from governor.core.overload import OverloadController, OverloadSettings, State
+from governor.core.policy import Lane
 
 from .test_ledger import FakeClock
 

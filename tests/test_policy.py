@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from governor.ledger import Completed, Refusal, Slot, SlotLedger
-from governor.policy import Demand, Lane, LanePolicy, Rejection
+from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
+from governor.core.policy import Demand, Lane, LanePolicy, Rejection
 
 from .test_ledger import FakeClock
 

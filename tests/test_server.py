@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from clients import NO_RETRY, GovernorClient, RetryPolicy
-from governor.overload import State
+from governor.core.overload import State
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
 from governor.server import Server
 from protocol.upload import PreparedUpload, split_payload

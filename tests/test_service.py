@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.ledger import Completed, Refusal, Slot, SlotLedger
-from governor.policy import Demand, Lane, LanePolicy
-from governor.service import JobSize, ServiceModel
+from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
+from governor.core.policy import Demand, Lane, LanePolicy
+from governor.core.service import JobSize, ServiceModel
 
 from .test_ledger import FakeClock
 

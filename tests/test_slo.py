@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.policy import LANES, Lane
-from governor.slo import DEFAULT_OBJECTIVES, Attainment, Objectives, SloPolicy, Verdict, judge
+from governor.core.policy import LANES, Lane
+from governor.core.slo import DEFAULT_OBJECTIVES, Attainment, Objectives, SloPolicy, Verdict, judge
 
 from .test_ledger import FakeClock
 

@@ -12,7 +12,7 @@ import pytest
 
 from clients import NO_RETRY, GovernorClient, RetryPolicy
 from governor.config import Config, ConfigError
-from governor.tenants import TenantConfig, Tenants, TokenBucket
+from governor.core.tenants import TenantConfig, Tenants, TokenBucket
 from protocol.spec import JobSpec
 
 from .conftest import ServerFactory, wait_until

@@ -22,10 +22,10 @@ import trustme
 from cryptography.hazmat.primitives import serialization
 
 from clients import ClientError, GovernorClient, TLSSetupError, client_context
-from governor import tls
 from governor.config import Config, ConfigError
+from governor.core.tenants import TenantConfig, Tenants
+from governor.listeners import tls
 from governor.server import Server
-from governor.tenants import TenantConfig, Tenants
 
 from .conftest import Daemon, ServerFactory, wait_until
 

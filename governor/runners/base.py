@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 from protocol.codes import NeedCode
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 
-from ..kvbudget import CacheShape
+from ..core.kvbudget import CacheShape
 
 # The health probe's job, the smallest real one: one greedy token (see :meth:`Runner.probe`).
 PROBE_SPEC = b'{"prompt": "Hi", "max_new_tokens": 1, "temperature": 0}'

@@ -5,7 +5,7 @@ its prompt tokenised (its length against the context window) before it can take 
 workers (:mod:`governor.runners.llama_worker`) get token ids and only generate. Each worker
 holds the model once, one context and one KV cache, and runs its share of the slots as
 sequences of one batch (continuous batching: :mod:`governor.runners.batching` decides each
-step). Admission reserves every job's cells in one worker's cache (:class:`~governor.kvbudget.
+step). Admission reserves every job's cells in one worker's cache (:class:`~governor.core.kvbudget.
 KvBudget`, from :meth:`LlamaRunner.kv_caches`) and says which in :attr:`Job.kv_cache`, so a
 job never fails in the runner for want of cells.
 
@@ -35,8 +35,8 @@ import orjson
 from protocol.codes import NeedCode
 from protocol.spec import SpecInvalid, parse_spec
 
-from ..kvbudget import CacheShape
-from ..logs import event
+from ..core.kvbudget import CacheShape
+from ..ops.logs import event
 from .base import (
     Fed,
     Finished,

@@ -1,6 +1,6 @@
 """The fleet: limits that hold over every replica sharing one store. Pure code, an injected clock.
 
-A replica's own admission (:mod:`governor.admission`) decides first, with its ``max_inflight``
+A replica's own admission (:mod:`governor.core.admission`) decides first, with its ``max_inflight``
 authoritative: the fleet is asked only about a job this replica would run now. The store
 (:mod:`governor.fleetstore`, Redis) then takes, in one atomic step, the tenant's fleet-wide
 token buckets and a *lease* on the fleet's cap, and answers allowed, or refused with a code

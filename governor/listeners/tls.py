@@ -6,7 +6,7 @@ OS to load them is translated here, at this one boundary, into a
 wrong path says so instead of printing an OpenSSL traceback.
 
 Who a verified client certificate names is the tenants' business
-(:meth:`governor.tenants.Tenants.find_cert`); this module only decides whether one is asked
+(:meth:`governor.core.tenants.Tenants.find_cert`); this module only decides whether one is asked
 for (``tls_client_ca``) and whether the handshake fails without one
 (``tls_require_client_cert``).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 
 MINIMUM_VERSION = ssl.TLSVersion.TLSv1_2
 # A peer that connects and never finishes its handshake holds a socket and a buffer, but no

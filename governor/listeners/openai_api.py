@@ -2,7 +2,7 @@
 job's result to an answer, a refusal to a status and its headers; and the places in line kept
 for a refused request's retry.
 
-:mod:`governor.frontdoor` serves it. The mapping (``docs/PROTOCOL.md`` has the table):
+:mod:`governor.listeners.http` serves it. The mapping (``docs/PROTOCOL.md`` has the table):
 
 * ``prompt`` (one string) or ``messages`` (roles ``system``, ``developer`` as system, ``user``,
   ``assistant``; content a string or text parts) become the spec's ``prompt`` or ``messages``;
@@ -37,7 +37,7 @@ import orjson
 from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import MAX_SEED
 
-from .admission import Attempt
+from ..core.admission import Attempt
 
 LANE_HEADER = "x-governor-lane"
 # Passed on to the job spec as they are (the governor's own parameters).
@@ -431,7 +431,7 @@ class KeptPlaces:
     """A refused request's place in line, kept for its retry.
 
     HTTP has no held payload: a client told 429 sends the same request again, perhaps on
-    another connection. Its :class:`~governor.admission.Attempt` (its promise in the ledger's
+    another connection. Its :class:`~governor.core.admission.Attempt` (its promise in the ledger's
     line, its count of refusals) is kept under its tenant and its body's digest until its hint
     and ``grace_s`` more have passed, so that the retry is re-timed to its place, as a TCP
     client's resent final chunk is, rather than joining the back of the line (where the slot

@@ -18,7 +18,7 @@ injected clock), so the cap holds by construction. Its order is written once, he
                             goes to the fallback pool when it has a slot
 7. the ledger               a slot, or yield ``server_busy``, ``lane_full``, ``kv_pressure``
 8. the fleet (redis_url)    asked by the execution, after this decision, only about a job
-                            admitted here (:mod:`governor.fleet`): refused, the admission is
+                            admitted here (:mod:`governor.core.fleetgate`): refused, the admission is
                             taken back (:meth:`Admission.revoke`) and the client yields
                             ``fleet_busy``, ``tenant_busy``, ``rate_limited`` or
                             ``fleet_unavailable``
@@ -26,7 +26,7 @@ injected clock), so the cap holds by construction. Its order is written once, he
 Nothing changes unless the answer is :class:`Admitted`: a refused job keeps its
 ``max_new_tokens``, the ladder counts no activation for it, the tenant's buckets are not
 charged. A refusal is counted (the yield totals, the overload state's yield rate) and gives the
-client a place in line (its :class:`~governor.ledger.Promise`), nothing more.
+client a place in line (its :class:`~governor.core.ledger.Promise`), nothing more.
 
 What admission takes (the slot, the tenant's count, the payload's buffer reservation, a breaker
 trial) is held by the :class:`Ticket`. :meth:`Ticket.release` gives all of it back exactly
@@ -45,12 +45,12 @@ from dataclasses import dataclass
 from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import SpecInvalid
 
+from ..runners.base import Job, Runner
 from .breaker import CircuitBreaker
-from .fleet import Lease
+from .fleetgate import Lease
 from .ledger import Completed, Promise, Refusal, Slot, SlotLedger
 from .overload import OverloadController, State
 from .policy import LANES, NO_LANE, Demand, Lane
-from .runners import Job, Runner
 from .service import JobSize
 from .slo import NO_OBJECTIVES, Objectives, SloPolicy
 from .tenants import Tenant, Tenants
@@ -197,7 +197,7 @@ class Ticket:
         self.degraded = degraded
         self.trial = trial
         self.tokens = tokens  # what the tenant's token bucket was charged
-        self.objectives = objectives  # what the job is held to (see governor.slo)
+        self.objectives = objectives  # what the job is held to (see governor.core.slo)
         self.lease: Lease | None = None  # its claim on the fleet, once the fleet granted it
         self.reservation: Reservation | None = None
         self._released: OverloadController | bool | None = overload  # False once released
@@ -363,7 +363,7 @@ class Admission:
         return Admitted(ticket)
 
     def revoke(self, attempt: Attempt, ticket: Ticket, refusal: Refusal) -> Yielded:
-        """Take back an admission the fleet refused (:mod:`governor.fleet`): the slot is free
+        """Take back an admission the fleet refused (:mod:`governor.core.fleetgate`): the slot is free
         again and the tenant's charge refunded, as if the job had been refused in the first
         place (it keeps no place in line: the fleet's hint is not the ledger's)."""
         ticket.release("revoked")
@@ -374,7 +374,7 @@ class Admission:
     # The steps ---------------------------------------------------------------------------
 
     def _objectives(self, lane: Lane | None, tenant: Tenant, job: Job) -> Objectives:
-        """The job's objectives: its lane's, its tenant's, its own (see :mod:`governor.slo`)."""
+        """The job's objectives: its lane's, its tenant's, its own (see :mod:`governor.core.slo`)."""
         spec, config = job.spec, tenant.config  # (0 fields set nothing: the lane's stand)
         own = Objectives(spec.ttft_slo_ms, spec.tpot_slo_ms) if spec is not None else None
         return self.slo.objectives(lane, Objectives(config.ttft_slo_ms, config.tpot_slo_ms), own)

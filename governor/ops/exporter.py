@@ -18,14 +18,14 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ..core.policy import LANES
+from ..core.slo import OBJECTIVES, Attainment
+from ..state import ServerState
 from .health import Health
 from .logs import dropped_records
-from .policy import LANES
-from .slo import OBJECTIVES, Attainment
-from .state import ServerState
 
 if TYPE_CHECKING:
-    from .fleetstore import Fleet
+    from ..fleetstore import Fleet
 
 
 class GovernorCollector(Collector):

@@ -3,7 +3,7 @@
 *Liveness* asks whether a restart would help, and nothing else: the event loop runs (a
 heartbeat no older than ``loop_stall_limit``), the listener is up, and the worker supervisor
 stands (every worker is running or being restarted). It is computed off the event loop, by
-the HTTP thread (:mod:`governor.admin`), from the heartbeat's time and the last snapshot it
+the HTTP thread (:mod:`governor.listeners.admin`), from the heartbeat's time and the last snapshot it
 took, so a stalled loop is reported as such instead of leaving the probe without an answer.
 A model that does not load, a hung worker, a backend returning errors: a restart helps none
 of them, so none of them fails liveness.
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 import orjson
 
-from .breaker import BreakerState
+from ..core.breaker import BreakerState
+from ..runners import RunnerError, RunnerHealth
+from ..state import ServerState
 from .logs import event
-from .runners import RunnerError, RunnerHealth
-from .state import ServerState
 
-log = logging.getLogger("governor.health")
+log = logging.getLogger("governor.ops.health")
 
 BEAT_S = 0.2
 

@@ -1,9 +1,9 @@
 """One client connection's IO: bytes to the session, its bytes to the socket, and the timers.
 
-Everything the protocol decides lives in :class:`~governor.session.Session` (sans-IO) and
+Everything the protocol decides lives in :class:`~governor.listeners.session.Session` (sans-IO) and
 each admitted job's run in its :class:`~governor.execution.Execution`; this class only moves
 bytes and events between them and the transport (uvicorn's ``h11_impl`` is the model): the
-connection limits (:mod:`governor.sources`), one timer for the session's deadlines (a frame
+connection limits (:mod:`governor.core.sources`), one timer for the session's deadlines (a frame
 waiting for its key's turn among them: reading stops meanwhile), flow control, and the
 client's leaving.
 
@@ -27,12 +27,12 @@ from typing import cast
 
 from protocol.codes import ErrorCode, NeedCode
 
-from .logs import event
+from ..core.sources import source_of
+from ..ops.logs import event
+from ..state import ServerState
 from .session import Session
-from .sources import source_of
-from .state import ServerState
 
-log = logging.getLogger("governor.connection")
+log = logging.getLogger("governor.listeners.tcp")
 
 _connection_ids = itertools.count(1)
 

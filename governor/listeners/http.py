@@ -4,7 +4,7 @@
 It runs on the daemon's event loop, beside the TCP listener, and every job goes through the same
 admission (the ledger, the lanes, the tenants, the ladder, the breakers, the fleet, the drain)
 and the same :class:`~governor.execution.Execution`: only the wire differs. What the API maps
-to what is :mod:`governor.openai_api` (pure); this module moves bytes. HTTP is parsed by
+to what is :mod:`governor.listeners.openai_api` (pure); this module moves bytes. HTTP is parsed by
 ``h11`` (no IO in the parser; uvicorn's choice), one request at a time per connection, with
 keep-alive and pipelining.
 
@@ -12,11 +12,11 @@ keep-alive and pipelining.
   TCP side); a missing or unknown one is 401, and ``max_auth_failures`` of them close the
   connection. A key the connection shows for the first time is checked at once while its
   source's budget of failures lasts, else at its turn (the request waits meanwhile;
-  :meth:`~governor.sources.Sources.key_turn`).
+  :meth:`~governor.core.sources.Sources.key_turn`).
 - A yield is 429 (503 for ``draining``, ``breaker_open``, ``fleet_unavailable``) with
   ``retry-after-ms``, ``Retry-After`` (whole seconds, rounded up) and an OpenAI error body whose
   ``code`` is the need code; a busy yield's place in line is kept for its retry
-  (:class:`~governor.openai_api.KeptPlaces`), and a retry refused again waits here for its new
+  (:class:`~governor.listeners.openai_api.KeptPlaces`), and a retry refused again waits here for its new
   hint rather than spend one of its SDK's two retries (:meth:`Exchange._waits`). A request the
   policy refuses for good is 400.
 - A job that fails is 502 (504 when out of time, 503 at shutdown); once its stream has begun,
@@ -55,8 +55,7 @@ from protocol.codes import ErrorCode, NeedCode, Verb
 from protocol.frames import Request
 from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid
 
-from . import openai_api as api
-from .admission import (
+from ..core.admission import (
     BUFFERS_FULL_HINT_MS,
     Admitted,
     Attempt,
@@ -66,12 +65,13 @@ from .admission import (
     Ticket,
     Yielded,
 )
-from .execution import Execution
-from .ledger import Refusal
-from .logs import event
-from .sources import KEY_TURN_FAR, NOW, Turn, source_of
-from .state import ServerState
-from .tenants import Tenant
+from ..core.ledger import Refusal
+from ..core.sources import KEY_TURN_FAR, NOW, Turn, source_of
+from ..core.tenants import Tenant
+from ..execution import Execution
+from ..ops.logs import event
+from ..state import ServerState
+from . import openai_api as api
 from .tls import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("governor.http")
@@ -687,7 +687,7 @@ class Exchange:
             self._yielded(decision, self.key, attempt, first)
 
     def _waits(self, decision: Yielded) -> bool:
-        """Wait at the door for the new hint (:func:`~governor.openai_api.waits_at_door`), to
+        """Wait at the door for the new hint (:func:`~governor.listeners.openai_api.waits_at_door`), to
         be decided again then, as if the client came back: the cap and the line hold as they
         do for any client."""
         hint_s = decision.retry_hint_ms / 1000

@@ -12,7 +12,7 @@ to come back (its *promise*), so that the clients it turned away are spread over
 slot releases instead of all returning at the same instant.
 
 * Each job is expected to hold its slot for its own predicted time ``S_i``: the pool's
-  :class:`~governor.service.ServiceModel` predicts it from the job's size (its prompt and
+  :class:`~governor.core.service.ServiceModel` predicts it from the job's size (its prompt and
   ``max_new_tokens``, known at admission), with prefill and decode rates learnt online from
   finished jobs, so that a chat beside a document rewrite is not given the pair's mean. A job
   the model cannot size (a raw payload, or any job before the rates are learnt) is expected to
@@ -73,7 +73,7 @@ long it will go on is unknown again, and its end is predicted from its admission
 newcomer's decode is predicted at the running jobs' mean pace (the pace it will run at beside
 them), rather than at the rate learnt from jobs that finished, perhaps alone.
 
-Under a lane policy (:mod:`governor.policy`) the line is lane-aware: a promise carries its
+Under a lane policy (:mod:`governor.core.policy`) the line is lane-aware: a promise carries its
 job's lane, and a client counts, and a freed slot is held for, only the promises of its own lane
 or a higher one. A client of a lower lane counts only the slots it may take: those the
 interactive reserve does not keep (``lane_full`` when the only free slots are the reserve's).

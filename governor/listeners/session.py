@@ -43,7 +43,7 @@ from protocol.lines import LineReader
 from protocol.spec import SpecInvalid
 from protocol.upload import Upload
 
-from .admission import (
+from ..core.admission import (
     BUFFERS_FULL_HINT_MS,
     Admitted,
     Attempt,
@@ -52,14 +52,14 @@ from .admission import (
     Reservation,
     Yielded,
 )
-from .execution import Execution
-from .ledger import Refusal
-from .logs import event
-from .sources import KEY_TURN_FAR, NOW, Turn
-from .state import ServerState
-from .tenants import Tenant
+from ..core.ledger import Refusal
+from ..core.sources import KEY_TURN_FAR, NOW, Turn
+from ..core.tenants import Tenant
+from ..execution import Execution
+from ..ops.logs import event
+from ..state import ServerState
 
-log = logging.getLogger("governor.connection")
+log = logging.getLogger("governor.listeners.tcp")
 
 # Lines one connection has handled before the others get a turn: a client pipelining thousands
 # of frames delays another's ping by one turn of each busy connection, not by all its frames.
@@ -119,7 +119,7 @@ class Session:
     ``upload_timeout`` more. Pings and other jobs' frames keep the connection, never an upload.
 
     Keys: a key the connection shows for the first time is checked when its source's budget of
-    failures allows (:meth:`~governor.sources.Sources.key_turn`); until its turn the frame waits
+    failures allows (:meth:`~governor.core.sources.Sources.key_turn`); until its turn the frame waits
     (:attr:`deferred`) and so do the lines behind it. A key found valid is remembered for the
     connection's later frames. The connection is *idle* (:attr:`is_idle`, to be displaced at a
     limit) while it has no job and, with tenants declared, has shown no valid key.

@@ -1,7 +1,7 @@
 """The operator's HTTP listener (``metrics_listen``): an event loop of its own, in one thread.
 
     GET  /metrics        Prometheus text, collected on the event loop (503 if it does not answer)
-    GET  /healthz/live   200 or 503, JSON: computed here, off the loop (:mod:`governor.health`)
+    GET  /healthz/live   200 or 503, JSON: computed here, off the loop (:mod:`governor.ops.health`)
     GET  /healthz/ready  200 or 503, JSON: computed on the loop; a loop that does not answer
                          within a second is not ready
     POST /drain[?wait=S] from a loopback address only (and with ``Authorization: Bearer TOKEN``
@@ -62,12 +62,12 @@ import h11
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .config import ConfigError
-from .exporter import registry_for
-from .health import Health
-from .state import ServerState
+from ..config import ConfigError
+from ..ops.exporter import registry_for
+from ..ops.health import Health
+from ..state import ServerState
 
-log = logging.getLogger("governor.admin")
+log = logging.getLogger("governor.listeners.admin")
 
 T = TypeVar("T")
 METRICS_TIMEOUT_S = 5.0

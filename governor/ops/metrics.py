@@ -1,10 +1,10 @@
-"""What the daemon measures of each job, in Prometheus' terms (:mod:`governor.exporter` exports it).
+"""What the daemon measures of each job, in Prometheus' terms (:mod:`governor.ops.exporter` exports it).
 
 Gauges and counters are read from the server's own state at scrape time, so admission pays
 nothing for them. What is measured per job (times and sizes) goes into :class:`Histogram`,
 a few integer increments on the event loop: prometheus-client's own histogram takes a lock
 per observation, for threads this daemon does not have on its hot path. A scrape runs on the
-event loop too (:mod:`governor.admin` schedules it there), so it reads consistent state.
+event loop too (:mod:`governor.listeners.admin` schedules it there), so it reads consistent state.
 
 Labels are bounded: lanes, pools, wire codes and tenants from the config; never a job id.
 Lane ``-`` is a job with lanes off.
