@@ -1,4 +1,5 @@
-"""Seed 000, quiz 2: chat users see p99 TTFT spikes whenever long document rewrites arrive.
+"""Lanes keep chats fast while long document rewrites run: without them, a chat's p99 TTFT spikes
+whenever rewrites arrive.
 
 Chat users and rewrites arrive together on a stub whose time follows prompt and output tokens,
 calibrated on the embedded model (19.2 ms per prompt token, 37.7 ms per output token, one

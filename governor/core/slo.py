@@ -1,8 +1,8 @@
 """Service-level objectives: what each lane promises, what each job is held to, who met it.
 
 Pure code with an injected clock. Each lane has a time-to-first-token (TTFT) and a
-time-per-output-token (TPOT) objective (seed 000: SLOs per lane; goodput is the jobs that
-finish within both). A job without a lane (lanes off) is held to the interactive lane's.
+time-per-output-token (TPOT) objective; goodput is the jobs that finish within both. A job
+without a lane (lanes off) is held to the interactive lane's.
 
 **A job's objectives** (:meth:`SloPolicy.objectives`): its lane's, unless its tenant (the
 ``ttft_slo_ms`` and ``tpot_slo_ms`` of its ``[[tenants]]`` table) or, over that, the request
