@@ -45,7 +45,7 @@ DaemonFactory = Callable[..., Daemon]
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 MANIFEST = DEPLOY / "kubernetes" / "governor.yaml"
 BARE_CONFIG = DEPLOY / "governor.toml"
-UNIT = DEPLOY / "systemd" / "governor.core.service"
+UNIT = DEPLOY / "systemd" / "governor.service"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DASHBOARD = DEPLOY / "grafana" / "governor-dashboard.json"
 
