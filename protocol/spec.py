@@ -157,30 +157,7 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
     if unknown:
         raise _invalid(f"unknown job spec field {sorted(unknown)[0]!r}")
 
-    prompt, messages = obj.get("prompt"), obj.get("messages")
-    if (prompt is None) == (messages is None):
-        raise _invalid("give exactly one of 'prompt' and 'messages'")
-    if prompt is not None and (type(prompt) is not str or not prompt):
-        raise _invalid("'prompt' must be a non-empty string")
-    parsed_messages = None
-    if messages is not None:
-        if type(messages) is not list or not messages:
-            raise _invalid("'messages' must be a non-empty list")
-        parsed = []
-        for m in messages:
-            if (
-                type(m) is not dict
-                or m.keys() != {"role", "content"}
-                or type(m["role"]) is not str  # (before the set lookup: a list is unhashable)
-                or m["role"] not in ROLES
-                or type(m["content"]) is not str
-            ):
-                raise _invalid(
-                    "each message must be {'role': 'system'|'user'|'assistant', 'content': str}"
-                )
-            parsed.append(Message(m["role"], m["content"]))
-        parsed_messages = tuple(parsed)
-
+    prompt, messages = _prompt_or_messages(obj)
     max_new = obj.get("max_new_tokens", min(128, max_new_tokens_ceiling))
     if type(max_new) is not int or not 1 <= max_new <= max_new_tokens_ceiling:
         raise SpecInvalid(
@@ -190,6 +167,64 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
     seed = obj.get("seed")
     if seed is not None and (type(seed) is not int or not 0 <= seed <= MAX_SEED):
         raise _invalid(f"'seed' must be an integer from 0 to {MAX_SEED}")
+    stop = _stop(obj)
+    stream, ignore_eos = obj.get("stream", False), obj.get("ignore_eos", False)
+    if type(stream) is not bool or type(ignore_eos) is not bool:
+        raise _invalid("'stream' and 'ignore_eos' must be true or false")
+    tenant, lane = _label(obj, "tenant"), _label(obj, "lane")
+    top_p = _number(obj, "top_p", 0.95, 0.0, 1.0)
+    if top_p == 0:
+        raise _invalid("'top_p' must be above 0")
+    top_k = obj.get("top_k", 0)
+    if type(top_k) is not int or not 0 <= top_k <= MAX_TOP_K:
+        raise _invalid(f"'top_k' must be an integer from 0 to {MAX_TOP_K}")
+    return JobSpec(
+        prompt=prompt,
+        messages=messages,
+        max_new_tokens=max_new,
+        temperature=_number(obj, "temperature", 0.8, 0.0, 2.0),
+        top_p=top_p,
+        top_k=top_k,
+        min_p=_number(obj, "min_p", 0.0, 0.0, 1.0),
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        stream=stream,
+        tenant=tenant,
+        lane=lane,
+        tool_risk=_number(obj, "tool_risk", 0.0, 0.0, 1.0),
+        ttft_slo_ms=_slo(obj, "ttft_slo_ms"),
+        tpot_slo_ms=_slo(obj, "tpot_slo_ms"),
+    )
+
+
+def _prompt_or_messages(obj: dict[str, Any]) -> tuple[str | None, tuple[Message, ...] | None]:
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if (prompt is None) == (messages is None):
+        raise _invalid("give exactly one of 'prompt' and 'messages'")
+    if prompt is not None and (type(prompt) is not str or not prompt):
+        raise _invalid("'prompt' must be a non-empty string")
+    if messages is None:
+        return prompt, None
+    if type(messages) is not list or not messages:
+        raise _invalid("'messages' must be a non-empty list")
+    parsed = []
+    for m in messages:
+        if (
+            type(m) is not dict
+            or m.keys() != {"role", "content"}
+            or type(m["role"]) is not str  # (before the set lookup: a list is unhashable)
+            or m["role"] not in ROLES
+            or type(m["content"]) is not str
+        ):
+            raise _invalid(
+                "each message must be {'role': 'system'|'user'|'assistant', 'content': str}"
+            )
+        parsed.append(Message(m["role"], m["content"]))
+    return None, tuple(parsed)
+
+
+def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
     stop = obj.get("stop", [])
     if type(stop) is str:
         stop = [stop]
@@ -202,39 +237,14 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
             f"'stop' must be a string or a list of at most {MAX_STOPS} strings "
             f"of 1 to {MAX_STOP_CHARS} characters"
         )
-    stream, ignore_eos = obj.get("stream", False), obj.get("ignore_eos", False)
-    if type(stream) is not bool or type(ignore_eos) is not bool:
-        raise _invalid("'stream' and 'ignore_eos' must be true or false")
-    labels = {}
-    for name in ("tenant", "lane"):
-        value = obj.get(name)
-        if value is not None and (type(value) is not str or not 0 < len(value) <= MAX_LABEL_CHARS):
-            raise _invalid(f"{name!r} must be a string of 1 to {MAX_LABEL_CHARS} characters")
-        labels[name] = value
-    top_p = _number(obj, "top_p", 0.95, 0.0, 1.0)
-    if top_p == 0:
-        raise _invalid("'top_p' must be above 0")
-    top_k = obj.get("top_k", 0)
-    if type(top_k) is not int or not 0 <= top_k <= MAX_TOP_K:
-        raise _invalid(f"'top_k' must be an integer from 0 to {MAX_TOP_K}")
-    return JobSpec(
-        prompt=prompt,
-        messages=parsed_messages,
-        max_new_tokens=max_new,
-        temperature=_number(obj, "temperature", 0.8, 0.0, 2.0),
-        top_p=top_p,
-        top_k=top_k,
-        min_p=_number(obj, "min_p", 0.0, 0.0, 1.0),
-        seed=seed,
-        stop=tuple(stop),
-        ignore_eos=ignore_eos,
-        stream=stream,
-        tenant=labels["tenant"],
-        lane=labels["lane"],
-        tool_risk=_number(obj, "tool_risk", 0.0, 0.0, 1.0),
-        ttft_slo_ms=_slo(obj, "ttft_slo_ms"),
-        tpot_slo_ms=_slo(obj, "tpot_slo_ms"),
-    )
+    return tuple(stop)
+
+
+def _label(obj: dict[str, Any], name: str) -> str | None:
+    value = obj.get(name)
+    if value is not None and (type(value) is not str or not 0 < len(value) <= MAX_LABEL_CHARS):
+        raise _invalid(f"{name!r} must be a string of 1 to {MAX_LABEL_CHARS} characters")
+    return value
 
 
 def _slo(obj: dict[str, Any], name: str) -> float:
