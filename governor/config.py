@@ -10,6 +10,7 @@ one loop over the fields. The rules between fields follow the class, each a name
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -238,7 +239,7 @@ class Config:
         "Connections one source address (an IPv6 /64) may hold at once, but a trusted one; at the limit a new one displaces the source's oldest idle connection (nothing in flight, no key shown), else it is refused. 0: no per-source limit."
     )
     trusted_sources: str = _opt(",".join(LOOPBACK), check=_networks)(
-        "Comma-separated addresses or CIDRs exempt from max_connections_per_source, where many clients share an address (a sidecar's, a load test's, a proxy's); they still count against max_connections. Default: loopback; '': none."
+        "Comma-separated addresses or CIDRs exempt from max_connections_per_source, where many clients share an address (a sidecar's, a load test's, a proxy's); they still count against max_connections. '': none."
     )
     write_buffer_bytes: int = _opt(1024 * 1024, min=64 * 1024)(
         "Reply bytes a connection may leave unread; past that it is cut off (frames are not read while replies wait)."
@@ -588,16 +589,23 @@ _FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 CLI_FIELDS = tuple(f for f in FIELDS if f.name != "tenants")
 
 
+def default_text(f: dataclasses.Field[Any]) -> str:
+    """A field's default as its TOML value is written (``4``, ``true``, ``"llama"``), or
+    ``unset``; the one rendering of it, in ``governor serve --help`` and the README's table."""
+    if f.default is None:
+        return "unset"
+    if isinstance(f.default, bool):
+        return str(f.default).lower()
+    if isinstance(f.default, str):
+        return json.dumps(f.default)
+    return repr(f.default)
+
+
 def reference_markdown() -> str:
     """The README's configuration table, from the fields themselves."""
     rows = ["| key (TOML) | flag | default | meaning |", "|---|---|---|---|"]
     for f in CLI_FIELDS:
-        if f.default is None:
-            default = "unset"
-        elif isinstance(f.default, bool):
-            default = f"`{str(f.default).lower()}`"
-        else:
-            default = f"`{f.default!r}`".replace("'", '"')
+        default = "unset" if f.default is None else f"`{default_text(f)}`"
         flag = "--" + f.name.replace("_", "-")
         rows.append(f"| `{f.name}` | `{flag}` | {default} | {f.metadata['help']} |")
     return "\n".join(rows) + "\n"
