@@ -6,6 +6,7 @@ reader task routes each reply to the operation waiting on its job id.
 On ``yield`` :meth:`GovernorClient.upload` sleeps for the server's ``retry_hint_ms`` (plus
 jitter, so that refused clients do not come back in lockstep) and resends the final chunk,
 which the governor kept; a bounded :class:`RetryPolicy` says how many attempts in all.
+The decisions are :mod:`clients.retry`'s (pure code); this module sends and sleeps.
 
 Yields come in three kinds, and only one of them is retried freely:
 
@@ -48,11 +49,17 @@ from types import TracebackType
 from typing import Self
 
 from protocol.addresses import parse_address
-from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
+from protocol.codes import NeedCode, Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 from protocol.upload import split_payload
+
+from .retry import DEFAULT_RETRY as DEFAULT_RETRY
+from .retry import NO_RETRY as NO_RETRY
+from .retry import RetryBudget as RetryBudget
+from .retry import RetryChoice as RetryChoice
+from .retry import RetryPolicy as RetryPolicy
 
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 INLINE_MAX_BYTES = 64 * 1024  # well within the server's default max_line_bytes
@@ -66,117 +73,10 @@ class ConnectionLost(ClientError):
     pass
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RetryPolicy:
-    """How an upload answers ``yield``.
-
-    ``max_attempts`` counts admission attempts in all: 1 never retries. It is the only bound on
-    retrying a busy yield; a ``breaker_open`` yield is retried only while the client's
-    :class:`RetryBudget` also allows it, and a ``draining`` one never. By default the client
-    sleeps ``retry_hint_ms`` plus a random ``jitter`` (up to ``jitter_ratio`` of the hint, at
-    most ``max_jitter_s``), capped at ``max_sleep_s``. ``fixed_delay_s`` ignores the hint and
-    sleeps that long instead: 0 is the naive client that retries at once, 0.5 behaves like
-    heptamini's client against its own daemon (load tests compare against both).
-
-    The jitter is small and positive: the governor already spreads refused clients over its
-    coming releases, and holds a released slot for the client it was promised to, so arriving
-    a little late costs that slot idle time and arriving early costs a refusal.
-    """
-
-    max_attempts: int = 10
-    fixed_delay_s: float | None = None
-    jitter_ratio: float = 0.1
-    max_jitter_s: float = 0.002
-    max_sleep_s: float = 5.0
-
-    def delay_s(self, hint_ms: int | None, rng: random.Random) -> float:
-        if self.fixed_delay_s is not None:
-            return self.fixed_delay_s
-        base = (hint_ms or 50) / 1000
-        jitter = rng.uniform(0, min(base * self.jitter_ratio, self.max_jitter_s))
-        return min(base + jitter, self.max_sleep_s)
-
-
-NO_RETRY = RetryPolicy(max_attempts=1)
-
-_MILLI = 1000  # the budget counts in thousandths of a token, so its arithmetic is exact
-
-
-class RetryBudget:
-    """A token bucket that bounds retries into a failing backend (gRPC's retry throttling).
-
-    It starts full, at ``max_tokens``. Each failure signal (a ``breaker_open`` yield, or a job
-    aborted with ``backend_error``) withdraws one token, down to zero; each job that ends
-    ``done`` deposits ``token_ratio``, up to ``max_tokens``. A retry after a failure signal is
-    allowed only while more than half the tokens are left (after that signal's withdrawal).
-
-    So a burst of failures gets about ``max_tokens / 2`` retries in all, however many uploads
-    see them, and after that only ``1 / token_ratio`` jobs done buys one failure back: a
-    healthy backend (failures rare, successes common) never notices the budget, and a failing
-    one sees its offered load stay near the original requests instead of multiplying by
-    ``max_attempts``. Busy yields neither withdraw nor need budget: they are flow control,
-    cheap for the server and paced by its hint.
-
-    Tokens are kept in thousandths (``token_ratio`` is rounded to three decimals, as gRPC
-    does), so that ten deposits of 0.1 make exactly one token. This is mutable state for one
-    event loop (it does no locking): pass the same budget to several :class:`GovernorClient`
-    instances to make them share it.
-    """
-
-    __slots__ = ("_max", "_milli", "_ratio")
-
-    def __init__(self, *, max_tokens: float = 10.0, token_ratio: float = 0.1) -> None:
-        self._max = round(max_tokens * _MILLI)
-        self._ratio = round(token_ratio * _MILLI)
-        if self._max < 1:
-            raise ValueError("max_tokens must be at least 0.001")
-        if self._ratio < 1:
-            raise ValueError("token_ratio must be at least 0.001")
-        self._milli = self._max
-
-    @property
-    def max_tokens(self) -> float:
-        return self._max / _MILLI
-
-    @property
-    def token_ratio(self) -> float:
-        return self._ratio / _MILLI
-
-    @property
-    def tokens(self) -> float:
-        """The tokens left now."""
-        return self._milli / _MILLI
-
-    def record_failure(self) -> None:
-        """A failure signal: withdraw one token (never below zero)."""
-        self._milli = max(self._milli - _MILLI, 0)
-
-    def record_success(self) -> None:
-        """A job ended ``done``: deposit ``token_ratio`` (never above ``max_tokens``)."""
-        self._milli = min(self._milli + self._ratio, self._max)
-
-    def allows_retry(self) -> bool:
-        """Whether a retry after a failure signal may go: more than ``max_tokens / 2`` left."""
-        return 2 * self._milli > self._max
-
-    def __repr__(self) -> str:
-        return (
-            f"RetryBudget(tokens={self.tokens:g}, max_tokens={self.max_tokens:g}, "
-            f"token_ratio={self.token_ratio:g})"
-        )
-
-
 # Aborts that end one job and never the connection: a payload held after an upload's last
 # yield, dropped when the client did not come back for it (or withdrawn), may be answered
 # after that upload has returned; no operation waits for it, and the connection stays open.
 _LATE_JOB_ENDS = frozenset({NeedCode.UPLOAD_TIMEOUT, NeedCode.CANCELLED})
-
-
-def _backend_failing(reply: Reply) -> bool:
-    """Whether ``reply`` says the backend is failing (not busy): a budget failure signal."""
-    if reply.status == Status.YIELD:
-        return reply.need_code == NeedCode.BREAKER_OPEN
-    return reply.status == Status.ABORT and reply.error_code == ErrorCode.BACKEND_ERROR
 
 
 @dataclass(slots=True)
@@ -305,7 +205,7 @@ class GovernorClient:
         chunk_bytes: int = 8192,
         content_type: str = "application/octet-stream",
         ttl_ms: int = 0,
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy = DEFAULT_RETRY,
         timeout: float | None = None,
         on_attempt: Callable[[float, Reply], None] | None = None,
         on_delta: Callable[[str], None] | None = None,
@@ -328,98 +228,44 @@ class GovernorClient:
         take the job elsewhere instead of waiting here.
         """
         job = job or f"J_{next(self._jobs)}"
-        prepared = split_payload(payload, chunk_bytes=chunk_bytes, content_type=content_type)
-        seq = itertools.count(1)
-
-        inline_payload = (
-            {
-                "content_type": content_type,
-                "sha256": prepared.manifest["sha256"],
-                "data": payload.decode(),
-            }
-            if inline
-            else None
+        frames = _Frames(
+            job,
+            payload,
+            chunk_bytes=chunk_bytes,
+            content_type=content_type,
+            ttl_ms=ttl_ms,
+            api_key=self.api_key,
+            inline=inline,
         )
-
-        def frames(whole: bool) -> bytes:
-            """The whole upload, pipelined, or only its final chunk again."""
-            key = self.api_key
-            if inline_payload is not None:
-                return encode_request(
-                    Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, inline=inline_payload, api_key=key
-                )
-            if not whole:
-                chunk = prepared.chunks[-1]
-                return encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunk)
-            parts = [
-                encode_request(
-                    Verb.SHARE,
-                    job,
-                    next(seq),
-                    ttl_ms=ttl_ms,
-                    manifest=prepared.manifest,
-                    api_key=key,
-                )
-            ]
-            parts += [
-                encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=c)
-                for c in prepared.chunks
-            ]
-            return b"".join(parts)
-
+        choice = RetryChoice(retry, self._budget, self._rng)
         started = time.monotonic()
-        yields: list[Reply] = []
         admitted_at: float | None = None
-        attempts = 0
-        budget_exhausted = False
         whole = True
         unanswered = 0  # frames of the last attempt still to be answered
         async with self._expecting(job) as inbox, asyncio.timeout(timeout):
             while True:
                 for _ in range(unanswered):  # (a yield before the last chunk: buffers_full)
                     await self._next(inbox)
-                attempts += 1
                 sent_at = time.monotonic()
-                self._write(frames(whole))
-                # Whole: a reply per frame, the last one for the final chunk; else just that one.
-                pipelined = len(prepared.chunks) if whole and not inline else 0
-                for answered in range(pipelined):
-                    reply = await self._next(inbox)
-                    if reply.status != Status.OK:
-                        unanswered = pipelined - answered
-                        break
-                else:
-                    unanswered = 0
-                    reply = await self._next(inbox)
-                    while reply.delta is not None:  # a streaming job's output, as it comes
-                        if on_delta is not None:
-                            on_delta(reply.delta)
-                        reply = await self._next(inbox)
+                self._write(frames.attempt(whole))
+                reply, unanswered = await self._answer(inbox, frames.pipelined(whole), on_delta)
                 if on_attempt is not None:
                     on_attempt(sent_at, reply)
                 if reply.receipt(Receipt.BACKEND_MS) is not None:  # the job ran
                     admitted_at = sent_at
-                failing = _backend_failing(reply)
-                if failing:
-                    self._budget.record_failure()
-                elif reply.status == Status.DONE:
-                    self._budget.record_success()
-                if reply.status != Status.YIELD:
+                wait_s = choice.after(reply)
+                if wait_s is None or (on_yield is not None and not on_yield(reply)):
                     break
-                yields.append(reply)
-                if attempts >= retry.max_attempts or reply.need_code == NeedCode.DRAINING:
-                    break
-                if failing and not self._budget.allows_retry():
-                    budget_exhausted = True
-                    break
-                if failing and (reply.retry_hint_ms or 0) / 1000 > retry.max_sleep_s:
-                    break  # the breaker stays open longer than this client will wait
-                if on_yield is not None and not on_yield(reply):
-                    break
-                await asyncio.sleep(retry.delay_s(reply.retry_hint_ms, self._rng))
+                await asyncio.sleep(wait_s)
                 whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
         return UploadResult(
-            reply, attempts, yields, started, admitted_at, time.monotonic(), budget_exhausted
+            reply,
+            choice.attempts,
+            choice.yields,
+            started,
+            admitted_at,
+            time.monotonic(),
+            choice.budget_exhausted,
         )
 
     async def generate(
@@ -428,7 +274,7 @@ class GovernorClient:
         *,
         job: str | None = None,
         ttl_ms: int = 0,
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy = DEFAULT_RETRY,
         timeout: float | None = None,
         on_attempt: Callable[[float, Reply], None] | None = None,
         on_delta: Callable[[str], None] | None = None,
@@ -486,6 +332,28 @@ class GovernorClient:
             raise item
         return item
 
+    async def _answer(
+        self,
+        inbox: asyncio.Queue[Reply | ClientError],
+        pipelined: int,
+        on_delta: Callable[[str], None] | None,
+    ) -> tuple[Reply, int]:
+        """The reply that ends one attempt, and how many of its frames are left unanswered.
+
+        ``pipelined``: the replies due before the final chunk's (a reply per frame); one that
+        is not ``ok`` ends the attempt early. A streaming job's output comes before its
+        terminal frame, to ``on_delta``."""
+        for answered in range(pipelined):
+            reply = await self._next(inbox)
+            if reply.status != Status.OK:
+                return reply, pipelined - answered
+        reply = await self._next(inbox)
+        while reply.delta is not None:
+            if on_delta is not None:
+                on_delta(reply.delta)
+            reply = await self._next(inbox)
+        return reply, 0
+
     async def _read_replies(self) -> None:
         error: ClientError = ConnectionLost("the server closed the connection")
         try:
@@ -512,6 +380,63 @@ class GovernorClient:
         self._closed = error
         for inbox in self._inbox.values():
             inbox.put_nowait(error)
+
+
+class _Frames:
+    """One upload's frames, numbered in one sequence over its attempts: the whole upload
+    pipelined (the manifest and every chunk, or the payload inline in one frame), or, after a
+    yield that left the payload held, only its final chunk again."""
+
+    def __init__(
+        self,
+        job: str,
+        payload: bytes,
+        *,
+        chunk_bytes: int,
+        content_type: str,
+        ttl_ms: int,
+        api_key: str | None,
+        inline: bool,
+    ) -> None:
+        self.job = job
+        self.ttl_ms = ttl_ms
+        self.api_key = api_key  # sent with the first frame of a whole upload
+        self.prepared = split_payload(payload, chunk_bytes=chunk_bytes, content_type=content_type)
+        self.inline = (
+            {
+                "content_type": content_type,
+                "sha256": self.prepared.manifest["sha256"],
+                "data": payload.decode(),
+            }
+            if inline
+            else None
+        )
+        self._seq = itertools.count(1)
+
+    def pipelined(self, whole: bool) -> int:
+        """The replies an attempt gets before the final one: one per frame but the last."""
+        return len(self.prepared.chunks) if whole and self.inline is None else 0
+
+    def attempt(self, whole: bool) -> bytes:
+        """The whole upload, pipelined, or only its final chunk again."""
+        job, seq, ttl_ms, key = self.job, self._seq, self.ttl_ms, self.api_key
+        if self.inline is not None:
+            return encode_request(
+                Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, inline=self.inline, api_key=key
+            )
+        chunks = self.prepared.chunks
+        if not whole:
+            return encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunks[-1])
+        manifest = self.prepared.manifest
+        parts = [
+            encode_request(
+                Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, manifest=manifest, api_key=key
+            )
+        ]
+        parts += [
+            encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=c) for c in chunks
+        ]
+        return b"".join(parts)
 
 
 class _Expecting:

@@ -6,7 +6,7 @@ Lane ``-`` is a job with lanes off.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -29,200 +29,259 @@ if TYPE_CHECKING:
 
 
 class GovernorCollector(Collector):
+    """Each scrape: the families of :data:`FAMILIES`, in order."""
+
     def __init__(self, state: ServerState, health: Health) -> None:
         self.state = state
         self.health = health
 
     def collect(self) -> Iterator[Metric]:
-        server, ledger, jobs, health = (
-            self.state,
-            self.state.ledger,
-            self.state.metrics,
-            self.health,
+        for build in FAMILIES:
+            yield from build(self.state, self.health)
+
+
+def _server_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """The replica at a glance: slots, connections, buffers, the probes' verdicts, and the
+    admission attempts' two totals."""
+    ledger, pools = server.ledger, server.pools
+    gauges = (
+        ("governor_inflight", "Jobs executing now, in every pool.", server.inflight),
+        (
+            "governor_inflight_cap",
+            "The hard cap on executing jobs (max_inflight, and the fallback pool's workers).",
+            sum(pool.ledger.cap for pool in pools),
+        ),
+        ("governor_inflight_peak", "Highest inflight since start.", ledger.peak_inflight),
+        ("governor_health", "1 when a job would be admitted now, else 0.", int(ledger.ready)),
+        ("governor_draining", "1 while shutting down.", int(ledger.draining)),
+        ("governor_connections", "Open client connections.", len(server.connections)),
+        (
+            "governor_buffered_payload_bytes",
+            "Payload bytes reserved by uploads in progress and payloads held after a yield.",
+            server.buffers.used,
+        ),
+        (
+            "governor_expected_service_seconds",
+            "The service-time estimate behind retry hints.",
+            ledger.service_s,
+        ),
+        ("governor_ready", "1 when /healthz/ready passes.", int(health.readiness().ok)),
+        ("governor_live", "1 when /healthz/live passes.", int(health.liveness().ok)),
+    )
+    for name, documentation, value in gauges:
+        yield GaugeMetricFamily(name, documentation, value=value)
+    yield CounterMetricFamily(
+        "governor_executed",
+        "Jobs admitted to execute, in every pool.",
+        value=sum(pool.ledger.executed_total for pool in pools),
+    )
+    yield CounterMetricFamily(
+        "governor_yielded",
+        "Admission attempts answered with yield.",
+        value=ledger.yielded_total,
+    )
+
+
+def _job_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """Admission attempts refused, admitted jobs' ends, abort frames."""
+    jobs = server.metrics
+    yield _counter(
+        "governor_yields",
+        "Admission attempts answered with yield, by reason (need code), lane and tenant.",
+        ["reason", "lane", "tenant"],
+        server.admission.refusals.items(),
+    )
+    yield _counter(
+        "governor_jobs_finished",
+        "Admitted jobs that ended, by outcome (done, the abort's need code, or client_gone), "
+        "lane and pool.",
+        ["outcome", "lane", "pool"],
+        jobs.finished.items(),
+    )
+    yield _counter(
+        "governor_aborts",
+        "Abort frames sent, by reason (need code): admitted jobs that failed, jobs refused "
+        "for good, and connections closed.",
+        ["reason"],
+        _by_one(jobs.aborts),
+    )
+
+
+def _slot_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """What holds the slots: tenants, lanes (with lanes on), the KV budget."""
+    ledger = server.ledger
+    tenants = GaugeMetricFamily(
+        "governor_tenant_inflight", "Jobs executing now, by tenant.", labels=["tenant"]
+    )
+    for t in server.tenants.all():
+        tenants.add_metric([t.name], t.inflight)
+    yield tenants
+    if ledger.policy is not None:
+        lanes = GaugeMetricFamily(
+            "governor_lane_inflight", "Jobs executing now, by lane.", labels=["lane"]
         )
-        pools = server.pools
-        gauges = (
-            ("governor_inflight", "Jobs executing now, in every pool.", server.inflight),
-            (
-                "governor_inflight_cap",
-                "The hard cap on executing jobs (max_inflight, and the fallback pool's workers).",
-                sum(pool.ledger.cap for pool in pools),
-            ),
-            ("governor_inflight_peak", "Highest inflight since start.", ledger.peak_inflight),
-            ("governor_health", "1 when a job would be admitted now, else 0.", int(ledger.ready)),
-            ("governor_draining", "1 while shutting down.", int(ledger.draining)),
-            ("governor_connections", "Open client connections.", len(server.connections)),
-            (
-                "governor_buffered_payload_bytes",
-                "Payload bytes reserved by uploads in progress and payloads held after a yield.",
-                server.buffers.used,
-            ),
-            (
-                "governor_expected_service_seconds",
-                "The service-time estimate behind retry hints.",
-                ledger.service_s,
-            ),
-            ("governor_ready", "1 when /healthz/ready passes.", int(health.readiness().ok)),
-            ("governor_live", "1 when /healthz/live passes.", int(health.liveness().ok)),
-        )
-        for name, documentation, value in gauges:
-            yield GaugeMetricFamily(name, documentation, value=value)
-        yield CounterMetricFamily(
-            "governor_executed",
-            "Jobs admitted to execute, in every pool.",
-            value=sum(pool.ledger.executed_total for pool in pools),
-        )
-        yield CounterMetricFamily(
-            "governor_yielded",
-            "Admission attempts answered with yield.",
-            value=ledger.yielded_total,
-        )
-        yield _counter(
-            "governor_yields",
-            "Admission attempts answered with yield, by reason (need code), lane and tenant.",
-            ["reason", "lane", "tenant"],
-            server.admission.refusals.items(),
-        )
-        yield _counter(
-            "governor_jobs_finished",
-            "Admitted jobs that ended, by outcome (done, the abort's need code, or client_gone), "
-            "lane and pool.",
-            ["outcome", "lane", "pool"],
-            jobs.finished.items(),
-        )
-        yield _counter(
-            "governor_aborts",
-            "Abort frames sent, by reason (need code): admitted jobs that failed, jobs refused "
-            "for good, and connections closed.",
-            ["reason"],
-            (((k,), v) for k, v in jobs.aborts.items()),
-        )
-        tenants = GaugeMetricFamily(
-            "governor_tenant_inflight", "Jobs executing now, by tenant.", labels=["tenant"]
-        )
-        for t in server.tenants.all():
-            tenants.add_metric([t.name], t.inflight)
-        yield tenants
-        if ledger.policy is not None:
-            lanes = GaugeMetricFamily(
-                "governor_lane_inflight", "Jobs executing now, by lane.", labels=["lane"]
-            )
-            for lane in LANES:
-                lanes.add_metric([lane], ledger.lane_inflight[lane])
-            yield lanes
+        for lane in LANES:
+            lanes.add_metric([lane], ledger.lane_inflight[lane])
+        yield lanes
+    yield GaugeMetricFamily(
+        "governor_kv_reserved_tokens",
+        "KV cache cells reserved by running jobs (prompt + max_new_tokens each).",
+        value=ledger.kv_reserved,
+    )
+    yield GaugeMetricFamily(
+        "governor_kv_used_tokens",
+        "KV cache cells the runner's caches hold now (the reservations for a runner that "
+        "reports none).",
+        value=ledger.kv_in_use,
+    )
+    yield GaugeMetricFamily(
+        "governor_kv_capacity_tokens",
+        "The KV caches' capacity in cells (0: no KV budget).",
+        value=ledger.kv.capacity if ledger.kv is not None else 0,
+    )
+
+
+def _overload_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """The overload state (with lanes on) and the fallback ladder's steps."""
+    if server.overload is not None:
         yield GaugeMetricFamily(
-            "governor_kv_reserved_tokens",
-            "KV cache cells reserved by running jobs (prompt + max_new_tokens each).",
-            value=ledger.kv_reserved,
-        )
-        yield GaugeMetricFamily(
-            "governor_kv_used_tokens",
-            "KV cache cells the runner's caches hold now (the reservations for a runner that "
-            "reports none).",
-            value=ledger.kv_in_use,
-        )
-        yield GaugeMetricFamily(
-            "governor_kv_capacity_tokens",
-            "The KV caches' capacity in cells (0: no KV budget).",
-            value=ledger.kv.capacity if ledger.kv is not None else 0,
-        )
-        if server.overload is not None:
-            yield GaugeMetricFamily(
-                "governor_overload_state",
-                "0 normal, 1 degraded, 2 batch_paused, 3 interactive_only.",
-                value=int(server.overload.state),
-            )
-            yield _counter(
-                "governor_overload_transitions",
-                "Overload state changes.",
-                ["from", "to"],
-                server.overload.transitions.items(),
-            )
-        yield _counter(
-            "governor_fallback_activations",
-            "Fallback ladder steps taken, by step.",
-            ["step"],
-            (((k,), v) for k, v in server.admission.ladder.items()),
-        )
-        breaker = GaugeMetricFamily(
-            "governor_breaker_state",
-            "The runner pool's circuit breaker: 0 closed, 1 half_open, 2 open.",
-            labels=["pool"],
-        )
-        moves = CounterMetricFamily(
-            "governor_breaker_transitions",
-            "Circuit breaker state changes, by pool.",
-            labels=["pool", "from", "to"],
-        )
-        restarts = CounterMetricFamily(
-            "governor_worker_restarts", "Worker processes started again, by pool.", labels=["pool"]
-        )
-        workers = GaugeMetricFamily(
-            "governor_workers_live",
-            "Worker processes loaded and able to take a job, by pool.",
-            labels=["pool"],
-        )
-        for pool in server.pools:
-            breaker.add_metric([pool.name], int(pool.breaker.state))
-            for (before, after), count in sorted(pool.breaker.transitions.items()):
-                moves.add_metric([pool.name, before, after], count)
-            state = pool.runner.health()
-            restarts.add_metric([pool.name], state.restarts)
-            workers.add_metric([pool.name], state.workers_live)
-        yield from (breaker, moves, restarts, workers)
-        yield _counter(
-            "governor_probes",
-            "Readiness probes, by result (ok, failed, timeout, skipped: every worker busy).",
-            ["result"],
-            (((k,), v) for k, v in jobs.probes.items()),
-        )
-        probe = HistogramMetricFamily(
-            "governor_probe_duration_seconds", "Readiness probes that succeeded, by duration."
-        )
-        probe.add_metric([], jobs.probe.buckets(), jobs.probe.sum)
-        yield probe
-        yield from jobs.lane_families()
-        yield from _slo_families(server.slo)
-        yield CounterMetricFamily(
-            "governor_log_records_dropped",
-            "Log records dropped because the log writer fell behind (a slow stderr reader).",
-            value=dropped_records(),
+            "governor_overload_state",
+            "0 normal, 1 degraded, 2 batch_paused, 3 interactive_only.",
+            value=int(server.overload.state),
         )
         yield _counter(
-            "governor_bad_frames",
-            "Lines refused before any upload, by need code.",
-            ["code"],
-            (((k,), v) for k, v in server.bad_frames.items()),
+            "governor_overload_transitions",
+            "Overload state changes.",
+            ["from", "to"],
+            server.overload.transitions.items(),
         )
-        yield _counter(
-            "governor_connections_refused",
-            "Connections refused at once (too_many_connections) or cut off without a frame "
-            "(slow_reader, write_timeout), by reason.",
-            ["reason"],
-            (((k,), v) for k, v in server.refused.items()),
-        )
-        yield _counter(
-            "governor_http_responses",
-            "The OpenAI-compatible front door's answers, by path (other: any other, and "
-            "answers before a request was read) and HTTP status.",
-            ["path", "status"],
-            server.http_responses.items(),
-        )
-        fleet = server.fleet
-        if fleet is not None:
-            yield from _fleet_families(fleet)
-        yield CounterMetricFamily(
-            "governor_connections_displaced",
-            "Idle connections (nothing in flight, no key shown) closed to make way for a new "
-            "one at max_connections or max_connections_per_source.",
-            value=server.displaced,
-        )
-        yield GaugeMetricFamily(
-            "governor_sources_waiting",
-            "Source addresses whose new keys wait for a turn: their auth_guess_burst of failed "
-            "keys is spent.",
-            value=server.sources.waiting,
-        )
+    yield _counter(
+        "governor_fallback_activations",
+        "Fallback ladder steps taken, by step.",
+        ["step"],
+        _by_one(server.admission.ladder),
+    )
+
+
+def _pool_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """Each runner pool's circuit breaker and workers."""
+    breaker = GaugeMetricFamily(
+        "governor_breaker_state",
+        "The runner pool's circuit breaker: 0 closed, 1 half_open, 2 open.",
+        labels=["pool"],
+    )
+    moves = CounterMetricFamily(
+        "governor_breaker_transitions",
+        "Circuit breaker state changes, by pool.",
+        labels=["pool", "from", "to"],
+    )
+    restarts = CounterMetricFamily(
+        "governor_worker_restarts", "Worker processes started again, by pool.", labels=["pool"]
+    )
+    workers = GaugeMetricFamily(
+        "governor_workers_live",
+        "Worker processes loaded and able to take a job, by pool.",
+        labels=["pool"],
+    )
+    for pool in server.pools:
+        breaker.add_metric([pool.name], int(pool.breaker.state))
+        for (before, after), count in sorted(pool.breaker.transitions.items()):
+            moves.add_metric([pool.name, before, after], count)
+        state = pool.runner.health()
+        restarts.add_metric([pool.name], state.restarts)
+        workers.add_metric([pool.name], state.workers_live)
+    yield from (breaker, moves, restarts, workers)
+
+
+def _probe_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """The readiness probes' results and durations."""
+    jobs = server.metrics
+    yield _counter(
+        "governor_probes",
+        "Readiness probes, by result (ok, failed, timeout, skipped: every worker busy).",
+        ["result"],
+        _by_one(jobs.probes),
+    )
+    probe = HistogramMetricFamily(
+        "governor_probe_duration_seconds", "Readiness probes that succeeded, by duration."
+    )
+    probe.add_metric([], jobs.probe.buckets(), jobs.probe.sum)
+    yield probe
+
+
+def _latency_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """Per-job times and sizes by lane, then the objectives met."""
+    yield from server.metrics.lane_families()
+    yield from _slo_families(server.slo)
+
+
+def _front_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """What the listeners refused or answered before any job: dropped log records, bad lines,
+    connections refused, the HTTP front door's answers."""
+    yield CounterMetricFamily(
+        "governor_log_records_dropped",
+        "Log records dropped because the log writer fell behind (a slow stderr reader).",
+        value=dropped_records(),
+    )
+    yield _counter(
+        "governor_bad_frames",
+        "Lines refused before any upload, by need code.",
+        ["code"],
+        _by_one(server.bad_frames),
+    )
+    yield _counter(
+        "governor_connections_refused",
+        "Connections refused at once (too_many_connections) or cut off without a frame "
+        "(slow_reader, write_timeout), by reason.",
+        ["reason"],
+        _by_one(server.refused),
+    )
+    yield _counter(
+        "governor_http_responses",
+        "The OpenAI-compatible front door's answers, by path (other: any other, and "
+        "answers before a request was read) and HTTP status.",
+        ["path", "status"],
+        server.http_responses.items(),
+    )
+
+
+def _fleet_step_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """The fleet's gate and store, with ``redis_url`` only."""
+    if server.fleet is not None:
+        yield from _fleet_families(server.fleet)
+
+
+def _source_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """Connections displaced at the limits, and sources whose keys wait for a turn."""
+    yield CounterMetricFamily(
+        "governor_connections_displaced",
+        "Idle connections (nothing in flight, no key shown) closed to make way for a new "
+        "one at max_connections or max_connections_per_source.",
+        value=server.displaced,
+    )
+    yield GaugeMetricFamily(
+        "governor_sources_waiting",
+        "Source addresses whose new keys wait for a turn: their auth_guess_burst of failed "
+        "keys is spent.",
+        value=server.sources.waiting,
+    )
+
+
+FamilyBuilder = Callable[[ServerState, Health], Iterator[Metric]]
+
+# The scrape's families, in the order they are exposed.
+FAMILIES: tuple[FamilyBuilder, ...] = (
+    _server_families,
+    _job_families,
+    _slot_families,
+    _overload_families,
+    _pool_families,
+    _probe_families,
+    _latency_families,
+    _front_families,
+    _fleet_step_families,
+    _source_families,
+)
 
 
 def _slo_families(slo: Attainment) -> Iterator[Metric]:
@@ -282,7 +341,7 @@ def _fleet_families(fleet: Fleet) -> Iterator[Metric]:
         "rate_limited (the store's); store_error; on_share, share_* and fail_closed (the store "
         "unreachable).",
         ["answer"],
-        (((k,), v) for k, v in gate.answers.items()),
+        _by_one(gate.answers),
     )
     seconds = HistogramMetricFamily(
         "governor_fleet_store_seconds", "The store's answers to admissions, by duration."
@@ -302,6 +361,11 @@ def _counter(
     for values, count in sorted(counts):
         family.add_metric(list(values), count)
     return family
+
+
+def _by_one(counts: Mapping[str, int]) -> Iterator[tuple[tuple[str], int]]:
+    """A counter keyed by one label's value as ``(label values, count)`` pairs."""
+    return (((k,), v) for k, v in counts.items())
 
 
 def registry_for(state: ServerState, health: Health) -> CollectorRegistry:
