@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from governor.core.ledger import EWMA_ALPHA, SLACK, Completed, Promise, Refusal, Slot, SlotLedger
+from governor.core.estimates import EWMA_ALPHA
+from governor.core.ledger import Completed, Promise, Refusal, Slot, SlotLedger
 from governor.core.policy import LANES, Demand, LanePolicy
+from governor.core.promises import SLACK
 from governor.core.service import JobSize
 from protocol.codes import NeedCode
 
@@ -82,8 +84,8 @@ def test_random_admit_release_never_exceeds_cap(clock: FakeClock) -> None:
             refused += 1
         assert ledger.inflight == len(held) <= 4
         # The count a newcomer's place is read from is the line's length.
-        assert sum(ledger._promised) == sum(p.queued for p in ledger._promises)
-        assert len(ledger._promises) <= 2 * sum(ledger._promised) + SLACK
+        assert len(ledger.line) == sum(1 for _ in ledger.line)
+        assert ledger.line.stored <= 2 * len(ledger.line) + SLACK
     assert ledger.peak_inflight == 4
     assert (ledger.executed_total, ledger.yielded_total) == (admitted, refused)
     assert refused > 0
@@ -162,12 +164,12 @@ def test_release_times_match_taking_the_slots_one_by_one(clock: FakeClock) -> No
             ledger.admit()
             clock.now += rng.random() * 10
         now = clock.now
-        ends = [ledger.expected_end(slot.started, now) for slot in ledger._running]
+        ends = [ledger.estimates.expected_end(slot.started, now) for slot in ledger._running]
         ends += [now + ledger.min_hint_ms / 1000] * (cap - len(ends))
         period = ledger.service_s + ledger.turnaround_s
         for k in range(0, 40, 3):
             expected = brute_force_release(ends, period, k)
-            assert ledger._release_time(now, k) == pytest.approx(expected, abs=1e-9)
+            assert ledger.hints.release_time(now, k) == pytest.approx(expected, abs=1e-9)
 
 
 def test_hint_never_constant_across_load(clock: FakeClock) -> None:
@@ -206,7 +208,7 @@ def test_the_first_in_line_comes_as_the_likely_window_opens_and_polls_in_it(
     is told 0.8 s, then polls every tenth of a second (half the window's half-width) until
     the job is late by more than that."""
     ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)
-    ledger.error = 0.2
+    ledger.estimates.error = 0.2
     start = clock.now
     assert isinstance(ledger.admit(), Slot)
     promise = None
@@ -470,8 +472,8 @@ def run_ops(ops: list[tuple[str, object, object]], *, lanes: bool) -> None:
                 if r <= rank and id(p) not in withdrawn and p.lapses >= clock.now
             )
             assert ledger.waiting(rank) == brute
-        line = [p for p in ledger._promises if p.queued]
-        assert sum(ledger._promised_s) == pytest.approx(sum(p.service_s for p in line), abs=1e-9)
+        seconds = sum(ledger.line.totals()[1])
+        assert seconds == pytest.approx(sum(p.service_s for p in ledger.line), abs=1e-9)
 
 
 @settings(max_examples=200)
@@ -512,7 +514,7 @@ def test_a_running_jobs_end_and_a_newcomers_pace_follow_the_jobs_progress(
     assert isinstance(alone, Slot)
     clock.now += 0.4
     alone.release(done=Completed(10, 16, 0.1))  # ttft 0.1 s, then 15 tokens in 0.3 s
-    learnt = ledger.predict_s(JobSize(10, 16))
+    learnt = ledger.estimates.predict_s(JobSize(10, 16))
     assert learnt == pytest.approx(0.4)
     chat = ledger.admit(size=JobSize(10, 16))
     assert isinstance(chat, Slot)
@@ -531,17 +533,19 @@ def test_a_running_jobs_end_and_a_newcomers_pace_follow_the_jobs_progress(
     again = ledger.admit(promise=refused.promise, size=JobSize(10, 16))
     assert isinstance(again, Refusal)
     assert again.retry_hint_ms == 100
-    assert ledger.predict_s(JobSize(10, 16)) == pytest.approx(0.1 + 15 * 0.1)
+    assert ledger.estimates.predict_s(JobSize(10, 16)) == pytest.approx(0.1 + 15 * 0.1)
     # Past its expected length, its end is unknown again: predicted from its admission.
     chat.progress(16, first_token, clock.now)
     assert chat.live_end is None
-    assert ledger.slot_end(chat, clock.now) == ledger.expected_end(
+    assert ledger.slot_end(chat, clock.now) == ledger.estimates.expected_end(
         chat.started, clock.now, chat.expected_s
     )
     chat.release(done=Completed(10, 16, 0.1))
-    assert ledger.predict_s(JobSize(10, 16)) != pytest.approx(0.1 + 15 * 0.1)  # (no pace now)
+    assert ledger.estimates.predict_s(JobSize(10, 16)) != pytest.approx(
+        0.1 + 15 * 0.1
+    )  # (no pace now)
     chat.progress(3, first_token, clock.now)  # (a late report after the release: ignored)
-    assert ledger._paced == 0
+    assert ledger.estimates.paced == 0
 
 
 def test_a_long_prompts_end_follows_the_pace_it_is_fed_at(clock: FakeClock) -> None:

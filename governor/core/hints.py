@@ -1,0 +1,199 @@
+"""The retry hint: when to tell a client that found no slot to come back.
+
+Nothing is queued on the server, but the ledger remembers when it told each yielded client to
+come back (its *promise*, kept in the :class:`~governor.core.promises.PromiseLine`), so that the
+clients it turned away are spread over the coming slot releases instead of all returning at the
+same instant.
+
+* A running job's slot is expected to free at the job's expected end
+  (:meth:`~governor.core.estimates.ServiceEstimates.end_of`); a free slot counts as releasing
+  at ``now + floor`` (``min_hint_ms``). After that each slot frees again every ``W + T``, ``T``
+  being the turnaround (how long a released slot waits for the returning client it was promised
+  to) and ``W`` the mean predicted time of the jobs of the clients ahead of the waiting one in
+  line (they take those turns), or its own job's where none is. The ``k``-th release from now
+  is the ``k``-th smallest of the times ``e_i + j * (W + T)`` (:func:`kth_release`): a slot
+  that frees long before another turns over many times first.
+* ``P`` is the number of promises still outstanding. A promise belongs to a held payload: it is
+  withdrawn when the client comes back or the payload is dropped (client gone, new manifest),
+  and it lapses ``grace`` after its time (the client's jitter).
+* A new yield is promised release number ``P``: ``hint`` is that release's time less ``now``,
+  clamped to ``[min_hint_ms, max_hint_ms]``.
+* A client that comes back (it resends the final chunk of the payload it was refused) and
+  finds no slot for it keeps its place in line and is re-timed to that place's release (``k =
+  q``, the promises ahead of it).
+
+Under a lane policy a client counts only the promises of its own lane or a higher one, and only
+the slots it may take: those the interactive reserve does not keep
+(:class:`~governor.core.lanegate.LaneGate`). It waits for the ends of the jobs in those slots,
+not for a chat's in the reserve, and the first interactive clients in line are the reserve's,
+not ahead of it. Pure: the caller passes the time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Protocol
+
+from .estimates import Running, ServiceEstimates
+from .lanegate import LaneGate
+from .policy import Demand, Lane
+from .promises import Promise, PromiseLine
+from .service import JobSize
+
+
+class Job(Running, Protocol):
+    """A running job as the hints see it (a :class:`~governor.core.ledger.Slot`)."""
+
+    demand: Demand | None  # its lane, under a lane policy
+
+
+class RetryHints:
+    """The hints of one pool, from its running jobs, its estimates and its promise line."""
+
+    __slots__ = ("_running", "cap", "estimates", "lanes", "line", "max_hint_ms", "min_hint_ms")
+
+    def __init__(
+        self,
+        cap: int,
+        min_hint_ms: int,
+        max_hint_ms: int,
+        estimates: ServiceEstimates,
+        line: PromiseLine,
+        lanes: LaneGate,
+        running: Collection[Job],
+    ) -> None:
+        self.cap = cap
+        self.min_hint_ms = min_hint_ms
+        self.max_hint_ms = max_hint_ms
+        self.estimates = estimates
+        self.line = line
+        self.lanes = lanes
+        self._running = running  # the ledger's running jobs: read here, never changed
+
+    def hint_ms(self, now: float, at: float) -> int:
+        """Milliseconds from ``now`` to ``at``, within the hint's bounds."""
+        # (less a nanosecond, so that float noise does not round 600 ms up to 601)
+        hint_ms = math.ceil((at - now) * 1000 - 1e-6)
+        return min(max(hint_ms, self.min_hint_ms), self.max_hint_ms)
+
+    def next_end(self, now: float) -> float:
+        """When the first running job is expected to end (a free slot frees nothing more)."""
+        end_of = self.estimates.end_of
+        return min((end_of(job, now) for job in self._running), default=now)
+
+    def lane_release(self, now: float, lane: Lane) -> float:
+        """When the first running job of ``lane`` is expected to end."""
+        end_of = self.estimates.end_of
+        return min(
+            end_of(job, now)
+            for job in self._running
+            if job.demand is not None and job.demand.lane == lane
+        )
+
+    def place(
+        self,
+        now: float,
+        promise: Promise | None,
+        rank: int = 0,
+        size: JobSize | None = None,
+        doublings: int = 0,
+        until_ms: int | None = None,
+    ) -> tuple[int, Promise | None]:
+        """The hint for a refusal, and the promise that goes with it (None: the line is full).
+
+        A returning client keeps its place in line and is re-timed to the release of that
+        place; a newcomer, in constant time, is promised the release after every promise
+        outstanding of its own lane or a higher one. The slots turn over at the pace of the
+        jobs of the clients ahead: the mean of their predicted times. With ``doublings``, the
+        hint is doubled as many times, but no later than ``until_ms`` from now, and never
+        before the place comes.
+        """
+        own_s = self.estimates.predict_s(size, self.lanes.lane(rank))
+        if promise is not None and promise.queued:
+            counts, seconds = self.line.ahead_of(promise, rank)
+        else:  # a newcomer, or a client whose promise lapsed: to the back
+            promise = None
+            counts, seconds = self.line.totals()
+        ahead, ahead_s = sum(counts[: rank + 1]), sum(seconds[: rank + 1])
+        reserve = self.lanes.reserve(rank, now)
+        if reserve and counts[0]:  # the reserve serves the first interactive clients
+            ahead -= min(counts[0], reserve)
+            ahead_s -= seconds[0] * min(counts[0], reserve) / counts[0]
+        turn_s = ahead_s / ahead if ahead > 0 else own_s
+        hint_ms = self.hint_ms(now, self.release_time(now, ahead, rank, turn_s))
+        if doublings:
+            longest = self.max_hint_ms if until_ms is None else until_ms
+            hint_ms = min(max(hint_ms, min(hint_ms << doublings, longest)), self.max_hint_ms)
+        at = now + hint_ms / 1000
+        return hint_ms, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
+
+    def release_time(self, now: float, k: int, rank: int = 0, turn_s: float | None = None) -> float:
+        """When the ``k``-th slot release from now is expected (``k`` = 0: the next one), for
+        a client of the lane ranked ``rank``.
+
+        Each later turn of a slot starts when its promised client is back, not at once, and
+        lasts ``W`` (``turn_s``: the predicted time of the jobs that take those turns, the
+        lane's mean by default), so a slot turns over every ``W + T``.
+        """
+        ends, slots = self._ends(now, rank)
+        floor = now + self.min_hint_ms / 1000
+        ends += [floor] * (slots - len(ends))  # a free slot is held for a promise due now
+        ends.sort()
+        if turn_s is None:
+            turn_s = self.estimates.service_for(self.lanes.lane(rank))
+        # (no turn is shorter than a millisecond: a period of 0 would never move on)
+        return kth_release(ends, max(turn_s + self.estimates.turnaround_s, 0.001), k)
+
+    def _ends(self, now: float, rank: int) -> tuple[list[float], int]:
+        """The expected ends of the running jobs whose release frees a slot a client of the
+        lane ranked ``rank`` may take, and how many slots it may take.
+
+        Under an interactive reserve of ``r`` slots, a lower lane's client may take ``cap -
+        r``: those of the lower lanes' jobs, and of the interactive jobs past the ``r`` the
+        reserve holds (the first of them to end frees a slot that is not the reserve's).
+        """
+        end_of = self.estimates.end_of
+        reserve = self.lanes.reserve(rank, now)
+        if not reserve:
+            return [end_of(job, now) for job in self._running], self.cap
+        ends: list[float] = []
+        interactive: list[float] = []
+        for job in self._running:
+            end = end_of(job, now)
+            lane = job.demand.lane if job.demand is not None else None
+            (interactive if lane == Lane.INTERACTIVE else ends).append(end)
+        if len(interactive) > reserve:
+            interactive.sort()
+            ends += interactive[: len(interactive) - reserve]
+        return ends, max(self.cap - reserve, 1)
+
+
+def kth_release(ends: list[float], period: float, k: int) -> float:
+    """The ``k``-th smallest (from 0) of ``ends[i] + j * period`` over every ``i`` and ``j >=
+    0``: when the ``k``-th slot release is expected, slot ``i`` freeing first at ``ends[i]``
+    and then every ``period``.
+
+    ``ends`` is sorted and not empty; ``period`` is positive. Constant time when every slot
+    frees once before any frees twice (the usual case); else the releases are counted in rounds
+    of one period from the first: in round ``r``, slot ``i`` frees at ``e_0 + r * period +
+    o_i`` once ``r >= q_i``, where ``e_i - e_0 = q_i * period + o_i``.
+    """
+    first, n = ends[0], len(ends)
+    if ends[-1] - first < period:  # the usual case
+        r, i = divmod(k, n)
+        return ends[i] + r * period
+    rounds = [int((end - first) // period) for end in ends]  # q_i, ascending
+    # Walk to the round holding release k: the slots in turn (q_i <= r) free once a round.
+    turning = before = r = 0
+    while True:
+        while turning < n and rounds[turning] <= r:
+            turning += 1
+        if turning == n or k < before + turning * (rounds[turning] - r):
+            skip = (k - before) // turning
+            r, before = r + skip, before + skip * turning
+            break
+        before += turning * (rounds[turning] - r)
+        r = rounds[turning]
+    offsets = sorted(ends[i] - first - rounds[i] * period for i in range(turning))
+    return first + r * period + offsets[k - before]

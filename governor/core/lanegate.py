@@ -1,0 +1,69 @@
+"""Which of a pool's slots a lane's job may take: the lanes' quotas and the interactive reserve.
+
+Under a lane policy (:mod:`governor.core.policy`) each lane may hold at most its quota of slots
+(``lane_slots``), and ``interactive_reserve`` slots are kept for interactive jobs: a job of a
+lower lane may not take them. A policy may lend the reserve (``reserve_lend_after_s``): once no
+interactive job has asked for a slot for that long and none waits in line, every slot is the
+lower lanes' too, until the next one asks. Without a policy every job is of rank 0 and may take
+any slot.
+
+A lane's *rank* is its place in :data:`~governor.core.policy.LANES`, 0 the highest. Pure: the
+caller passes the time.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from .policy import LANES, Demand, Lane, LanePolicy
+from .promises import PromiseLine
+
+
+class LaneGate:
+    """A pool's jobs running per lane, and the slots each lane may take."""
+
+    __slots__ = ("_interactive_seen", "_line", "inflight", "policy")
+
+    def __init__(self, policy: LanePolicy | None, line: PromiseLine, now: float) -> None:
+        self.policy = policy
+        self._line = line  # who waits: the reserve is not lent while an interactive client does
+        self.inflight: collections.Counter[Lane] = collections.Counter()  # jobs running, by lane
+        # When an interactive job last asked for a slot; the reserve is kept from the start.
+        self._interactive_seen = now
+
+    def rank(self, demand: Demand | None) -> int:
+        """The rank of a job's lane (0 without a lane policy)."""
+        return LANES.index(demand.lane) if demand is not None and self.policy is not None else 0
+
+    def lane(self, rank: int) -> Lane | None:
+        """The lane ranked ``rank`` (None without a lane policy)."""
+        return LANES[rank] if self.policy is not None else None
+
+    def asked(self, rank: int, now: float) -> None:
+        """A job of the lane ranked ``rank`` asked for a slot at ``now``."""
+        if rank == 0:
+            self._interactive_seen = now
+
+    def reserve(self, rank: int, now: float) -> int:
+        """The slots a job of the lane ranked ``rank`` may not take: the interactive reserve
+        (0 for interactive work, without a lane policy, or while the reserve is lent: no
+        interactive job has come for ``reserve_lend_after_s`` and none waits in line)."""
+        policy = self.policy
+        if policy is None or rank == 0:
+            return 0
+        lend_after = policy.reserve_lend_after_s
+        if lend_after and now - self._interactive_seen >= lend_after and not self._line.of_rank(0):
+            return 0
+        return policy.interactive_reserve
+
+    def unused_reserve(self, rank: int, now: float) -> int:
+        """The free slots a job of the lane ranked ``rank`` may not take: the reserve less the
+        interactive jobs running."""
+        reserve = self.reserve(rank, now)
+        return max(reserve - self.inflight[Lane.INTERACTIVE], 0) if reserve else 0
+
+    def quota_full(self, lane: Lane) -> bool:
+        """Whether ``lane`` holds as many slots as its quota allows."""
+        assert self.policy is not None
+        quota = self.policy.lane_slots.get(lane)
+        return quota is not None and self.inflight[lane] >= quota
