@@ -12,15 +12,15 @@ import argparse
 import sys
 from typing import Any, Protocol
 
-from . import (
+from .commands import (
     admission,
     attack,
     baseline,
     burst,
     ceiling,
     compare,
-    fleet,
-    fleetbench,
+    fleet_bench,
+    fleet_faults,
     generation,
     idle,
     lanes,
@@ -29,7 +29,7 @@ from . import (
     peer,
     rate,
     replay,
-    sdkbench,
+    sdk_bench,
     soak,
     tls_cost,
 )
@@ -79,9 +79,9 @@ COMMANDS: dict[str, Command] = {
         _tls_cost,
         _ceiling,
         _generation,
-        fleetbench,
-        fleet,
-        sdkbench,
+        fleet_bench,
+        fleet_faults,
+        sdk_bench,
     )
 }
 

@@ -20,8 +20,8 @@ from clients import NO_RETRY, GovernorClient
 from governor.runners import Finished, RunnerStartError
 from governor.runners.http import HttpRunner, HttpSettings
 from governor.runners.llama import embedded_model_path
-from loadtest import baseline
-from loadtest.peer import free_port
+from loadtest.commands import baseline
+from loadtest.commands.peer import free_port
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 
 from .conftest import ServerFactory, wait_until

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from loadtest.monitor import Sample
-from loadtest.report import Slo, paused, saturation
-from loadtest.report import stats as class_stats
-from loadtest.stats import Summary, percentile, summarize
-from loadtest.targets import DONE, YIELDED, Outcome
-from loadtest.workload import Request
+from loadtest.support.monitor import Sample
+from loadtest.support.report import Slo, paused, saturation
+from loadtest.support.report import stats as class_stats
+from loadtest.support.stats import Summary, percentile, summarize
+from loadtest.support.targets import DONE, YIELDED, Outcome
+from loadtest.support.workload import Request
 
 from .conftest import Daemon
 
@@ -538,7 +538,7 @@ def test_idle_connections_cost_and_responsiveness(daemon: Callable[..., Daemon])
 def test_rate_against_the_queueing_baseline(tmp_path: Path) -> None:
     """The OpenAI target on llama-cpp-python's own server and the embedded model: it queues."""
     from governor.runners.llama import embedded_model_path
-    from loadtest import baseline
+    from loadtest.commands import baseline
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import baseline, ceiling, generation
 from loadtest.cli import build_parser
-from loadtest.idle import (
+from loadtest.commands import baseline, ceiling, generation
+from loadtest.commands.idle import (
     descendants,
     others_share,
     parse_busy_s,
     parse_rollup_kib,
     tree_rollup_kib,
 )
-from loadtest.targets import ABORTED, DONE, ERROR, TIMED_OUT, Outcome, Shape
-from loadtest.workload import Request
+from loadtest.support.targets import ABORTED, DONE, ERROR, TIMED_OUT, Outcome, Shape
+from loadtest.support.workload import Request
 
 SETTINGS = generation.Settings(
     model=Path("/models/m.gguf"),

@@ -11,7 +11,7 @@ load; the summary gives the medians and the governor's ratios to heptaminid's. E
 stopped by its own PID.
 
 With ``--floor`` (the admitted scenarios), a third server joins the rotation:
-:mod:`loadtest.floor`, the least a Python server on uvloop spends on the same two frames.
+:mod:`loadtest.support.floor`, the least a Python server on uvloop spends on the same two frames.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .common import positive_float, positive_int
+from ..support.common import positive_float, positive_int
 
 NAME = "peer"
-DEFAULT_BURST = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "burst.py"
+DEFAULT_BURST = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "burst.py"
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--floor",
         action="store_true",
-        help="also run loadtest.floor, the bare uvloop server (admitted and new-conn only)",
+        help="also run loadtest.support.floor, the bare uvloop server (admitted and new-conn only)",
     )
     parser.add_argument(
         "--governor-arg",
@@ -149,7 +149,7 @@ def daemon_command(
     which: str, args: argparse.Namespace, scenario: Scenario, port: int
 ) -> list[str]:
     if which == "floor":
-        return [sys.executable, "-m", "loadtest.floor", "--listen", f"127.0.0.1:{port}"]
+        return [sys.executable, "-m", "loadtest.support.floor", "--listen", f"127.0.0.1:{port}"]
     if which == "heptaminid":
         return [
             str(args.heptaminid),

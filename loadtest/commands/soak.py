@@ -56,7 +56,7 @@ from protocol.frames import encode_request
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 from protocol.upload import split_payload
 
-from .common import parse_addr, positive_float, positive_int, run_loop
+from ..support.common import parse_addr, positive_float, positive_int, run_loop
 from .idle import rss_kib
 from .peer import stop
 

@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .common import positive_int
+from ..support.common import positive_int
+from ..support.workload import synth_prompt
 from .idle import QUIET_SHARE, CpuWindow, wait_quiet
-from .workload import synth_prompt
 
 NAME = "ceiling"
 STREAMS = (1, 4, 8, 16)

@@ -14,12 +14,12 @@ import argparse
 import sys
 from typing import Any
 
-from . import traffic
-from .common import positive_int
-from .driver import closed_loop
-from .report import Slo, step
-from .targets import Target
-from .workload import Request
+from ..support import traffic
+from ..support.common import positive_int
+from ..support.driver import closed_loop
+from ..support.report import Slo, step
+from ..support.targets import Target
+from ..support.workload import Request
 
 NAME = "burst"
 DESCRIPTION = """\

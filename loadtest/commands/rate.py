@@ -10,9 +10,9 @@ import argparse
 import random
 from typing import Any
 
-from . import traffic
-from .common import positive_float, positive_int
-from .workload import ARRIVALS, ClassSpec, Request, arrivals, mixed, parse_range
+from ..support import traffic
+from ..support.common import positive_float, positive_int
+from ..support.workload import ARRIVALS, ClassSpec, Request, arrivals, mixed, parse_range
 
 NAME = "rate"
 

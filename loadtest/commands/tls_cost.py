@@ -30,7 +30,7 @@ from typing import Any
 from clients import NO_RETRY, client_context
 from protocol.codes import Receipt
 
-from .common import Endpoint, positive_int, run_loop
+from ..support.common import Endpoint, positive_int, run_loop
 from .peer import cpu_s, free_port, stop, wait_listening
 
 NAME = "tls-cost"

@@ -22,8 +22,8 @@ from governor.config import Config
 from governor.server import Server
 from protocol.spec import JobSpec, Message
 
-from .common import positive_int, run_loop
-from .stats import summarize
+from ..support.common import positive_int, run_loop
+from ..support.stats import summarize
 
 NAME = "lanes"
 REWRITE = JobSpec(prompt="Rewrite this contract clause. " + "word " * 300, max_new_tokens=64)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import traffic
+from ..support import traffic
+from ..support.workload import DEFAULT_MIX, parse_class, parse_mix
 from .rate import add_schedule_arguments, workloads
-from .workload import DEFAULT_MIX, parse_class, parse_mix
 
 NAME = "mix"
 CLASSES = "; ".join(

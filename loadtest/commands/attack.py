@@ -43,9 +43,9 @@ from protocol.codes import Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
 
-from .common import DEFAULT_ADDR, parse_addr, positive_float, positive_int, run_loop
+from ..support.common import DEFAULT_ADDR, parse_addr, positive_float, positive_int, run_loop
+from ..support.stats import percentile
 from .idle import proc_status, rss_kib
-from .stats import percentile
 
 NAME = "attack"
 KINDS = (

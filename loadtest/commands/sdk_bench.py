@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..support.common import positive_float, positive_int, run_loop
+from ..support.stats import percentile
 from . import baseline, peer
-from .common import positive_float, positive_int, run_loop
 from .generation import ratio
-from .stats import percentile
 
 if TYPE_CHECKING:
     import httpx2
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 NAME = "sdk-bench"
 SERVERS = ("governor", "baseline")
 RUNNERS = ("llama", "stub")
-REPO = Path(__file__).resolve().parents[1]  # the governor is run from beside this loadtest
+REPO = Path(__file__).resolve().parents[2]  # the governor is run from beside this loadtest
 READY_TIMEOUT_S = 180.0
 API_KEY = "sdk-bench"  # the governor runs open (no tenants) and llama_cpp.server checks none
 RUN_TIMEOUT = "RunTimeout"  # a request still outstanding when --run-timeout ended the run

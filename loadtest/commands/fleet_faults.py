@@ -91,9 +91,9 @@ from protocol.codes import ErrorCode, Status
 from protocol.frames import Reply
 from protocol.spec import JobSpec
 
-from .common import positive_float, positive_int, run_loop
+from ..support.common import positive_float, positive_int, run_loop
+from ..support.redisserver import RedisServer
 from .peer import free_port
-from .redisserver import RedisServer
 
 NAME = "fleet"
 PHASES = ("seed", "kill")

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .render import output_dir, write_outputs
-from .report import table
+from ..support.render import output_dir, write_outputs
+from ..support.report import table
 
 NAME = "compare"
 

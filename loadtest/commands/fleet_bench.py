@@ -38,9 +38,9 @@ from governor.core.fleetgate import FleetGate, FleetSettings
 from governor.core.tenants import TenantConfig
 from governor.fleetstore import RedisStore
 
-from .fleet import Replica, by_label, replica_set
-from .redisserver import RedisServer
-from .stats import percentile
+from ..support.redisserver import RedisServer
+from ..support.stats import percentile
+from .fleet_faults import Replica, by_label, replica_set
 
 NAME = "fleet-bench"
 MEASURES = ("latency", "cap", "tenants", "throughput")

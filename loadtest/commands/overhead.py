@@ -22,7 +22,7 @@ from governor.runners.llama import embedded_model_path
 from governor.server import Server
 from protocol.spec import JobSpec
 
-from .common import positive_int, run_loop
+from ..support.common import positive_int, run_loop
 
 NAME = "overhead"
 PROMPT = "Once upon a time, in a small village by the sea,"

@@ -1,6 +1,6 @@
 """The floor: the least a Python server on uvloop spends on one admitted job of ``burst.py``.
 
-``python -m loadtest.floor --listen 127.0.0.1:P`` answers the two frames of ``burst.py``'s
+``python -m loadtest.support.floor --listen 127.0.0.1:P`` answers the two frames of ``burst.py``'s
 admitted scenario and nothing else: a manifest with ``clarify ok``, its one chunk (decoded and
 checked against its sha256 and the manifest's) with ``confirm done``, both as long as the
 governor's replies (the same receipts, a result). No admission, no runner, no task, no metrics,
@@ -82,7 +82,7 @@ async def serve(host: str, port: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.floor", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.support.floor", description=__doc__)
     parser.add_argument("--listen", default="127.0.0.1:7790", help="HOST:PORT")
     args = parser.parse_args()
     host, _, port = args.listen.rpartition(":")

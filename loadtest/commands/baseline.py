@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .common import positive_int
+from ..support.common import positive_int
 
 NAME = "baseline"
 READY_TIMEOUT_S = 120.0

@@ -13,9 +13,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from . import traffic
-from .common import non_negative_int, positive_float, positive_int
-from .workload import Request, Scaling, load_trace, replay
+from ..support import traffic
+from ..support.common import non_negative_int, positive_float, positive_int
+from ..support.workload import Request, Scaling, load_trace, replay
 
 NAME = "replay"
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import (
+from ..support.common import (
     DEFAULT_ADDR,
     add_tls_arguments,
     endpoint_from,

@@ -72,21 +72,21 @@ from typing import Any
 
 from clients.client import ClientError, RetryPolicy
 
+from ..support.common import Endpoint, StartError, positive_float, positive_int, run_loop
+from ..support.driver import closed_loop, open_loop
+from ..support.stats import percentile
+from ..support.targets import ABORTED, DONE, GovernorTarget, OpenAITarget, Outcome, Shape, Target
+from ..support.workload import Request
 from . import baseline, peer
 from .ceiling import positive_ints
-from .common import Endpoint, StartError, positive_float, positive_int, run_loop
-from .driver import closed_loop, open_loop
 from .idle import QUIET_SHARE, CpuWindow, process_tree, tree_rollup_kib, wait_quiet
-from .stats import percentile
-from .targets import ABORTED, DONE, GovernorTarget, OpenAITarget, Outcome, Shape, Target
-from .workload import Request
 
 NAME = "generation"
 TARGETS = ("governor", "per-process", "llama-server", "llama-cpp-python")
 DEFAULT_TARGETS = ("governor", "per-process", "llama-server")
 MEASURES = ("throughput", "idle", "burst", "memory")
 GOVERNORS = ("governor", "per-process")
-REPO = Path(__file__).resolve().parents[1]  # daemons run the governor beside this loadtest
+REPO = Path(__file__).resolve().parents[2]  # daemons run the governor beside this loadtest
 READY_TIMEOUT_S = 180.0
 RETRY = RetryPolicy(max_attempts=10_000, max_sleep_s=2.0)  # bounded by --timeout
 SAMPLE_S = 1.0
