@@ -16,7 +16,7 @@ from governor.cli import build_parser, config_from_args, drain
 from governor.config import RUNNERS, Config, ConfigError, parse_address, reference_markdown
 from governor.core.policy import Lane
 from governor.core.slo import Objectives, SloPolicy
-from loadtest.support.common import parse_addr
+from loadtest.support.options import parse_addr
 from protocol import addresses
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from governor.cli import build_parser
 from governor.config import Config, parse_address
 from governor.listeners.admin import READY_TIMEOUT_S
-from loadtest.commands.peer import free_port
+from loadtest.support.processes import free_port
 from loadtest.support.redisserver import RedisServer
 
 from .conftest import Daemon

@@ -538,12 +538,13 @@ def test_idle_connections_cost_and_responsiveness(daemon: Callable[..., Daemon])
 def test_rate_against_the_queueing_baseline(tmp_path: Path) -> None:
     """The OpenAI target on llama-cpp-python's own server and the embedded model: it queues."""
     from governor.runners.llama import embedded_model_path
-    from loadtest.commands import baseline
+    from loadtest.support import baseline_server
+    from loadtest.support.processes import stop
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc, url = baseline.start(embedded_model_path(), port, threads=1, n_ctx=512)
+    proc, url = baseline_server.start(embedded_model_path(), port, threads=1, n_ctx=512)
     try:
         report, _ = _loadtest(
             "rate",
@@ -564,7 +565,7 @@ def test_rate_against_the_queueing_baseline(tmp_path: Path) -> None:
             out=tmp_path,
         )
     finally:
-        baseline.stop(proc)
+        stop(proc)
     assert report["target"] == "openai"
     step = _only(report)
     stats = step["all"]

@@ -13,8 +13,9 @@ import pytest
 
 from loadtest.cli import build_parser
 from loadtest.commands import fleet_faults
-from loadtest.commands.fleet_faults import Gauges, JobRecord, Leases, Round
-from loadtest.support.common import run_loop
+from loadtest.commands.fleet_faults import JobRecord, Leases, Round
+from loadtest.support.connections import run_loop
+from loadtest.support.replicas import Gauges, by_label, gauges_from, parse_metrics, total
 from protocol.codes import Status, Verb
 from protocol.frames import Reply
 
@@ -31,11 +32,11 @@ governor_jobs_finished_total{outcome="done",lane="heavy",pool="primary"} 1.0
 
 
 def test_metrics_text_is_read_by_name_and_label() -> None:
-    samples = fleet_faults.parse_metrics(METRICS)
-    assert fleet_faults.gauges_from(samples) == Gauges(fleet_leases=2, fleet_inflight=7, inflight=3)
-    assert fleet_faults.total(samples, "governor_jobs_finished_total") == 8
-    assert fleet_faults.total(samples, "governor_jobs_finished_total", outcome="done") == 6
-    assert fleet_faults.by_label(samples, "governor_jobs_finished_total", "outcome") == {
+    samples = parse_metrics(METRICS)
+    assert gauges_from(samples) == Gauges(fleet_leases=2, fleet_inflight=7, inflight=3)
+    assert total(samples, "governor_jobs_finished_total") == 8
+    assert total(samples, "governor_jobs_finished_total", outcome="done") == 6
+    assert by_label(samples, "governor_jobs_finished_total", "outcome") == {
         "done": 6,
         "backend_error": 2,
     }

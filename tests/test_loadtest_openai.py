@@ -12,7 +12,7 @@ from pathlib import Path
 from clients.client import NO_RETRY, RetryPolicy
 from loadtest.cli import build_parser
 from loadtest.commands import sdk_bench
-from loadtest.support.common import retry_policy
+from loadtest.support.connections import retry_policy
 from loadtest.support.driver import Run, open_loop
 from loadtest.support.targets import (
     ABORTED,

@@ -16,7 +16,7 @@ from typing import Any
 
 from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
 
-from ..support.common import positive_int
+from ..support.options import positive_int
 
 NAME = "admission"
 

@@ -43,9 +43,10 @@ from protocol.codes import Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
 
-from ..support.common import DEFAULT_ADDR, parse_addr, positive_float, positive_int, run_loop
+from ..support.connections import run_loop
+from ..support.options import DEFAULT_ADDR, parse_addr, positive_float, positive_int
+from ..support.processes import proc_status, rss_kib
 from ..support.stats import percentile
-from .idle import proc_status, rss_kib
 
 NAME = "attack"
 KINDS = (

@@ -15,8 +15,8 @@ import sys
 from typing import Any
 
 from ..support import traffic
-from ..support.common import positive_int
 from ..support.driver import closed_loop
+from ..support.options import positive_int
 from ..support.report import Slo, step
 from ..support.targets import Target
 from ..support.workload import Request

@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..support.common import positive_int
+from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
+from ..support.options import positive_int, positive_ints
 from ..support.workload import synth_prompt
-from .idle import QUIET_SHARE, CpuWindow, wait_quiet
 
 NAME = "ceiling"
 STREAMS = (1, 4, 8, 16)
@@ -45,17 +45,6 @@ PROMPT_TOKENS = 8  # each sequence's short prompt (synth_prompt's estimate; the 
 
 # (token, position, sequence, wants logits)
 Entry = tuple[int, int, int, bool]
-
-
-def positive_ints(text: str) -> tuple[int, ...]:
-    """``1,4,8,16`` for argparse: positive integers, in the order given, no repeats."""
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 1,4,8") from None
-    if not values or min(values) < 1 or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r}: positive integers, each once")
-    return values
 
 
 def context_size(streams: Sequence[int], steps: int, chunks: Sequence[int]) -> int:

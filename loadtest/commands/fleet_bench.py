@@ -39,8 +39,8 @@ from governor.core.tenants import TenantConfig
 from governor.fleetstore import RedisStore
 
 from ..support.redisserver import RedisServer
+from ..support.replicas import Replica, by_label, replica_set
 from ..support.stats import percentile
-from .fleet_faults import Replica, by_label, replica_set
 
 NAME = "fleet-bench"
 MEASURES = ("latency", "cap", "tenants", "throughput")
@@ -51,7 +51,7 @@ MEASURES = ("latency", "cap", "tenants", "throughput")
 
 def replicas(folder: Path, n: int, slots: int, *flags: str) -> Any:
     """``async with replicas(...) as started``: n stub replicas with the same flags
-    (:func:`loadtest.fleet.replica_set`: started together, stopped by their PIDs)."""
+    (:func:`loadtest.support.replicas.replica_set`: started together, stopped by their PIDs)."""
     return replica_set(folder, [(f"r{i}", slots, flags) for i in range(n)])
 
 

@@ -10,7 +10,7 @@ stopped by its PID before the next starts:
   the cores shared out among them: the runner before issue 13);
 * ``llama-server``: llama.cpp's own server (``deploy/build-llama-server.sh``), ``-np S -kvu``
   (one KV cache shared by the slots, so that a long prompt fits any slot), ``-t T``;
-* ``llama-cpp-python``: :mod:`loadtest.baseline`'s server (one request at a time).
+* ``llama-cpp-python``: :mod:`loadtest.support.baseline_server`'s server (one request at a time).
 
 Each governor is started with ``--probe-interval 600``, so that no readiness probe runs
 during the measures. Measures (``--measures``):
@@ -72,21 +72,29 @@ from typing import Any
 
 from clients.client import ClientError, RetryPolicy
 
-from ..support.common import Endpoint, StartError, positive_float, positive_int, run_loop
+from ..support import baseline_server
+from ..support.connections import Endpoint, StartError, run_loop
 from ..support.driver import closed_loop, open_loop
-from ..support.stats import percentile
+from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
+from ..support.options import positive_float, positive_int, positive_ints
+from ..support.processes import (
+    REPO,
+    free_port,
+    process_tree,
+    stop,
+    tree_rollup_kib,
+    wait_http_ready,
+    wait_listening,
+)
+from ..support.stats import percentile, ratio
 from ..support.targets import ABORTED, DONE, GovernorTarget, OpenAITarget, Outcome, Shape, Target
 from ..support.workload import Request
-from . import baseline, peer
-from .ceiling import positive_ints
-from .idle import QUIET_SHARE, CpuWindow, process_tree, tree_rollup_kib, wait_quiet
 
 NAME = "generation"
 TARGETS = ("governor", "per-process", "llama-server", "llama-cpp-python")
 DEFAULT_TARGETS = ("governor", "per-process", "llama-server")
 MEASURES = ("throughput", "idle", "burst", "memory")
 GOVERNORS = ("governor", "per-process")
-REPO = Path(__file__).resolve().parents[2]  # daemons run the governor beside this loadtest
 READY_TIMEOUT_S = 180.0
 RETRY = RetryPolicy(max_attempts=10_000, max_sleep_s=2.0)  # bounded by --timeout
 SAMPLE_S = 1.0
@@ -272,7 +280,7 @@ def command(name: str, settings: Settings, *, slots: int, lanes: bool, port: int
             str(port),
         ]
     if name == "llama-cpp-python":
-        return baseline.command(
+        return baseline_server.command(
             settings.model, port, threads=settings.threads, n_ctx=settings.n_ctx
         )
     if name not in GOVERNORS:
@@ -334,7 +342,7 @@ class Instance:
 def launch(name: str, settings: Settings, *, slots: int, lanes: bool, log: Path) -> Instance:
     """Start a target, its output to ``log``; wait until an HTTP server answers, or a governor
     listens. Blocking: nothing else runs meanwhile. Raises RuntimeError (with it stopped)."""
-    port = peer.free_port()
+    port = free_port()
     argv = command(name, settings, slots=slots, lanes=lanes, port=port)
     with log.open("ab") as out:
         proc = subprocess.Popen(
@@ -342,15 +350,15 @@ def launch(name: str, settings: Settings, *, slots: int, lanes: bool, log: Path)
         )
     url = f"http://127.0.0.1:{port}"
     if name == "llama-server":
-        baseline.wait_ready(proc, url + "/health", name, READY_TIMEOUT_S)
+        wait_http_ready(proc, url + "/health", name, READY_TIMEOUT_S)
         return Instance(name, proc, argv, url=url, extra=LLAMA_SERVER_EXTRA, cold_extra=COLD_EXTRA)
     if name == "llama-cpp-python":
-        baseline.wait_ready(proc, url + "/v1/models", name, READY_TIMEOUT_S)
+        wait_http_ready(proc, url + "/v1/models", name, READY_TIMEOUT_S)
         return Instance(name, proc, argv, url=url)
     try:
-        peer.wait_listening(port, proc, READY_TIMEOUT_S)
+        wait_listening(port, proc, READY_TIMEOUT_S)
     except BaseException:
-        peer.stop(proc)
+        stop(proc)
         raise
     return Instance(name, proc, argv, endpoint=Endpoint("127.0.0.1", port))
 
@@ -365,7 +373,7 @@ async def start(name: str, settings: Settings, *, slots: int, lanes: bool, log: 
         async with await inst.endpoint.connect(timeout=READY_TIMEOUT_S) as client:
             await client.ping(timeout=READY_TIMEOUT_S)
     except BaseException:
-        peer.stop(inst.proc)
+        stop(inst.proc)
         raise
     return inst
 
@@ -375,11 +383,6 @@ async def start(name: str, settings: Settings, *, slots: int, lanes: bool, log: 
 
 def _r(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """``a / b`` to 3 decimals; None where either is missing or ``b`` is 0."""
-    return round(a / b, 3) if a is not None and b else None
 
 
 def lost(outcomes: Sequence[Outcome]) -> int:
@@ -603,7 +606,7 @@ async def measure_target(
                 result["idle"] = {**ttft_row(outcomes), "others_cpu": window.others()}
                 _note(f"{name} idle chat TTFT {result['idle']}")
         finally:
-            peer.stop(inst.proc, 15.0)
+            stop(inst.proc, 15.0)
 
     if "burst" in want:
         result["bursts"] = [
@@ -618,7 +621,7 @@ async def measure_target(
             await _round(inst, warm, _requests("warmup", 1, WARMUP_TOKENS), args.timeout, "warm")
             at_one = Memory.of(inst.proc.pid)
         finally:
-            peer.stop(inst.proc, 15.0)
+            stop(inst.proc, 15.0)
         result["memory"] = memory_row(at_slots, at_one)
         _note(f"{name} memory {result['memory']}")
     return result
@@ -674,7 +677,7 @@ async def measure_burst(
         result["rewrite_prompt_tokens"] = [n for _, n in rewrites]
         result["others_cpu"] = window.others()
     finally:
-        peer.stop(inst.proc, 15.0)
+        stop(inst.proc, 15.0)
     return result
 
 

@@ -22,7 +22,8 @@ from governor.config import Config
 from governor.server import Server
 from protocol.spec import JobSpec, Message
 
-from ..support.common import positive_int, run_loop
+from ..support.connections import run_loop
+from ..support.options import positive_int
 from ..support.stats import summarize
 
 NAME = "lanes"

@@ -12,7 +12,6 @@ from typing import Any
 
 from ..support import traffic
 from ..support.workload import DEFAULT_MIX, parse_class, parse_mix
-from .rate import add_schedule_arguments, workloads
 
 NAME = "mix"
 CLASSES = "; ".join(
@@ -46,7 +45,7 @@ def add_parser(commands: Any) -> None:
         help="add a class or change one (omitted fields keep the default; share=0 drops it); "
         f"repeatable. Defaults: {CLASSES}",
     )
-    add_schedule_arguments(parser, default_rate="1")
+    traffic.add_schedule_arguments(parser, default_rate="1")
     traffic.add_arguments(parser, default_retry="hint")
 
 
@@ -57,4 +56,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"loadtest mix: {exc}")
         return 2
     target = traffic.target_from(args)
-    return traffic.execute(NAME, args, target, traffic.open_steps(args, workloads(args, classes)))
+    return traffic.execute(
+        NAME, args, target, traffic.open_steps(args, traffic.workloads(args, classes))
+    )

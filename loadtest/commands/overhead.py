@@ -22,7 +22,8 @@ from governor.runners.llama import embedded_model_path
 from governor.server import Server
 from protocol.spec import JobSpec
 
-from ..support.common import positive_int, run_loop
+from ..support.connections import run_loop
+from ..support.options import positive_int
 
 NAME = "overhead"
 PROMPT = "Once upon a time, in a small village by the sea,"

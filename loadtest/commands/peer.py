@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,10 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..support.common import positive_float, positive_int
+from ..support.options import positive_float, positive_int
+from ..support.processes import REPO, cpu_s, free_port, stop, wait_listening
 
 NAME = "peer"
-DEFAULT_BURST = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "burst.py"
+DEFAULT_BURST = REPO.parent / "shared" / "bench" / "burst.py"
 
 
 @dataclass(frozen=True)
@@ -78,71 +76,6 @@ def add_parser(commands: Any) -> None:
         default=[],
         help="one more argument for governor serve (repeat it), e.g. --log-level=warning",
     )
-
-
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port that is free now and not handed out before by this process, for a child
-    to bind. It is drawn below the kernel's ephemeral range: a port the kernel chose (``bind``
-    to 0) may be taken again, between this call and the child's bind, as the local end of any
-    outgoing connection (a CI run lost a replica to that, ``Address already in use``)."""
-    low = ephemeral_low()
-    while True:
-        port = random.randrange(PORT_FLOOR, low)
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _GIVEN.add(port)
-        return port
-
-
-PORT_FLOOR = 10_000
-
-
-def ephemeral_low() -> int:
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    return low if low > PORT_FLOOR + 1000 else 65536
-
-
-def cpu_s(pid: int) -> float:
-    """The process's user + system CPU seconds, all of its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("the daemon did not listen in time")
-
-
-def stop(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int:
-    """SIGTERM the process (by its PID) unless it has ended, SIGKILL after ``grace_s``; its
-    exit status."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 def daemon_command(

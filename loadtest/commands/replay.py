@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..support import traffic
-from ..support.common import non_negative_int, positive_float, positive_int
+from ..support.options import non_negative_int, positive_float, positive_int
 from ..support.workload import Request, Scaling, load_trace, replay
 
 NAME = "replay"

@@ -13,7 +13,7 @@ Servers, each started here on a free loopback port for its run and stopped by it
 * ``governor``: ``governor serve --runner llama --max-inflight K --threads T --http-listen ...``
   on the embedded model (``--runner stub`` for a quick run without the model): when its K slots
   are taken it answers 429 with its hint, and the SDK retries;
-* ``baseline``: llama-cpp-python's own server on the same model (:mod:`loadtest.baseline`),
+* ``baseline``: llama-cpp-python's own server on the same model (:mod:`loadtest.support.baseline_server`),
   which queues every request (``--no-baseline``: none).
 
 Runs alternate (governor, baseline, baseline, governor, ...), ``--rounds`` of each, so that a
@@ -44,10 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..support.common import positive_float, positive_int, run_loop
-from ..support.stats import percentile
-from . import baseline, peer
-from .generation import ratio
+from ..support import baseline_server
+from ..support.connections import run_loop
+from ..support.options import positive_float, positive_int
+from ..support.processes import REPO, free_port, stop, wait_http_ready
+from ..support.stats import percentile, ratio
 
 if TYPE_CHECKING:
     import httpx2
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
 NAME = "sdk-bench"
 SERVERS = ("governor", "baseline")
 RUNNERS = ("llama", "stub")
-REPO = Path(__file__).resolve().parents[2]  # the governor is run from beside this loadtest
 READY_TIMEOUT_S = 180.0
 API_KEY = "sdk-bench"  # the governor runs open (no tenants) and llama_cpp.server checks none
 RUN_TIMEOUT = "RunTimeout"  # a request still outstanding when --run-timeout ended the run
@@ -124,20 +124,20 @@ def launch(name: str, args: argparse.Namespace, model: Path, log: Path) -> Start
     """Start ``name`` on a free loopback port, its output to ``log``, and wait until it answers
     ``/v1/models`` (the governor answers once its runner is ready). Blocking: nothing else runs
     meanwhile. Raises RuntimeError (with the process stopped)."""
-    port = peer.free_port()
+    port = free_port()
     if name == "governor":
         argv = governor_command(args, model, port)
     else:
-        argv = baseline.command(model, port, threads=args.threads, n_ctx=args.n_ctx)
+        argv = baseline_server.command(model, port, threads=args.threads, n_ctx=args.n_ctx)
     with log.open("ab") as out:
         proc = subprocess.Popen(
             argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
         )
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        baseline.wait_ready(proc, url + "/models", name, READY_TIMEOUT_S)
+        wait_http_ready(proc, url + "/models", name, READY_TIMEOUT_S)
     except BaseException:
-        peer.stop(proc)
+        stop(proc)
         raise
     return Started(name, proc, url, argv)
 
@@ -405,7 +405,7 @@ async def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         try:
             run = await load(started.url, args)
         finally:
-            peer.stop(started.proc, 15.0)
+            stop(started.proc, 15.0)
         row = run_row(name, run)
         report["runs"].append(row)
         print(line(row), flush=True)

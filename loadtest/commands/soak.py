@@ -56,9 +56,9 @@ from protocol.frames import encode_request
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 from protocol.upload import split_payload
 
-from ..support.common import parse_addr, positive_float, positive_int, run_loop
-from .idle import rss_kib
-from .peer import stop
+from ..support.connections import run_loop
+from ..support.options import parse_addr, positive_float, positive_int
+from ..support.processes import rss_kib, stop
 
 NAME = "soak"
 LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")

@@ -30,8 +30,9 @@ from typing import Any
 from clients import NO_RETRY, client_context
 from protocol.codes import Receipt
 
-from ..support.common import Endpoint, positive_int, run_loop
-from .peer import cpu_s, free_port, stop, wait_listening
+from ..support.connections import Endpoint, run_loop
+from ..support.options import positive_int
+from ..support.processes import cpu_s, free_port, stop, wait_listening
 
 NAME = "tls-cost"
 SCENARIOS = {

@@ -24,7 +24,7 @@ import httpx
 
 from clients.client import ClientError
 
-from .common import CONNECT_TIMEOUT_S, StartError
+from .connections import CONNECT_TIMEOUT_S, StartError
 from .monitor import Monitor, MonitorError
 from .targets import DONE, ERROR, TIMED_OUT, GovernorTarget, Outcome, Target
 from .workload import Request

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from ..commands.peer import free_port
+from .processes import free_port
 
 
 class RedisServer:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Summary", "percentile", "summarize"]
+__all__ = ["Summary", "percentile", "ratio", "summarize"]
 
 # p / 100 * n in floating point can land a hair above an integer (7 / 100 * 100 is
 # 7.000000000000001), which ceil() would push to the next rank; rounding first removes that noise.
@@ -78,3 +78,8 @@ def summarize(values: Sequence[float]) -> Summary:
         ordered[_rank(99, n) - 1],
         ordered[-1],
     )
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` to 3 decimals; None where either is missing or ``b`` is 0."""
+    return round(a / b, 3) if a is not None and b else None

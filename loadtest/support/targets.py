@@ -39,7 +39,7 @@ from protocol.codes import NeedCode, Status
 from protocol.frames import Reply
 from protocol.spec import JobSpec, Message
 
-from .common import Endpoint, close_all, connect_all
+from .connections import Endpoint, close_all, connect_all
 from .workload import Request, synth_prompt
 
 # Outcome statuses: every request ends in exactly one.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -19,26 +20,28 @@ from clients.fleet import resolve_now
 from governor.core.policy import Lane
 from governor.core.slo import DEFAULT_OBJECTIVES
 
-from .common import (
-    DEFAULT_ADDR,
+from .connections import (
     RETRY_MODES,
-    AddressList,
     StartError,
     add_tls_arguments,
     endpoints_from,
+    retry_policy,
+    run_loop,
+)
+from .driver import open_loop
+from .options import (
+    DEFAULT_ADDR,
+    AddressList,
     non_negative_int,
     parse_addr,
     parse_addrs,
     positive_float,
     positive_int,
-    retry_policy,
-    run_loop,
 )
-from .driver import open_loop
 from .render import output_dir, write_outputs
 from .report import Slo, build, parse_slo, step, summary_lines
 from .targets import FleetTarget, GovernorTarget, OpenAITarget, Shape, Target
-from .workload import Request
+from .workload import ARRIVALS, ClassSpec, Request, arrivals, mixed
 
 Steps = Callable[[Target, Slo], Coroutine[Any, Any, list[dict[str, Any]]]]
 
@@ -334,3 +337,57 @@ def open_steps(
         return out
 
     return steps
+
+
+def rates(text: str) -> list[float]:
+    """``R[,R...]`` requests per second."""
+    try:
+        values = [positive_float(v) for v in text.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive rates") from None
+    return values
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser, *, default_rate: str) -> None:
+    parser.add_argument(
+        "--rate",
+        type=rates,
+        default=rates(default_rate),
+        metavar="R[,R...]",
+        help=f"requests per second; a list runs one step per rate (default: {default_rate})",
+    )
+    parser.add_argument(
+        "--duration",
+        type=positive_float,
+        default=10.0,
+        help="seconds of arrivals per step; --timeout bounds the step, its tail included "
+        "(default: 10)",
+    )
+    parser.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        default="poisson",
+        help="poisson (exponential gaps), constant (even gaps) or burst (all at once) "
+        "(default: poisson)",
+    )
+    parser.add_argument(
+        "--max-requests",
+        type=positive_int,
+        default=10_000,
+        help="at most this many requests per step: rate x duration, capped (default: 10000)",
+    )
+    add_open_loop_arguments(parser)
+
+
+def workloads(
+    args: argparse.Namespace, classes: tuple[ClassSpec, ...]
+) -> list[tuple[str, list[Request], float | None]]:
+    """One workload per --rate: its label, its requests and its offered rate."""
+    out: list[tuple[str, list[Request], float | None]] = []
+    for rate in args.rate:
+        rng = random.Random(args.seed)
+        count = min(max(round(rate * args.duration), 1), args.max_requests)
+        times = arrivals(args.arrival, rate, count, rng)
+        label = f"{args.arrival} {rate:g}/s" if args.arrival != "burst" else f"burst of {count}"
+        out.append((label, mixed(times, classes, rng), rate if args.arrival != "burst" else None))
+    return out

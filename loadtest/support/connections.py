@@ -1,5 +1,5 @@
-"""Small things every load-test command shares: option types, retry modes, where the governor
-is and how to speak to it (plain TCP or TLS), connections, the loop."""
+"""Speaking to the governor: where it is and how (plain TCP or TLS), the ``--retry`` modes,
+connections opened and closed in bulk under a time bound, and the event loop a command runs on."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ import uvloop
 from clients import tls
 from clients.client import NO_RETRY, GovernorClient, RetryPolicy
 from clients.fleet import FleetClient
-from protocol.addresses import parse_address
 
-DEFAULT_ADDR = "127.0.0.1:7777"
 RETRY_MODES = ("none", "hint", "naive", "fixed")
 CONNECT_TIMEOUT_S = 10.0  # per connection, and never more than what is left of --timeout
 CLOSE_TIMEOUT_S = 5.0  # closing waits for unsent bytes to drain; a stuck peer must not hang us
@@ -29,61 +27,7 @@ class StartError(Exception):
     """The daemon could not be reached before the starting gun (exit status 1)."""
 
 
-# Options -------------------------------------------------------------------------------
-
-
-def parse_addr(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` of a daemon to connect to, for argparse (port 0 is no such address)."""
-    try:
-        return parse_address(text, allow_port_zero=False)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def parse_addrs(text: str) -> list[tuple[str, int]]:
-    """One or more comma-separated ``HOST:PORT``, for argparse (with :class:`AddressList`)."""
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"{text!r} names no HOST:PORT")
-    return [parse_addr(part) for part in parts]
-
-
-class AddressList(argparse.Action):
-    """``--addr``, repeatable and comma-separated: ``addr`` is the first address (the one
-    governor of a single-address run, as before), ``addrs`` every one given (not set at all
-    when the option was not given)."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        addrs = [*(getattr(namespace, "addrs", None) or []), *values]
-        namespace.addrs = addrs
-        setattr(namespace, self.dest, addrs[0])
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
+# Retries -------------------------------------------------------------------------------
 
 
 def retry_policy(mode: str, max_attempts: int, fixed_ms: int = 500) -> RetryPolicy:

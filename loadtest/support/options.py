@@ -1,0 +1,75 @@
+"""Option types the commands share, for argparse: addresses, positive numbers, lists of them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from protocol.addresses import parse_address
+
+DEFAULT_ADDR = "127.0.0.1:7777"
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of a daemon to connect to, for argparse (port 0 is no such address)."""
+    try:
+        return parse_address(text, allow_port_zero=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_addrs(text: str) -> list[tuple[str, int]]:
+    """One or more comma-separated ``HOST:PORT``, for argparse (with :class:`AddressList`)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r} names no HOST:PORT")
+    return [parse_addr(part) for part in parts]
+
+
+class AddressList(argparse.Action):
+    """``--addr``, repeatable and comma-separated: ``addr`` is the first address (the one
+    governor of a single-address run, as before), ``addrs`` every one given (not set at all
+    when the option was not given)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        addrs = [*(getattr(namespace, "addrs", None) or []), *values]
+        namespace.addrs = addrs
+        setattr(namespace, self.dest, addrs[0])
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """``1,4,8,16`` for argparse: positive integers, in the order given, no repeats."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 1,4,8") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: positive integers, each once")
+    return values
