@@ -23,12 +23,12 @@ NAME = "admission"
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(NAME, help="time the admission decision (no network)")
-    parser.add_argument("--cap", type=positive_int, default=4, help="max_inflight (default: 4)")
+    parser.add_argument("--cap", type=positive_int, default=4, help="max_inflight")
     parser.add_argument(
         "--waiting",
         type=int,
         default=1000,
-        help="refused clients already waiting with a promise (default: 1000)",
+        help="refused clients already waiting with a promise",
     )
     parser.add_argument(
         "--iterations", type=positive_int, default=200_000, help="decisions timed per path"

@@ -68,18 +68,22 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument(
-        "--addr", type=parse_addr, default=parse_addr(DEFAULT_ADDR), metavar="HOST:PORT"
+        "--addr", type=parse_addr, default=DEFAULT_ADDR, metavar="HOST:PORT", help="the daemon"
     )
     parser.add_argument("--pid", type=int, help="the daemon's PID, to read its memory")
-    parser.add_argument("--clients", type=positive_int, default=60, help="(default: 60)")
-    parser.add_argument("--hold", type=positive_float, default=20.0, help="seconds (default: 20)")
-    parser.add_argument("--bystander", default="127.0.0.2", help="its source address")
+    parser.add_argument(
+        "--clients", type=positive_int, default=60, help="slow-readers, lockout: connections"
+    )
+    parser.add_argument(
+        "--hold", type=positive_float, default=20.0, help="seconds the attack lasts"
+    )
+    parser.add_argument("--bystander", default="127.0.0.2", help="the bystander's source address")
     parser.add_argument("--api-key", help="the bystander's key, when tenants are declared")
     parser.add_argument(
         "--metrics-addr", type=parse_addr, metavar="HOST:PORT", help="the HTTP listener"
     )
     parser.add_argument(
-        "--rate", type=positive_float, default=1227.0, help="metrics-flood (default: 1227)"
+        "--rate", type=positive_float, default=1227.0, help="metrics-flood: requests per second"
     )
 
 

@@ -26,14 +26,14 @@ def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         NAME, help="run the queueing baseline: llama-cpp-python's server", description=__doc__
     )
-    parser.add_argument("--port", type=positive_int, default=8000, help="(default: 8000)")
+    parser.add_argument("--port", type=positive_int, default=8000, help="its port on 127.0.0.1")
     parser.add_argument(
         "--threads",
         type=positive_int,
         default=2,
-        help="n_threads: give it the cores the governor's workers share (default: 2)",
+        help="n_threads: give it the cores the governor's workers share",
     )
-    parser.add_argument("--n-ctx", type=positive_int, default=2048, help="(default: 2048)")
+    parser.add_argument("--n-ctx", type=positive_int, default=2048, help="its context size")
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..support import traffic
 from ..support.driver import closed_loop
-from ..support.options import positive_int
+from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_int
 from ..support.report import Slo, step
 from ..support.targets import Target
 from ..support.workload import Request
@@ -40,19 +40,19 @@ def add_parser(commands: Any) -> None:
         NAME,
         help="N clients released at once, R rounds each (seed 003)",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--clients",
         type=positive_int,
         default=20,
-        help="connections, one client each (default: 20)",
+        help="connections, one client each",
     )
     parser.add_argument(
         "--rounds",
         type=positive_int,
         default=1,
-        help="requests per client, one after the other (default: 1)",
+        help="requests per client, one after the other",
     )
     parser.add_argument(
         "--prompt-tokens",
@@ -63,7 +63,7 @@ def add_parser(commands: Any) -> None:
         "--output-tokens",
         type=positive_int,
         default=16,
-        help="with --prompt-tokens: max_new_tokens of each job (default: 16)",
+        help="with --prompt-tokens: max_new_tokens of each job",
     )
     parser.add_argument(
         "--ping", action="store_true", help="send pings instead (the ping rate: no job at all)"

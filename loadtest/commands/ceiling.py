@@ -242,18 +242,16 @@ def add_parser(commands: Any) -> None:
         NAME, help="the raw batched decode rate of this llama.cpp build", description=__doc__
     )
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
-    parser.add_argument("--threads", type=positive_int, default=2, help="(default: 2)")
-    parser.add_argument(
-        "--n-gpu-layers", type=int, default=0, help="layers on the GPU; -1: all (default: 0)"
-    )
+    parser.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads")
+    parser.add_argument("--n-gpu-layers", type=int, default=0, help="layers on the GPU; -1: all")
     parser.add_argument(
         "--streams",
         type=positive_ints,
         default=STREAMS,
-        help="sequences decoding together, one round each (default: 1,4,8,16)",
+        help="sequences decoding together, one round each",
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=128, help="timed decode steps a round (default: 128)"
+        "--steps", type=positive_int, default=128, help="timed decode steps a round"
     )
     parser.add_argument(
         "--prefill", action="store_true", help="time prefill chunks instead of decode rounds"
@@ -262,23 +260,23 @@ def add_parser(commands: Any) -> None:
         "--chunks",
         type=positive_ints,
         default=CHUNKS,
-        help="--prefill: chunk sizes in tokens (default: 16,32,64,128,256,512)",
+        help="--prefill: chunk sizes in tokens",
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=7, help="--prefill: runs per median (default: 7)"
+        "--repeats", type=positive_int, default=7, help="--prefill: runs per median"
     )
     parser.add_argument(
         "--wait-quiet",
         type=float,
         default=120.0,
         help="seconds to wait at most, before each round, for other processes to leave the "
-        "CPUs below 3%% busy (default: 120; 0: start at once)",
+        "CPUs below 3%% busy; 0: start at once",
     )
     parser.add_argument(
         "--attempts",
         type=positive_int,
         default=3,
-        help="runs of a round while others disturbed it; the least disturbed is kept (default: 3)",
+        help="runs of a round while others disturbed it; the least disturbed is kept",
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report here")
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..support.options import RawDescriptionDefaultsHelpFormatter
 from ..support.render import output_dir, write_outputs
 from ..support.report import table
 
@@ -26,7 +27,7 @@ def add_parser(commands: Any) -> None:
         NAME,
         help="put two or more JSON reports in one report",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
     parser.add_argument("reports", nargs="+", type=Path, metavar="REPORT", help="report.json files")
     parser.add_argument(

@@ -38,6 +38,7 @@ from governor.core.fleetgate import FleetGate, FleetSettings
 from governor.core.tenants import TenantConfig
 from governor.fleetstore import RedisStore
 
+from ..support.options import RawDescriptionDefaultsHelpFormatter
 from ..support.redisserver import RedisServer
 from ..support.replicas import Replica, by_label, replica_set
 from ..support.stats import percentile
@@ -319,10 +320,13 @@ def add_parser(commands: Any) -> None:
         NAME,
         help="the fleet's store: admission latency, the cap, tenant quotas, throughput",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--measure", action="append", choices=MEASURES, help="(repeatable; default: all)"
+        "--measure",
+        action="append",
+        choices=MEASURES,
+        help="a measure to run (repeatable; default: all)",
     )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per load phase")
     parser.add_argument("--clients", type=int, default=300, help="cap: racing clients")

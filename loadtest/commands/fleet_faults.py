@@ -87,7 +87,7 @@ from protocol.frames import Reply
 from protocol.spec import JobSpec
 
 from ..support.connections import run_loop
-from ..support.options import positive_float, positive_int
+from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
 from ..support.redisserver import RedisServer
 from ..support.replicas import Gauges, Replica, by_label, replica_set
 
@@ -729,35 +729,37 @@ def add_parser(commands: Any) -> None:
         NAME,
         help="seed 002 on real replicas and Redis: naive retries vs a breaker; kill -9 one",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
-    parser.add_argument("--phase", choices=(*PHASES, "both"), default="both")
-    parser.add_argument("--seed", type=int, default=0, help="of the callers' draws (default: 0)")
+    parser.add_argument(
+        "--phase", choices=(*PHASES, "both"), default="both", help="the phases to run"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="of the callers' draws")
     parser.add_argument("--report", type=Path, help="write the JSON report here too")
     parser.add_argument(
-        "--job-timeout", type=positive_float, default=30.0, help="per job (default: 30)"
+        "--job-timeout", type=positive_float, default=30.0, help="seconds a job may take"
     )
     seed = parser.add_argument_group("seed phase")
-    seed.add_argument("--replicas", type=positive_int, default=4, help="(default: 4)")
-    seed.add_argument("--max-inflight", type=positive_int, default=4, help="each (default: 4)")
+    seed.add_argument(
+        "--replicas", type=positive_int, default=4, help=f"replicas, {FAILING} failing every job"
+    )
+    seed.add_argument("--max-inflight", type=positive_int, default=4, help="each replica's slots")
     seed.add_argument(
         "--fleet-max-inflight",
         type=positive_int,
         help="the fleet cap (default: the healthy replicas' slots)",
     )
-    seed.add_argument("--stub-ms", type=positive_int, default=100, help="per call (default: 100)")
-    seed.add_argument("--clients", type=positive_int, default=32, help="(default: 32)")
+    seed.add_argument("--stub-ms", type=positive_int, default=100, help="each call's length")
     seed.add_argument(
-        "--duration", type=positive_float, default=15.0, help="seconds per policy (default: 15)"
+        "--clients", type=positive_int, default=32, help="callers running jobs back to back"
     )
-    seed.add_argument(
-        "--tries", type=positive_int, default=5, help="naive: calls per job (default: 5)"
-    )
+    seed.add_argument("--duration", type=positive_float, default=15.0, help="seconds per policy")
+    seed.add_argument("--tries", type=positive_int, default=5, help="naive: calls per job")
     seed.add_argument(
         "--policies",
         type=policies,
         default=list(POLICIES),
-        help=f"comma-separated, run in turn (default: {','.join(POLICIES)})",
+        help="comma-separated, run in turn",
     )
     seed.add_argument(
         "--server-breaker",
@@ -765,30 +767,30 @@ def add_parser(commands: Any) -> None:
         help="leave the daemons' own runner breaker on (default: --breaker-failures 0)",
     )
     kill = parser.add_argument_group("kill phase")
-    kill.add_argument("--kill-replicas", type=positive_int, default=3, help="(default: 3)")
-    kill.add_argument("--kill-max-inflight", type=positive_int, default=4, help="(default: 4)")
+    kill.add_argument("--kill-replicas", type=positive_int, default=3, help="replicas")
+    kill.add_argument(
+        "--kill-max-inflight", type=positive_int, default=4, help="each replica's slots"
+    )
     kill.add_argument(
         "--kill-fleet-max-inflight",
         type=positive_int,
-        help="(default: all but one replica's slots)",
-    )
-    kill.add_argument("--lease-ttl", type=positive_float, default=2.0, help="(default: 2)")
-    kill.add_argument("--kill-clients", type=positive_int, default=16, help="(default: 16)")
-    kill.add_argument(
-        "--kill-job-ms", type=positive_int, default=500, help="each job's length (default: 500)"
+        help="the fleet cap (default: all but one replica's slots)",
     )
     kill.add_argument(
-        "--kill-at", type=positive_float, default=4.0, help="seconds into the run (default: 4)"
+        "--lease-ttl", type=positive_float, default=2.0, help="seconds a lease lives unrenewed"
     )
+    kill.add_argument(
+        "--kill-clients", type=positive_int, default=16, help="FleetClients keeping the fleet full"
+    )
+    kill.add_argument("--kill-job-ms", type=positive_int, default=500, help="each job's length")
+    kill.add_argument("--kill-at", type=positive_float, default=4.0, help="seconds into the run")
     kill.add_argument(
         "--after-kill",
         type=positive_float,
         default=3.0,
-        help="seconds on after its leases are gone (default: 3)",
+        help="seconds on after its leases are gone",
     )
-    kill.add_argument(
-        "--sample-ms", type=positive_int, default=20, help="sampling interval (default: 20)"
-    )
+    kill.add_argument("--sample-ms", type=positive_int, default=20, help="sampling interval")
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -76,7 +76,12 @@ from ..support import baseline_server
 from ..support.connections import Endpoint, StartError, run_loop
 from ..support.driver import closed_loop, open_loop
 from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
-from ..support.options import positive_float, positive_int, positive_ints
+from ..support.options import (
+    RawDescriptionDefaultsHelpFormatter,
+    positive_float,
+    positive_int,
+    positive_ints,
+)
 from ..support.processes import (
     REPO,
     free_port,
@@ -846,56 +851,53 @@ def add_parser(commands: Any) -> None:
         NAME,
         help="issue 13's generation benchmarks: governor, per-process, llama-server side by side",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--targets",
         type=parse_choices(TARGETS),
         default=DEFAULT_TARGETS,
-        help=f"among {','.join(TARGETS)} (default: {','.join(DEFAULT_TARGETS)})",
+        help=f"comma-separated, among {','.join(TARGETS)}",
     )
     parser.add_argument(
         "--measures",
         type=parse_choices(MEASURES),
         default=MEASURES,
-        help=f"among {','.join(MEASURES)} (default: all)",
+        help=f"comma-separated, among {','.join(MEASURES)}",
     )
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
     parser.add_argument(
         "--streams",
         type=positive_ints,
         default=(1, 4, 8, 16),
-        help="concurrent streams, a round each (default: 1,4,8,16)",
+        help="concurrent streams, a round each",
     )
     parser.add_argument(
         "--slots", type=positive_int, help="S: max_inflight, -np (default: the most --streams)"
     )
-    parser.add_argument(
-        "--threads", type=positive_int, default=2, help="governor and servers (default: 2)"
-    )
-    parser.add_argument(
-        "--n-ctx", type=positive_int, default=2048, help="governor --n-ctx (default: 2048)"
-    )
-    parser.add_argument(
-        "--server-ctx", type=positive_int, default=16384, help="llama-server -c (default: 16384)"
-    )
-    parser.add_argument("--n-gpu-layers", type=int, default=0, help="-1: all (default: 0)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="governor and servers")
+    parser.add_argument("--n-ctx", type=positive_int, default=2048, help="governor --n-ctx")
+    parser.add_argument("--server-ctx", type=positive_int, default=16384, help="llama-server -c")
+    parser.add_argument("--n-gpu-layers", type=int, default=0, help="-1: all")
     parser.add_argument(
         "--llama-server",
         type=Path,
         default=default_llama_server(),
-        help="llama-server binary (default: deploy/build-llama-server.sh's)",
+        help="llama-server binary (where deploy/build-llama-server.sh puts it)",
     )
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="(default: 128)")
-    parser.add_argument("--chats", type=positive_int, default=20, help="idle chats (default: 20)")
     parser.add_argument(
-        "--chat-tokens", type=positive_int, default=16, help="a chat's new tokens (default: 16)"
+        "--max-new-tokens",
+        type=positive_int,
+        default=128,
+        help="new tokens of each throughput stream and each rewrite",
     )
+    parser.add_argument("--chats", type=positive_int, default=20, help="idle chats")
+    parser.add_argument("--chat-tokens", type=positive_int, default=16, help="a chat's new tokens")
     parser.add_argument(
         "--rewrite-tokens",
         type=positive_int,
         default=1400,
-        help="a rewrite's prompt, in tokens at least (default: 1400)",
+        help="a rewrite's prompt, in tokens at least",
     )
     parser.add_argument(
         "--burst-slots",
@@ -906,24 +908,21 @@ def add_parser(commands: Any) -> None:
         "--burst-delay",
         type=positive_float,
         default=0.2,
-        help="seconds from the rewrites to the chats (default: 0.2)",
+        help="seconds from the rewrites to the chats",
     )
-    parser.add_argument(
-        "--timeout", type=positive_float, default=300.0, help="seconds a round (default: 300)"
-    )
+    parser.add_argument("--timeout", type=positive_float, default=300.0, help="seconds a round")
     parser.add_argument(
         "--wait-quiet",
         type=float,
         default=120.0,
         help="seconds to wait at most, before each measure, for other processes to leave the "
-        "CPUs below 3%% busy (default: 120; 0: start at once)",
+        "CPUs below 3%% busy; 0: start at once",
     )
     parser.add_argument(
         "--attempts",
         type=positive_int,
         default=3,
-        help="runs of a throughput round while others disturbed it; the least disturbed is "
-        "kept (default: 3)",
+        help="runs of a throughput round while others disturbed it; the least disturbed is kept",
     )
     parser.add_argument(
         "--governor-arg",

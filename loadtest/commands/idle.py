@@ -39,14 +39,16 @@ def add_parser(commands: Any) -> None:
         NAME, help="many idle connections: the daemon's memory for them", description=__doc__
     )
     parser.add_argument(
-        "--addr", type=parse_addr, default=parse_addr(DEFAULT_ADDR), metavar="HOST:PORT"
+        "--addr", type=parse_addr, default=DEFAULT_ADDR, metavar="HOST:PORT", help="the daemon"
     )
     add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
-    parser.add_argument("--connections", type=positive_int, default=10_000, help="(default: 10000)")
-    parser.add_argument("--hold", type=positive_float, default=5.0, help="seconds (default: 5)")
+    parser.add_argument(
+        "--connections", type=positive_int, default=10_000, help="idle connections held open"
+    )
+    parser.add_argument("--hold", type=positive_float, default=5.0, help="seconds they are held")
     parser.add_argument("--pid", type=int, help="the daemon's PID, to read its memory")
     parser.add_argument(
-        "--batch", type=positive_int, default=500, help="connections opened at once (default: 500)"
+        "--batch", type=positive_int, default=500, help="connections opened at once"
     )
 
 

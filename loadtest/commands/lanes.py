@@ -37,8 +37,12 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser(NAME, help="chats and rewrites on the real model, lanes on/off")
     parser.add_argument("--duration", type=float, default=40.0, help="seconds per run")
     parser.add_argument("--slots", type=positive_int, default=2, help="max_inflight (workers)")
-    parser.add_argument("--rewriters", type=positive_int, default=2)
-    parser.add_argument("--chatters", type=positive_int, default=1)
+    parser.add_argument(
+        "--rewriters", type=positive_int, default=2, help="clients sending long rewrites"
+    )
+    parser.add_argument(
+        "--chatters", type=positive_int, default=1, help="clients sending short chats"
+    )
     parser.add_argument(
         "--think-ms", type=positive_int, default=500, help="between a chatter's chats"
     )

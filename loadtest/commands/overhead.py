@@ -34,11 +34,13 @@ def add_parser(commands: Any) -> None:
         NAME, help="generation through the governor against llama-cpp-python directly"
     )
     parser.add_argument("--model", type=Path, help="GGUF file (default: the embedded model)")
-    parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--prompt", default=PROMPT, help="the prompt of every run")
+    parser.add_argument(
+        "--max-new-tokens", type=positive_int, default=128, help="new tokens of every run"
+    )
     parser.add_argument("--runs", type=positive_int, default=5, help="runs of each path")
-    parser.add_argument("--threads", type=positive_int, default=1)
-    parser.add_argument("--n-ctx", type=positive_int, default=2048)
+    parser.add_argument("--threads", type=positive_int, default=1, help="llama.cpp's threads")
+    parser.add_argument("--n-ctx", type=positive_int, default=2048, help="the context size")
 
 
 def _rates(start: float, first: float, last: float, tokens: int) -> tuple[float, float]:

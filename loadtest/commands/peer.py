@@ -59,8 +59,15 @@ def add_parser(commands: Any) -> None:
         NAME, help="the governor against heptaminid, alternating runs", description=__doc__
     )
     parser.add_argument("--heptaminid", type=Path, required=True, help="heptaminid's binary")
-    parser.add_argument("--burst", type=Path, default=DEFAULT_BURST, help="shared/bench/burst.py")
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="admitted")
+    parser.add_argument(
+        "--burst", type=Path, default=DEFAULT_BURST, help="heptamini's load generator, burst.py"
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="admitted",
+        help="one of ../shared/bench/README.md's",
+    )
     parser.add_argument("--runs", type=positive_int, default=3, help="runs of each daemon")
     parser.add_argument(
         "--duration", type=positive_float, default=8.0, help="seconds a run (not for yield)"

@@ -31,16 +31,16 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--prompt-tokens",
         type=token_range,
-        default=(64, 64),
+        default="64",
         metavar="N|MIN..MAX",
-        help="prompt length of each job, fixed or uniform in a range (default: 64)",
+        help="prompt length of each job, fixed or uniform in a range",
     )
     parser.add_argument(
         "--output-tokens",
         type=token_range,
-        default=(16, 16),
+        default="16",
         metavar="N|MIN..MAX",
-        help="max_new_tokens of each job, fixed or uniform in a range (default: 16)",
+        help="max_new_tokens of each job, fixed or uniform in a range",
     )
     traffic.add_schedule_arguments(parser, default_rate="2")
     traffic.add_arguments(parser, default_retry="hint")

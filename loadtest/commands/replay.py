@@ -32,50 +32,50 @@ def add_parser(commands: Any) -> None:
         "--start-s",
         type=float,
         default=d.start_s,
-        help="skip the trace's first seconds (default: 0)",
+        help="skip the trace's first seconds",
     )
     parser.add_argument(
         "--time-scale",
         type=positive_float,
         default=d.time_scale,
-        help="multiply the gaps between arrivals (2: half the rate) (default: 1)",
+        help="multiply the gaps between arrivals (2: half the rate)",
     )
     parser.add_argument(
         "--token-scale",
         type=positive_float,
         default=d.token_scale,
-        help="multiply prompt and output lengths (default: 1)",
+        help="multiply prompt and output lengths",
     )
     parser.add_argument(
         "--max-prompt-tokens",
         type=positive_int,
         default=d.max_prompt_tokens,
-        help=f"cap (default: {d.max_prompt_tokens})",
+        help="cap on each request's prompt tokens, after --token-scale",
     )
     parser.add_argument(
         "--max-output-tokens",
         type=positive_int,
         default=d.max_output_tokens,
-        help=f"cap (default: {d.max_output_tokens})",
+        help="cap on each request's output tokens, after --token-scale",
     )
     parser.add_argument(
         "--max-duration",
         type=positive_float,
         default=d.max_duration_s,
-        help=f"seconds of (scaled) trace to replay (default: {d.max_duration_s:g})",
+        help="seconds of (scaled) trace to replay",
     )
     parser.add_argument(
         "--max-requests",
         type=positive_int,
         default=d.max_requests,
-        help=f"(default: {d.max_requests})",
+        help="cap on the requests replayed",
     )
     parser.add_argument(
         "--heavy-above",
         type=non_negative_int,
         default=0,
         help="requests with more (scaled) prompt tokens than this are class heavy, the others "
-        "interactive; 0: one class, trace (default: 0)",
+        "interactive; 0: one class, trace",
     )
     traffic.add_open_loop_arguments(parser)
     traffic.add_arguments(parser, default_retry="hint")

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..support import baseline_server
 from ..support.connections import run_loop
-from ..support.options import positive_float, positive_int
+from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
 from ..support.processes import REPO, free_port, stop, wait_http_ready
 from ..support.stats import percentile, ratio
 
@@ -418,38 +418,30 @@ def add_parser(commands: Any) -> None:
         NAME,
         help="the OpenAI SDK's clients against the governor's front door and the baseline",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
-    parser.add_argument(
-        "--clients", type=positive_int, default=50, help="SDK clients at once (default: 50)"
-    )
+    parser.add_argument("--clients", type=positive_int, default=50, help="SDK clients at once")
     parser.add_argument(
         "--requests-per-client",
         type=positive_int,
         default=1,
-        help="requests each client sends, one after the other (default: 1)",
+        help="requests each client sends, one after the other",
     )
-    parser.add_argument(
-        "--max-tokens", type=positive_int, default=32, help="max_tokens a request (default: 32)"
-    )
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="max_tokens a request")
     parser.add_argument(
         "--rounds",
         type=positive_int,
         default=2,
-        help="runs of each server, alternating (default: 2)",
+        help="runs of each server, alternating",
     )
     parser.add_argument(
         "--max-inflight",
         type=positive_int,
         default=4,
-        help="the governor's slots, K (default: 4)",
+        help="the governor's slots, K",
     )
-    parser.add_argument(
-        "--threads", type=positive_int, default=2, help="both servers' threads (default: 2)"
-    )
-    parser.add_argument(
-        "--n-ctx", type=positive_int, default=2048, help="both servers' n_ctx (default: 2048)"
-    )
+    parser.add_argument("--threads", type=positive_int, default=2, help="both servers' threads")
+    parser.add_argument("--n-ctx", type=positive_int, default=2048, help="both servers' n_ctx")
     parser.add_argument(
         "--timeout",
         type=positive_float,
@@ -459,17 +451,17 @@ def add_parser(commands: Any) -> None:
         "--run-timeout",
         type=positive_float,
         default=600.0,
-        help="seconds a run may take; requests outstanding then fail as RunTimeout (default: 600)",
+        help="seconds a run may take; requests outstanding then fail as RunTimeout",
     )
     parser.add_argument(
         "--runner",
         choices=RUNNERS,
         default="llama",
         help="the governor's runner: llama (the model) or stub (only takes --stub-ms, for a "
-        "quick run without the model) (default: llama)",
+        "quick run without the model)",
     )
     parser.add_argument(
-        "--stub-ms", type=positive_int, default=300, help="--runner stub: a job's time (300)"
+        "--stub-ms", type=positive_int, default=300, help="--runner stub: a job's time"
     )
     parser.add_argument(
         "--no-baseline", action="store_true", help="run the governor only (no llama_cpp.server)"

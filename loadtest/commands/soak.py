@@ -85,14 +85,17 @@ def add_parser(commands: Any) -> None:
         help="mixed load with faults for minutes: memory, slots, tracebacks",
         description=__doc__,
     )
-    parser.add_argument("--minutes", type=positive_float, default=5.0, help="(default: 5)")
-    parser.add_argument("--runner", choices=("stub", "llama"), default="stub")
     parser.add_argument(
-        "--stub-ms", type=int, default=5, help="stub: milliseconds per job (default: 5)"
+        "--minutes", type=positive_float, default=5.0, help="how long the load and faults run"
     )
     parser.add_argument(
-        "--max-inflight", type=positive_int, default=4, help="the daemon's slots (default: 4)"
+        "--runner",
+        choices=("stub", "llama"),
+        default="stub",
+        help="the runner of the daemon started here",
     )
+    parser.add_argument("--stub-ms", type=int, default=5, help="stub: milliseconds per job")
+    parser.add_argument("--max-inflight", type=positive_int, default=4, help="the daemon's slots")
     parser.add_argument(
         "--addr", type=parse_addr, metavar="HOST:PORT", help="drive this daemon, start none"
     )
@@ -100,29 +103,38 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--daemon-log", type=Path, help="with --addr: the daemon's stderr, to count tracebacks"
     )
-    parser.add_argument("--clients", type=positive_int, default=4, help="(default: 4)")
     parser.add_argument(
-        "--fault-every-ms", type=positive_int, default=50, help="one fault this often (default: 50)"
+        "--clients", type=positive_int, default=4, help="clients sending jobs back to back"
     )
     parser.add_argument(
-        "--slow-readers", type=positive_int, default=4, help="at once, at most (default: 4)"
+        "--fault-every-ms", type=positive_int, default=50, help="one fault this often"
     )
     parser.add_argument(
-        "--slow-hold-s", type=positive_float, default=5.0, help="each one's (default: 5)"
+        "--slow-readers", type=positive_int, default=4, help="slow readers at once, at most"
+    )
+    parser.add_argument(
+        "--slow-hold-s", type=positive_float, default=5.0, help="seconds each slow reader is held"
     )
     parser.add_argument(
         "--kill-every-s",
         type=positive_float,
         default=20.0,
-        help="llama: SIGKILL a worker this often (default: 20)",
+        help="llama: SIGKILL a worker this often",
     )
-    parser.add_argument("--sample-s", type=positive_float, default=5.0, help="(default: 5)")
+    parser.add_argument(
+        "--sample-s", type=positive_float, default=5.0, help="seconds between samples"
+    )
     parser.add_argument(
         "--warmup-s",
         type=float,
         help="samples before this are warm-up (default: a quarter of the run, at most 60 s)",
     )
-    parser.add_argument("--settle-s", type=positive_float, default=15.0, help="(default: 15)")
+    parser.add_argument(
+        "--settle-s",
+        type=positive_float,
+        default=15.0,
+        help="seconds to wait at most, after the load, for the daemon to settle",
+    )
     parser.add_argument(
         "--serve-arg",
         action="append",
@@ -130,7 +142,7 @@ def add_parser(commands: Any) -> None:
         metavar="FLAG",
         help="a flag for the daemon's 'governor serve' (repeat: --serve-arg=--write-timeout=2)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the load's random draws")
 
 
 # The daemon ---------------------------------------------------------------------------------

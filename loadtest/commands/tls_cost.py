@@ -48,11 +48,18 @@ def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         NAME, help="plain TCP against TLS: the daemon's CPU per job", description=__doc__
     )
-    parser.add_argument("--runs", type=positive_int, default=5, help="of each mode (default: 5)")
+    parser.add_argument("--runs", type=positive_int, default=5, help="of each mode")
     parser.add_argument(
-        "--scenarios", default="admitted,yield,new-conn", help="(default: %(default)s)"
+        "--scenarios",
+        default="admitted,yield,new-conn",
+        help=f"comma-separated, among {','.join(SCENARIOS)}",
     )
-    parser.add_argument("--key-type", choices=("ECDSA", "RSA"), default="ECDSA")
+    parser.add_argument(
+        "--key-type",
+        choices=("ECDSA", "RSA"),
+        default="ECDSA",
+        help="the throwaway certificate's key",
+    )
     parser.add_argument(
         "--jobs", type=positive_int, help="per connection or worker (default: the scenario's)"
     )

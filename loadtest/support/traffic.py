@@ -55,11 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         action=AddressList,
         default=parse_addr(DEFAULT_ADDR),
         metavar="HOST:PORT[,HOST:PORT...]",
-        help="the governor to load; the only address connected to (default: "
-        f"{DEFAULT_ADDR}). Several (repeated or comma-separated), or a name that resolves to "
-        "several addresses, are replicas of one service: each client is then a FleetClient "
-        "over all of them (two random choices, moving on a yield), and the report counts the "
-        "jobs each replica finished; there is no monitor",
+        help="the governor to load; the only address connected to. Several (repeated or "
+        "comma-separated), or a name that resolves to several addresses, are replicas of one "
+        "service: each client is then a FleetClient over all of them (two random choices, "
+        "moving on a yield), and the report counts the jobs each replica finished; there is "
+        "no monitor",
     )
     target.add_argument(
         "--openai",
@@ -81,25 +81,25 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         help="on yield (--openai: a 429 or 503 with a hint): hint (sleep retry_hint_ms plus "
         "jitter, then resend), naive (resend at once), fixed (sleep --fixed-ms, ignoring the "
         "hint, as heptamini's client does with its daemon's constant 500 ms), none (one "
-        f"attempt) (default: {default_retry})",
+        "attempt)",
     )
     client.add_argument(
         "--max-attempts",
         type=positive_int,
         default=10,
-        help="admission attempts per request in all, the retry budget (default: 10)",
+        help="admission attempts per request in all, the retry budget",
     )
     client.add_argument(
         "--fixed-ms",
         type=non_negative_int,
         default=500,
-        help="the sleep between attempts of --retry fixed (default: 500)",
+        help="the sleep between attempts of --retry fixed",
     )
     client.add_argument(
         "--temperature",
         type=float,
         default=0.0,
-        help="sampling temperature of the jobs (default: 0, greedy)",
+        help="sampling temperature of the jobs; 0: greedy",
     )
     client.add_argument(
         "--no-lanes",
@@ -127,14 +127,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         type=positive_float,
         default=60.0,
         help="seconds for the whole run (each step), connecting included; requests still "
-        "outstanding then are cancelled and counted as timed out (default: 60)",
+        "outstanding then are cancelled and counted as timed out",
     )
     limits.add_argument(
         "--sample-ms",
         type=positive_int,
         default=100,
-        help="the inflight timeline's period: the monitor pings the governor this often "
-        "(default: 100)",
+        help="the inflight timeline's period: the monitor pings the governor this often",
     )
     limits.add_argument(
         "--interactive-reserve",
@@ -142,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         default=0,
         metavar="N",
         help="governor: the slots its --interactive-reserve keeps, for the saturation figure "
-        "(left out while no interactive request is outstanding) (default: 0)",
+        "(left out while no interactive request is outstanding)",
     )
     limits.add_argument(
         "--out",
@@ -163,13 +162,13 @@ def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
         "--payload-bytes",
         type=non_negative_int,
         default=256,
-        help="bytes per job, an opaque upload (default: 256)",
+        help="bytes per job, an opaque upload",
     )
     parser.add_argument(
         "--chunk-bytes",
         type=positive_int,
         default=8192,
-        help="bytes per upload chunk (default: 8192)",
+        help="bytes per upload chunk",
     )
 
 
@@ -298,11 +297,9 @@ def add_open_loop_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=32,
         help="governor: connections the requests are spread over, round-robin; OpenAI: the "
-        "HTTP connection pool (default: 32)",
+        "HTTP connection pool",
     )
-    parser.add_argument(
-        "--seed", type=int, default=1, help="of arrivals and lengths: runs repeat (default: 1)"
-    )
+    parser.add_argument("--seed", type=int, default=1, help="of arrivals and lengths: runs repeat")
 
 
 def open_steps(
@@ -352,29 +349,27 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, *, default_rate: str
     parser.add_argument(
         "--rate",
         type=rates,
-        default=rates(default_rate),
+        default=default_rate,
         metavar="R[,R...]",
-        help=f"requests per second; a list runs one step per rate (default: {default_rate})",
+        help="requests per second; a list runs one step per rate",
     )
     parser.add_argument(
         "--duration",
         type=positive_float,
         default=10.0,
-        help="seconds of arrivals per step; --timeout bounds the step, its tail included "
-        "(default: 10)",
+        help="seconds of arrivals per step; --timeout bounds the step, its tail included",
     )
     parser.add_argument(
         "--arrival",
         choices=ARRIVALS,
         default="poisson",
-        help="poisson (exponential gaps), constant (even gaps) or burst (all at once) "
-        "(default: poisson)",
+        help="poisson (exponential gaps), constant (even gaps) or burst (all at once)",
     )
     parser.add_argument(
         "--max-requests",
         type=positive_int,
         default=10_000,
-        help="at most this many requests per step: rate x duration, capped (default: 10000)",
+        help="at most this many requests per step: rate x duration, capped",
     )
     add_open_loop_arguments(parser)
 
