@@ -103,6 +103,7 @@ KILL_TOKENS = 8
 YIELD_RETRY = RetryPolicy(max_attempts=100_000, max_sleep_s=1.0)
 SEED_SPEC = JobSpec(prompt="seed 002", max_new_tokens=1, temperature=0.0)
 FAILING = "r0"  # the seed phase's failing replica
+KILL_SPEC = JobSpec(prompt="kill -9", max_new_tokens=KILL_TOKENS, temperature=0.0, stream=True)
 
 
 # Pure: parsing --------------------------------------------------------------------------------
@@ -603,9 +604,7 @@ async def kill_phase(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     n, slots, ttl = args.kill_replicas, args.kill_max_inflight, args.lease_ttl
     cap = args.kill_fleet_max_inflight or (n - 1) * slots
     output_ms = max(args.kill_job_ms - KILL_PROMPT_MS, 0) / (KILL_TOKENS - 1)
-    spec = JobSpec(prompt="kill -9", max_new_tokens=KILL_TOKENS, temperature=0.0, stream=True)
     interval = args.sample_ms / 1000
-    loop = asyncio.get_running_loop()
     with RedisServer() as redis:
         flags = [
             *("--redis-url", redis.url, "--fleet-max-inflight", str(cap)),
@@ -624,70 +623,12 @@ async def kill_phase(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                 for i in range(args.kill_clients)
             ]
             jobs: list[JobRecord] = []
-            stopping = asyncio.Event()
-
-            async def caller(i: int, fleet: FleetClient) -> None:
-                while not stopping.is_set():
-                    job = JobRecord(i, loop.time())
-
-                    def first(_: str, job: JobRecord = job) -> None:
-                        if job.admitted is None:
-                            job.admitted = loop.time()
-
-                    try:
-                        result = await fleet.generate(
-                            spec, retry=YIELD_RETRY, timeout=args.job_timeout, on_delta=first
-                        )
-                    except TimeoutError:
-                        job.outcome = "timeout"
-                    except NoReplicaAvailable:
-                        job.outcome = "no_replica"
-                    except (ClientError, OSError):
-                        job.outcome = "lost" if job.admitted is not None else "error"
-                    else:
-                        reply = result.reply
-                        job.outcome = (
-                            f"{reply.status}:{reply.need_code}"
-                            if reply.status == Status.ABORT
-                            else str(reply.status)
-                        )
-                        job.replica = names.get(result.replica, result.replica)
-                        job.tried = tuple(names.get(t, t) for t in result.tried)
-                    job.ended = loop.time()
-                    jobs.append(job)
-                    if job.outcome in ("no_replica", "error"):
-                        await asyncio.sleep(ERROR_PAUSE_S)
-
             try:
-                async with sampling(store, replicas, interval, scrape=True) as rounds:
-                    tasks = [asyncio.create_task(caller(i, f)) for i, f in enumerate(fleets)]
-                    try:
-                        await asyncio.sleep(args.kill_at)
-                        latest = rounds[-1].leases.live if rounds else {}
-                        victim = max(replicas, key=lambda r: (latest.get(r.name, 0), r.name))
-                        print(
-                            f"fleet kill: SIGKILL {victim.name} (pid {victim.proc.pid}) holding "
-                            f"{latest.get(victim.name, 0)} lease(s)",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        victim.kill()
-                        kill_t = loop.time()
-                        kill_ms = await redis_now_ms(store)
-                        # Until the store holds none of its leases (or well past their time).
-                        give_up = kill_t + ttl + max(5.0, 2 * ttl)
-                        while loop.time() < give_up:
-                            await asyncio.sleep(interval)
-                            last = rounds[-1].leases
-                            if last.now_ms > kill_ms and not last.live.get(victim.name):
-                                break
-                        await asyncio.sleep(args.after_kill)
-                    finally:
-                        stopping.set()
-                        _, pending = await asyncio.wait(tasks, timeout=args.job_timeout + 5)
-                        for task in pending:
-                            task.cancel()
-                        await asyncio.gather(*tasks, return_exceptions=True)
+                async with (
+                    sampling(store, replicas, interval, scrape=True) as rounds,
+                    callers_running(fleets, names, args.job_timeout, jobs),
+                ):
+                    victim, kill_t, kill_ms = await kill_busiest(args, replicas, rounds, store)
                 ejected = sum(
                     1
                     for f in fleets
@@ -711,6 +652,100 @@ async def kill_phase(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "jobs": jobs_verdict(jobs, victim.name, kill_t, victim.slots)
         | {"callers_that_ejected_killed": ejected},
     }
+
+
+async def kill_busiest(
+    args: argparse.Namespace, replicas: Sequence[Replica], rounds: list[Round], store: RedisStore
+) -> tuple[Replica, float, int]:
+    """After ``--kill-at`` seconds, SIGKILL the replica holding the most leases; go on until the
+    store holds none of its leases (or well past their time), then ``--after-kill`` seconds
+    more. The replica killed, and when: on this loop's clock and on Redis's (ms)."""
+    loop = asyncio.get_running_loop()
+    ttl, interval = args.lease_ttl, args.sample_ms / 1000
+    await asyncio.sleep(args.kill_at)
+    latest = rounds[-1].leases.live if rounds else {}
+    victim = max(replicas, key=lambda r: (latest.get(r.name, 0), r.name))
+    print(
+        f"fleet kill: SIGKILL {victim.name} (pid {victim.proc.pid}) holding "
+        f"{latest.get(victim.name, 0)} lease(s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    victim.kill()
+    kill_t = loop.time()
+    kill_ms = await redis_now_ms(store)
+    give_up = kill_t + ttl + max(5.0, 2 * ttl)
+    while loop.time() < give_up:
+        await asyncio.sleep(interval)
+        last = rounds[-1].leases
+        if last.now_ms > kill_ms and not last.live.get(victim.name):
+            break
+    await asyncio.sleep(args.after_kill)
+    return victim, kill_t, kill_ms
+
+
+@contextlib.asynccontextmanager
+async def callers_running(
+    fleets: Sequence[FleetClient], names: Mapping[str, str], timeout: float, jobs: list[JobRecord]
+) -> AsyncIterator[None]:
+    """Each of ``fleets`` sending kill-phase jobs back to back, each job recorded in ``jobs``;
+    on leaving, no new job starts and those running get ``timeout`` and a margin to end."""
+    stopping = asyncio.Event()
+    tasks = [
+        asyncio.create_task(keep_calling(i, fleet, names, timeout, jobs, stopping))
+        for i, fleet in enumerate(fleets)
+    ]
+    try:
+        yield
+    finally:
+        stopping.set()
+        _, pending = await asyncio.wait(tasks, timeout=timeout + 5)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def keep_calling(
+    i: int,
+    fleet: FleetClient,
+    names: Mapping[str, str],
+    timeout: float,
+    jobs: list[JobRecord],
+    stopping: asyncio.Event,
+) -> None:
+    """Caller ``i``: one job after another until ``stopping``, each ending as its
+    :class:`JobRecord` says (an admitted job whose connection broke is ``lost``)."""
+    loop = asyncio.get_running_loop()
+    while not stopping.is_set():
+        job = JobRecord(i, loop.time())
+
+        def first(_: str, job: JobRecord = job) -> None:
+            if job.admitted is None:
+                job.admitted = loop.time()
+
+        try:
+            result = await fleet.generate(
+                KILL_SPEC, retry=YIELD_RETRY, timeout=timeout, on_delta=first
+            )
+        except TimeoutError:
+            job.outcome = "timeout"
+        except NoReplicaAvailable:
+            job.outcome = "no_replica"
+        except (ClientError, OSError):
+            job.outcome = "lost" if job.admitted is not None else "error"
+        else:
+            reply = result.reply
+            job.outcome = (
+                f"{reply.status}:{reply.need_code}"
+                if reply.status == Status.ABORT
+                else str(reply.status)
+            )
+            job.replica = names.get(result.replica, result.replica)
+            job.tried = tuple(names.get(t, t) for t in result.tried)
+        job.ended = loop.time()
+        jobs.append(job)
+        if job.outcome in ("no_replica", "error"):
+            await asyncio.sleep(ERROR_PAUSE_S)
 
 
 # The command ---------------------------------------------------------------------------------

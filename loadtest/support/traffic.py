@@ -48,6 +48,13 @@ Steps = Callable[[Target, Slo], Coroutine[Any, Any, list[dict[str, Any]]]]
 
 def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> None:
     """The options every traffic command takes, with the same names and meanings."""
+    _add_target_arguments(parser)
+    _add_client_arguments(parser, default_retry=default_retry)
+    _add_objective_arguments(parser)
+    _add_limit_arguments(parser)
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument(
         "--addr",
@@ -73,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
     target.add_argument("--model", help="--openai: the model name to send (default: none)")
     add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
 
+
+def _add_client_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> None:
     client = parser.add_argument_group("client behaviour")
     client.add_argument(
         "--retry",
@@ -107,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
         help="governor: do not ask for the lane a class is named after (the policy decides)",
     )
 
+
+def _add_objective_arguments(parser: argparse.ArgumentParser) -> None:
     objectives = parser.add_argument_group(
         "objectives (MS sets the default; CLASS=MS one class's; repeatable; TTFT and TPOT "
         "unset: the governor's lane defaults, a class named after a lane its lane's, any other "
@@ -121,6 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> Non
             f"--slo-{name}-ms", action="append", default=[], metavar="[CLASS=]MS", help=what
         )
 
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("limits and output")
     limits.add_argument(
         "--timeout",
