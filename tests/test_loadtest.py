@@ -192,7 +192,7 @@ def test_burst_reproduces_seed_003(daemon: Callable[..., Daemon], tmp_path: Path
     assert stats["e2e_ms"]["max"] >= 1500
     assert step["max_inflight_observed"] <= 1
     assert step["inflight_peak"] == step["cap"] == 1
-    # The monitor printed the transitions in seed 003's style.
+    # The monitor printed each change of state.
     assert "inflight=1 executed_total=1 yielded_total=19" in stdout
     assert len(step["requests"]) == 20
     _assert_rendered(tmp_path)

@@ -1,6 +1,6 @@
 """``attack``: one of a hostile network's attacks on the daemon, and what it costs a bystander.
 
-Kinds (issue 12's measurements, each bounded by ``--hold`` seconds, to 127.0.0.1 only):
+Kinds (each bounded by ``--hold`` seconds, to 127.0.0.1 only):
 
 - ``slow-readers``: ``--clients`` sockets with a 4 KiB receive buffer pipeline pings and
   read nothing.

@@ -1,12 +1,11 @@
-"""``fleet``: seed 002's retry storm against a circuit breaker, then a replica killed with
-SIGKILL, on real processes: ``governor serve --runner stub`` replicas sharing a real Redis.
+"""``fleet``: a retry storm against a circuit breaker, then a replica killed with SIGKILL, on
+real processes: ``governor serve --runner stub`` replicas sharing a real Redis.
 
 Two phases, each on fresh replicas and a Redis of its own (``--phase`` picks one, or both):
 
-**seed** (seed 002, section 5, Part B). ``--replicas`` replicas of ``--max-inflight`` slots share
-a fleet cap (``--fleet-max-inflight``; by default the healthy replicas' slots, so that a doomed
-call holds a lease that good work could have had: the seed's "hard fleet-wide GPU-slot
-ceiling"). Replica r0 fails every job (``--stub-fail-rate 1``) after ``--stub-ms``, as a sick GPU
+**seed** (the retry storm). ``--replicas`` replicas of ``--max-inflight`` slots share a fleet
+cap (``--fleet-max-inflight``; by default the healthy replicas' slots, so that a doomed call
+holds a lease that good work could have had: a hard fleet-wide ceiling on GPU slots). Replica r0 fails every job (``--stub-fail-rate 1``) after ``--stub-ms``, as a sick GPU
 does: the call took a slot and produced nothing. ``--clients`` callers run jobs back to back for
 ``--duration`` seconds under each of ``--policies`` in turn, each on fresh replicas:
 
@@ -762,7 +761,7 @@ def policies(text: str) -> list[str]:
 def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         NAME,
-        help="seed 002 on real replicas and Redis: naive retries vs a breaker; kill -9 one",
+        help="a retry storm on real replicas and Redis: naive retries vs a breaker; kill -9 one",
         description=__doc__,
         formatter_class=RawDescriptionDefaultsHelpFormatter,
     )

@@ -1,13 +1,12 @@
-"""``generation``: the generation benchmarks of issue 13, every target side by side in one run.
+"""``generation``: the generation benchmarks, every target side by side in one run.
 
 Targets (``--targets``), each started here on a free loopback port, one after another, and
 stopped by its PID before the next starts:
 
 * ``governor``: ``governor serve --runner llama --max-inflight S --workers 1 --threads T``:
-  the batched runner, one worker process running S sequences (before issue 13's runner, one
-  worker running one job at a time, the others waiting for it);
+  the batched runner, one worker process running S sequences;
 * ``per-process``: the same with ``--workers S --threads 0`` (one sequence per worker process,
-  the cores shared out among them: the runner before issue 13);
+  the cores shared out among them: the governor's runner before it batched);
 * ``llama-server``: llama.cpp's own server (``deploy/build-llama-server.sh``), ``-np S -kvu``
   (one KV cache shared by the slots, so that a long prompt fits any slot), ``-t T``;
 * ``llama-cpp-python``: :mod:`loadtest.support.baseline_server`'s server (one request at a time).
@@ -291,7 +290,7 @@ def command(name: str, settings: Settings, *, slots: int, lanes: bool, port: int
     if name not in GOVERNORS:
         raise ValueError(f"no target {name!r}")
     # per-process: one worker per slot, --threads 0 (the governor's default: the cores shared
-    # out among its workers) as the runner before issue 13 was run.
+    # out among its workers), the runner that ran one sequence per worker process.
     workers, threads = (1, settings.threads) if name == "governor" else (slots, 0)
     return [
         sys.executable,
@@ -877,7 +876,7 @@ def _memory_table(
 def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         NAME,
-        help="issue 13's generation benchmarks: governor, per-process, llama-server side by side",
+        help="the generation benchmarks: governor, per-process, llama-server side by side",
         description=__doc__,
         formatter_class=RawDescriptionDefaultsHelpFormatter,
     )

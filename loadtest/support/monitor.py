@@ -2,7 +2,7 @@
 
 Every ping reply carries the core receipts (``backend.inflight``, ``server.executed_total``,
 ``server.yielded_total``, ...); the monitor keeps one :class:`Sample` per reply and prints a
-line each time the state changes, in seed 003's style::
+line each time the state changes::
 
     t=44ms inflight=1 executed_total=1 yielded_total=19
 

@@ -129,7 +129,7 @@ class ClassSpec:
         return Request(at_s, self.name, rng.randint(*self.prompt), rng.randint(*self.output))
 
 
-# Shaped after seed 000's lanes: short chats, long-context work, and bulk jobs that can wait.
+# Shaped after the governor's lanes: short chats, long-context work, and bulk jobs that can wait.
 DEFAULT_MIX = (
     ClassSpec("interactive", 0.6, (20, 120), (16, 48)),
     ClassSpec("heavy", 0.25, (600, 1200), (64, 128)),
