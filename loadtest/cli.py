@@ -1,9 +1,9 @@
-"""``python -m loadtest``: one subcommand per sibling module.
+"""``python -m loadtest``: one subcommand per module of :mod:`loadtest.commands`.
 
 A command module provides :class:`Command`'s two functions: ``add_parser`` registers its
 subparser (on which it sets nothing: dispatch is by name, through :data:`COMMANDS`), and ``run``
-takes the parsed arguments and returns the exit status. Adding ``rate`` is adding ``rate.py``
-and one entry here.
+takes the parsed arguments and returns the exit status. Adding a command is adding its module
+and one entry in :data:`REGISTERED`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import argparse
 import sys
 from typing import Any, Protocol
 
-from . import (
+from .commands import (
     admission,
     attack,
     baseline,
     burst,
     ceiling,
     compare,
-    fleet,
-    fleetbench,
+    fleet_bench,
+    fleet_faults,
     generation,
     idle,
     lanes,
@@ -29,10 +29,11 @@ from . import (
     peer,
     rate,
     replay,
-    sdkbench,
+    sdk_bench,
     soak,
     tls_cost,
 )
+from .support.options import CommandParser
 
 
 class Command(Protocol):
@@ -43,47 +44,30 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-# Assigning a module to a Command-typed name is where mypy checks it against the Protocol.
-_burst: Command = burst
-_rate: Command = rate
-_mix: Command = mix
-_replay: Command = replay
-_compare: Command = compare
-_baseline: Command = baseline
-_idle: Command = idle
-_admission: Command = admission
-_overhead: Command = overhead
-_lanes: Command = lanes
-_peer: Command = peer
-_soak: Command = soak
-_attack: Command = attack
-_tls_cost: Command = tls_cost
-_ceiling: Command = ceiling
-_generation: Command = generation
-COMMANDS: dict[str, Command] = {
-    c.NAME: c
-    for c in (
-        _burst,
-        _rate,
-        _mix,
-        _replay,
-        _compare,
-        _baseline,
-        _idle,
-        _admission,
-        _overhead,
-        _lanes,
-        _peer,
-        _soak,
-        _attack,
-        _tls_cost,
-        _ceiling,
-        _generation,
-        fleetbench,
-        fleet,
-        sdkbench,
-    )
-}
+# Every command, in the order ``--help`` lists them. The annotation is where mypy checks each
+# module against the Protocol.
+REGISTERED: tuple[Command, ...] = (
+    burst,
+    rate,
+    mix,
+    replay,
+    compare,
+    baseline,
+    idle,
+    admission,
+    overhead,
+    lanes,
+    peer,
+    soak,
+    attack,
+    tls_cost,
+    ceiling,
+    generation,
+    fleet_bench,
+    fleet_faults,
+    sdk_bench,
+)
+COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bounded by --timeout and connects only to --addr (or --openai); the last line of stdout "
         "is the run's summary as JSON.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS.values():
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
+    for command in REGISTERED:
         command.add_parser(commands)
     return parser
 

@@ -29,7 +29,7 @@ import uvloop
 from governor.config import Config
 from governor.runners import Runner
 from governor.server import Server
-from loadtest.redisserver import RedisServer
+from loadtest.support.redisserver import RedisServer
 
 LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
 

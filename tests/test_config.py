@@ -26,7 +26,7 @@ from governor.config import (
 )
 from governor.core.policy import Lane
 from governor.core.slo import Objectives, SloPolicy
-from loadtest.common import parse_addr
+from loadtest.support.options import parse_addr
 from protocol import addresses
 
 ROOT = Path(__file__).resolve().parent.parent

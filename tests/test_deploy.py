@@ -35,8 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from governor.cli import build_parser
 from governor.config import Config, parse_address
 from governor.listeners.admin import READY_TIMEOUT_S
-from loadtest.peer import free_port
-from loadtest.redisserver import RedisServer
+from loadtest.support.processes import free_port
+from loadtest.support.redisserver import RedisServer
 
 from .conftest import Daemon
 

@@ -30,7 +30,7 @@ from governor.core.breaker import BreakerState
 from governor.core.fleetgate import Answer, FleetGate, FleetSettings, Lease
 from governor.fleetstore import RedisStore
 from governor.server import Server
-from loadtest.redisserver import RedisServer
+from loadtest.support.redisserver import RedisServer
 from protocol.codes import ErrorCode, NeedCode, Status
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 

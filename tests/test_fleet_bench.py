@@ -7,12 +7,12 @@ from pathlib import Path
 
 import uvloop
 
-from loadtest import fleetbench
+from loadtest.commands import fleet_bench
 
 
 def settings(**overrides: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    fleetbench.add_parser(parser.add_subparsers())
+    fleet_bench.add_parser(parser.add_subparsers())
     args = parser.parse_args(["fleet-bench"])
     for key, value in overrides.items():
         setattr(args, key, value)
@@ -24,7 +24,7 @@ def test_the_fleet_cap_holds_under_racing_clients(tmp_path: Path) -> None:
     args = settings(
         duration=2.0, clients=60, fleet_cap=6, max_inflight=4, stub_ms=30, fleet_timeout=1.0
     )
-    report = uvloop.run(fleetbench.measure_cap(tmp_path, args))
+    report = uvloop.run(fleet_bench.measure_cap(tmp_path, args))
     assert report["max_leases_in_store"] <= 6, report
     # The replicas' own counts stay within the cap while each asks the store. One that found
     # the store slower than fleet_timeout (a loaded machine) admits within its share (6/3)
@@ -38,7 +38,7 @@ def test_the_fleet_cap_holds_under_racing_clients(tmp_path: Path) -> None:
 
 def test_a_noisy_tenant_is_held_to_its_fleet_wide_rate(tmp_path: Path) -> None:
     args = settings(duration=2.0, noisy_rate=10.0, fleet_timeout=1.0)
-    report = uvloop.run(fleetbench.measure_tenants(tmp_path, args))
+    report = uvloop.run(fleet_bench.measure_tenants(tmp_path, args))
     # At most its rate over the run and one burst, over all three replicas together (each
     # holding it to 10/s on its own would let through three times as much).
     assert report["noisy_held"], report

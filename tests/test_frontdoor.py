@@ -26,7 +26,7 @@ from governor.core.tenants import TenantConfig
 from governor.listeners.openai_api import DOOR_MAX_S
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
 from governor.server import Server
-from loadtest.redisserver import RedisServer
+from loadtest.support.redisserver import RedisServer
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, Message
 

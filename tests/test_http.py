@@ -20,8 +20,8 @@ from clients import NO_RETRY, GovernorClient
 from governor.runners import Finished, RunnerStartError
 from governor.runners.http import HttpRunner, HttpSettings
 from governor.runners.llama import embedded_model_path
-from loadtest import baseline
-from loadtest.peer import free_port
+from loadtest.support import baseline_server
+from loadtest.support.processes import free_port, stop
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 
 from .conftest import ServerFactory, wait_until
@@ -36,11 +36,11 @@ def greedy(prompt: str | None = None, **fields: Any) -> JobSpec:
 def upstream() -> Iterator[str]:
     """llama-cpp-python's server on the embedded model (the load tests' queueing baseline),
     stopped by its own PID."""
-    proc, url = baseline.start(embedded_model_path(), free_port(), threads=1, n_ctx=512)
+    proc, url = baseline_server.start(embedded_model_path(), free_port(), threads=1, n_ctx=512)
     try:
         yield url
     finally:
-        baseline.stop(proc)
+        stop(proc)
 
 
 def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import pytest
 from clients import NO_RETRY, GovernorClient
 from governor.runners.llama import LlamaRunner
 from governor.server import Server
-from loadtest.idle import parent_pids
+from loadtest.support.processes import parent_pids
 from protocol.spec import Message
 
 from .conftest import ServerFactory, wait_until

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from loadtest.monitor import Sample
-from loadtest.report import Slo, paused, saturation
-from loadtest.report import stats as class_stats
-from loadtest.stats import Summary, percentile, summarize
-from loadtest.targets import DONE, YIELDED, Outcome
-from loadtest.workload import Request
+from loadtest.support.monitor import Sample
+from loadtest.support.report import Slo, paused, saturation
+from loadtest.support.report import stats as class_stats
+from loadtest.support.stats import Summary, percentile, summarize
+from loadtest.support.targets import DONE, YIELDED, Outcome
+from loadtest.support.workload import Request
 
 from .conftest import Daemon
 
@@ -192,7 +192,7 @@ def test_burst_reproduces_seed_003(daemon: Callable[..., Daemon], tmp_path: Path
     assert stats["e2e_ms"]["max"] >= 1500
     assert step["max_inflight_observed"] <= 1
     assert step["inflight_peak"] == step["cap"] == 1
-    # The monitor printed the transitions in seed 003's style.
+    # The monitor printed each change of state.
     assert "inflight=1 executed_total=1 yielded_total=19" in stdout
     assert len(step["requests"]) == 20
     _assert_rendered(tmp_path)
@@ -538,12 +538,13 @@ def test_idle_connections_cost_and_responsiveness(daemon: Callable[..., Daemon])
 def test_rate_against_the_queueing_baseline(tmp_path: Path) -> None:
     """The OpenAI target on llama-cpp-python's own server and the embedded model: it queues."""
     from governor.runners.llama import embedded_model_path
-    from loadtest import baseline
+    from loadtest.support import baseline_server
+    from loadtest.support.processes import stop
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc, url = baseline.start(embedded_model_path(), port, threads=1, n_ctx=512)
+    proc, url = baseline_server.start(embedded_model_path(), port, threads=1, n_ctx=512)
     try:
         report, _ = _loadtest(
             "rate",
@@ -564,7 +565,7 @@ def test_rate_against_the_queueing_baseline(tmp_path: Path) -> None:
             out=tmp_path,
         )
     finally:
-        baseline.stop(proc)
+        stop(proc)
     assert report["target"] == "openai"
     step = _only(report)
     stats = step["all"]

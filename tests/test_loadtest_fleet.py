@@ -11,10 +11,11 @@ import argparse
 
 import pytest
 
-from loadtest import fleet
 from loadtest.cli import build_parser
-from loadtest.common import run_loop
-from loadtest.fleet import Gauges, JobRecord, Leases, Round
+from loadtest.commands import fleet_faults
+from loadtest.commands.fleet_faults import JobRecord, Leases, Round
+from loadtest.support.connections import run_loop
+from loadtest.support.replicas import Gauges, by_label, gauges_from, parse_metrics, total
 from protocol.codes import Status, Verb
 from protocol.frames import Reply
 
@@ -31,21 +32,21 @@ governor_jobs_finished_total{outcome="done",lane="heavy",pool="primary"} 1.0
 
 
 def test_metrics_text_is_read_by_name_and_label() -> None:
-    samples = fleet.parse_metrics(METRICS)
-    assert fleet.gauges_from(samples) == Gauges(fleet_leases=2, fleet_inflight=7, inflight=3)
-    assert fleet.total(samples, "governor_jobs_finished_total") == 8
-    assert fleet.total(samples, "governor_jobs_finished_total", outcome="done") == 6
-    assert fleet.by_label(samples, "governor_jobs_finished_total", "outcome") == {
+    samples = parse_metrics(METRICS)
+    assert gauges_from(samples) == Gauges(fleet_leases=2, fleet_inflight=7, inflight=3)
+    assert total(samples, "governor_jobs_finished_total") == 8
+    assert total(samples, "governor_jobs_finished_total", outcome="done") == 6
+    assert by_label(samples, "governor_jobs_finished_total", "outcome") == {
         "done": 6,
         "backend_error": 2,
     }
 
 
 def test_live_leases_are_counted_by_their_replica_on_redis_clock() -> None:
-    assert fleet.lease_owner(b"r1/abc123:42") == "r1"
-    assert fleet.lease_owner("r0:7") == "r0"
+    assert fleet_faults.lease_owner(b"r1/abc123:42") == "r1"
+    assert fleet_faults.lease_owner("r0:7") == "r0"
     # Redis's clock at 10.000 s: an expiry at or before it is dead (RedisStore.inflight).
-    read = fleet.leases_from(
+    read = fleet_faults.leases_from(
         1.0,
         (10, 0),
         [(b"r0/a:1", 10_500.0), (b"r0/a:2", 12_000.0), (b"r1/b:1", 10_000.0), (b"r2/c:9", 9.0)],
@@ -65,14 +66,14 @@ def rounds(*sums: int, redis: int = 0, cap: int = 4) -> list[Round]:
 
 
 def test_a_lone_round_over_the_cap_is_a_hand_off_two_running_are_a_breach() -> None:
-    lone = fleet.cap_verdict(rounds(4, 5, 4), 4, {"r1": 8})
+    lone = fleet_faults.cap_verdict(rounds(4, 5, 4), 4, {"r1": 8})
     assert lone["max_replicas_sum"] == 5
     assert lone["rounds_replicas_sum_over_cap"] == 1
     assert lone["max_replicas_sum_two_rounds"] == 4
     assert lone["held"]
-    assert not fleet.cap_verdict(rounds(4, 5, 5), 4, {"r1": 8})["held"]
-    assert not fleet.cap_verdict(rounds(4, redis=5), 4, {"r1": 8})["held"]
-    assert not fleet.cap_verdict(rounds(4, 4), 4, {"r1": 3})["held"]  # over its own slots
+    assert not fleet_faults.cap_verdict(rounds(4, 5, 5), 4, {"r1": 8})["held"]
+    assert not fleet_faults.cap_verdict(rounds(4, redis=5), 4, {"r1": 8})["held"]
+    assert not fleet_faults.cap_verdict(rounds(4, 4), 4, {"r1": 3})["held"]  # over its own slots
 
 
 def lease_reads(*reads: tuple[int, int, int]) -> list[Round]:
@@ -85,7 +86,7 @@ def lease_reads(*reads: tuple[int, int, int]) -> list[Round]:
 
 def test_the_killed_replicas_leases_must_leave_within_the_ttl() -> None:
     kill = 100_000
-    freed = fleet.freed_verdict(
+    freed = fleet_faults.freed_verdict(
         lease_reads((99_990, 3, 101_500), (100_010, 3, 101_500), (101_490, 1, 101_500),
                     (101_510, 0, 0)),
         "r0", kill, 2.0, 0.02,
@@ -95,10 +96,10 @@ def test_the_killed_replicas_leases_must_leave_within_the_ttl() -> None:
     assert freed["last_seen_live_after_s"] == 1.49
     assert freed["first_seen_free_after_s"] == 1.51
     assert freed["held"]
-    late = fleet.freed_verdict(lease_reads((100_010, 2, 103_000), (102_500, 2, 103_000),
+    late = fleet_faults.freed_verdict(lease_reads((100_010, 2, 103_000), (102_500, 2, 103_000),
                                            (103_010, 0, 0)), "r0", kill, 2.0, 0.02)  # fmt: skip
     assert not late["held"]
-    never = fleet.freed_verdict(lease_reads((100_010, 2, 103_000)), "r0", kill, 2.0, 0.02)
+    never = fleet_faults.freed_verdict(lease_reads((100_010, 2, 103_000)), "r0", kill, 2.0, 0.02)
     assert not never["gone_at_end"]
     assert not never["held"]
 
@@ -121,26 +122,28 @@ def test_every_admitted_job_ends_with_a_terminal_frame_or_with_the_killed_replic
         job("abort:cancelled", replica="r1"),
         job("no_replica", admitted=None),
     ]
-    verdict = fleet.jobs_verdict(good, "r0", kill_t, victim_slots=2)
+    verdict = fleet_faults.jobs_verdict(good, "r0", kill_t, victim_slots=2)
     assert verdict["held"]
     assert verdict["admitted"] == 4
     assert verdict["terminal"] == 3
     assert verdict["lost_with_killed"] == 1
     assert verdict["moved_off_killed"] == 1
     assert verdict["done_after_kill_by_replica"] == {"r1": 1, "r2": 1}
-    hung = fleet.jobs_verdict([*good, job("timeout")], "r0", kill_t, 2)
+    hung = fleet_faults.jobs_verdict([*good, job("timeout")], "r0", kill_t, 2)
     assert hung["timed_out"] == 1
     assert not hung["held"]
-    lost_late = fleet.jobs_verdict([*good, job("lost", admitted=2.5)], "r0", kill_t, 2)
+    lost_late = fleet_faults.jobs_verdict([*good, job("lost", admitted=2.5)], "r0", kill_t, 2)
     assert not lost_late["held"]  # admitted after the kill: it ran on a survivor
-    too_many = fleet.jobs_verdict([*good, job("lost"), job("lost")], "r0", kill_t, 2)
+    too_many = fleet_faults.jobs_verdict([*good, job("lost"), job("lost")], "r0", kill_t, 2)
     assert not too_many["held"]
-    nobody_moved = fleet.jobs_verdict([job("done", replica="r1", ended=1.0)], "r0", kill_t, 2)
+    nobody_moved = fleet_faults.jobs_verdict(
+        [job("done", replica="r1", ended=1.0)], "r0", kill_t, 2
+    )
     assert not nobody_moved["held"]
 
 
 def test_a_call_is_wasted_when_its_backend_failed() -> None:
-    tally = fleet.Tally()
+    tally = fleet_faults.Tally()
     for status, need, error in (
         (Status.DONE, None, None),
         (Status.ABORT, "backend_error", "backend_error"),
@@ -160,11 +163,13 @@ def test_each_check_that_failed_is_named() -> None:
     fine = {"cap": {"held": True, "max_redis": 4, "cap": 4}, "errors": {}}
     hung = {"cap": {"held": True, "max_redis": 4, "cap": 4}, "errors": {"TimeoutError": 2}}
     kill = {"cap": {"held": True, "cap": 8}, "leases": {"held": False}, "jobs": {"held": True}}
-    out = fleet.failures({"seed": {"policies": {"naive": fine, "breaker": hung}}, "kill": kill})
+    out = fleet_faults.failures(
+        {"seed": {"policies": {"naive": fine, "breaker": hung}}, "kill": kill}
+    )
     assert len(out) == 2
     assert out[0].startswith("seed breaker: 2 call(s) timed out")
     assert out[1].startswith("kill: the killed replica's leases were not freed")
-    assert fleet.failures({"seed": {"policies": {"naive": fine}}}) == []
+    assert fleet_faults.failures({"seed": {"policies": {"naive": fine}}}) == []
 
 
 def test_the_command_is_registered_with_its_defaults() -> None:
@@ -192,7 +197,7 @@ def small_run() -> argparse.Namespace:
 @pytest.mark.slow
 def test_seed_002_and_a_kill_9_on_real_replicas() -> None:
     args = small_run()
-    report = run_loop(fleet.measure(args))
+    report = run_loop(fleet_faults.measure(args))
     assert report["failures"] == [], report["failures"]
 
     runs = report["seed"]["policies"]

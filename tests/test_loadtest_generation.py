@@ -10,17 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import baseline, ceiling, generation
 from loadtest.cli import build_parser
-from loadtest.idle import (
-    descendants,
-    others_share,
-    parse_busy_s,
-    parse_rollup_kib,
-    tree_rollup_kib,
-)
-from loadtest.targets import ABORTED, DONE, ERROR, TIMED_OUT, Outcome, Shape
-from loadtest.workload import Request
+from loadtest.commands import ceiling, generation
+from loadtest.support import baseline_server
+from loadtest.support.machine import others_share, parse_busy_s
+from loadtest.support.options import positive_ints
+from loadtest.support.processes import descendants, parse_rollup_kib, tree_rollup_kib
+from loadtest.support.stats import ratio
+from loadtest.support.targets import ABORTED, DONE, ERROR, TIMED_OUT, Outcome, Shape
+from loadtest.support.workload import Request
 
 SETTINGS = generation.Settings(
     model=Path("/models/m.gguf"),
@@ -64,11 +62,11 @@ def outcome(
 
 
 def test_positive_ints_keeps_order_and_refuses_zero_repeats_and_words() -> None:
-    assert ceiling.positive_ints("1,4,8,16") == (1, 4, 8, 16)
-    assert ceiling.positive_ints("8,1") == (8, 1)
+    assert positive_ints("1,4,8,16") == (1, 4, 8, 16)
+    assert positive_ints("8,1") == (8, 1)
     for bad in ("0,1", "1,1", "a", "", "1,-2"):
         with pytest.raises(argparse.ArgumentTypeError):
-            ceiling.positive_ints(bad)
+            positive_ints(bad)
 
 
 def test_generation_defaults_and_choices() -> None:
@@ -155,7 +153,7 @@ def test_llama_server_gets_its_slots_a_shared_cache_and_loopback() -> None:
 
 def test_llama_cpp_python_is_the_baseline_command() -> None:
     argv = generation.command("llama-cpp-python", SETTINGS, slots=4, lanes=False, port=7002)
-    assert argv == baseline.command(SETTINGS.model, 7002, threads=2, n_ctx=2048)
+    assert argv == baseline_server.command(SETTINGS.model, 7002, threads=2, n_ctx=2048)
     with pytest.raises(ValueError, match="vllm"):
         generation.command("vllm", SETTINGS, slots=4, lanes=False, port=7002)
 
@@ -261,7 +259,7 @@ def test_memory_ratio() -> None:
     unread = generation.memory_row(generation.Memory(None, None, 0), one)
     assert unread["ratio"] is None
     assert unread["anon_ratio"] is None
-    assert generation.ratio(1.0, 0.0) is None
+    assert ratio(1.0, 0.0) is None
 
 
 def test_render_has_a_row_per_target_and_measure() -> None:

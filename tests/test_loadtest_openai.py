@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from clients.client import NO_RETRY, RetryPolicy
-from loadtest import sdkbench
 from loadtest.cli import build_parser
-from loadtest.common import retry_policy
-from loadtest.driver import Run, open_loop
-from loadtest.targets import (
+from loadtest.commands import sdk_bench
+from loadtest.support.connections import retry_policy
+from loadtest.support.driver import Run, open_loop
+from loadtest.support.targets import (
     ABORTED,
     DONE,
     YIELDED,
@@ -24,8 +24,8 @@ from loadtest.targets import (
     error_code,
     retry_hint_ms,
 )
-from loadtest.traffic import target_from
-from loadtest.workload import Request
+from loadtest.support.traffic import target_from
+from loadtest.support.workload import Request
 
 from .conftest import ServerFactory
 
@@ -162,27 +162,27 @@ async def test_a_request_the_front_door_refuses_for_good_is_aborted(
 
 
 def test_runs_alternate() -> None:
-    assert sdkbench.order(["g", "b"], 1) == ["g", "b"]
-    assert sdkbench.order(["g", "b"], 2) == ["g", "b", "b", "g"]
-    assert sdkbench.order(["g", "b"], 3) == ["g", "b", "b", "g", "g", "b"]
-    assert sdkbench.order(["g"], 2) == ["g", "g"]
+    assert sdk_bench.order(["g", "b"], 1) == ["g", "b"]
+    assert sdk_bench.order(["g", "b"], 2) == ["g", "b", "b", "g"]
+    assert sdk_bench.order(["g", "b"], 3) == ["g", "b", "b", "g", "g", "b"]
+    assert sdk_bench.order(["g"], 2) == ["g", "g"]
 
 
 def test_prompts_differ_and_are_as_long() -> None:
-    prompts = [sdkbench.prompt(k) for k in range(50)]
+    prompts = [sdk_bench.prompt(k) for k in range(50)]
     assert len(set(prompts)) == 50
     assert len({len(p) for p in prompts}) == 1
 
 
 def test_a_runs_figures_and_the_ratios() -> None:
-    run = sdkbench.Load(wall_s=2.0)
+    run = sdk_bench.Load(wall_s=2.0)
     run.records = [
-        sdkbench.Record(0.0, first_s=0.1, end_s=0.5, tokens=8, usage=True),
-        sdkbench.Record(0.0, first_s=0.3, end_s=1.0, tokens=8, usage=True),
-        sdkbench.Record(0.0, end_s=0.2, error="RateLimitError"),
+        sdk_bench.Record(0.0, first_s=0.1, end_s=0.5, tokens=8, usage=True),
+        sdk_bench.Record(0.0, first_s=0.3, end_s=1.0, tokens=8, usage=True),
+        sdk_bench.Record(0.0, end_s=0.2, error="RateLimitError"),
     ]
     run.statuses.update({200: 2, 429: 3})
-    row = sdkbench.run_row("governor", run)
+    row = sdk_bench.run_row("governor", run)
     assert (row["sent"], row["ok"], row["failed"]) == (3, 2, 1)
     assert row["failed_by"] == {"RateLimitError": 1}
     assert row["goodput_rps"] == 1.0
@@ -192,11 +192,11 @@ def test_a_runs_figures_and_the_ratios() -> None:
     assert (row["http_429"], row["absorbed_429"], row["sdk_retries"]) == (3, 2, 2)
 
     slower = {**row, "server": "baseline", "goodput_rps": 0.5, "ttft_p99_ms": 600.0}
-    summary = sdkbench.summarize([row, slower])
+    summary = sdk_bench.summarize([row, slower])
     assert summary["median"]["governor"]["goodput_rps"] == 1.0
     assert summary["governor_over_baseline"]["goodput_rps"] == 2.0
     assert summary["governor_over_baseline"]["ttft_p99_ms"] == 0.5
-    assert "governor_over_baseline" not in sdkbench.summarize([row])
+    assert "governor_over_baseline" not in sdk_bench.summarize([row])
 
 
 def test_sdk_bench_on_the_stub_absorbs_429s(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from loadtest.peer import DEFAULT_BURST, cpu_s
+from loadtest.commands.peer import DEFAULT_BURST
+from loadtest.support.processes import cpu_s
 
 STAND_IN = """#!{python}
 import os, sys

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from governor.runners.llama import embedded_model_path
-from loadtest.driver import Run
-from loadtest.render import write_outputs
-from loadtest.report import Slo, parse_slo, stats, step
-from loadtest.targets import ABORTED, DONE, TIMED_OUT, YIELDED, Outcome
-from loadtest.workload import (
+from loadtest.support.driver import Run
+from loadtest.support.render import write_outputs
+from loadtest.support.report import Slo, parse_slo, stats, step
+from loadtest.support.targets import ABORTED, DONE, TIMED_OUT, YIELDED, Outcome
+from loadtest.support.workload import (
     DEFAULT_MIX,
     Request,
     Scaling,

@@ -1,0 +1,201 @@
+"""``peer``: the governor against heptamini's Go daemon, side by side, on one load generator.
+
+Starts each daemon itself (the governor's stub runner, and ``heptaminid`` from ``--heptaminid``:
+built from heptamini's public source, outside this repository) on a free loopback port, with
+the flags of one scenario of ``../shared/bench/README.md``, and loads it with that scenario's
+``burst.py`` command; the governor runs on its defaults but for the scenario's cap and stub.
+Runs alternate (governor, heptaminid, heptaminid, governor, ...) so that a drift of this shared
+machine falls on both. Each run reports burst.py's finished jobs (yields, for the yield
+scenario; pings) per second, how its jobs ended, and the daemon's CPU time per job, read from ``/proc/PID/stat`` before and after the
+load; the summary gives the medians and the governor's ratios to heptaminid's. Every daemon is
+stopped by its own PID.
+
+With ``--floor`` (the admitted scenarios), a third server joins the rotation:
+:mod:`loadtest.support.floor`, the least a Python server on uvloop spends on the same two frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..support.options import positive_float, positive_int
+from ..support.processes import REPO, cpu_s, free_port, stop, wait_listening
+
+NAME = "peer"
+DEFAULT_BURST = REPO.parent / "shared" / "bench" / "burst.py"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    cap: int
+    stub_ms: int
+    burst: tuple[str, ...]  # burst.py's arguments, --addr and --duration aside
+    rate_key: str = "done_per_s"  # (burst.py's jobs_per_s counts failed jobs too)
+
+
+SCENARIOS = {
+    "admitted": Scenario(64, 0, ("--clients", "64", "--reuse-conn", "--procs", "2")),
+    "new-conn": Scenario(64, 0, ("--clients", "64", "--procs", "2")),
+    "pings": Scenario(4, 0, ("--clients", "100", "--ping", "--procs", "2"), "pings_per_s"),
+    "yield": Scenario(
+        1,
+        60_000,
+        ("--clients", "1000", "--rounds", "5", "--saturate", "1", "--procs", "2"),
+        "yield_per_s",  # each job should end in a yield: any other end is not counted
+    ),
+}
+
+
+def add_parser(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        NAME, help="the governor against heptaminid, alternating runs", description=__doc__
+    )
+    parser.add_argument("--heptaminid", type=Path, required=True, help="heptaminid's binary")
+    parser.add_argument(
+        "--burst", type=Path, default=DEFAULT_BURST, help="heptamini's load generator, burst.py"
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="admitted",
+        help="one of ../shared/bench/README.md's",
+    )
+    parser.add_argument("--runs", type=positive_int, default=3, help="runs of each daemon")
+    parser.add_argument(
+        "--duration", type=positive_float, default=8.0, help="seconds a run (not for yield)"
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run loadtest.support.floor, the bare uvloop server (admitted and new-conn only)",
+    )
+    parser.add_argument(
+        "--governor-arg",
+        action="append",
+        default=[],
+        help="one more argument for governor serve (repeat it), e.g. --log-level=warning",
+    )
+
+
+def daemon_command(
+    which: str, args: argparse.Namespace, scenario: Scenario, port: int
+) -> list[str]:
+    if which == "floor":
+        return [sys.executable, "-m", "loadtest.support.floor", "--listen", f"127.0.0.1:{port}"]
+    if which == "heptaminid":
+        return [
+            str(args.heptaminid),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--max_inflight",
+            str(scenario.cap),
+            "--stub_ms",
+            str(scenario.stub_ms),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "governor",
+        "serve",
+        "--runner",
+        "stub",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--max-inflight",
+        str(scenario.cap),
+        "--stub-ms",
+        str(scenario.stub_ms),
+        *args.governor_arg,
+    ]
+
+
+def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[str, Any]:
+    port = free_port()
+    proc = subprocess.Popen(
+        daemon_command(which, args, scenario, port),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_listening(port, proc)
+        time.sleep(0.5)  # let start-up work (the runner's, the probes') settle
+        load = [sys.executable, str(args.burst), "--addr", f"127.0.0.1:{port}", "--quiet"]
+        load += list(scenario.burst)
+        if "--rounds" not in scenario.burst:  # (a scenario runs for --duration unless counted)
+            load += ["--duration", str(args.duration)]
+        before = cpu_s(proc.pid)
+        out = subprocess.run(load, capture_output=True, text=True, timeout=300, check=True)
+        cpu = cpu_s(proc.pid) - before
+    finally:
+        stop(proc)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    if scenario.rate_key == "yield_per_s":
+        rate = round(summary["yield"] / summary["wall_s"], 1)
+    else:
+        rate = summary[scenario.rate_key]
+    count = rate * summary["wall_s"] if "wall_s" in summary else None
+    return {
+        "daemon": which,
+        "rate": rate,
+        "ends": {k: summary[k] for k in ("done", "yield", "abort", "need") if summary.get(k)},
+        "need_codes": summary.get("need_codes", {}),
+        "errors": summary["errors"],
+        "cpu_us_per_job": round(cpu / count * 1e6, 1) if count else None,
+        "summary": summary,
+    }
+
+
+def ratios(mine: dict[str, float | None], theirs: dict[str, float | None]) -> dict[str, Any]:
+    """``mine`` over ``theirs``: rates and CPU times per job (None where one is missing)."""
+
+    def over(key: str) -> float | None:
+        a, b = mine[key], theirs[key]
+        return round(a / b, 3) if a and b else None
+
+    return {"rate": over("rate"), "cpu": over("cpu_us_per_job")}
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = [str(path) for path in (args.heptaminid, args.burst) if not path.exists()]
+    if missing:
+        print(f"loadtest peer: no {' and no '.join(missing)}")
+        return 2
+    scenario = SCENARIOS[args.scenario]
+    daemons = ["governor", "heptaminid"]
+    if args.floor:
+        if scenario.rate_key != "done_per_s":
+            print("loadtest peer: --floor answers the admitted scenarios only")
+            return 2
+        daemons.append("floor")
+    order = (daemons + daemons[::-1]) * ((args.runs + 1) // 2)
+    runs = []
+    for which in order[: len(daemons) * args.runs]:
+        result = one_run(which, args, scenario)
+        runs.append(result)
+        print(
+            f"{which:>10}: {result['rate']:>9} /s  {result['cpu_us_per_job']} µs CPU per job"
+            f"  {result['errors']} errors  ends {result['ends']}  {result['need_codes']}"
+        )
+    medians: dict[str, dict[str, float | None]] = {}
+    for which in daemons:
+        mine = [r for r in runs if r["daemon"] == which]
+        cpus = [r["cpu_us_per_job"] for r in mine if r["cpu_us_per_job"] is not None]
+        medians[which] = {
+            "rate": round(statistics.median(r["rate"] for r in mine), 1),
+            "cpu_us_per_job": round(statistics.median(cpus), 1) if cpus else None,
+        }
+    summary: dict[str, Any] = {"scenario": args.scenario, "median": medians}
+    for which in daemons:
+        if which != "heptaminid":
+            summary[f"{which}_over_heptaminid"] = ratios(medians[which], medians["heptaminid"])
+    summary["runs"] = [{k: v for k, v in r.items() if k != "summary"} for r in runs]
+    print(json.dumps(summary))
+    return 0

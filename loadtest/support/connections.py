@@ -1,0 +1,131 @@
+"""Speaking to the governor: where it is and how (plain TCP or TLS), the ``--retry`` modes,
+connections opened and closed in bulk under a time bound, and the event loop a command runs on."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from ssl import SSLContext
+from typing import Any, TypeVar
+
+import uvloop
+
+from clients import tls
+from clients.client import NO_RETRY, GovernorClient, RetryPolicy
+from clients.fleet import FleetClient
+
+RETRY_MODES = ("none", "hint", "naive", "fixed")
+CONNECT_TIMEOUT_S = 10.0  # per connection, and never more than what is left of --timeout
+CLOSE_TIMEOUT_S = 5.0  # closing waits for unsent bytes to drain; a stuck peer must not hang us
+
+T = TypeVar("T")
+
+
+class StartError(Exception):
+    """The daemon could not be reached before the starting gun (exit status 1)."""
+
+
+# Retries -------------------------------------------------------------------------------
+
+
+def retry_policy(mode: str, max_attempts: int, fixed_ms: int = 500) -> RetryPolicy:
+    """The client library's policy for a ``--retry`` mode."""
+    if mode == "none":
+        return NO_RETRY
+    if mode == "hint":
+        return RetryPolicy(max_attempts=max_attempts)
+    if mode == "naive":
+        return RetryPolicy(max_attempts=max_attempts, fixed_delay_s=0.0)
+    if mode == "fixed":
+        return RetryPolicy(max_attempts=max_attempts, fixed_delay_s=fixed_ms / 1000)
+    raise ValueError(f"unknown retry mode {mode!r}")
+
+
+# The governor's endpoint -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A governor's protocol listener: where, and whether through TLS (``ssl`` set)."""
+
+    host: str
+    port: int
+    ssl: SSLContext | None = None
+    server_hostname: str | None = None  # TLS: the name its certificate must carry; None: host
+
+    @property
+    def addr(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    async def connect(self, *, timeout: float) -> GovernorClient:
+        return await GovernorClient.connect(
+            self.host,
+            self.port,
+            timeout=timeout,
+            ssl=self.ssl,
+            server_hostname=self.server_hostname,
+        )
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """governor-cli's TLS options (:func:`clients.tls.add_arguments`), for the governor
+    ``--addr`` names."""
+    tls.add_arguments(parser)
+
+
+def endpoint_from(args: argparse.Namespace) -> Endpoint:
+    """``--addr`` and the options of :func:`add_tls_arguments`; a CA or certificate that cannot
+    be used ends the command (exit status 1, with the file named)."""
+    return endpoints_from(args, [args.addr])[0]
+
+
+def endpoints_from(
+    args: argparse.Namespace, addrs: Sequence[tuple[str, int]] | None = None
+) -> list[Endpoint]:
+    """:func:`endpoint_from` for each of ``addrs`` (by default every ``--addr`` given, as
+    :class:`AddressList` keeps them), all with the same TLS options."""
+    if addrs is None:
+        addrs = getattr(args, "addrs", None) or [args.addr]
+    try:
+        context = tls.context_from(args)
+    except tls.TLSSetupError as exc:
+        raise SystemExit(f"loadtest: {exc}") from None
+    return [Endpoint(host, port, context, args.tls_server_name) for host, port in addrs]
+
+
+# Timed connections ----------------------------------------------------------------------
+
+
+async def connect_all(
+    endpoint: Endpoint, count: int, *, opened: list[GovernorClient], timeout: float
+) -> None:
+    """Open ``count`` connections concurrently, appending each to ``opened`` as it succeeds.
+
+    The caller owns ``opened`` and closes it in ``finally``, so that connections made before a
+    failure (or a cancellation) are closed too. The first failure cancels the rest and is raised.
+    """
+
+    async def one() -> None:
+        opened.append(await endpoint.connect(timeout=timeout))
+
+    async with asyncio.TaskGroup() as group:
+        for _ in range(count):
+            group.create_task(one())
+
+
+async def close_all(clients: Sequence[GovernorClient | FleetClient]) -> None:
+    """Close every connection, bounded by :data:`CLOSE_TIMEOUT_S` in all."""
+    if not clients:
+        return
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+    except TimeoutError:
+        pass  # transports are closed already; only the wait for their flush was cut short
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine on uvloop (what the daemon runs on too)."""
+    return uvloop.run(main)

@@ -1,0 +1,134 @@
+"""What the commands' parsers share: option types (addresses, positive numbers, lists of them),
+and the help that shows each option's default, read from the parser itself."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from protocol.addresses import parse_address
+
+DEFAULT_ADDR = "127.0.0.1:7777"
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of a daemon to connect to, for argparse (port 0 is no such address)."""
+    try:
+        return parse_address(text, allow_port_zero=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_addrs(text: str) -> list[tuple[str, int]]:
+    """One or more comma-separated ``HOST:PORT``, for argparse (with :class:`AddressList`)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r} names no HOST:PORT")
+    return [parse_addr(part) for part in parts]
+
+
+class AddressList(argparse.Action):
+    """``--addr``, repeatable and comma-separated: ``addr`` is the first address (the one
+    governor of a single-address run, as before), ``addrs`` every one given (not set at all
+    when the option was not given)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        addrs = [*(getattr(namespace, "addrs", None) or []), *values]
+        namespace.addrs = addrs
+        setattr(namespace, self.dest, addrs[0])
+
+    @staticmethod
+    def default_text(value: tuple[str, int]) -> str:
+        """The default (one parsed address) as it would be typed, for :func:`shown_default`."""
+        host, port = value
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """``1,4,8,16`` for argparse: positive integers, in the order given, no repeats."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 1,4,8") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: positive integers, each once")
+    return values
+
+
+# Help ------------------------------------------------------------------------------------------
+
+
+def default_text(value: Any) -> str | None:
+    """A parser's default as it would be typed on the command line; None where there is nothing
+    to show: no default, a flag's False, an empty list."""
+    if value is None or value is argparse.SUPPRESS or isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return ",".join(t for v in value if (t := default_text(v)) is not None) or None
+    return str(value)
+
+
+def shown_default(action: argparse.Action) -> str | None:
+    """What the help says of ``action``'s default (None: nothing). An action class may say how
+    its defaults read with a ``default_text`` of its own, as :class:`AddressList` does."""
+    if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+        return None  # a positional that must be given
+    render = getattr(action, "default_text", default_text)
+    text: str | None = render(action.default)
+    return text
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with ``(default: X)``, X taken from the parser's own default, so
+    that the help cannot name another value than the one a run uses. A default of None shows
+    nothing: the option's help may say in words what happens without it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        shown = shown_default(action)
+        if shown is None:
+            return action.help
+        return f"{action.help or ''} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+class RawDescriptionDefaultsHelpFormatter(
+    DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
+    """:class:`DefaultsHelpFormatter`, with the description printed as written."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: its help shows the defaults (:class:`DefaultsHelpFormatter`, or a
+    subclass a command asks for)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(**kwargs)
