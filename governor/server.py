@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from protocol.codes import ErrorCode, NeedCode
 
+from . import intake
 from .config import Config
 from .core.admission import Admission, Pool
 from .core.breaker import BreakerSettings, BreakerState, CircuitBreaker
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
     from .fleetstore import Fleet
 
 log = logging.getLogger("governor")
-
-LISTEN_BACKLOG = 4096
 
 
 def build_runner(config: Config) -> Runner:
@@ -278,7 +277,7 @@ class Server:
         if sock is None:
             host, port = self.config.listen_address
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+            sock = socket.create_server((host, port), family=family, backlog=intake.BACKLOG)
         loop = asyncio.get_running_loop()
         try:
             if self.config.metrics_address is not None:
@@ -306,7 +305,7 @@ class Server:
         self._listener = self.state.listener = await loop.create_server(
             lambda: GovernorProtocol(self.state),
             sock=sock,
-            backlog=LISTEN_BACKLOG,
+            backlog=intake.BACKLOG,
             ssl=self._tls,
             ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT_S if self._tls is not None else None,
         )
