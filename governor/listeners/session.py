@@ -2,7 +2,7 @@
 
 As in h11's ``Connection``, nothing here touches a socket or the event loop:
 :meth:`Session.receive_data` takes bytes and answers through the ``write`` and ``close``
-callables it was given. Each line is decoded, its upload advanced (:mod:`.uploads`) and, when
+callables it was given. Each line is decoded, its upload advanced (:mod:`.jobs`) and, when
 a payload is complete, submitted to the intake (:mod:`governor.intake`) before the next line is
 looked at. A job admitted comes out of :meth:`Session.next_event` as a
 :class:`~governor.intake.JobAdmitted`, and no line is handled until the listener has started it
@@ -17,20 +17,17 @@ valid frame's job and ``seq`` + 1.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from protocol.codes import UNKNOWN_JOB, ErrorCode, NeedCode, Receipt, Status, Verb
+from protocol.codes import UNKNOWN_JOB, ErrorCode, NeedCode, Status, Verb
 from protocol.errors import EnvelopeInvalid, LineTooLong, RemoteProtocolError
 from protocol.frames import Reply, Request, decode_request, error_reply
 from protocol.lines import LineReader
 
 from .. import intake
-from ..core.admission import Admitted, Rejected, Yielded
-from ..core.ledger import Refusal
 from ..core.sources import KEY_TURN_FAR
 from ..execution import Execution
 from ..state import ServerState
-from .uploads import JobState, Phase, Uploads, final_seq
+from .jobs import JobState, JobTable, Phase
 from .wire import Wire
 
 # Lines one connection has handled before the others get a turn: a client pipelining thousands
@@ -68,15 +65,13 @@ class Session:
         self.credentials = intake.Credentials(state, conn_id)
         self._close = close
         self.wire = Wire(state, write, self._bytes_in)
-        self.uploads = Uploads(self, state)
-        self.jobs = self.uploads.jobs
-        self.buffers = self.uploads.buffers  # payload bytes on this connection
+        self.table = JobTable(self, state, conn_id)
+        self.jobs = self.table.jobs
+        self.buffers = self.table.buffers  # payload bytes on this connection
         self.reader = LineReader(config.max_line_bytes)
         self.lines = 0  # lines received
         self._turn_ends = LINES_PER_TURN
         self._cut_short = False  # the last turn stopped at an admission: it goes on
-        # A job admitted and not yet started by the listener; no line is handled meanwhile.
-        self._admitted: intake.JobAdmitted | None = None
         # Replies to a bad line name the last valid frame's job and seq.
         self.last_job = UNKNOWN_JOB
         self.last_seq = 0
@@ -100,7 +95,7 @@ class Session:
 
     @property
     def held(self) -> int:
-        return self.uploads.held
+        return self.table.held
 
     @property
     def running(self) -> int:
@@ -134,7 +129,7 @@ class Session:
         try:
             while (
                 self.lines < self._turn_ends
-                and not (self.closed or self.paused or self.deferred or self._admitted)
+                and not (self.closed or self.paused or self.deferred or self.table.admitted)
                 and (line := reader.next_line()) is not None
             ):
                 self.lines += 1
@@ -142,7 +137,7 @@ class Session:
                     self._handle_line(line)
         except LineTooLong as exc:
             self.fatal(exc.need_code, exc.error_code, exc.detail)
-        self._cut_short = self._admitted is not None
+        self._cut_short = self.table.admitted is not None
         if self.lines != lines:  # a whole line is a live client; a trickle of bytes is not
             self.last_frame_at = self.clock()
         return self.lines >= self._turn_ends and not (self.closed or self._cut_short)
@@ -150,13 +145,13 @@ class Session:
     def next_event(self) -> intake.JobAdmitted | None:
         """A job admitted, for the listener to start (:func:`governor.intake.start`) and hand
         back (:meth:`started`) before more lines are handled; None: none."""
-        return self._admitted
+        return self.table.admitted
 
     def started(self, execution: Execution) -> None:
         """The job :meth:`next_event` gave out runs: its frames answer through this session."""
-        assert self._admitted is not None
-        assert self._admitted.job == execution.job
-        self._admitted = None
+        assert self.table.admitted is not None
+        assert self.table.admitted.job == execution.job
+        self.table.admitted = None
         self.jobs[execution.job].execution = execution
 
     def pause(self) -> None:
@@ -215,7 +210,7 @@ class Session:
     def _expired(self, job: str, state: JobState) -> None:
         """An upload that stalled, or a held payload whose client did not come back: dropped."""
         held = state.phase is Phase.HELD
-        self.uploads.forget(job)
+        self.table.forget(job)
         self.wire.send(
             Reply(
                 Verb.CONFIRM,
@@ -247,13 +242,13 @@ class Session:
         if self.deferred is not None:
             self.deferred = None
             self.credentials.turn_unused()
-        admitted, self._admitted = self._admitted, None
+        admitted, self.table.admitted = self.table.admitted, None
         if admitted is not None:  # (not started: its ticket is given back here)
             admitted.ticket.release("client_gone")
             self.jobs.pop(admitted.job)
         for job, state in list(self.jobs.items()):
             if state.execution is None:
-                self.uploads.forget(job)
+                self.table.forget(job)
             else:
                 state.execution.client_gone()
 
@@ -359,11 +354,11 @@ class Session:
                 f"job {req.job!r} is running; use another job id",
             )
         elif req.manifest is not None:
-            self.uploads.on_manifest(req, state)
+            self.table.on_manifest(req, state)
         elif req.chunk is not None:
-            self.uploads.on_chunk(req, state)
+            self.table.on_chunk(req, state)
         else:
-            self.uploads.on_inline(req, state)
+            self.table.on_inline(req, state)
 
     def _on_cancel(self, req: Request) -> None:
         state = self.jobs.get(req.job)
@@ -375,7 +370,7 @@ class Session:
                 NeedCode.CANCELLED, ErrorCode.CANCELLED, "cancelled by the client"
             )
         else:  # uploading, or held after a yield: dropped
-            self.uploads.forget(req.job)
+            self.table.forget(req.job)
             self.wire.abort(
                 req,
                 NeedCode.CANCELLED,
@@ -410,125 +405,9 @@ class Session:
                 seq=req.seq + 1,
             )
             return None
-        state = self.uploads.add(req.job, tenant)
+        state = self.table.add(req.job, tenant)
         self.idle_changed()
         return state
 
-    # Admission ---------------------------------------------------------------------------
-
-    def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
-        """A verified payload (None: the one held, back for its retry) to the intake; the
-        decision mapped to a reply, or to the event that starts the job."""
-        if payload is not None:
-            manifest = state.upload.manifest
-            assert manifest is not None
-            intake.prepare(self.state, state.attempt, req.job, payload, manifest.content_type)
-        decision = intake.decide(self.state, state.attempt)
-        if isinstance(decision, Admitted):
-            if state.phase is Phase.HELD:
-                self.uploads.unhold(state)
-            state.move(Phase.RUNNING)
-            state.deadline = float("inf")
-            state.final = req
-            reservation, state.reservation = state.reservation, None
-            self._admitted = intake.admitted(
-                self.state,
-                decision,
-                state.attempt,
-                job=req.job,
-                ttl_ms=req.ttl_ms,
-                reservation=reservation,
-                first_refusal=state.first_refusal,
-            )
-        elif isinstance(decision, Rejected):
-            self.uploads.forget(req.job)
-            if decision.error is not None:
-                self.wire.error(req, decision.error, seq=final_seq(req))
-            else:
-                self.wire.abort(
-                    req, decision.need_code, ErrorCode.POLICY, decision.detail, seq=final_seq(req)
-                )
-        else:
-            self._yielded(req, state, decision)
-
-    def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
-        """The fleet refused a job this replica admitted: its ticket is given back (the payload's
-        buffers return to the job), and its client told to yield, as if refused here."""
-        state = self.jobs.get(execution.job)
-        alive = state is not None and state.execution is execution
-        decision, reservation = intake.take_back(self.state, execution, refusal, keep_payload=alive)
-        if state is None or not alive:  # (the connection is gone)
-            return
-        assert state.final is not None
-        state.reservation = reservation
-        state.execution = None
-        self._yielded(state.final, state, decision)
-
-    def _yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
-        """Answer ``yield``, keeping the payload for the retry if the connection may."""
-        if state.first_refusal is None:
-            state.first_refusal = self.clock()
-        held = self.uploads.hold(state)
-        if held:
-            self.expect_progress(state, decision.retry_hint_ms / 1000)
-            detail = "no execution slot free; resend the final chunk after retry_hint_ms"
-        else:
-            self.uploads.forget(req.job)
-            detail = "no execution slot free, and the payload was not kept; resend it"
-        self.wire.yield_(
-            req,
-            seq=final_seq(req),
-            need_code=decision.need_code,
-            error_code=decision.error_code,
-            retry_hint_ms=decision.retry_hint_ms,
-            held=held,
-            detail=detail,
-        )
-
-    # Replies for executions (execution.Replies) ------------------------------------------
-
-    def _final(self, execution: Execution) -> Request:
-        final = self.jobs[execution.job].final
-        assert final is not None
-        return final
-
-    def send_delta(self, execution: Execution, text: str) -> None:
-        req = self._final(execution)
-        # Small on purpose: no receipts on a stream frame.
-        self.wire.send(
-            Reply(Verb.CLARIFY, req.job, final_seq(req), Status.OK, ttl_ms=req.ttl_ms, delta=text)
-        )
-
-    def send_terminal(
-        self,
-        execution: Execution,
-        *,
-        need_code: str | None,
-        error_code: str | None,
-        detail: str | None,
-        result: dict[str, Any] | None,
-    ) -> None:
-        req = self._final(execution)
-        held_ms = round((self.clock() - execution.ticket.slot.started) * 1000)
-        self.wire.send(
-            self.wire.reply(
-                req,
-                Verb.CONFIRM,
-                Status.DONE if need_code is None else Status.ABORT,
-                seq=final_seq(req),
-                need_code=need_code,
-                error_code=error_code,
-                detail=detail,
-                result=result,
-                extra=((Receipt.BACKEND_MS, held_ms),),
-            )
-        )
-
-    def job_ended(self, execution: Execution) -> None:
-        state = self.jobs.get(execution.job)
-        if state is not None and state.execution is execution:
-            del self.jobs[execution.job]
-            self.idle_changed()
-
     def _bytes_in(self, job: str) -> int:
-        return self.uploads.bytes_in(job)
+        return self.table.bytes_in(job)

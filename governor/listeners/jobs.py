@@ -1,5 +1,7 @@
-"""One TCP connection's jobs until they run: the job table, the payload frames (a manifest and
-its chunks, or an inline payload), the bytes they hold, and the payloads kept after a yield.
+"""One TCP connection's jobs: the job table, the payload frames (a manifest and its chunks, or
+an inline payload), the bytes they hold, a verified payload's submission to the intake and its
+decision mapped to a reply (a yield keeps the payload for the retry if the connection may), and
+the frames a running job's execution sends.
 
 A job id on a connection moves through phases, by this table alone (:data:`TRANSITIONS`)::
 
@@ -11,23 +13,33 @@ A job id on a connection moves through phases, by this table alone (:data:`TRANS
 A job not running leaves on an error, a cancel or a yield whose payload is not kept; a running
 one leaves only when its execution has ended and given back its ticket.
 
-No IO here either: replies go through the session's :class:`~governor.listeners.wire.Wire`, a
-verified payload to the session (:meth:`Owner.complete`), and so does a job's first frame
-(:meth:`Owner.new_job`: the key is checked there).
+No IO here either: replies go through the session's :class:`~governor.listeners.wire.Wire`; a
+job admitted waits in :attr:`JobTable.admitted` for the listener to start it; a job's first
+frame goes to the session (:meth:`Owner.new_job`: the key is checked there).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
-from protocol.codes import ErrorCode, NeedCode
+from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.errors import ManifestInvalid, UploadNeed
-from protocol.frames import Request
+from protocol.frames import Reply, Request
 from protocol.upload import Upload
 
-from ..core.admission import BUFFERS_FULL_HINT_MS, Attempt, Budget, Reservation
+from .. import intake
+from ..core.admission import (
+    BUFFERS_FULL_HINT_MS,
+    Admitted,
+    Attempt,
+    Budget,
+    Rejected,
+    Reservation,
+    Yielded,
+)
+from ..core.ledger import Refusal
 from ..core.tenants import Tenant
 from ..execution import Execution
 from ..state import ServerState
@@ -88,24 +100,26 @@ class Owner(Protocol):
         """The key checked and the connection's bounds: a new job's state, or None (answered)."""
         ...
 
-    def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
-        """A verified payload to submit (None: the one held, returning for its retry)."""
-        ...
-
     def expect_progress(self, state: JobState, wait_s: float = 0.0) -> None: ...
 
     def idle_changed(self) -> None: ...
 
 
-class Uploads:
-    def __init__(self, owner: Owner, state: ServerState) -> None:
+class JobTable:
+    """A connection's jobs (:attr:`jobs`), and the :class:`~governor.execution.Replies` its
+    executions answer through."""
+
+    def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
         self.owner = owner
         self.wire = owner.wire
         self.state = state
         self.config = state.config
+        self.id = conn_id  # names the connection in the executions' logs
         self.jobs: dict[str, JobState] = {}
         self.buffers = Budget(state.config.max_conn_buffer_bytes)  # payload bytes on this conn
         self.held = 0  # payloads kept after a yield
+        # A job admitted and not yet started by the listener (Session.next_event).
+        self.admitted: intake.JobAdmitted | None = None
 
     def add(self, job: str, tenant: Tenant) -> JobState:
         upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
@@ -152,7 +166,7 @@ class Uploads:
         state.seq = req.seq
         if state.phase is Phase.HELD and upload.is_final_chunk_again(req.chunk):
             # A retry after a yield: the payload was kept, so admission is tried again.
-            self.owner.complete(req, state, None)
+            self.complete(req, state, None)
             return
         reservation = state.reservation
         # The server's budget is charged before the bytes are decoded: with what base64 can
@@ -174,7 +188,7 @@ class Uploads:
             self.owner.expect_progress(state)
             self.wire.ok(req)
         else:
-            self.owner.complete(req, state, payload)
+            self.complete(req, state, payload)
 
     def on_inline(self, req: Request, state: JobState | None) -> None:
         assert req.inline is not None
@@ -204,7 +218,123 @@ class Uploads:
         except BuffersFull:
             self.buffers_full(req, final_seq(req))
             return
-        self.owner.complete(req, state, None if returning else payload)
+        self.complete(req, state, None if returning else payload)
+
+    # Admission ---------------------------------------------------------------------------
+
+    def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
+        """A verified payload (None: the one held, back for its retry) to the intake; the
+        decision mapped to a reply, or to the event that starts the job."""
+        if payload is not None:
+            manifest = state.upload.manifest
+            assert manifest is not None
+            intake.prepare(self.state, state.attempt, req.job, payload, manifest.content_type)
+        decision = intake.decide(self.state, state.attempt)
+        if isinstance(decision, Admitted):
+            if state.phase is Phase.HELD:
+                self.unhold(state)
+            state.move(Phase.RUNNING)
+            state.deadline = float("inf")
+            state.final = req
+            reservation, state.reservation = state.reservation, None
+            self.admitted = intake.admitted(
+                self.state,
+                decision,
+                state.attempt,
+                job=req.job,
+                ttl_ms=req.ttl_ms,
+                reservation=reservation,
+                first_refusal=state.first_refusal,
+            )
+        elif isinstance(decision, Rejected):
+            self.forget(req.job)
+            if decision.error is not None:
+                self.wire.error(req, decision.error, seq=final_seq(req))
+            else:
+                self.wire.abort(
+                    req, decision.need_code, ErrorCode.POLICY, decision.detail, seq=final_seq(req)
+                )
+        else:
+            self._yielded(req, state, decision)
+
+    def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
+        """The fleet refused a job this replica admitted: its ticket is given back (the payload's
+        buffers return to the job), and its client told to yield, as if refused here."""
+        state = self.jobs.get(execution.job)
+        alive = state is not None and state.execution is execution
+        decision, reservation = intake.take_back(self.state, execution, refusal, keep_payload=alive)
+        if state is None or not alive:  # (the connection is gone)
+            return
+        assert state.final is not None
+        state.reservation = reservation
+        state.execution = None
+        self._yielded(state.final, state, decision)
+
+    def _yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
+        """Answer ``yield``, keeping the payload for the retry if the connection may."""
+        if state.first_refusal is None:
+            state.first_refusal = self.state.clock()
+        held = self.hold(state)
+        if held:
+            self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
+            detail = "no execution slot free; resend the final chunk after retry_hint_ms"
+        else:
+            self.forget(req.job)
+            detail = "no execution slot free, and the payload was not kept; resend it"
+        self.wire.yield_(
+            req,
+            seq=final_seq(req),
+            need_code=decision.need_code,
+            error_code=decision.error_code,
+            retry_hint_ms=decision.retry_hint_ms,
+            held=held,
+            detail=detail,
+        )
+
+    # Replies for executions (execution.Replies) ------------------------------------------
+
+    def _final(self, execution: Execution) -> Request:
+        final = self.jobs[execution.job].final
+        assert final is not None
+        return final
+
+    def send_delta(self, execution: Execution, text: str) -> None:
+        req = self._final(execution)
+        # Small on purpose: no receipts on a stream frame.
+        self.wire.send(
+            Reply(Verb.CLARIFY, req.job, final_seq(req), Status.OK, ttl_ms=req.ttl_ms, delta=text)
+        )
+
+    def send_terminal(
+        self,
+        execution: Execution,
+        *,
+        need_code: str | None,
+        error_code: str | None,
+        detail: str | None,
+        result: dict[str, Any] | None,
+    ) -> None:
+        req = self._final(execution)
+        held_ms = round((self.state.clock() - execution.ticket.slot.started) * 1000)
+        self.wire.send(
+            self.wire.reply(
+                req,
+                Verb.CONFIRM,
+                Status.DONE if need_code is None else Status.ABORT,
+                seq=final_seq(req),
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+                result=result,
+                extra=((Receipt.BACKEND_MS, held_ms),),
+            )
+        )
+
+    def job_ended(self, execution: Execution) -> None:
+        state = self.jobs.get(execution.job)
+        if state is not None and state.execution is execution:
+            del self.jobs[execution.job]
+            self.owner.idle_changed()
 
     # The bytes and the holds -----------------------------------------------------------------
 
