@@ -9,8 +9,9 @@ are these, the same for every door:
    waiting meanwhile (:meth:`Credentials.turn_for`); a job without a valid key or certificate
    is a failure, counted, and the ``max_auth_failures``-th closes the connection, with one log
    line at a bounded rate.
-2. **Submit** (:func:`prepare`, :func:`decide`): the runner prepares the job (a bad spec is
-   refused there and never takes a slot), then admission decides, timed.
+2. **Submit** (:func:`prepare` for a TCP payload, :func:`prepare_fields` for an HTTP body's
+   mapped fields, then :func:`decide`): the job spec is parsed once, here, and the runner
+   prepares the job (a bad spec is refused and never takes a slot); admission decides, timed.
 3. **Start** (:func:`admitted`, :func:`start`): an admitted job's ticket takes its payload's
    reservation and its wait since the first refusal is measured (no IO: a sans-IO session
    hands the result out as an event); then its :class:`~governor.execution.Execution` starts.
@@ -27,10 +28,12 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.codes import NeedCode
-from protocol.spec import SpecInvalid
+from protocol.spec import SpecInvalid, is_json_content_type, parse_spec, spec_from_object
 
 from .core.admission import Admitted, Attempt, Decision, Reservation, Ticket, Yielded
 from .core.ledger import Refusal
@@ -38,6 +41,7 @@ from .core.sources import NOW, Turn, source_of
 from .core.tenants import Tenant
 from .execution import Execution, Replies
 from .ops.logs import event
+from .runners import Job, Runner
 from .state import ServerState
 
 log = logging.getLogger("governor.intake")
@@ -152,11 +156,40 @@ class Credentials:
 def prepare(
     state: ServerState, attempt: Attempt, job_id: str, payload: bytes, content_type: str
 ) -> None:
-    """The primary pool's runner prepares the job for admission to decide on: a spec it refuses
-    is the attempt's ``spec_error`` (decided as a rejection, before any slot is looked at)."""
+    """A verified TCP payload: a JSON job spec is parsed here, once; any other payload goes to
+    the runner as it is (a runner that generates text takes it as its prompt)."""
+
+    def job(runner: Runner) -> Job:
+        spec = None
+        if is_json_content_type(content_type):
+            spec = parse_spec(payload, content_type, max_new_tokens_ceiling=runner.max_new_tokens)
+        return runner.prepare(job_id, spec, payload)
+
+    _prepare(state, attempt, job_id, job)
+
+
+def prepare_fields(
+    state: ServerState, attempt: Attempt, job_id: str, fields: Mapping[str, Any], body: bytes
+) -> None:
+    """An HTTP request's job spec, as its API mapped it to the spec's fields (already decoded
+    from the body: no JSON in between), checked here."""
+
+    def job(runner: Runner) -> Job:
+        spec = spec_from_object(dict(fields), max_new_tokens_ceiling=runner.max_new_tokens)
+        return runner.prepare(job_id, spec, body)
+
+    _prepare(state, attempt, job_id, job)
+
+
+def _prepare(
+    state: ServerState, attempt: Attempt, job_id: str, make: Callable[[Runner], Job]
+) -> None:
+    """The primary pool's runner prepares the job for admission to decide on: a spec refused
+    (by the parse or the runner) is the attempt's ``spec_error``, decided as a rejection before
+    any slot is looked at."""
     attempt.job, attempt.spec_error = None, None
     try:
-        attempt.job = state.admission.primary.runner.prepare(job_id, payload, content_type)
+        attempt.job = make(state.admission.primary.runner)
     except SpecInvalid as exc:
         attempt.spec_error = exc
     except Exception:  # a runner bug must cost this job, not the connection

@@ -51,7 +51,6 @@ from typing import Any, cast
 import h11
 
 from protocol.codes import ErrorCode, NeedCode
-from protocol.spec import SPEC_CONTENT_TYPE
 
 from .. import intake
 from ..core.admission import (
@@ -632,7 +631,7 @@ class Exchange:
             self.attempt, self.first_refusal = kept.attempt, kept.first_refusal
         else:
             self.attempt = Attempt(tenant, None)
-        intake.prepare(conn.state, self.attempt, job_id, call.spec, SPEC_CONTENT_TYPE)
+        intake.prepare_fields(conn.state, self.attempt, job_id, call.fields, body)
         self._decide()
 
     def _decide(self) -> None:
