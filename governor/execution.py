@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.codes import ErrorCode, NeedCode
@@ -43,6 +44,17 @@ log = logging.getLogger("governor.execution")
 jobs_log = logging.getLogger("governor.jobs")
 
 
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """A job's terminal frame: ``confirm done`` with its result, or without a ``need_code``
+    ``confirm abort``."""
+
+    need_code: str | None = None
+    error_code: str | None = None
+    detail: str | None = None
+    result: dict[str, Any] | None = None
+
+
 class Replies(Protocol):
     """Where a job's frames go: the session that admitted it (``id`` names it in logs)."""
 
@@ -50,15 +62,7 @@ class Replies(Protocol):
 
     def send_delta(self, execution: Execution, text: str) -> None: ...
 
-    def send_terminal(
-        self,
-        execution: Execution,
-        *,
-        need_code: str | None,
-        error_code: str | None,
-        detail: str | None,
-        result: dict[str, Any] | None,
-    ) -> None: ...
+    def send_terminal(self, execution: Execution, ending: Ending) -> None: ...
 
     def job_ended(self, execution: Execution) -> None: ...
 
@@ -138,9 +142,7 @@ class Execution:
             return
         self.terminal_sent = True
         self.outcome = need_code or "done"
-        self.replies.send_terminal(
-            self, need_code=need_code, error_code=error_code, detail=detail, result=result
-        )
+        self.replies.send_terminal(self, Ending(need_code, error_code, detail, result))
 
     def abort(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send the terminal abort now, then stop the work."""

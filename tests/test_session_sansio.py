@@ -15,7 +15,7 @@ from governor.config import Config
 from governor.core.admission import Admission, Pool, Ticket
 from governor.core.ledger import SlotLedger
 from governor.core.tenants import Tenants
-from governor.execution import Execution
+from governor.execution import Ending, Execution
 from governor.intake import JobAdmitted
 from governor.listeners.session import Session
 from governor.runners import StubRunner
@@ -124,9 +124,7 @@ def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_start
 
     execution = cast(Execution, started)
     client.session.table.send_delta(execution, "stub ")
-    client.session.table.send_terminal(
-        execution, need_code=None, error_code=None, detail=None, result={"ok": 1}
-    )
+    client.session.table.send_terminal(execution, Ending(result={"ok": 1}))
     delta, done = client.replies()
     assert (delta.status, delta.seq, delta.delta) == (Status.OK, 4, "stub ")  # final chunk + 2
     assert (done.verb, done.status, done.seq, done.result) == (

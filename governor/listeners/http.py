@@ -46,7 +46,7 @@ import ssl
 import time
 import urllib.parse
 from http import HTTPStatus
-from typing import Any, cast
+from typing import cast
 
 import h11
 
@@ -64,7 +64,7 @@ from ..core.admission import (
 )
 from ..core.ledger import Refusal
 from ..core.sources import KEY_TURN_FAR
-from ..execution import Execution
+from ..execution import Ending, Execution
 from ..ops.logs import event
 from ..state import ServerState
 from . import openai_api as api
@@ -745,26 +745,20 @@ class Exchange:
             if answers.call.chat:
                 self._send(h11.Data(data=answers.first()))
 
-    def send_terminal(
-        self,
-        execution: Execution,
-        *,
-        need_code: str | None,
-        error_code: str | None,
-        detail: str | None,
-        result: dict[str, Any] | None,
-    ) -> None:
+    def send_terminal(self, execution: Execution, ending: Ending) -> None:
         answers = self.answers
         assert answers is not None
+        need_code, result = ending.need_code, ending.result or {}
         if need_code is None:
             if answers.call.stream:
                 self._stream()
-                self._send(h11.Data(data=answers.last(result or {})))
+                self._send(h11.Data(data=answers.last(result)))
                 self._send(h11.EndOfMessage())
             else:
-                self._whole(HTTPStatus.OK, answers.whole(result or {}))
+                self._whole(HTTPStatus.OK, answers.whole(result))
             return
-        self._abort(api.abort_status(need_code), need_code, detail or need_code, ends=False)
+        message = ending.detail or need_code
+        self._abort(api.abort_status(need_code), need_code, message, ends=False)
 
     def job_ended(self, execution: Execution) -> None:
         self.execution = None

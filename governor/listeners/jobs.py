@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Protocol
 
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.errors import ManifestInvalid, UploadNeed
@@ -41,7 +41,7 @@ from ..core.admission import (
 )
 from ..core.ledger import Refusal
 from ..core.tenants import Tenant
-from ..execution import Execution
+from ..execution import Ending, Execution
 from ..state import ServerState
 from .wire import Wire
 
@@ -305,27 +305,19 @@ class JobTable:
             Reply(Verb.CLARIFY, req.job, final_seq(req), Status.OK, ttl_ms=req.ttl_ms, delta=text)
         )
 
-    def send_terminal(
-        self,
-        execution: Execution,
-        *,
-        need_code: str | None,
-        error_code: str | None,
-        detail: str | None,
-        result: dict[str, Any] | None,
-    ) -> None:
+    def send_terminal(self, execution: Execution, ending: Ending) -> None:
         req = self._final(execution)
         held_ms = round((self.state.clock() - execution.ticket.slot.started) * 1000)
         self.wire.send(
             self.wire.reply(
                 req,
                 Verb.CONFIRM,
-                Status.DONE if need_code is None else Status.ABORT,
+                Status.DONE if ending.need_code is None else Status.ABORT,
                 seq=final_seq(req),
-                need_code=need_code,
-                error_code=error_code,
-                detail=detail,
-                result=result,
+                need_code=ending.need_code,
+                error_code=ending.error_code,
+                detail=ending.detail,
+                result=ending.result,
                 extra=((Receipt.BACKEND_MS, held_ms),),
             )
         )
