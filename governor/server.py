@@ -322,6 +322,15 @@ class Server:
         self.state.started = True
         if self.fleet is not None:
             self._background.append(loop.create_task(self.fleet.run()))
+        self._background.append(loop.create_task(self.health.probe_loop()))
+        self._background.append(loop.create_task(memory.trim_loop()))
+        if self.overload is not None:
+            self._background.append(loop.create_task(self._watch_overload()))
+        self._announce()
+
+    def _announce(self) -> None:
+        """What now serves, in the log: the fleet, the listener, the tenants, the lanes."""
+        if self.fleet is not None:
             s = self.fleet.gate.settings
             log.info(
                 "fleet: replica %s on %s, fleet_max_inflight %s, lease_ttl %g s, failing open "
@@ -332,8 +341,6 @@ class Server:
                 s.lease_ttl_s,
                 ", ".join(sorted(s.fail_open)) or "no lane",
             )
-        self._background.append(loop.create_task(self.health.probe_loop()))
-        self._background.append(loop.create_task(memory.trim_loop()))
         host, port = self.address
         log.info(
             "governor listening on %s:%d (%smax_inflight=%d, runner=%s)",
@@ -361,8 +368,6 @@ class Server:
                 else "",
                 f"{p.kv_capacity} tokens" if p.kv_capacity else "off",
             )
-        if self.overload is not None:
-            self._background.append(loop.create_task(self._watch_overload()))
 
     @property
     def address(self) -> tuple[str, int]:
