@@ -46,9 +46,13 @@ class Started:
     job: str
     ticket: Ticket
     terminal_sent: bool = False
+    aborted: str | None = None  # the need code it was aborted with
 
     def client_gone(self) -> None:
         self.terminal_sent = True
+
+    def abort(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
+        self.aborted = need_code
 
 
 class Client:
@@ -170,6 +174,33 @@ def test_a_job_yields_when_every_slot_is_taken_and_its_held_payload_is_admitted_
     assert retried.job == "J_2"
     assert retried.waited_s == pytest.approx(refused.retry_hint_ms / 1000)
     assert second.session.held == 0
+
+
+def test_a_cancel_read_with_the_final_chunk_finds_the_job_running(clock: FakeClock) -> None:
+    client = Client(make_state(clock))
+    manifest, chunk = upload("J_1", PAYLOAD)
+    client.send(manifest)
+    assert client.send(chunk + encode_request(Verb.CANCEL, "J_1", 3)) == []
+    admitted = client.session.next_event()
+    assert admitted is not None
+    started = client.start(admitted)
+    assert client.send(b"") == []  # (its execution's terminal abort is the cancel's answer)
+    assert started.aborted == NeedCode.CANCELLED
+
+
+def test_a_job_admitted_and_never_started_is_given_back_when_its_client_leaves(
+    clock: FakeClock,
+) -> None:
+    state = make_state(clock)
+    client = Client(state)
+    manifest, chunk = upload("J_1", PAYLOAD)
+    client.send(manifest + chunk)
+    assert client.session.next_event() is not None
+    assert (state.inflight, state.buffers.used) == (1, len(PAYLOAD))
+    client.session.connection_lost()
+    assert client.session.next_event() is None
+    assert client.session.jobs == {}
+    assert (state.inflight, state.buffers.used, client.session.buffers.used) == (0, 0, 0)
 
 
 def test_a_bad_line_is_answered_with_its_code_and_the_connection_goes_on(

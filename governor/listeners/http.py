@@ -610,7 +610,8 @@ class Exchange:
         conn = self.conn
         tenant = conn.credentials.tenant(key)
         if tenant is None:
-            conn.close_after = conn.credentials.spent
+            if conn.credentials.spent:  # (this 401 is the connection's last answer)
+                conn.close_after = True
             self._abort(
                 HTTPStatus.UNAUTHORIZED,
                 NeedCode.UNAUTHORIZED,
