@@ -19,7 +19,8 @@ are these, the same for every door:
    is given back and the payload's reservation returned to the listener.
 
 Connection ids come from one counter (:func:`connection_id`), so that ``conn=`` in the logs
-names one connection whichever listener accepted it.
+names one connection whichever listener accepted it; a client cut off for not reading its
+answers is counted and logged alike (:func:`cut_off`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,20 @@ _connection_ids = itertools.count(1)
 def connection_id() -> int:
     """A new connection's id, unique across listeners: it names the connection in logs."""
     return next(_connection_ids)
+
+
+def cut_off(state: ServerState, conn_id: int, source: str, reason: str, unread: int) -> None:
+    """Count and log a connection dropped because its client does not read (``reason``
+    ``slow_reader`` or ``write_timeout``); the listener aborts the transport."""
+    state.refused[reason] += 1
+    why = (
+        f"read no reply for {state.config.write_timeout:g} s"
+        if reason == "write_timeout"
+        else "left more replies unread than write_buffer_bytes"
+    )
+    line = state.sources.line(f"cut off connection {conn_id} from {source}: its client {why}")
+    if line is not None:
+        event(log, logging.WARNING, line, event="cut", reason=reason, source=source, unread=unread)
 
 
 # Authentication ------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 import secrets
 import socket
 import ssl
@@ -65,12 +64,9 @@ from ..core.admission import (
 from ..core.ledger import Refusal
 from ..core.sources import KEY_TURN_FAR
 from ..execution import Ending, Execution
-from ..ops.logs import event
 from ..state import ServerState
 from . import openai_api as api
 from .tls import HANDSHAKE_TIMEOUT_S
-
-log = logging.getLogger("governor.http")
 
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
@@ -483,15 +479,8 @@ class HttpConnection(asyncio.Protocol):
         if transport is None:
             return
         self.closed = True
-        self.state.refused[reason] += 1
-        event(
-            log,
-            logging.WARNING,
-            f"cut off HTTP connection {self.id} from {self.source}: {reason}",
-            event="cut",
-            reason=reason,
-            source=self.source,
-        )
+        unread = transport.get_write_buffer_size()
+        intake.cut_off(self.state, self.id, self.source, reason, unread)
         transport.abort()
 
 

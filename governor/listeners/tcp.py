@@ -21,17 +21,13 @@ job's stream keeps writing) or does not read for ``write_timeout`` seconds is cu
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import cast
 
 from protocol.codes import ErrorCode, NeedCode
 
 from .. import intake
-from ..ops.logs import event
 from ..state import ServerState
 from .session import Session
-
-log = logging.getLogger("governor.listeners.tcp")
 
 
 class GovernorProtocol(asyncio.Protocol):
@@ -171,37 +167,22 @@ class GovernorProtocol(asyncio.Protocol):
                 self.session.paused
                 and transport.get_write_buffer_size() > self.state.config.write_buffer_bytes
             ):
-                self._cut("slow_reader", "left more replies unread than write_buffer_bytes")
+                self._cut("slow_reader")
 
     def _start_write_deadline(self) -> None:
         if self._write_timer is None:
             self._write_timer = self._loop.call_later(
-                self.state.config.write_timeout,
-                self._cut,
-                "write_timeout",
-                f"read no reply for {self.state.config.write_timeout:g} s",
+                self.state.config.write_timeout, self._cut, "write_timeout"
             )
 
-    def _cut(self, reason: str, why: str) -> None:
+    def _cut(self, reason: str) -> None:
         """Drop the connection now, with what it has not read."""
         transport, session = self.transport, self.session
         if transport is None:
             return
         session.closed = True
-        self.state.refused[reason] += 1
-        line = self.state.sources.line(
-            f"cut off connection {session.id} from {session.source}: its client {why}"
-        )
-        if line is not None:
-            event(
-                log,
-                logging.WARNING,
-                line,
-                event="cut",
-                reason=reason,
-                source=session.source,
-                unread=transport.get_write_buffer_size(),
-            )
+        unread = transport.get_write_buffer_size()
+        intake.cut_off(self.state, session.id, session.source, reason, unread)
         transport.abort()
 
     def _schedule(self) -> None:
