@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.codes import ErrorCode, NeedCode
-from protocol.frames import Request
 
 from .core.admission import BACKEND_FAILURES, Attempt, Ticket
 from .core.ledger import Completed, Refusal
@@ -40,8 +40,19 @@ if TYPE_CHECKING:
 # Ends judged against the objectives as misses (see governor.core.slo); "done" is judged too.
 JUDGED_FAILURES = BACKEND_FAILURES | {NeedCode.TTL_EXPIRED}
 
-log = logging.getLogger("governor.listeners.tcp")
+log = logging.getLogger("governor.execution")
 jobs_log = logging.getLogger("governor.jobs")
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """A job's terminal frame: ``confirm done`` with its result, or without a ``need_code``
+    ``confirm abort``."""
+
+    need_code: str | None = None
+    error_code: str | None = None
+    detail: str | None = None
+    result: dict[str, Any] | None = None
 
 
 class Replies(Protocol):
@@ -51,15 +62,7 @@ class Replies(Protocol):
 
     def send_delta(self, execution: Execution, text: str) -> None: ...
 
-    def send_terminal(
-        self,
-        execution: Execution,
-        *,
-        need_code: str | None,
-        error_code: str | None,
-        detail: str | None,
-        result: dict[str, Any] | None,
-    ) -> None: ...
+    def send_terminal(self, execution: Execution, ending: Ending) -> None: ...
 
     def job_ended(self, execution: Execution) -> None: ...
 
@@ -82,15 +85,16 @@ class Execution:
     __slots__ = (
         "attempt",
         "first_token",
+        "job",
         "outcome",
         "replies",
-        "request",
         "result",
         "state",
         "task",
         "terminal_sent",
         "ticket",
         "tpot_s",
+        "ttl_ms",
         "waited_s",
     )
 
@@ -98,14 +102,17 @@ class Execution:
         self,
         state: ServerState,
         ticket: Ticket,
-        request: Request,
         attempt: Attempt,
         replies: Replies,
         waited_s: float | None,
+        *,
+        job: str,
+        ttl_ms: int,
     ) -> None:
         self.state = state
         self.ticket = ticket
-        self.request = request  # the frame that completed the payload: the terminal answers it
+        self.job = job  # the client's name for the job (its ticket's job id is the server's)
+        self.ttl_ms = ttl_ms  # the job's deadline from admission; 0: none
         self.attempt = attempt
         self.replies = replies
         self.waited_s = waited_s  # from its first refusal to its admission
@@ -135,9 +142,7 @@ class Execution:
             return
         self.terminal_sent = True
         self.outcome = need_code or "done"
-        self.replies.send_terminal(
-            self, need_code=need_code, error_code=error_code, detail=detail, result=result
-        )
+        self.replies.send_terminal(self, Ending(need_code, error_code, detail, result))
 
     def abort(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send the terminal abort now, then stop the work."""
@@ -157,7 +162,7 @@ class Execution:
         fleet = self.state.fleet
         if fleet is not None and not await self._fleet_admits(fleet):
             return
-        ttl_ms = self.request.ttl_ms
+        ttl_ms = self.ttl_ms
         try:
             if ttl_ms:
                 async with asyncio.timeout(ttl_ms / 1000):
@@ -329,7 +334,7 @@ class Execution:
             f"job {outcome}",
             event="job",
             conn=self.replies.id,
-            job=self.request.job,
+            job=self.job,
             tenant=ticket.tenant.name,
             lane=lane,
             pool=ticket.pool.name,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from protocol.codes import ErrorCode, NeedCode
 
+from . import intake
 from .config import Config
 from .core.admission import Admission, Pool
 from .core.breaker import BreakerSettings, BreakerState, CircuitBreaker
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
     from .fleetstore import Fleet
 
 log = logging.getLogger("governor")
-
-LISTEN_BACKLOG = 4096
 
 
 def build_runner(config: Config) -> Runner:
@@ -278,7 +277,7 @@ class Server:
         if sock is None:
             host, port = self.config.listen_address
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+            sock = socket.create_server((host, port), family=family, backlog=intake.BACKLOG)
         loop = asyncio.get_running_loop()
         try:
             if self.config.metrics_address is not None:
@@ -306,7 +305,7 @@ class Server:
         self._listener = self.state.listener = await loop.create_server(
             lambda: GovernorProtocol(self.state),
             sock=sock,
-            backlog=LISTEN_BACKLOG,
+            backlog=intake.BACKLOG,
             ssl=self._tls,
             ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT_S if self._tls is not None else None,
         )
@@ -323,6 +322,15 @@ class Server:
         self.state.started = True
         if self.fleet is not None:
             self._background.append(loop.create_task(self.fleet.run()))
+        self._background.append(loop.create_task(self.health.probe_loop()))
+        self._background.append(loop.create_task(memory.trim_loop()))
+        if self.overload is not None:
+            self._background.append(loop.create_task(self._watch_overload()))
+        self._announce()
+
+    def _announce(self) -> None:
+        """What now serves, in the log: the fleet, the listener, the tenants, the lanes."""
+        if self.fleet is not None:
             s = self.fleet.gate.settings
             log.info(
                 "fleet: replica %s on %s, fleet_max_inflight %s, lease_ttl %g s, failing open "
@@ -333,8 +341,6 @@ class Server:
                 s.lease_ttl_s,
                 ", ".join(sorted(s.fail_open)) or "no lane",
             )
-        self._background.append(loop.create_task(self.health.probe_loop()))
-        self._background.append(loop.create_task(memory.trim_loop()))
         host, port = self.address
         log.info(
             "governor listening on %s:%d (%smax_inflight=%d, runner=%s)",
@@ -362,8 +368,6 @@ class Server:
                 else "",
                 f"{p.kv_capacity} tokens" if p.kv_capacity else "off",
             )
-        if self.overload is not None:
-            self._background.append(loop.create_task(self._watch_overload()))
 
     @property
     def address(self) -> tuple[str, int]:

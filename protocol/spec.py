@@ -144,13 +144,24 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
     except UnicodeDecodeError:
         raise _invalid("the payload is neither a JSON job spec nor UTF-8 text") from None
     if not is_json_content_type(content_type):
-        if not text.strip():
-            raise _invalid("the prompt is empty")
-        return JobSpec(prompt=text, max_new_tokens=min(128, max_new_tokens_ceiling))
+        return text_spec(text, max_new_tokens_ceiling=max_new_tokens_ceiling)
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
         raise _invalid(f"the job spec is not valid JSON: {exc}") from None
+    return spec_from_object(obj, max_new_tokens_ceiling=max_new_tokens_ceiling)
+
+
+def text_spec(text: str, *, max_new_tokens_ceiling: int) -> JobSpec:
+    """A text payload's job: the text is the prompt, with the default parameters."""
+    if not text.strip():
+        raise _invalid("the prompt is empty")
+    return JobSpec(prompt=text, max_new_tokens=min(128, max_new_tokens_ceiling))
+
+
+def spec_from_object(obj: Any, *, max_new_tokens_ceiling: int) -> JobSpec:
+    """The job a decoded JSON job spec asks for (as :func:`parse_spec`, for a caller that has
+    the object already: no JSON text in between); raises :class:`SpecInvalid`."""
     if type(obj) is not dict:
         raise _invalid("the job spec must be a JSON object")
     unknown = obj.keys() - _FIELDS
@@ -160,10 +171,7 @@ def parse_spec(payload: bytes, content_type: str, *, max_new_tokens_ceiling: int
     prompt, messages = _prompt_or_messages(obj)
     max_new = obj.get("max_new_tokens", min(128, max_new_tokens_ceiling))
     if type(max_new) is not int or not 1 <= max_new <= max_new_tokens_ceiling:
-        raise SpecInvalid(
-            NeedCode.MAX_NEW_TOKENS_INVALID,
-            f"'max_new_tokens' must be an integer from 1 to {max_new_tokens_ceiling}",
-        )
+        raise _max_new_tokens_invalid(max_new_tokens_ceiling)
     seed = obj.get("seed")
     if seed is not None and (type(seed) is not int or not 0 <= seed <= MAX_SEED):
         raise _invalid(f"'seed' must be an integer from 0 to {MAX_SEED}")
@@ -245,6 +253,19 @@ def _label(obj: dict[str, Any], name: str) -> str | None:
     if value is not None and (type(value) is not str or not 0 < len(value) <= MAX_LABEL_CHARS):
         raise _invalid(f"{name!r} must be a string of 1 to {MAX_LABEL_CHARS} characters")
     return value
+
+
+def check_ceiling(spec: JobSpec, max_new_tokens_ceiling: int) -> JobSpec:
+    """``spec`` (parsed against one runner's ceiling) if another runner may run it too."""
+    if spec.max_new_tokens > max_new_tokens_ceiling:
+        raise _max_new_tokens_invalid(max_new_tokens_ceiling)
+    return spec
+
+
+def _max_new_tokens_invalid(ceiling: int) -> SpecInvalid:
+    return SpecInvalid(
+        NeedCode.MAX_NEW_TOKENS_INVALID, f"'max_new_tokens' must be an integer from 1 to {ceiling}"
+    )
 
 
 def _slo(obj: dict[str, Any], name: str) -> float:

@@ -29,7 +29,7 @@ from governor.core.slo import Objectives, SloPolicy
 from governor.core.tenants import TenantConfig, Tenants
 from governor.runners import Job, StubRunner
 from protocol.codes import NeedCode
-from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid
+from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
 
 from .test_ledger import FakeClock
 
@@ -67,9 +67,10 @@ def make(
     )
 
 
-def job(max_new_tokens: int = 16, prompt: str = "hello", **spec: object) -> Job:
-    payload = orjson.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens, **spec})
-    return RUNNER.prepare("j", payload, SPEC_CONTENT_TYPE)
+def job(max_new_tokens: int = 16, prompt: str = "hello", **fields: object) -> Job:
+    payload = orjson.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens, **fields})
+    spec = parse_spec(payload, SPEC_CONTENT_TYPE, max_new_tokens_ceiling=RUNNER.max_new_tokens)
+    return RUNNER.prepare("j", spec, payload)
 
 
 def attempt(admission: Admission, key: str | None = None, **spec: object) -> Attempt:

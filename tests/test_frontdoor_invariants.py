@@ -54,7 +54,7 @@ from governor.listeners.http import HttpConnection
 from governor.listeners.openai_api import KeptPlaces
 from governor.runners import Job, RunEvent, Token
 from governor.server import Server
-from protocol.spec import parse_spec
+from protocol.spec import JobSpec
 
 from .test_invariants import KEYS, GateRunner, accounted, given_back, poll
 from .test_invariants import TENANTS as SHARED_TENANTS
@@ -89,9 +89,10 @@ class TokenGate(GateRunner):
     """The gate runner, for job specs: each job yields a token (a streamed request's head and
     first chunk go out with it), then runs until the test ends it."""
 
-    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
-        spec = parse_spec(payload, content_type, max_new_tokens_ceiling=MAX_NEW_TOKENS)
-        return Job(job_id, payload, content_type, spec=spec)
+    max_new_tokens = MAX_NEW_TOKENS
+
+    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
+        return Job(job_id, payload, spec=spec)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         yield Token(TOKEN)

@@ -22,7 +22,7 @@ from governor.runners.http import HttpRunner, HttpSettings
 from governor.runners.llama import embedded_model_path
 from loadtest.support import baseline_server
 from loadtest.support.processes import free_port, stop
-from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
+from protocol.spec import JobSpec, Message
 
 from .conftest import ServerFactory, wait_until
 from .test_ops import failing, ops_server, probe, until_ready
@@ -81,7 +81,7 @@ async def test_the_runner_leaves_ttft_and_tpot_to_the_governor(upstream: str) ->
     runner = HttpRunner(HttpSettings(upstream=upstream))
     await runner.start()
     try:
-        job = runner.prepare("J_1", greedy("Hi", max_new_tokens=3).encode(), SPEC_CONTENT_TYPE)
+        job = runner.prepare("J_1", greedy("Hi", max_new_tokens=3))
         async with contextlib.aclosing(runner.run(job)) as events:
             finished = [event async for event in events][-1]
     finally:

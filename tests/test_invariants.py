@@ -42,6 +42,7 @@ from governor.core.tenants import TenantConfig
 from governor.runners import Finished, Job, RunEvent, RunnerError, RunnerHealth
 from governor.server import Server
 from loadtest.redisserver import RedisServer
+from protocol.spec import JobSpec
 from protocol.upload import split_payload
 
 from .conftest import RawConn, ServerFactory, receipt, wait_until
@@ -220,8 +221,10 @@ class GateRunner:
     async def close(self) -> None:
         pass
 
-    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
-        return Job(job_id, payload, content_type)
+    max_new_tokens = 1 << 20
+
+    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
+        return Job(job_id, payload, spec=spec)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         gate = self.gates[job.id] = asyncio.get_running_loop().create_future()

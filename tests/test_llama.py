@@ -116,7 +116,7 @@ async def test_the_runner_leaves_ttft_and_tpot_to_the_governor(llama: Any) -> No
     """Both are measured once, by the governor, from admission: not by the runner's own clock."""
     server = await llama()
     runner = server.runner
-    job = runner.prepare("J_1", greedy("Hi", max_new_tokens=3).encode(), SPEC_CONTENT_TYPE)
+    job = runner.prepare("J_1", greedy("Hi", max_new_tokens=3))
     async with contextlib.aclosing(runner.run(job)) as events:
         *tokens, finished = [event async for event in events]
     assert isinstance(finished, Finished)

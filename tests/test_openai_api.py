@@ -19,13 +19,12 @@ from governor.core.admission import Attempt
 from governor.core.tenants import TenantConfig, Tenants
 from governor.listeners import openai_api as api
 from protocol.codes import ErrorCode, NeedCode
-from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
+from protocol.spec import SpecInvalid, spec_from_object
 
 
 def spec_of(body: dict[str, Any], *, chat: bool = True, lane: str | None = None) -> dict[str, Any]:
     call = api.parse_call(orjson.dumps(body), chat=chat, lane_header=lane)
-    spec: dict[str, Any] = orjson.loads(call.spec)
-    return spec
+    return call.fields
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -159,7 +158,7 @@ def test_any_body_is_a_job_spec_or_a_400(body: dict[str, Any], is_chat: bool, no
             assert (refused.status, refused.code) == (HTTPStatus.BAD_REQUEST, "spec_invalid")
             continue
         try:
-            spec = parse_spec(call.spec, SPEC_CONTENT_TYPE, max_new_tokens_ceiling=64)
+            spec = spec_from_object(call.fields, max_new_tokens_ceiling=64)
         except SpecInvalid:
             continue
         assert spec.stream == call.stream
@@ -193,7 +192,7 @@ RESULT = {
 
 
 def answers(*, chat: bool, stream: bool, include_usage: bool = False) -> api.Answers:
-    return api.Answers(api.Call(chat, b"{}", stream, include_usage), "id-1", 1700000000, "smol")
+    return api.Answers(api.Call(chat, {}, stream, include_usage), "id-1", 1700000000, "smol")
 
 
 def events(data: bytes) -> list[Any]:

@@ -15,6 +15,7 @@ from clients import NO_RETRY, GovernorClient, RetryPolicy
 from governor.core.overload import State
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
 from governor.server import Server
+from protocol.spec import JobSpec
 from protocol.upload import PreparedUpload, split_payload
 
 from .conftest import RawConn, ServerFactory, outcomes, receipt, wait_until
@@ -557,8 +558,10 @@ class ScriptedRunner:
     async def close(self) -> None:
         pass
 
-    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
-        return Job(job_id, payload, content_type)
+    max_new_tokens = 64
+
+    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
+        return Job(job_id, payload, spec=spec)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         if self.behaviour == "crash":

@@ -520,7 +520,7 @@ class Admission:
             return None
         job = plan.job
         try:  # the pool's own check: its context may be smaller
-            fallback_job = pool.runner.prepare(job.id, job.payload, job.content_type)
+            fallback_job = pool.runner.prepare(job.id, job.spec, job.payload)
         except SpecInvalid:
             return None
         slot = pool.ledger.admit(size=plan.size)

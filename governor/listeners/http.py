@@ -39,22 +39,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
-import logging
 import secrets
 import socket
 import ssl
 import time
 import urllib.parse
 from http import HTTPStatus
-from typing import Any, cast
+from typing import cast
 
 import h11
 
-from protocol.codes import ErrorCode, NeedCode, Verb
-from protocol.frames import Request
-from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid
+from protocol.codes import ErrorCode, NeedCode
 
+from .. import intake
 from ..core.admission import (
     BUFFERS_FULL_HINT_MS,
     Admitted,
@@ -62,29 +59,21 @@ from ..core.admission import (
     Budget,
     Rejected,
     Reservation,
-    Ticket,
     Yielded,
 )
 from ..core.ledger import Refusal
-from ..core.sources import KEY_TURN_FAR, NOW, Turn, source_of
-from ..core.tenants import Tenant
-from ..execution import Execution
-from ..ops.logs import event
+from ..core.sources import KEY_TURN_FAR
+from ..execution import Ending, Execution
 from ..state import ServerState
 from . import openai_api as api
 from .tls import HANDSHAKE_TIMEOUT_S
 
-log = logging.getLogger("governor.http")
-
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
 MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer is on its way
-BACKLOG = 4096
 JSON = "application/json"
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # (True: a chat)
 MODELS = "/v1/models"
-
-_connection_ids = itertools.count(1)
 
 
 class FrontDoor:
@@ -110,14 +99,14 @@ class FrontDoor:
         """Bind now, so that a taken port fails the start at once; :meth:`serve` once the
         runner is ready."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+        self._sock = socket.create_server((host, port), family=family, backlog=intake.BACKLOG)
 
     async def serve(self, tls: ssl.SSLContext | None) -> None:
         assert self._sock is not None
         self._server = await asyncio.get_running_loop().create_server(
             lambda: HttpConnection(self),
             sock=self._sock,
-            backlog=BACKLOG,
+            backlog=intake.BACKLOG,
             ssl=tls,
             ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
         )
@@ -160,16 +149,12 @@ class HttpConnection(asyncio.Protocol):
         self.door = door
         self.state = door.state
         self.config = door.state.config
-        self.id = next(_connection_ids)  # names the connection in logs (execution.Replies)
+        self.id = intake.connection_id()  # names the connection in logs (execution.Replies)
+        self.credentials = intake.Credentials(self.state, self.id)
         self.transport: asyncio.Transport | None = None
-        self.source = ""
         self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.served = False
         self.closed = False
-        self.cert_tenant: Tenant | None = None
-        self.authenticated = self.state.tenants.open  # a valid key or certificate was shown
-        self.keys: dict[str, Tenant] = {}  # keys shown valid on this connection
-        self.auth_failures = 0
         self.close_after = False  # this answer is the connection's last
         self.jobs = 0
         self.request: h11.Request | None = None
@@ -189,10 +174,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         state = self.state
-        peer = transport.get_extra_info("peername")
-        self.source = source_of(str(peer[0])) if peer else ""
-        self.cert_tenant = state.certificate_tenant(transport)
-        self.authenticated = self.authenticated or self.cert_tenant is not None
+        self.credentials.connected(transport)
         refused = state.open_connection(self, self.source, idle=self.is_idle)
         if refused is not None:  # (a connection limit: another may free within a second)
             self._raw(
@@ -206,20 +188,14 @@ class HttpConnection(asyncio.Protocol):
         state.connections.add(self)
         self._deadline(self.config.idle_timeout, None)
 
-    def check_key(self, key: str, turn: Turn) -> None:
-        """Check a key not yet seen on this connection (at ``turn``); a valid one is
-        remembered."""
-        state = self.state
-        tenant = state.tenants.find(key)
-        state.sources.key_checked(self.source, key, tenant is not None, turn)
-        if tenant is not None:
-            self.keys[key] = tenant
-            self.authenticated = True
+    @property
+    def source(self) -> str:
+        return self.credentials.source
 
     @property
     def is_idle(self) -> bool:
         """Between requests and, with tenants declared, no valid key shown."""
-        return not self.arriving and (self.state.tenants.open or not self.authenticated)
+        return not self.arriving and (self.state.tenants.open or not self.credentials.authenticated)
 
     def displace(self, detail: str) -> None:
         """Make way for a new connection at a limit (only one between requests is asked to):
@@ -503,15 +479,8 @@ class HttpConnection(asyncio.Protocol):
         if transport is None:
             return
         self.closed = True
-        self.state.refused[reason] += 1
-        event(
-            log,
-            logging.WARNING,
-            f"cut off HTTP connection {self.id} from {self.source}: {reason}",
-            event="cut",
-            reason=reason,
-            source=self.source,
-        )
+        unread = transport.get_write_buffer_size()
+        intake.cut_off(self.state, self.id, self.source, reason, unread)
         transport.abort()
 
 
@@ -533,7 +502,6 @@ class Exchange:
         self.door_s = 0.0  # how long it has waited there
         self.door_timer: asyncio.TimerHandle | None = None
         self.key_timer: asyncio.TimerHandle | None = None  # the key waits for its turn
-        self.turn = NOW
         self.streaming = False  # the 200 and the stream's head are out
 
     # Plain answers ---------------------------------------------------------------------
@@ -547,6 +515,24 @@ class Exchange:
 
     def fail(self, error: api.ApiError) -> None:
         self.respond(error.status, error.body(), error.headers)
+
+    def _abort(
+        self, status: HTTPStatus, need_code: str, message: str, *, ends: bool = True
+    ) -> None:
+        """The job refused for good (401, 400) or ended with a need code: counted in
+        ``governor_aborts_total`` here alone (as the TCP side counts its abort frames), and
+        answered; once its stream has begun, with an ``error`` event. ``ends``: the exchange
+        ends with this answer (an admitted job's, with its task)."""
+        self.conn.state.metrics.aborts[need_code] += 1
+        if self.streaming:  # (the 200 is out: the stream ends with an error event)
+            self._send(h11.Data(data=api.error_event(status, need_code, message)))
+            self._send(h11.EndOfMessage())
+        else:
+            bearer = status == HTTPStatus.UNAUTHORIZED
+            headers = (("www-authenticate", "Bearer"),) if bearer else ()
+            self._whole(status, api.error_body(status, need_code, message), headers)
+        if ends:
+            self.conn.exchange_ended()
 
     def _whole(
         self, status: HTTPStatus, body: bytes, headers: tuple[tuple[str, str], ...] = ()
@@ -591,44 +577,35 @@ class Exchange:
     def job(self, request: h11.Request, body: bytes, chat: bool) -> None:
         """A job's request: its key checked (at its turn, if it must wait for one), then
         prepared and decided."""
-        conn = self.conn
         key = _bearer(_header(request, b"authorization"))
-        sources = conn.state.sources
-        if (
-            key is not None
-            and key not in conn.keys
-            and not conn.state.tenants.open
-            and not sources.failed_before(conn.source, key)
-        ):
-            turn = sources.key_turn(conn.source, conn.config.auth_grace)
+        if key is not None:
+            turn = self.conn.credentials.turn_for(key)
             if turn is None:  # the guessers' turns are many: refused for now, unchecked
-                self.fail(
-                    api.ApiError(
-                        HTTPStatus.UNAUTHORIZED,
-                        NeedCode.UNAUTHORIZED,
-                        KEY_TURN_FAR,
-                        headers=(("www-authenticate", "Bearer"),),
-                    )
-                )
+                self._abort(HTTPStatus.UNAUTHORIZED, NeedCode.UNAUTHORIZED, KEY_TURN_FAR)
                 return
             if turn.wait > 0:
-                self.turn = turn
                 self.key_timer = asyncio.get_running_loop().call_later(
                     turn.wait, self._key_turn, request, body, chat, key
                 )
                 return
-            conn.check_key(key, turn)
         self._job(request, body, chat, key)
 
     def _key_turn(self, request: h11.Request, body: bytes, chat: bool, key: str) -> None:
         self.key_timer = None
-        self.conn.check_key(key, self.turn)
+        self.conn.credentials.check_at_turn(key)
         self._job(request, body, chat, key)
 
     def _job(self, request: h11.Request, body: bytes, chat: bool, key: str | None) -> None:
         conn = self.conn
-        tenant = self._tenant(key)
+        tenant = conn.credentials.tenant(key)
         if tenant is None:
+            if conn.credentials.spent:  # (this 401 is the connection's last answer)
+                conn.close_after = True
+            self._abort(
+                HTTPStatus.UNAUTHORIZED,
+                NeedCode.UNAUTHORIZED,
+                "a valid API key is needed: Authorization: Bearer KEY",
+            )
             return
         try:
             call = api.parse_call(body, chat=chat, lane_header=_header(request, b"x-governor-lane"))
@@ -644,19 +621,7 @@ class Exchange:
             self.attempt, self.first_refusal = kept.attempt, kept.first_refusal
         else:
             self.attempt = Attempt(tenant, None)
-        attempt = self.attempt
-        attempt.job, attempt.spec_error = None, None
-        try:
-            attempt.job = conn.state.admission.primary.runner.prepare(
-                job_id, call.spec, SPEC_CONTENT_TYPE
-            )
-        except SpecInvalid as exc:
-            attempt.spec_error = exc
-        except Exception:  # a runner bug costs this request, not the connection
-            log.exception("runner failed to prepare job %r", job_id)
-            attempt.spec_error = SpecInvalid(
-                NeedCode.SPEC_INVALID, "the runner cannot run this request"
-            )
+        intake.prepare_fields(conn.state, self.attempt, job_id, call.fields, body)
         self._decide()
 
     def _decide(self) -> None:
@@ -667,21 +632,18 @@ class Exchange:
         assert attempt is not None
         state = conn.state
         self.door_timer = None
-        started = time.perf_counter()
-        decision = state.admission.decide(attempt)
-        state.metrics.decision.observe(attempt.lane, time.perf_counter() - started)
+        decision = intake.decide(state, attempt)
         if isinstance(decision, Yielded) and self._waits(decision):
             return
         if self.at_door:
             self.at_door = False
             attempt.tenant.waiting -= 1
         if isinstance(decision, Admitted):
-            self._run(decision.ticket)
+            self._run(decision)
         elif isinstance(decision, Rejected):
             error = decision.error
             code = error.need_code if error is not None else decision.need_code
-            state.metrics.aborts[code] += 1
-            self.fail(api.bad_request(error.detail if error else decision.detail, code=code))
+            self._abort(HTTPStatus.BAD_REQUEST, code, error.detail if error else decision.detail)
         else:
             first = self.first_refusal if self.first_refusal is not None else state.clock()
             self._yielded(decision, self.key, attempt, first)
@@ -712,7 +674,7 @@ class Exchange:
         if self.key_timer is not None:
             self.key_timer.cancel()
             self.key_timer = None
-            self.conn.state.sources.turn_unused(self.conn.source, self.turn)
+            self.conn.credentials.turn_unused()
         if self.door_timer is not None:
             self.door_timer.cancel()
             self.door_timer = None
@@ -722,47 +684,26 @@ class Exchange:
                 self.at_door = False
                 self.attempt.tenant.waiting -= 1
 
-    def _run(self, ticket: Ticket) -> None:
-        conn, state = self.conn, self.conn.state
-        assert self.call is not None
-        ticket.reservation = conn.take_reservation()
-        first = self.first_refusal
-        waited = None if first is None else ticket.slot.started - first
-        state.metrics.wait.observe(ticket.lane, waited or 0.0)
-        chat = self.call.chat
+    def _run(self, decision: Admitted) -> None:
+        conn, state, call, attempt = self.conn, self.conn.state, self.call, self.attempt
+        assert call is not None
+        assert attempt is not None
+        job = intake.admitted(
+            state,
+            decision,
+            attempt,
+            job=decision.ticket.job.id,
+            ttl_ms=0,  # (an OpenAI request carries no deadline of its own)
+            reservation=conn.take_reservation(),
+            first_refusal=self.first_refusal,
+        )
         self.answers = api.Answers(
-            self.call,
-            f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            call,
+            f"{'chatcmpl' if call.chat else 'cmpl'}-{secrets.token_hex(12)}",
             int(time.time()),
             conn.door.model,
         )
-        frame = Request(Verb.SHARE, ticket.job.id, 1)
-        assert self.attempt is not None
-        self.execution = Execution(state, ticket, frame, self.attempt, self, waited)
-
-    def _tenant(self, key: str | None) -> Tenant | None:
-        """The key's tenant (checked: :meth:`job`), or the client certificate's without a key;
-        None after a 401."""
-        conn = self.conn
-        tenants = conn.state.tenants
-        if tenants.open:
-            return tenants.find(None)
-        tenant = conn.cert_tenant if key is None else conn.keys.get(key)
-        if tenant is not None:
-            return tenant
-        conn.auth_failures += 1
-        conn.state.metrics.aborts[NeedCode.UNAUTHORIZED] += 1
-        if conn.auth_failures >= conn.config.max_auth_failures:  # close
-            conn.close_after = True
-        self.fail(
-            api.ApiError(
-                HTTPStatus.UNAUTHORIZED,
-                NeedCode.UNAUTHORIZED,
-                "a valid API key is needed: Authorization: Bearer KEY",
-                headers=(("www-authenticate", "Bearer"),),
-            )
-        )
-        return None
+        self.execution = intake.start(state, job, self)
 
     def _yielded(self, decision: Yielded, key: api.Key, attempt: Attempt, first: float) -> None:
         """429 (503); a place kept for the retry of a ``busy`` yield (an unavailable server's
@@ -794,32 +735,20 @@ class Exchange:
             if answers.call.chat:
                 self._send(h11.Data(data=answers.first()))
 
-    def send_terminal(
-        self,
-        execution: Execution,
-        *,
-        need_code: str | None,
-        error_code: str | None,
-        detail: str | None,
-        result: dict[str, Any] | None,
-    ) -> None:
+    def send_terminal(self, execution: Execution, ending: Ending) -> None:
         answers = self.answers
         assert answers is not None
+        need_code, result = ending.need_code, ending.result or {}
         if need_code is None:
             if answers.call.stream:
                 self._stream()
-                self._send(h11.Data(data=answers.last(result or {})))
+                self._send(h11.Data(data=answers.last(result)))
                 self._send(h11.EndOfMessage())
             else:
-                self._whole(HTTPStatus.OK, answers.whole(result or {}))
+                self._whole(HTTPStatus.OK, answers.whole(result))
             return
-        status, message = api.abort_status(need_code), detail or need_code
-        self.conn.state.metrics.aborts[need_code] += 1
-        if self.streaming:  # (the 200 is out: the stream ends with an error event)
-            self._send(h11.Data(data=api.error_event(status, need_code, message)))
-            self._send(h11.EndOfMessage())
-        else:
-            self._whole(status, api.error_body(status, need_code, message))
+        message = ending.detail or need_code
+        self._abort(api.abort_status(need_code), need_code, message, ends=False)
 
     def job_ended(self, execution: Execution) -> None:
         self.execution = None
@@ -828,7 +757,8 @@ class Exchange:
     def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
         """The fleet refused the job admitted here: 429 now (it keeps no place in line: the
         fleet's hint is not the ledger's); the exchange ends with the job's task."""
-        decision = self.conn.state.admission.revoke(execution.attempt, execution.ticket, refusal)
+        state = self.conn.state
+        decision, _ = intake.take_back(state, execution, refusal, keep_payload=False)
         error = api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms)
         self._whole(error.status, error.body(), error.headers)
 

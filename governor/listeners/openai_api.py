@@ -146,7 +146,7 @@ class Call:
     """A request for a job: the job spec it maps to, and how the answer is to be shaped."""
 
     chat: bool
-    spec: bytes  # a governor job spec (protocol.spec), JSON
+    fields: dict[str, Any]  # a governor job spec's (protocol.spec) fields, checked at the intake
     stream: bool
     include_usage: bool
 
@@ -216,7 +216,7 @@ def parse_call(body: bytes, *, chat: bool, lane_header: str | None) -> Call:
     if "lane" not in spec and lane_header:
         spec["lane"] = lane_header
     spec["stream"] = stream
-    return Call(chat, orjson.dumps(spec), stream, include_usage)
+    return Call(chat, spec, stream, include_usage)
 
 
 def _json(value: Any) -> str:

@@ -21,27 +21,20 @@ job's stream keeps writing) or does not read for ``write_timeout`` seconds is cu
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
 from typing import cast
 
 from protocol.codes import ErrorCode, NeedCode
 
-from ..core.sources import source_of
-from ..ops.logs import event
+from .. import intake
 from ..state import ServerState
 from .session import Session
-
-log = logging.getLogger("governor.listeners.tcp")
-
-_connection_ids = itertools.count(1)
 
 
 class GovernorProtocol(asyncio.Protocol):
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.transport: asyncio.Transport | None = None
-        self.session = Session(state, self._write, self.close, next(_connection_ids))
+        self.session = Session(state, self._write, self.close, intake.connection_id())
         self._loop = asyncio.get_running_loop()
         self._served = False  # counted in the connections and against its source
         self._timer: asyncio.TimerHandle | None = None
@@ -55,12 +48,9 @@ class GovernorProtocol(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         state, session = self.state, self.session
-        peer = transport.get_extra_info("peername")
-        session.source = source = source_of(str(peer[0])) if peer else ""
-        session.cert_tenant = state.certificate_tenant(transport)
-        session.authenticated = session.authenticated or session.cert_tenant is not None
+        session.credentials.connected(transport)
         session.idle = session.is_idle
-        refused = state.open_connection(session, source, idle=session.is_idle)
+        refused = state.open_connection(session, session.source, idle=session.is_idle)
         if refused is not None:
             session.fatal(refused.need_code, refused.error_code, refused.detail)
             return
@@ -91,11 +81,22 @@ class GovernorProtocol(asyncio.Protocol):
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
-        self._turn_ended(session.resume())  # (the lines that waited may fill the buffer again)
+        session.resume()
+        self._turn_ended(self._receive(b""))  # (the lines that waited may fill the buffer again)
         self._reading()
 
     def data_received(self, data: bytes) -> None:
-        self._turn_ended(self.session.receive_data(data))
+        self._turn_ended(self._receive(data))
+
+    def _receive(self, data: bytes) -> bool:
+        """The session handles the bytes; each job it admits on the way is started before it
+        handles the next line. True when lines remain for another turn."""
+        session = self.session
+        more = session.receive_data(data)
+        while (admitted := session.next_event()) is not None:
+            session.started(intake.start(self.state, admitted, session.table))
+            more = session.receive_data(b"")
+        return more
 
     def _turn_ended(self, more: bool) -> None:
         """After a turn of handling lines: another one after the other connections' (reading
@@ -116,7 +117,7 @@ class GovernorProtocol(asyncio.Protocol):
     def _take_turn(self) -> None:
         self._next_turn = False
         if not self.session.closed:
-            self._turn_ended(self.session.receive_data(b""))
+            self._turn_ended(self._receive(b""))
             self._reading()  # (again, once no turn is pending)
 
     def _reading(self) -> None:
@@ -166,37 +167,22 @@ class GovernorProtocol(asyncio.Protocol):
                 self.session.paused
                 and transport.get_write_buffer_size() > self.state.config.write_buffer_bytes
             ):
-                self._cut("slow_reader", "left more replies unread than write_buffer_bytes")
+                self._cut("slow_reader")
 
     def _start_write_deadline(self) -> None:
         if self._write_timer is None:
             self._write_timer = self._loop.call_later(
-                self.state.config.write_timeout,
-                self._cut,
-                "write_timeout",
-                f"read no reply for {self.state.config.write_timeout:g} s",
+                self.state.config.write_timeout, self._cut, "write_timeout"
             )
 
-    def _cut(self, reason: str, why: str) -> None:
+    def _cut(self, reason: str) -> None:
         """Drop the connection now, with what it has not read."""
         transport, session = self.transport, self.session
         if transport is None:
             return
         session.closed = True
-        self.state.refused[reason] += 1
-        line = self.state.sources.line(
-            f"cut off connection {session.id} from {session.source}: its client {why}"
-        )
-        if line is not None:
-            event(
-                log,
-                logging.WARNING,
-                line,
-                event="cut",
-                reason=reason,
-                source=session.source,
-                unread=transport.get_write_buffer_size(),
-            )
+        unread = transport.get_write_buffer_size()
+        intake.cut_off(self.state, session.id, session.source, reason, unread)
         transport.abort()
 
     def _schedule(self) -> None:
@@ -213,7 +199,7 @@ class GovernorProtocol(asyncio.Protocol):
         self._timer = None
         session = self.session
         if session.expire(session.clock()):  # a frame that waited for its key's turn went on
-            self._turn_ended(session.receive_data(b""))
+            self._turn_ended(self._receive(b""))
             self._reading()
         if not session.closed:
             self._schedule()

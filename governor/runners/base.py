@@ -1,7 +1,8 @@
 """The seam between admission and execution.
 
-A :class:`Runner` first checks a verified payload with :meth:`Runner.prepare` (an invalid job
-spec is refused there, before it can take a slot), then executes each admitted job in one call
+A :class:`Runner` first checks a job with :meth:`Runner.prepare`: its spec as the intake parsed
+it (:mod:`governor.intake`: once, from a TCP payload or an HTTP body; an invalid one is refused
+there, or by the runner's own checks here, before it can take a slot), then executes each admitted job in one call
 of :meth:`Runner.run`, an async generator of :class:`Token` events (partial output, as it is produced;
 before them, a batched runner's :class:`Fed` progress while the prompt is fed) ending with one
 :class:`Finished`. The server cancels the iteration's task to stop a job (client gone,
@@ -20,22 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from protocol.codes import NeedCode
-from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
+from protocol.spec import JobSpec, check_ceiling, parse_spec
 
 from ..core.kvbudget import CacheShape
 
 # The health probe's job, the smallest real one: one greedy token (see :meth:`Runner.probe`).
-PROBE_SPEC = b'{"prompt": "Hi", "max_new_tokens": 1, "temperature": 0}'
+PROBE_SPEC = JobSpec(prompt="Hi", max_new_tokens=1, temperature=0.0)
 
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A verified payload, prepared by the runner that will run it."""
+    """A job, prepared by the runner that will run it."""
 
     id: str
-    payload: bytes
-    content_type: str = "application/octet-stream"
-    spec: JobSpec | None = None  # what an inference runner made of the payload
+    payload: bytes = b""  # the verified payload it came as (the stub reports its digest)
+    spec: JobSpec | None = None  # None: a payload that is not a job spec, for the stub
     tokens: tuple[int, ...] = ()  # the prompt, tokenised
     stop: tuple[str, ...] = ()  # the spec's stop strings and the chat template's
     # Set by admission: how urgent it is (its lane's rank, 0 the interactive lane), for a
@@ -104,6 +104,11 @@ class Runner(Protocol):
     name: str
 
     @property
+    def max_new_tokens(self) -> int:
+        """The most new tokens a job may ask for: the ceiling its spec is parsed against."""
+        ...
+
+    @property
     def expected_service_s(self) -> float:
         """A first guess at a job's service time, before any has been observed."""
         ...
@@ -114,8 +119,11 @@ class Runner(Protocol):
 
     async def close(self) -> None: ...
 
-    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
-        """Check a verified payload before it may take a slot; raises ``SpecInvalid``."""
+    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
+        """Check a job before it may take a slot; raises ``SpecInvalid``. ``spec``: as the
+        intake parsed it (perhaps against another runner's ceiling: a fallback pool's runner
+        is given the primary's job); None for a payload that is not a JSON job spec (a runner
+        that generates text takes it as its prompt: :func:`spec_or_prompt`)."""
         ...
 
     def run(self, job: Job) -> AsyncGenerator[RunEvent, None]: ...
@@ -147,4 +155,12 @@ class KvCacheRunner(Protocol):
 
 def probe_job(runner: Runner) -> Job:
     """The job :meth:`Runner.probe` runs, prepared as a client's would be."""
-    return runner.prepare("probe", PROBE_SPEC, SPEC_CONTENT_TYPE)
+    return runner.prepare("probe", PROBE_SPEC, PROBE_SPEC.encode())
+
+
+def spec_or_prompt(spec: JobSpec | None, payload: bytes, max_new_tokens: int) -> JobSpec:
+    """What a runner that generates text runs: the job's spec, within its ceiling; for a
+    payload that is not a JSON job spec, its UTF-8 text as the prompt."""
+    if spec is not None:
+        return check_ceiling(spec, max_new_tokens)
+    return parse_spec(payload, "text/plain", max_new_tokens_ceiling=max_new_tokens)

@@ -26,7 +26,7 @@ import httpx
 import orjson
 
 from protocol.codes import NeedCode
-from protocol.spec import parse_spec
+from protocol.spec import JobSpec
 
 from .base import (
     Finished,
@@ -37,6 +37,7 @@ from .base import (
     RunnerStartError,
     Token,
     probe_job,
+    spec_or_prompt,
 )
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
@@ -99,12 +100,14 @@ class HttpRunner:
     def health(self) -> RunnerHealth:
         return RunnerHealth(supervisor_alive=True, workers_live=0, workers=0)
 
-    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
+    @property
+    def max_new_tokens(self) -> int:
+        return self.settings.max_new_tokens
+
+    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
         # No tokenizer here: a prompt too long for the upstream's context is its error to give.
-        spec = parse_spec(
-            payload, content_type, max_new_tokens_ceiling=self.settings.max_new_tokens
-        )
-        return Job(job_id, payload, content_type, spec=spec, stop=spec.stop)
+        spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
+        return Job(job_id, payload, spec=spec, stop=spec.stop)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         spec = job.spec

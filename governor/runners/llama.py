@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from protocol.codes import NeedCode
-from protocol.spec import SpecInvalid, parse_spec
+from protocol.spec import JobSpec, SpecInvalid
 
 from ..core.kvbudget import CacheShape
 from ..ops.logs import event
@@ -47,6 +47,7 @@ from .base import (
     RunnerStartError,
     Token,
     probe_job,
+    spec_or_prompt,
 )
 
 log = logging.getLogger("governor.runners.llama")
@@ -397,10 +398,12 @@ class LlamaRunner:
 
     # Jobs --------------------------------------------------------------------------------
 
-    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
-        spec = parse_spec(
-            payload, content_type, max_new_tokens_ceiling=self.settings.max_new_tokens
-        )
+    @property
+    def max_new_tokens(self) -> int:
+        return self.settings.max_new_tokens
+
+    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
+        spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
         stop = list(spec.stop)
         if spec.messages is not None:
             if self._chat is None:
@@ -421,7 +424,7 @@ class LlamaRunner:
                 f"the prompt is {len(tokens)} tokens; with max_new_tokens {spec.max_new_tokens} "
                 f"that is over the context window of {self.settings.n_ctx}",
             )
-        return Job(job_id, payload, content_type, spec=spec, tokens=tuple(tokens), stop=tuple(stop))
+        return Job(job_id, payload, spec=spec, tokens=tuple(tokens), stop=tuple(stop))
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         worker = await self._worker(job.kv_cache if job.kv_cache is not None else 0)

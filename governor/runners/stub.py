@@ -7,7 +7,7 @@ import hashlib
 import random
 from collections.abc import AsyncGenerator
 
-from protocol.spec import is_json_content_type, parse_spec
+from protocol.spec import JobSpec, check_ceiling
 
 from .base import Finished, Job, RunEvent, RunnerError, RunnerHealth, Token
 
@@ -51,12 +51,15 @@ class StubRunner:
     async def close(self) -> None:
         pass
 
-    def prepare(self, job_id: str, payload: bytes, content_type: str) -> Job:
+    @property
+    def max_new_tokens(self) -> int:
+        return STUB_MAX_NEW_TOKENS
+
+    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
         """Any payload will do (it only takes time); a job spec is read, for the lane policy."""
-        if is_json_content_type(content_type):
-            spec = parse_spec(payload, content_type, max_new_tokens_ceiling=STUB_MAX_NEW_TOKENS)
-            return Job(job_id, payload, content_type, spec=spec)
-        return Job(job_id, payload, content_type)
+        if spec is not None:
+            check_ceiling(spec, STUB_MAX_NEW_TOKENS)
+        return Job(job_id, payload, spec=spec)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         spec = job.spec

@@ -1,0 +1,271 @@
+"""One intake for every door: what the TCP session and the HTTP front door do alike with a job.
+
+A listener parses its own wire, keeps a refused job's place its own way (a held payload, a kept
+place in line) and maps what comes out of here to frames or HTTP statuses; the steps between
+are these, the same for every door:
+
+1. **Authenticate** (:class:`Credentials`): a key a connection shows for the first time is
+   checked at once while its source's budget of failures lasts, else at its turn, the request
+   waiting meanwhile (:meth:`Credentials.turn_for`); a job without a valid key or certificate
+   is a failure, counted, and the ``max_auth_failures``-th closes the connection, with one log
+   line at a bounded rate.
+2. **Submit** (:func:`prepare` for a TCP payload, :func:`prepare_fields` for an HTTP body's
+   mapped fields, then :func:`decide`): the job spec is parsed once, here, and the runner
+   prepares the job (a bad spec is refused and never takes a slot); admission decides, timed.
+3. **Start** (:func:`admitted`, :func:`start`): an admitted job's ticket takes its payload's
+   reservation and its wait since the first refusal is measured (no IO: a sans-IO session
+   hands the result out as an event); then its :class:`~governor.execution.Execution` starts.
+4. **Take back** (:func:`take_back`): the fleet refused a job this replica admitted; its ticket
+   is given back and the payload's reservation returned to the listener.
+
+Connection ids come from one counter (:func:`connection_id`), so that ``conn=`` in the logs
+names one connection whichever listener accepted it; a client cut off for not reading its
+answers is counted and logged alike (:func:`cut_off`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.codes import NeedCode
+from protocol.spec import SpecInvalid, is_json_content_type, parse_spec, spec_from_object
+
+from .core.admission import Admitted, Attempt, Decision, Reservation, Ticket, Yielded
+from .core.ledger import Refusal
+from .core.sources import NOW, Turn, source_of
+from .core.tenants import Tenant
+from .execution import Execution, Replies
+from .ops.logs import event
+from .runners import Job, Runner
+from .state import ServerState
+
+log = logging.getLogger("governor.intake")
+
+# Connections the kernel holds for a listener until the loop accepts them (capped by somaxconn).
+BACKLOG = 4096
+
+_connection_ids = itertools.count(1)
+
+
+def connection_id() -> int:
+    """A new connection's id, unique across listeners: it names the connection in logs."""
+    return next(_connection_ids)
+
+
+def cut_off(state: ServerState, conn_id: int, source: str, reason: str, unread: int) -> None:
+    """Count and log a connection dropped because its client does not read (``reason``
+    ``slow_reader`` or ``write_timeout``); the listener aborts the transport."""
+    state.refused[reason] += 1
+    why = (
+        f"read no reply for {state.config.write_timeout:g} s"
+        if reason == "write_timeout"
+        else "left more replies unread than write_buffer_bytes"
+    )
+    line = state.sources.line(f"cut off connection {conn_id} from {source}: its client {why}")
+    if line is not None:
+        event(log, logging.WARNING, line, event="cut", reason=reason, source=source, unread=unread)
+
+
+# Authentication ------------------------------------------------------------------------------
+
+
+class Credentials:
+    """What one connection has shown of who it is: its source, a client certificate's tenant,
+    the keys found valid on it, and its failures."""
+
+    def __init__(self, state: ServerState, conn_id: int) -> None:
+        self.state = state
+        self.conn_id = conn_id
+        self.source = ""  # the client's address (its /64 for IPv6), once connected
+        self.cert_tenant: Tenant | None = None  # named by a verified client certificate
+        self.authenticated = state.tenants.open  # a valid key or certificate was shown
+        self.keys: dict[str, Tenant] = {}  # keys shown valid on this connection
+        self.failures = 0  # jobs refused for want of a valid key
+        self.turn = NOW  # reserved for a key that waits for it
+
+    def connected(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        self.source = source_of(str(peer[0])) if peer else ""
+        self.cert_tenant = self.state.certificate_tenant(transport)
+        self.authenticated = self.authenticated or self.cert_tenant is not None
+
+    def turn_for(self, key: str) -> Turn | None:
+        """When ``key`` may be checked. :data:`~governor.core.sources.NOW`: it has been (just
+        now, while its source's budget of failures lasts; or earlier on this connection), or
+        needs no check (no tenants; or it failed lately from this source: refused again,
+        unchecked). A later :class:`Turn`, reserved: the request waits for it, then
+        :meth:`check_at_turn` (or :meth:`turn_unused` if its client leaves first). None: that
+        turn is more than ``auth_grace`` away; refused for now, unchecked."""
+        state = self.state
+        sources = state.sources
+        if state.tenants.open or key in self.keys or sources.failed_before(self.source, key):
+            return NOW
+        turn = sources.key_turn(self.source, state.config.auth_grace)
+        if turn is NOW:
+            self._check(key, NOW)
+        elif turn is not None:
+            self.turn = turn
+        return turn
+
+    def check_at_turn(self, key: str) -> None:
+        self._check(key, self.turn)
+        self.turn = NOW
+
+    def turn_unused(self) -> None:
+        """The request waiting for its key's turn is gone: the turn is given back."""
+        if self.turn is not NOW:
+            self.state.sources.turn_unused(self.source, self.turn)
+            self.turn = NOW
+
+    def _check(self, key: str, turn: Turn) -> None:
+        tenant = self.state.tenants.find(key)
+        self.state.sources.key_checked(self.source, key, tenant is not None, turn)
+        if tenant is not None:
+            self.keys[key] = tenant
+            self.authenticated = True
+
+    def tenant(self, key: str | None) -> Tenant | None:
+        """Whom a job runs for: its key's tenant (checked: :meth:`turn_for`), else without a
+        key the client certificate's. None is a failure, counted; see :attr:`spent`. (The
+        refusal says nothing of which tenants exist.)"""
+        tenants = self.state.tenants
+        if tenants.open:
+            return tenants.find(None)
+        tenant = self.cert_tenant if key is None else self.keys.get(key)
+        if tenant is None:
+            self.failures += 1
+            if self.spent:
+                self._log_closing()
+        return tenant
+
+    @property
+    def spent(self) -> bool:
+        """The connection has failed ``max_auth_failures`` keys: its refusal closes it."""
+        return self.failures >= self.state.config.max_auth_failures
+
+    def _log_closing(self) -> None:
+        line = self.state.sources.line(
+            f"closing connection {self.conn_id} from {self.source} after {self.failures} "
+            "failed keys"
+        )
+        if line is not None:
+            event(
+                log,
+                logging.WARNING,
+                line,
+                event="keys_failed",
+                source=self.source,
+                failures=self.failures,
+            )
+
+
+# Submission ----------------------------------------------------------------------------------
+
+
+def prepare(
+    state: ServerState, attempt: Attempt, job_id: str, payload: bytes, content_type: str
+) -> None:
+    """A verified TCP payload: a JSON job spec is parsed here, once; any other payload goes to
+    the runner as it is (a runner that generates text takes it as its prompt)."""
+
+    def job(runner: Runner) -> Job:
+        spec = None
+        if is_json_content_type(content_type):
+            spec = parse_spec(payload, content_type, max_new_tokens_ceiling=runner.max_new_tokens)
+        return runner.prepare(job_id, spec, payload)
+
+    _prepare(state, attempt, job_id, job)
+
+
+def prepare_fields(
+    state: ServerState, attempt: Attempt, job_id: str, fields: Mapping[str, Any], body: bytes
+) -> None:
+    """An HTTP request's job spec, as its API mapped it to the spec's fields (already decoded
+    from the body: no JSON in between), checked here."""
+
+    def job(runner: Runner) -> Job:
+        spec = spec_from_object(dict(fields), max_new_tokens_ceiling=runner.max_new_tokens)
+        return runner.prepare(job_id, spec, body)
+
+    _prepare(state, attempt, job_id, job)
+
+
+def _prepare(
+    state: ServerState, attempt: Attempt, job_id: str, make: Callable[[Runner], Job]
+) -> None:
+    """The primary pool's runner prepares the job for admission to decide on: a spec refused
+    (by the parse or the runner) is the attempt's ``spec_error``, decided as a rejection before
+    any slot is looked at."""
+    attempt.job, attempt.spec_error = None, None
+    try:
+        attempt.job = make(state.admission.primary.runner)
+    except SpecInvalid as exc:
+        attempt.spec_error = exc
+    except Exception:  # a runner bug must cost this job, not the connection
+        log.exception("runner failed to prepare job %r", job_id)
+        attempt.spec_error = SpecInvalid(NeedCode.SPEC_INVALID, "the runner cannot run this job")
+
+
+def decide(state: ServerState, attempt: Attempt) -> Decision:
+    """Admission's decision on a prepared attempt, its time measured."""
+    started = time.perf_counter()
+    decision = state.admission.decide(attempt)
+    state.metrics.decision.observe(attempt.lane, time.perf_counter() - started)
+    return decision
+
+
+@dataclass(frozen=True, slots=True)
+class JobAdmitted:
+    """An admitted job, for its listener to start (:func:`start`); what a sans-IO session
+    hands out as an event."""
+
+    job: str  # the client's name for it, for the logs
+    ttl_ms: int  # its deadline from admission: 0, none
+    ticket: Ticket
+    attempt: Attempt
+    waited_s: float | None  # from its first refusal to its admission; None: never refused
+
+
+def admitted(
+    state: ServerState,
+    decision: Admitted,
+    attempt: Attempt,
+    *,
+    job: str,
+    ttl_ms: int,
+    reservation: Reservation | None,
+    first_refusal: float | None,
+) -> JobAdmitted:
+    """The ticket takes the payload's reservation (released with it), and the job's wait in
+    line is measured."""
+    ticket = decision.ticket
+    ticket.reservation = reservation
+    waited = None if first_refusal is None else ticket.slot.started - first_refusal
+    state.metrics.wait.observe(ticket.lane, waited or 0.0)
+    return JobAdmitted(job, ttl_ms, ticket, attempt, waited)
+
+
+def start(state: ServerState, job: JobAdmitted, replies: Replies) -> Execution:
+    """Run an admitted job: its task and the done-callback that releases its ticket."""
+    return Execution(
+        state, job.ticket, job.attempt, replies, job.waited_s, job=job.job, ttl_ms=job.ttl_ms
+    )
+
+
+def take_back(
+    state: ServerState, execution: Execution, refusal: Refusal, *, keep_payload: bool
+) -> tuple[Yielded, Reservation | None]:
+    """The fleet refused a job this replica admitted: its ticket is given back, and the yield to
+    answer returned; with ``keep_payload``, so is its payload's reservation, for the listener
+    to hold for the retry (else it is released with the ticket)."""
+    ticket = execution.ticket
+    reservation = None
+    if keep_payload:
+        reservation, ticket.reservation = ticket.reservation, None
+    return state.admission.revoke(execution.attempt, ticket, refusal), reservation

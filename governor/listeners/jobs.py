@@ -1,0 +1,396 @@
+"""One TCP connection's jobs: the job table, the payload frames (a manifest and its chunks, or
+an inline payload), the bytes they hold, a verified payload's submission to the intake and its
+decision mapped to a reply (a yield keeps the payload for the retry if the connection may), and
+the frames a running job's execution sends.
+
+A job id on a connection moves through phases, by this table alone (:data:`TRANSITIONS`)::
+
+    (new) ──manifest or inline──▶ UPLOADING ──verified, admitted──▶ RUNNING ──ended──▶ (gone)
+                                      │  ▲                             ▲
+                       yielded, kept  ▼  │ a new manifest or payload   │ its retry admitted
+                                     HELD ─────────────────────────────┘
+
+A job not running leaves on an error, a cancel or a yield whose payload is not kept; a running
+one leaves only when its execution has ended and given back its ticket.
+
+No IO here either: replies go through the session's :class:`~governor.listeners.wire.Wire`; a
+job admitted waits in :attr:`JobTable.admitted` for the listener to start it; a job's first
+frame goes to the session (:meth:`Owner.new_job`: the key is checked there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
+from protocol.errors import ManifestInvalid, UploadNeed
+from protocol.frames import Reply, Request
+from protocol.upload import Upload
+
+from .. import intake
+from ..core.admission import (
+    BUFFERS_FULL_HINT_MS,
+    Admitted,
+    Attempt,
+    Budget,
+    Rejected,
+    Reservation,
+    Yielded,
+)
+from ..core.ledger import Refusal
+from ..core.tenants import Tenant
+from ..execution import Ending, Execution
+from ..state import ServerState
+from .wire import Wire
+
+
+class BuffersFull(Exception):
+    """The server's payload buffers cannot take the bytes now: the job yields ``buffers_full``."""
+
+
+class Phase(Enum):
+    UPLOADING = "uploading"
+    HELD = "held"  # a verified payload kept after a yield, for the client's retry
+    RUNNING = "running"
+
+
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.UPLOADING: frozenset({Phase.UPLOADING, Phase.HELD, Phase.RUNNING}),
+    Phase.HELD: frozenset({Phase.UPLOADING, Phase.RUNNING}),
+    Phase.RUNNING: frozenset({Phase.HELD}),  # (the fleet refused it: Session.fleet_refused)
+}
+
+
+@dataclass(slots=True, eq=False)
+class JobState:
+    """What a connection holds for one job id."""
+
+    upload: Upload
+    attempt: Attempt
+    phase: Phase = Phase.UPLOADING
+    reservation: Reservation | None = None  # its payload bytes against the buffer budgets
+    first_refusal: float | None = None
+    execution: Execution | None = None
+    # The frame that completed its payload, once admitted: the job's answers answer it.
+    final: Request | None = None
+    # Uploading: dropped unless a chunk comes by then; held: unless its client comes back.
+    deadline: float = float("inf")
+    seq: int = 0  # of its last frame
+
+    def move(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise AssertionError(f"no transition {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+
+def final_seq(req: Request) -> int:
+    """The seq of every answer to the frame that completes a payload: the final chunk's + 2 (v0),
+    an inline payload's + 1."""
+    return req.seq + (1 if req.inline is not None else 2)
+
+
+class Owner(Protocol):
+    """What the uploads need of their session."""
+
+    wire: Wire
+
+    def new_job(self, req: Request) -> JobState | None:
+        """The key checked and the connection's bounds: a new job's state, or None (answered)."""
+        ...
+
+    def expect_progress(self, state: JobState, wait_s: float = 0.0) -> None: ...
+
+    def idle_changed(self) -> None: ...
+
+
+class JobTable:
+    """A connection's jobs (:attr:`jobs`), and the :class:`~governor.execution.Replies` its
+    executions answer through."""
+
+    def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
+        self.owner = owner
+        self.wire = owner.wire
+        self.state = state
+        self.config = state.config
+        self.id = conn_id  # names the connection in the executions' logs
+        self.jobs: dict[str, JobState] = {}
+        self.buffers = Budget(state.config.max_conn_buffer_bytes)  # payload bytes on this conn
+        self.held = 0  # payloads kept after a yield
+        # A job admitted and not yet started by the listener (Session.next_event).
+        self.admitted: intake.JobAdmitted | None = None
+
+    def add(self, job: str, tenant: Tenant) -> JobState:
+        upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
+        # (its deadline is set by what comes of its first frame: an accepted manifest, a hold)
+        state = self.jobs[job] = JobState(upload, Attempt(tenant, None))
+        return state
+
+    def bytes_in(self, job: str) -> int:
+        state = self.jobs.get(job)
+        return 0 if state is None else state.upload.bytes_received
+
+    # Frames --------------------------------------------------------------------------------
+
+    def on_manifest(self, req: Request, state: JobState | None) -> None:
+        assert req.manifest is not None
+        if state is None:
+            state = self.owner.new_job(req)
+            if state is None:
+                return
+        elif state.phase is Phase.HELD:  # a new manifest replaces the payload held for a retry
+            self.unhold(state)
+        state.seq = req.seq
+        try:
+            manifest = state.upload.apply_manifest(req.manifest)
+            self.reserve(state, manifest.total_bytes)
+        except UploadNeed as exc:
+            self.forget(req.job)
+            self.wire.error(req, exc)
+            return
+        except BuffersFull:
+            self.buffers_full(req, req.seq + 1)
+            return
+        self.owner.expect_progress(state)
+        self.wire.ok(req)
+
+    def on_chunk(self, req: Request, state: JobState | None) -> None:
+        assert req.chunk is not None
+        if state is None:
+            self.wire.error(
+                req, UploadNeed(NeedCode.MANIFEST_MISSING, "send 'payload_manifest' first")
+            )
+            return
+        upload = state.upload
+        state.seq = req.seq
+        if state.phase is Phase.HELD and upload.is_final_chunk_again(req.chunk):
+            # A retry after a yield: the payload was kept, so admission is tried again.
+            self.complete(req, state, None)
+            return
+        reservation = state.reservation
+        # The server's budget is charged before the bytes are decoded: with what base64 can
+        # hold at most, then (below) with what the upload holds.
+        b64 = req.chunk.get("bytes_b64")
+        most = len(b64) * 3 // 4 if type(b64) is str else 0
+        if reservation is not None and not reservation.hold(upload.bytes_received + most):
+            self.buffers_full(req, final_seq(req) if self._is_final(state) else req.seq + 1)
+            return
+        try:
+            payload = upload.apply_chunk(req.chunk)
+        except UploadNeed as exc:
+            self.wire.error(req, exc)
+            return
+        finally:
+            if reservation is not None:
+                reservation.hold(upload.bytes_received)
+        if payload is None:
+            self.owner.expect_progress(state)
+            self.wire.ok(req)
+        else:
+            self.complete(req, state, payload)
+
+    def on_inline(self, req: Request, state: JobState | None) -> None:
+        assert req.inline is not None
+        if state is None:
+            state = self.owner.new_job(req)
+            if state is None:
+                return
+        manifest = state.upload.manifest
+        digest = req.inline.get("sha256")
+        # The same payload again after a yield is a returning client, like a resent final chunk.
+        returning = (
+            state.phase is Phase.HELD
+            and manifest is not None
+            and isinstance(digest, str)
+            and digest.lower() == manifest.sha256
+        )
+        if state.phase is Phase.HELD and not returning:
+            self.unhold(state)
+        state.seq = req.seq
+        try:  # (a returning payload is checked again: its digest alone proves nothing)
+            payload = state.upload.apply_inline(req.inline)
+            self.reserve(state, len(payload), held=len(payload))
+        except UploadNeed as exc:
+            self.forget(req.job)
+            self.wire.error(req, exc)
+            return
+        except BuffersFull:
+            self.buffers_full(req, final_seq(req))
+            return
+        self.complete(req, state, None if returning else payload)
+
+    # Admission ---------------------------------------------------------------------------
+
+    def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
+        """A verified payload (None: the one held, back for its retry) to the intake; the
+        decision mapped to a reply, or to the event that starts the job."""
+        if payload is not None:
+            manifest = state.upload.manifest
+            assert manifest is not None
+            intake.prepare(self.state, state.attempt, req.job, payload, manifest.content_type)
+        decision = intake.decide(self.state, state.attempt)
+        if isinstance(decision, Admitted):
+            if state.phase is Phase.HELD:
+                self.unhold(state)
+            state.move(Phase.RUNNING)
+            state.deadline = float("inf")
+            state.final = req
+            reservation, state.reservation = state.reservation, None
+            self.admitted = intake.admitted(
+                self.state,
+                decision,
+                state.attempt,
+                job=req.job,
+                ttl_ms=req.ttl_ms,
+                reservation=reservation,
+                first_refusal=state.first_refusal,
+            )
+        elif isinstance(decision, Rejected):
+            self.forget(req.job)
+            if decision.error is not None:
+                self.wire.error(req, decision.error, seq=final_seq(req))
+            else:
+                self.wire.abort(
+                    req, decision.need_code, ErrorCode.POLICY, decision.detail, seq=final_seq(req)
+                )
+        else:
+            self._yielded(req, state, decision)
+
+    def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
+        """The fleet refused a job this replica admitted: its ticket is given back (the payload's
+        buffers return to the job), and its client told to yield, as if refused here."""
+        state = self.jobs.get(execution.job)
+        alive = state is not None and state.execution is execution
+        decision, reservation = intake.take_back(self.state, execution, refusal, keep_payload=alive)
+        if state is None or not alive:  # (the connection is gone)
+            return
+        assert state.final is not None
+        state.reservation = reservation
+        state.execution = None
+        self._yielded(state.final, state, decision)
+
+    def _yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
+        """Answer ``yield``, keeping the payload for the retry if the connection may."""
+        if state.first_refusal is None:
+            state.first_refusal = self.state.clock()
+        held = self.hold(state)
+        if held:
+            self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
+            detail = "no execution slot free; resend the final chunk after retry_hint_ms"
+        else:
+            self.forget(req.job)
+            detail = "no execution slot free, and the payload was not kept; resend it"
+        self.wire.yield_(
+            req,
+            seq=final_seq(req),
+            need_code=decision.need_code,
+            error_code=decision.error_code,
+            retry_hint_ms=decision.retry_hint_ms,
+            held=held,
+            detail=detail,
+        )
+
+    # Replies for executions (execution.Replies) ------------------------------------------
+
+    def _final(self, execution: Execution) -> Request:
+        final = self.jobs[execution.job].final
+        assert final is not None
+        return final
+
+    def send_delta(self, execution: Execution, text: str) -> None:
+        req = self._final(execution)
+        # Small on purpose: no receipts on a stream frame.
+        self.wire.send(
+            Reply(Verb.CLARIFY, req.job, final_seq(req), Status.OK, ttl_ms=req.ttl_ms, delta=text)
+        )
+
+    def send_terminal(self, execution: Execution, ending: Ending) -> None:
+        req = self._final(execution)
+        held_ms = round((self.state.clock() - execution.ticket.slot.started) * 1000)
+        self.wire.send(
+            self.wire.reply(
+                req,
+                Verb.CONFIRM,
+                Status.DONE if ending.need_code is None else Status.ABORT,
+                seq=final_seq(req),
+                need_code=ending.need_code,
+                error_code=ending.error_code,
+                detail=ending.detail,
+                result=ending.result,
+                extra=((Receipt.BACKEND_MS, held_ms),),
+            )
+        )
+
+    def job_ended(self, execution: Execution) -> None:
+        state = self.jobs.get(execution.job)
+        if state is not None and state.execution is execution:
+            del self.jobs[execution.job]
+            self.owner.idle_changed()
+
+    # The bytes and the holds -----------------------------------------------------------------
+
+    def reserve(self, state: JobState, declared: int, *, held: int = 0) -> None:
+        """Count a payload's declared bytes against the connection's budget and the ``held``
+        bytes (those it has already) against the server's (what the job had before, for an
+        earlier payload, is given back first). A payload whose declared size the server's
+        budget has no room for now raises :class:`BuffersFull`; one over the connection's,
+        ``manifest_invalid``."""
+        if state.reservation is not None:
+            state.reservation.release()
+            state.reservation = None
+        if not self.buffers.fits(declared):
+            raise ManifestInvalid(
+                f"this connection already buffers {self.buffers.used} payload bytes; "
+                f"its limit is {self.buffers.limit}"
+            )
+        if not self.state.buffers.fits(declared):
+            raise BuffersFull
+        reservation = state.reservation = Reservation(self.buffers, self.state.buffers, declared)
+        reservation.hold(held)
+
+    def buffers_full(self, req: Request, seq: int) -> None:
+        """Drop the job and tell its client to send it again later."""
+        self.forget(req.job)
+        self.wire.yield_(
+            req,
+            seq=seq,
+            need_code=NeedCode.BUFFERS_FULL,
+            error_code=ErrorCode.BUSY,
+            retry_hint_ms=BUFFERS_FULL_HINT_MS,
+            held=False,
+            detail="the server's payload buffers are full; send the payload again later",
+        )
+
+    def hold(self, state: JobState) -> bool:
+        """Keep a refused payload for the client's retry, within this connection's bound."""
+        if state.phase is Phase.HELD:
+            return True
+        if self.held >= self.config.held_payloads_per_conn:
+            return False
+        state.move(Phase.HELD)
+        self.held += 1
+        state.attempt.tenant.waiting += 1
+        return True
+
+    def unhold(self, state: JobState) -> None:
+        state.move(Phase.UPLOADING)
+        self.held -= 1
+        state.attempt.tenant.waiting -= 1
+        self.state.admission.forget(state.attempt)
+
+    def forget(self, job: str) -> None:
+        """Drop a job that is not running: its hold, its place in line, its buffers."""
+        state = self.jobs.pop(job)
+        assert state.execution is None
+        if state.phase is Phase.HELD:
+            self.unhold(state)  # (and its place in line: only a held job has one)
+        if state.reservation is not None:
+            state.reservation.release()
+        self.owner.idle_changed()
+
+    @staticmethod
+    def _is_final(state: JobState) -> bool:
+        """Whether the next chunk would complete the upload."""
+        manifest = state.upload.manifest
+        return manifest is not None and state.upload.chunks_received + 1 >= manifest.chunks

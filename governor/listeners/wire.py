@@ -1,0 +1,128 @@
+"""The TCP session's replies: built from the frame they answer, written, and counted.
+
+Every reply carries the server's receipts and ``cdr.bytes_in`` (its job's payload bytes
+received so far); every ``confirm abort`` with a need code is counted here, once, in
+``governor_aborts_total``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from protocol.codes import ErrorCode, Receipt, Status, Verb
+from protocol.errors import RemoteProtocolError
+from protocol.frames import Reply, Request, encode_reply, error_reply
+
+from ..state import ServerState
+
+
+class Wire:
+    def __init__(
+        self, state: ServerState, write: Callable[[bytes], None], bytes_in: Callable[[str], int]
+    ) -> None:
+        self.state = state
+        self._write = write
+        self._bytes_in = bytes_in  # a job's payload bytes received so far
+
+    def send(self, reply: Reply) -> None:
+        if reply.status == Status.ABORT and reply.need_code is not None:
+            self.state.metrics.aborts[reply.need_code] += 1
+        self._write(encode_reply(reply))
+
+    def receipts(self, bytes_in: int = 0) -> tuple[tuple[str, int], ...]:
+        return (*self.state.receipts(), (Receipt.BYTES_IN, bytes_in))
+
+    def reply(
+        self,
+        req: Request,
+        verb: Verb,
+        status: Status,
+        *,
+        seq: int | None = None,
+        need_code: str | None = None,
+        error_code: str | None = None,
+        retry_hint_ms: int | None = None,
+        detail: str | None = None,
+        result: dict[str, Any] | None = None,
+        extra: tuple[tuple[str, int], ...] = (),
+    ) -> Reply:
+        """A reply to ``req``, by default with its ``seq`` + 1."""
+        return Reply(
+            verb,
+            req.job,
+            req.seq + 1 if seq is None else seq,
+            status,
+            ttl_ms=req.ttl_ms,
+            need_code=need_code,
+            error_code=error_code,
+            retry_hint_ms=retry_hint_ms,
+            detail=detail,
+            receipts=(*self.receipts(self._bytes_in(req.job)), *extra),
+            result=result,
+        )
+
+    def ok(self, req: Request) -> None:
+        self.send(self.reply(req, Verb.CLARIFY, Status.OK))
+
+    def need(self, req: Request, need_code: str, error_code: str, detail: str) -> None:
+        self.send(
+            self.reply(
+                req,
+                Verb.CLARIFY,
+                Status.NEED,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+            )
+        )
+
+    def abort(
+        self, req: Request, need_code: str, error_code: str, detail: str, *, seq: int | None = None
+    ) -> None:
+        self.send(
+            self.reply(
+                req,
+                Verb.CONFIRM,
+                Status.ABORT,
+                seq=seq,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+            )
+        )
+
+    def error(self, req: Request, exc: RemoteProtocolError, *, seq: int | None = None) -> None:
+        """The error's own reply (its codes and detail) to ``req``."""
+        receipts = self.receipts(self._bytes_in(req.job))
+        seq = req.seq + 1 if seq is None else seq
+        self.send(error_reply(exc, req.job, seq, req.ttl_ms, receipts))
+
+    def yield_(
+        self,
+        req: Request,
+        *,
+        seq: int,
+        need_code: str,
+        error_code: ErrorCode,
+        retry_hint_ms: int,
+        held: bool,
+        detail: str,
+    ) -> None:
+        """``clarify yield``: come back after ``retry_hint_ms``; ``held``, the payload was kept."""
+        self.send(
+            self.reply(
+                req,
+                Verb.CLARIFY,
+                Status.YIELD,
+                seq=seq,
+                need_code=need_code,
+                error_code=error_code,
+                retry_hint_ms=retry_hint_ms,
+                detail=detail,
+                extra=(
+                    (Receipt.RETRY_HINT_MS, retry_hint_ms),
+                    (Receipt.PAYLOAD_HELD, int(held)),
+                ),
+            )
+        )

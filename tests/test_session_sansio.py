@@ -1,0 +1,281 @@
+"""The TCP session with no IO, as h11's tests drive ``h11.Connection``: bytes in, reply frames
+and events out, on a fake clock; no event loop, no socket, no task. An admitted job comes out of
+``next_event`` and is "started" here with a stand-in for its execution."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, cast
+
+import orjson
+import pytest
+
+from governor.config import Config
+from governor.core.admission import Admission, Pool, Ticket
+from governor.core.ledger import SlotLedger
+from governor.core.tenants import Tenants
+from governor.execution import Ending, Execution
+from governor.intake import JobAdmitted
+from governor.listeners.session import Session
+from governor.runners import StubRunner
+from governor.server import build_breaker
+from governor.state import ServerState
+from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
+from protocol.frames import Reply, decode_reply, encode_request
+from protocol.upload import split_payload
+
+from .test_ledger import FakeClock
+
+PAYLOAD = b"twelve bytes"
+
+
+def make_state(clock: FakeClock, cap: int = 1) -> ServerState:
+    with pytest.raises(RuntimeError):  # (no event loop runs these tests)
+        asyncio.get_running_loop()
+    config = Config(max_inflight=cap)
+    ledger = SlotLedger(cap, expected_service_s=1.0, clock=clock)
+    pool = Pool("primary", StubRunner(0.0), ledger, build_breaker(config, ledger, "primary"))
+    return ServerState(config, Admission(pool, Tenants((), clock)))
+
+
+@dataclass
+class Started:
+    """What the session needs of a running job's execution, for a test that runs nothing."""
+
+    job: str
+    ticket: Ticket
+    terminal_sent: bool = False
+    aborted: str | None = None  # the need code it was aborted with
+
+    def client_gone(self) -> None:
+        self.terminal_sent = True
+
+    def abort(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
+        self.aborted = need_code
+
+
+class Client:
+    """One connection's session, its replies decoded as they are written."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.out = bytearray()
+        self.closed = False
+        self.session = Session(state, self.out.extend, self._close, conn_id=1)
+
+    def _close(self) -> None:
+        self.closed = True
+
+    def send(self, data: bytes) -> list[Reply]:
+        self.session.receive_data(data)
+        return self.replies()
+
+    def replies(self) -> list[Reply]:
+        lines = bytes(self.out).splitlines()
+        self.out.clear()
+        return [decode_reply(line) for line in lines]
+
+    def start(self, admitted: JobAdmitted) -> Started:
+        """What the listener does with the event: start the job, hand it back."""
+        started = Started(admitted.job, admitted.ticket)
+        self.session.started(cast(Execution, started))
+        return started
+
+
+def upload(job: str, payload: bytes, *, seq: int = 1, chunk_bytes: int = 8192) -> list[bytes]:
+    """A manifest frame and its chunks' frames, seq numbered from ``seq``."""
+    prepared = split_payload(payload, chunk_bytes=chunk_bytes)
+    frames = [encode_request(Verb.SHARE, job, seq, ttl_ms=5000, manifest=prepared.manifest)]
+    frames += [
+        encode_request(Verb.SHARE, job, seq + 1 + i, ttl_ms=5000, chunk=chunk)
+        for i, chunk in enumerate(prepared.chunks)
+    ]
+    return frames
+
+
+def receipts(reply: Reply) -> dict[str, int]:
+    return dict(reply.receipts)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_started(
+    clock: FakeClock,
+) -> None:
+    state = make_state(clock)
+    client = Client(state)
+    manifest, chunk = upload("J_1", PAYLOAD)
+    ping = encode_request(Verb.PING, "P_1", 7)
+
+    (ok,) = client.send(manifest)
+    assert (ok.verb, ok.status, ok.job, ok.seq) == (Verb.CLARIFY, Status.OK, "J_1", 2)
+    assert client.session.next_event() is None
+
+    assert client.send(chunk + ping) == []  # (the ping waits behind the admitted job)
+    admitted = client.session.next_event()
+    assert admitted is not None
+    assert (admitted.job, admitted.ttl_ms, admitted.waited_s) == ("J_1", 5000, None)
+    assert admitted.ticket.reservation is not None  # the payload's bytes go with the ticket
+    assert state.inflight == 1
+
+    started = client.start(admitted)
+    assert client.session.next_event() is None
+    (pong,) = client.send(b"")
+    assert (pong.job, pong.seq, pong.status) == ("P_1", 8, Status.OK)
+
+    execution = cast(Execution, started)
+    client.session.table.send_delta(execution, "stub ")
+    client.session.table.send_terminal(execution, Ending(result={"ok": 1}))
+    delta, done = client.replies()
+    assert (delta.status, delta.seq, delta.delta) == (Status.OK, 4, "stub ")  # final chunk + 2
+    assert (done.verb, done.status, done.seq, done.result) == (
+        Verb.CONFIRM,
+        Status.DONE,
+        4,
+        {"ok": 1},
+    )
+    admitted.ticket.release("done")
+    client.session.table.job_ended(execution)
+    assert client.session.jobs == {}
+    assert (state.inflight, client.session.buffers.used, state.buffers.used) == (0, 0, 0)
+
+
+def test_a_job_yields_when_every_slot_is_taken_and_its_held_payload_is_admitted_later(
+    clock: FakeClock,
+) -> None:
+    state = make_state(clock, cap=1)
+    first, second = Client(state), Client(state)
+    for frame in upload("J_1", PAYLOAD):
+        first.send(frame)
+    admitted = first.session.next_event()
+    assert admitted is not None
+    started = first.start(admitted)
+
+    manifest, chunk = upload("J_2", PAYLOAD)
+    second.send(manifest)
+    (refused,) = second.send(chunk)
+    assert (refused.verb, refused.status, refused.seq) == (Verb.CLARIFY, Status.YIELD, 4)
+    assert (refused.need_code, refused.error_code) == (NeedCode.SERVER_BUSY, ErrorCode.BUSY)
+    assert refused.retry_hint_ms is not None
+    assert refused.retry_hint_ms > 0
+    assert receipts(refused)[Receipt.PAYLOAD_HELD] == 1
+    assert second.session.next_event() is None
+    assert second.session.held == 1
+
+    admitted.ticket.release("done")
+    first.session.table.job_ended(cast(Execution, started))
+    clock.now += refused.retry_hint_ms / 1000
+    assert second.send(chunk) == []  # the final chunk again: the held payload's retry
+    retried = second.session.next_event()
+    assert retried is not None
+    assert retried.job == "J_2"
+    assert retried.waited_s == pytest.approx(refused.retry_hint_ms / 1000)
+    assert second.session.held == 0
+
+
+def test_a_cancel_read_with_the_final_chunk_finds_the_job_running(clock: FakeClock) -> None:
+    client = Client(make_state(clock))
+    manifest, chunk = upload("J_1", PAYLOAD)
+    client.send(manifest)
+    assert client.send(chunk + encode_request(Verb.CANCEL, "J_1", 3)) == []
+    admitted = client.session.next_event()
+    assert admitted is not None
+    started = client.start(admitted)
+    assert client.send(b"") == []  # (its execution's terminal abort is the cancel's answer)
+    assert started.aborted == NeedCode.CANCELLED
+
+
+def test_a_job_admitted_and_never_started_is_given_back_when_its_client_leaves(
+    clock: FakeClock,
+) -> None:
+    state = make_state(clock)
+    client = Client(state)
+    manifest, chunk = upload("J_1", PAYLOAD)
+    client.send(manifest + chunk)
+    assert client.session.next_event() is not None
+    assert (state.inflight, state.buffers.used) == (1, len(PAYLOAD))
+    client.session.connection_lost()
+    assert client.session.next_event() is None
+    assert client.session.jobs == {}
+    assert (state.inflight, state.buffers.used, client.session.buffers.used) == (0, 0, 0)
+
+
+def test_a_bad_line_is_answered_with_its_code_and_the_connection_goes_on(
+    clock: FakeClock,
+) -> None:
+    state = make_state(clock)
+    client = Client(state)
+    client.send(encode_request(Verb.PING, "P_1", 3))
+    (bad,) = client.send(b"GET / HTTP/1.1\r\n")
+    assert (bad.verb, bad.status) == (Verb.CLARIFY, Status.NEED)
+    assert bad.need_code == NeedCode.HTTP_REQUEST
+    assert (bad.job, bad.seq) == ("P_1", 4)  # the last valid frame's job and seq + 1
+    assert state.bad_frames[NeedCode.HTTP_REQUEST] == 1
+    (pong,) = client.send(encode_request(Verb.PING, "P_2", 5))
+    assert pong.status == Status.OK
+    assert not client.closed
+
+
+def test_each_chunk_and_the_whole_payload_are_checked_against_their_sha256(
+    clock: FakeClock,
+) -> None:
+    client = Client(make_state(clock))
+    manifest, *chunks = upload("J_1", PAYLOAD, chunk_bytes=5)
+    assert len(chunks) == 3
+    client.send(manifest)
+
+    forged: dict[str, Any] = dict(decode_chunk(chunks[0]), sha256="0" * 64)
+    (mismatch,) = client.send(encode_request(Verb.SHARE, "J_1", 2, chunk=forged))
+    assert (mismatch.status, mismatch.need_code) == (Status.NEED, NeedCode.CHUNK_HASH_MISMATCH)
+
+    for chunk in chunks[:2]:
+        (ok,) = client.send(chunk)
+        assert ok.status == Status.OK
+    assert client.session.jobs["J_1"].upload.bytes_received == 10
+    assert client.send(chunks[2]) == []
+    assert client.session.next_event() is not None
+
+    other = Client(make_state(FakeClock()))
+    wrong = split_payload(PAYLOAD, chunk_bytes=5).manifest | {"sha256": "f" * 64}
+    other.send(encode_request(Verb.SHARE, "J_9", 1, manifest=wrong))
+    _, *chunks = upload("J_9", PAYLOAD, chunk_bytes=5)
+    answers = [other.send(chunk)[0] for chunk in chunks]
+    assert [a.status for a in answers] == [Status.OK, Status.OK, Status.NEED]
+    assert answers[-1].need_code == NeedCode.PAYLOAD_HASH_MISMATCH
+    assert other.session.next_event() is None
+
+
+def test_a_stalled_upload_is_dropped_at_its_deadline_on_the_fake_clock(
+    clock: FakeClock,
+) -> None:
+    state = make_state(clock)
+    client = Client(state)
+    manifest, _ = upload("J_1", PAYLOAD)
+    client.send(manifest)
+    deadline = clock.now + state.config.upload_timeout
+    assert client.session.next_deadline(clock.now) == deadline
+    assert state.buffers.used == 0
+    assert client.session.buffers.used == len(PAYLOAD)
+
+    clock.now = deadline - 0.001
+    client.session.expire(clock.now)
+    assert client.replies() == []
+
+    clock.now = deadline
+    client.session.expire(clock.now)
+    (dropped,) = client.replies()
+    assert (dropped.verb, dropped.status, dropped.job) == (Verb.CONFIRM, Status.ABORT, "J_1")
+    assert (dropped.need_code, dropped.error_code) == (NeedCode.UPLOAD_TIMEOUT, ErrorCode.TIMEOUT)
+    assert client.session.jobs == {}
+    assert client.session.buffers.used == 0
+    assert state.metrics.aborts[NeedCode.UPLOAD_TIMEOUT] == 1
+    assert not client.closed
+
+
+def decode_chunk(frame: bytes) -> dict[str, Any]:
+    chunk = orjson.loads(frame)["payload_chunk"]
+    assert isinstance(chunk, dict)
+    return chunk
