@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 from protocol.codes import ErrorCode, NeedCode
 
-from . import intake
 from .config import Config
 from .core.admission import Admission, Pool
 from .core.breaker import BreakerSettings, BreakerState, CircuitBreaker
@@ -35,8 +34,9 @@ from .core.policy import Lane, LanePolicy
 from .core.tenants import Tenants
 from .listeners import tls
 from .listeners.admin import AdminListener
+from .listeners.base import Listener
 from .listeners.http import FrontDoor
-from .listeners.tcp import GovernorProtocol
+from .listeners.tcp import TcpListener
 from .ops import memory
 from .ops.health import Health
 from .ops.logs import event
@@ -257,7 +257,8 @@ class Server:
         self.metrics = self.state.metrics
         self.connections = self.state.connections
         self.health = Health(self.state)
-        self._listener: asyncio.Server | None = None
+        self._listeners: list[Listener] = []
+        self._tcp: TcpListener | None = None
         # The heartbeat, the prober and the overload watch.
         self._background: list[asyncio.Task[None]] = []
         self._admin: AdminListener | None = None
@@ -268,57 +269,33 @@ class Server:
     # Lifecycle -----------------------------------------------------------------------
 
     async def start(self, sock: socket.socket | None = None) -> None:
-        """Bind (on ``sock`` if given, else on ``config.listen``), start the runner, then serve.
+        """Bind every listener (the protocol's on ``sock`` if given, else on ``listen``), start
+        the runner, then serve.
 
-        The port is bound first, so that a taken address fails at once; the probes answer
+        The ports are bound first, so that a taken address fails at once; the probes answer
         from then on (live, not ready while the model loads); connections are accepted only
         once the runner is ready (every worker has loaded its model).
         """
-        if sock is None:
-            host, port = self.config.listen_address
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.create_server((host, port), family=family, backlog=intake.BACKLOG)
         loop = asyncio.get_running_loop()
+        self._tcp = TcpListener(self.state, self._tls, sock)
+        self._listeners = [self._tcp]
         try:
-            if self.config.metrics_address is not None:
-                self._admin = AdminListener(self.state, self.health, self._drain_for_admin, loop)
-                self._admin.start(*self.config.metrics_address)
-                mhost, mport = self._admin.address
-                log.info("metrics and health probes on http://%s:%d", mhost, mport)
             if self.config.http_address is not None:
-                self._front = FrontDoor(self.state, self.config.served_model)
-                self._front.bind(*self.config.http_address)
+                self._front = FrontDoor(self.state, self.config.served_model, self._tls)
+                self._listeners.append(self._front)
+            if self.config.metrics_address is not None:  # (its drain token is read here)
+                self._admin = AdminListener(self.state, self.health, self._drain_for_admin, loop)
+                self._listeners.append(self._admin)
+            for listener in self._listeners:
+                listener.bind()
+            await self._serve(early=True)
             self._background.append(loop.create_task(self.health.heartbeat()))
-            await self.runner.start()
-            if self.fallback is not None:
-                try:
-                    await self.fallback.runner.start()
-                except BaseException:
-                    await self.runner.close()  # its workers must not outlive the failed start
-                    raise
+            await self._start_runners()
         except BaseException:
-            sock.close()
-            if self._front is not None:
-                self._front.close()
             await self._stop_background()
+            await self._close_listeners()
             raise
-        self._listener = self.state.listener = await loop.create_server(
-            lambda: GovernorProtocol(self.state),
-            sock=sock,
-            backlog=intake.BACKLOG,
-            ssl=self._tls,
-            ssl_handshake_timeout=tls.HANDSHAKE_TIMEOUT_S if self._tls is not None else None,
-        )
-        if self._front is not None:
-            await self._front.serve(self._tls)
-            fhost, fport = self._front.address
-            log.info(
-                "OpenAI-compatible front door on %s://%s:%d/v1 (model %r)",
-                "http" if self._tls is None else "https",
-                fhost,
-                fport,
-                self.config.served_model,
-            )
+        await self._serve(early=False)
         self.state.started = True
         if self.fleet is not None:
             self._background.append(loop.create_task(self.fleet.run()))
@@ -327,6 +304,26 @@ class Server:
         if self.overload is not None:
             self._background.append(loop.create_task(self._watch_overload()))
         self._announce()
+
+    async def _serve(self, *, early: bool) -> None:
+        for listener in self._listeners:
+            if listener.early == early:
+                await listener.serve()
+                if (line := listener.describe()) is not None:
+                    log.info("%s", line)
+
+    async def _start_runners(self) -> None:
+        await self.runner.start()
+        if self.fallback is not None:
+            try:
+                await self.fallback.runner.start()
+            except BaseException:
+                await self.runner.close()  # its workers must not outlive the failed start
+                raise
+
+    async def _close_listeners(self) -> None:
+        for listener in self._listeners:
+            await listener.close()
 
     def _announce(self) -> None:
         """What now serves, in the log: the fleet, the listener, the tenants, the lanes."""
@@ -371,10 +368,8 @@ class Server:
 
     @property
     def address(self) -> tuple[str, int]:
-        assert self._listener is not None
-        assert self._listener.sockets
-        host, port = self._listener.sockets[0].getsockname()[:2]
-        return host, port
+        assert self._tcp is not None
+        return self._tcp.address
 
     @property
     def http_address(self) -> tuple[str, int] | None:
@@ -459,15 +454,10 @@ class Server:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background.clear()
-        if self._admin is not None:
-            await self._admin.close()
 
     async def close(self) -> None:
         await self._stop_background()
-        if self._listener is not None:
-            self._listener.close()
-        if self._front is not None:
-            self._front.close()
+        await self._close_listeners()
         for conn in list(self.connections):
             conn.close()
         jobs = list(self.state.jobs)

@@ -66,6 +66,7 @@ from ..config import ConfigError
 from ..ops.exporter import registry_for
 from ..ops.health import Health
 from ..state import ServerState
+from .base import bind, bound_address
 
 log = logging.getLogger("governor.listeners.admin")
 
@@ -95,6 +96,11 @@ Answer = tuple[HTTPStatus, str, bytes, tuple[tuple[str, str], ...]]
 
 
 class AdminListener:
+    """The operator's listener (:class:`~governor.listeners.base.Listener`, on
+    ``metrics_listen``): it serves from a thread of its own, from before the runner is ready."""
+
+    early = True
+
     def __init__(
         self,
         state: ServerState,
@@ -105,6 +111,7 @@ class AdminListener:
         self.health = health
         self.drain = drain
         self.loop = loop  # the daemon's
+        self.config = state.config
         self.registry = registry_for(state, health)
         self._token = _read_token(state.config.drain_token_file)
         self._slots = asyncio.Semaphore(state.config.admin_threads)
@@ -114,17 +121,20 @@ class AdminListener:
         self._open: dict[_AdminConnection, None] = {}  # oldest first
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sock: socket.socket | None = None
-        self._address: tuple[Any, ...] | None = None
+        self._address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
         self._thread_loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()  # set on the listener's loop
         self._stopped: asyncio.Future[None] | None = None  # on the daemon's loop
 
-    def start(self, host: str, port: int) -> None:
-        """Bind now (a taken port fails here), then serve from a thread of the listener's own."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
-        self._address = self._sock.getsockname()[:2]
+    def bind(self) -> None:
+        address = self.config.metrics_address
+        assert address is not None
+        self._sock = bind(*address, BACKLOG)
+        self._address = bound_address(self._sock)
+
+    async def serve(self) -> None:
+        """Serve from a thread of the listener's own."""
         self._thread_loop = asyncio.new_event_loop()
         self._stopped = self.loop.create_future()
         self._thread = threading.Thread(target=self._run, name="governor-admin", daemon=True)
@@ -133,11 +143,16 @@ class AdminListener:
     @property
     def address(self) -> tuple[str, int]:
         assert self._address is not None
-        host, port = self._address
-        return str(host), int(port)
+        return self._address
+
+    def describe(self) -> str:
+        host, port = self.address
+        return f"metrics and health probes on http://{host}:{port}"
 
     async def close(self) -> None:
         if self._thread_loop is None or self._stopped is None:
+            if self._sock is not None:  # bound, never served
+                self._sock.close()
             return
         if not self._stopped.done():
             with contextlib.suppress(RuntimeError):  # its loop has already closed

@@ -66,6 +66,7 @@ from ..core.sources import KEY_TURN_FAR
 from ..execution import Ending, Execution
 from ..state import ServerState
 from . import openai_api as api
+from .base import bind, bound_address
 from .tls import HANDSHAKE_TIMEOUT_S
 
 MAX_HEAD_BYTES = 16 * 1024
@@ -77,11 +78,15 @@ MODELS = "/v1/models"
 
 
 class FrontDoor:
-    """The listener and what its connections share: the model's name, the places kept."""
+    """The listener (:class:`~governor.listeners.base.Listener`, on ``http_listen``) and what
+    its connections share: the model's name, the places kept."""
 
-    def __init__(self, state: ServerState, model: str) -> None:
+    early = False
+
+    def __init__(self, state: ServerState, model: str, tls: ssl.SSLContext | None) -> None:
         self.state = state
         self.model = model
+        self.tls = tls
         self.created = int(time.time())
         config = state.config
         self.places = api.KeptPlaces(
@@ -95,14 +100,14 @@ class FrontDoor:
         self._server: asyncio.Server | None = None
         self._sweep: asyncio.TimerHandle | None = None
 
-    def bind(self, host: str, port: int) -> None:
-        """Bind now, so that a taken port fails the start at once; :meth:`serve` once the
-        runner is ready."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=intake.BACKLOG)
+    def bind(self) -> None:
+        address = self.state.config.http_address
+        assert address is not None
+        self._sock = bind(*address, intake.BACKLOG)
 
-    async def serve(self, tls: ssl.SSLContext | None) -> None:
+    async def serve(self) -> None:
         assert self._sock is not None
+        tls = self.tls
         self._server = await asyncio.get_running_loop().create_server(
             lambda: HttpConnection(self),
             sock=self._sock,
@@ -114,10 +119,14 @@ class FrontDoor:
     @property
     def address(self) -> tuple[str, int]:
         assert self._sock is not None
-        host, port = self._sock.getsockname()[:2]
-        return host, port
+        return bound_address(self._sock)
 
-    def close(self) -> None:
+    def describe(self) -> str:
+        host, port = self.address
+        scheme = "http" if self.tls is None else "https"
+        return f"OpenAI-compatible front door on {scheme}://{host}:{port}/v1 (model {self.model!r})"
+
+    async def close(self) -> None:
         if self._server is not None:
             self._server.close()
         elif self._sock is not None:

@@ -21,13 +21,60 @@ job's stream keeps writing) or does not read for ``write_timeout`` seconds is cu
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
 from typing import cast
 
 from protocol.codes import ErrorCode, NeedCode
 
 from .. import intake
 from ..state import ServerState
+from . import tls as tls_module
+from .base import bind, bound_address
 from .session import Session
+
+
+class TcpListener:
+    """The protocol's listener (:class:`~governor.listeners.base.Listener`): on ``sock`` if
+    given (a test's, already bound), else on ``listen``."""
+
+    early = False
+
+    def __init__(
+        self, state: ServerState, tls: ssl.SSLContext | None, sock: socket.socket | None = None
+    ) -> None:
+        self.state = state
+        self.tls = tls
+        self._sock = sock
+        self._server: asyncio.Server | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._sock is not None
+        return bound_address(self._sock)
+
+    def bind(self) -> None:
+        if self._sock is None:
+            self._sock = bind(*self.state.config.listen_address, intake.BACKLOG)
+
+    async def serve(self) -> None:
+        assert self._sock is not None
+        self._server = self.state.listener = await asyncio.get_running_loop().create_server(
+            lambda: GovernorProtocol(self.state),
+            sock=self._sock,
+            backlog=intake.BACKLOG,
+            ssl=self.tls,
+            ssl_handshake_timeout=tls_module.HANDSHAKE_TIMEOUT_S if self.tls is not None else None,
+        )
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        elif self._sock is not None:
+            self._sock.close()
+
+    def describe(self) -> str | None:
+        return None  # (the server's own line says where it listens, with its cap and runner)
 
 
 class GovernorProtocol(asyncio.Protocol):
