@@ -150,3 +150,43 @@ def test_the_layer_rules_catch_a_crossing() -> None:
     bad = [f"{n} -> {d}" for n, ds in graph.items() for d in ds if within(d, *NOT_IN_CORE)]
     assert bad == ["governor.core.x -> asyncio"]
     assert not within("governor.runners.baseline", "governor.runners.base")
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_TOP_MODULES = 400, 80, 12
+
+
+def oversized(tree: ast.AST, where: str) -> list[str]:
+    """The classes and functions in ``tree`` over their bounds, as ``where:name (lines)``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bound = MAX_CLASS_LINES
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            bound = MAX_FUNCTION_LINES
+        else:
+            continue
+        assert node.end_lineno is not None
+        lines = node.end_lineno - node.lineno + 1
+        if lines > bound:
+            found.append(f"{where}:{node.name} ({lines})")
+    return found
+
+
+def test_no_class_or_function_past_its_size() -> None:
+    # A newcomer reads a class or a function whole: past these, it is split along its steps.
+    found = [
+        big
+        for package in ("governor", "clients")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for big in oversized(ast.parse(path.read_text()), str(path.relative_to(ROOT)))
+    ]
+    assert found == []
+    long = "\n".join(["def f() -> None:", *["    pass"] * MAX_FUNCTION_LINES])
+    assert oversized(ast.parse(long), "x") == [f"x:f ({MAX_FUNCTION_LINES + 1})"]
+
+
+def test_governor_shows_its_layers_at_first_look() -> None:
+    top = sorted(p.name for p in (ROOT / "governor").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+    layers = {p.name for p in (ROOT / "governor").iterdir() if (p / "__init__.py").exists()}
+    assert {"core", "listeners", "ops", "runners"} <= layers

@@ -161,6 +161,30 @@ def parse_call(body: bytes, *, chat: bool, lane_header: str | None) -> Call:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     if type(obj) is not dict:
         raise bad_request("the body must be a JSON object")
+    _check_supported(obj)
+    spec: dict[str, Any] = {}
+    if chat:
+        if "prompt" in obj:
+            raise bad_request("a chat completion takes 'messages', not 'prompt'", "prompt")
+        spec["messages"] = _messages(obj.get("messages"))
+    else:
+        if "messages" in obj:
+            raise bad_request("a completion takes 'prompt', not 'messages'", "messages")
+        spec["prompt"] = _prompt(obj.get("prompt"))
+    _sampling(obj, spec)
+    stream, include_usage = _streaming(obj)
+    for name in EXTRA_FIELDS:
+        if obj.get(name) is not None:
+            spec[name] = obj[name]
+    if "lane" not in spec and lane_header:
+        spec["lane"] = lane_header
+    spec["stream"] = stream
+    return Call(chat, spec, stream, include_usage)
+
+
+def _check_supported(obj: dict[str, Any]) -> None:
+    """Refuse a field the governor does not map, unless it is unset or at the only value it
+    serves (``n`` 1, say)."""
     for name, value in obj.items():
         if name in MAPPED or name in NO_EFFECT or value is None:
             continue
@@ -171,15 +195,10 @@ def parse_call(body: bytes, *, chat: bool, lane_header: str | None) -> Call:
             raise bad_request(
                 f"the governor supports {name!r} only as {' or '.join(map(_json, allowed))}", name
             )
-    spec: dict[str, Any] = {}
-    if chat:
-        if "prompt" in obj:
-            raise bad_request("a chat completion takes 'messages', not 'prompt'", "prompt")
-        spec["messages"] = _messages(obj.get("messages"))
-    else:
-        if "messages" in obj:
-            raise bad_request("a completion takes 'prompt', not 'messages'", "messages")
-        spec["prompt"] = _prompt(obj.get("prompt"))
+
+
+def _sampling(obj: dict[str, Any], spec: dict[str, Any]) -> None:
+    """The length, sampling and stop fields, into ``spec``."""
     for name in ("max_completion_tokens", "max_tokens"):
         value = obj.get(name)
         if value is not None:
@@ -196,27 +215,24 @@ def parse_call(body: bytes, *, chat: bool, lane_header: str | None) -> Call:
         spec["seed"] = seed
     if obj.get("stop") is not None:
         spec["stop"] = obj["stop"]
+
+
+def _streaming(obj: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether to stream, and whether the stream ends with the usage."""
     stream = obj.get("stream")
     if stream is None:
         stream = False
     if type(stream) is not bool:
         raise bad_request("'stream' must be true or false", "stream")
-    include_usage = False
     options = obj.get("stream_options")
-    if options is not None:
-        if type(options) is not dict or type(options.get("include_usage", False)) is not bool:
-            raise bad_request(
-                "'stream_options' must be an object such as {\"include_usage\": true}",
-                "stream_options",
-            )
-        include_usage = stream and options.get("include_usage", False)
-    for name in EXTRA_FIELDS:
-        if obj.get(name) is not None:
-            spec[name] = obj[name]
-    if "lane" not in spec and lane_header:
-        spec["lane"] = lane_header
-    spec["stream"] = stream
-    return Call(chat, spec, stream, include_usage)
+    if options is None:
+        return stream, False
+    if type(options) is not dict or type(options.get("include_usage", False)) is not bool:
+        raise bad_request(
+            "'stream_options' must be an object such as {\"include_usage\": true}",
+            "stream_options",
+        )
+    return stream, stream and options.get("include_usage", False)
 
 
 def _json(value: Any) -> str:

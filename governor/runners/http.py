@@ -109,10 +109,8 @@ class HttpRunner:
         spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
         return Job(job_id, payload, spec=spec, stop=spec.stop)
 
-    async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
-        spec = job.spec
-        assert spec is not None
-        assert self._client is not None
+    def _request(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
+        """The upstream's path and body for ``spec``: a chat or a completion, streamed."""
         body: dict[str, Any] = {
             "max_tokens": spec.max_new_tokens,
             "temperature": spec.temperature,
@@ -139,7 +137,13 @@ class HttpRunner:
             body["min_p"] = spec.min_p
         if spec.ignore_eos:
             body["ignore_eos"] = True
+        return path, body
 
+    async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
+        spec = job.spec
+        assert spec is not None
+        assert self._client is not None
+        path, body = self._request(spec)
         parts: list[str] = []
         usage: dict[str, Any] | None = None
         finish = None
