@@ -58,10 +58,13 @@ def connection_id() -> int:
     return next(_connection_ids)
 
 
-def cut_off(state: ServerState, conn_id: int, source: str, reason: str, unread: int) -> None:
-    """Count and log a connection dropped because its client does not read (``reason``
-    ``slow_reader`` or ``write_timeout``); the listener aborts the transport."""
+def cut_off(
+    state: ServerState, transport: asyncio.Transport, conn_id: int, source: str, reason: str
+) -> None:
+    """Drop a connection whose client does not read (``reason`` ``slow_reader`` or
+    ``write_timeout``) now, with what it left unread: counted and logged alike on every door."""
     state.refused[reason] += 1
+    unread = transport.get_write_buffer_size()
     why = (
         f"read no reply for {state.config.write_timeout:g} s"
         if reason == "write_timeout"
@@ -70,6 +73,7 @@ def cut_off(state: ServerState, conn_id: int, source: str, reason: str, unread: 
     line = state.sources.line(f"cut off connection {conn_id} from {source}: its client {why}")
     if line is not None:
         event(log, logging.WARNING, line, event="cut", reason=reason, source=source, unread=unread)
+    transport.abort()
 
 
 # Authentication ------------------------------------------------------------------------------

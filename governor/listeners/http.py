@@ -488,9 +488,7 @@ class HttpConnection(asyncio.Protocol):
         if transport is None:
             return
         self.closed = True
-        unread = transport.get_write_buffer_size()
-        intake.cut_off(self.state, self.id, self.source, reason, unread)
-        transport.abort()
+        intake.cut_off(self.state, transport, self.id, self.source, reason)
 
 
 class Exchange:

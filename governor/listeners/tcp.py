@@ -228,9 +228,7 @@ class GovernorProtocol(asyncio.Protocol):
         if transport is None:
             return
         session.closed = True
-        unread = transport.get_write_buffer_size()
-        intake.cut_off(self.state, session.id, session.source, reason, unread)
-        transport.abort()
+        intake.cut_off(self.state, transport, session.id, session.source, reason)
 
     def _schedule(self) -> None:
         """Set the timer for the session's next deadline."""
