@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import hashlib
 import math
 import socket
@@ -39,16 +38,13 @@ from governor.listeners.openai_api import KeptPlaces
 from governor.runners import Job, RunEvent, Token
 from protocol.spec import parse_spec
 
-from .interleavings import KEYS, GateRunner, given_back, move, pick, poll
-from .interleavings import TENANTS as SHARED_TENANTS
+from .interleavings import KEYS, GateRunner, given_back, move, pick, poll, tenants
 
 if TYPE_CHECKING:
     from .interleavings import Interleavings
 
 CAP = 2
-# The invariants' tenants, but b's own cap above the server's: a's requests past its one are
-# refused tenant_busy (no place in the ledger's line), b's past the cap server_busy (a promise).
-TENANTS = (SHARED_TENANTS[0], dataclasses.replace(SHARED_TENANTS[1], max_inflight=CAP + 1))
+TENANTS = tenants(CAP)
 PIPELINE = 3
 GRACE_S = 0.3  # upload_timeout: how long past its hint a refused request's place is kept
 PLACES_S = 3.0  # a place kept is gone this long past the longest hint told (and its grace)

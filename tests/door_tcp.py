@@ -26,13 +26,14 @@ from hypothesis import strategies as st
 from protocol.upload import split_payload
 
 from .conftest import receipt
-from .interleavings import KEYS, TENANTS, GateRunner, move
+from .interleavings import KEYS, GateRunner, move, tenants
 
 if TYPE_CHECKING:
     from .interleavings import Interleavings
 
 LINE_LIMIT = 2048
 CAP, JOBS_PER_CONN = 3, 3
+TENANTS = tenants(CAP)
 PAYLOAD_BYTES = 16
 BUFFER_BYTES = 6 * PAYLOAD_BYTES  # small enough that payloads are refused for want of buffer
 TERMINAL = frozenset({"done", "abort"})

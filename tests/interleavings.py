@@ -48,10 +48,18 @@ from governor.server import Server
 
 T = TypeVar("T")
 
-TENANTS = (
-    TenantConfig(name="a", key_sha256=hashlib.sha256(b"k-a").hexdigest(), max_inflight=1),
-    TenantConfig(name="b", key_sha256=hashlib.sha256(b"k-b").hexdigest(), max_inflight=2),
-)
+
+def tenants(cap: int) -> tuple[TenantConfig, TenantConfig]:
+    """Two tenants for a server of ``cap`` slots: a's own cap is one, b's above the server's.
+    a's jobs past its one are refused tenant_busy (no place in the ledger's line), b's past the
+    server's cap server_busy (a promise); and only the server's cap bounds what runs, so a cap
+    overrun shows."""
+    return (
+        TenantConfig(name="a", key_sha256=hashlib.sha256(b"k-a").hexdigest(), max_inflight=1),
+        TenantConfig(name="b", key_sha256=hashlib.sha256(b"k-b").hexdigest(), max_inflight=cap + 1),
+    )
+
+
 KEYS = {"a": "k-a", "b": "k-b"}
 SETTLE_S = 2.0  # the longest wait for the answers owed, or for the counts to add up
 FINAL_S = 5.0  # the longest wait for everything to be given back once the clients have gone
@@ -471,6 +479,7 @@ class Interleavings(RuleBasedStateMachine):
                 leases = len(server.fleet.gate.leases)
                 assert leases <= server.config.fleet_max_inflight
                 assert len(self.runner.running()) <= leases
+                assert leases <= live, f"{leases} lease(s) held, {live} live execution(s)"
             self.door.check_accounts()
 
     @invariant()
@@ -541,6 +550,9 @@ class Interleavings(RuleBasedStateMachine):
         assert not server.connections
         for tenant in server.tenants.all():
             assert (tenant.inflight, tenant.running) == (0, []), tenant.name
+        if server.fleet is not None:
+            leases = server.fleet.gate.leases
+            assert not leases, f"{len(leases)} fleet lease(s) held with no job left"
         await self.door.forget()
         last = len(LANES) - 1
         await poll(lambda: given_back(server) and server.ledger.waiting(last) == 0, FINAL_S)
