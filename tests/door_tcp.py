@@ -12,6 +12,7 @@ closes says why (its own fatal frame, or a running job's abort that answers for 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import socket
@@ -238,6 +239,7 @@ class TcpDoor:
         self.m = machine
         self.clients: list[Client] = []
         self.owner: dict[str, Client] = {}  # each job's client
+        self.tenant: dict[str, str] = {}  # each job's tenant
         self.jobs = 0
 
     def settings(self) -> dict[str, Any]:
@@ -305,6 +307,7 @@ class TcpDoor:
         self.jobs += 1
         job = f"J_{self.jobs}"
         self.owner[job] = client
+        self.tenant[job] = tenant
         data = job.ljust(PAYLOAD_BYTES, ".")
         seq = client.next_seq()
         drained = self.m.drained
@@ -436,8 +439,34 @@ class TcpDoor:
     def buffers_settle(self) -> bool:
         return True  # (the door cannot tell uploads in progress and held payloads apart)
 
+    def held_for_retry(self) -> collections.Counter[str]:
+        """Each tenant's payloads held for a retry, as their clients were told: a job whose
+        last payload frame was answered ``yield`` with ``conn.payload_held`` 1, not cancelled
+        since, on a connection still open."""
+        held: collections.Counter[str] = collections.Counter()
+        for client in self.m.live():
+            cancelled = {
+                id(a.target) for a in client.every_asked() if a.what == "cancel" and a.sent
+            }
+            for job, asked in client.last.items():
+                if (
+                    asked.answers
+                    and asked.answers[-1]["status"] == "yield"
+                    and receipt(asked.answers[-1], "conn.payload_held") == 1
+                    and id(asked) not in cancelled
+                ):
+                    held[self.tenant[job]] += 1
+        return held
+
     def check_accounts(self) -> None:
-        pass
+        """Each tenant's ``waiting`` is its payloads held for a retry (the TCP door's places
+        kept: see the HTTP door's)."""
+        held = self.held_for_retry()
+        for tenant in self.m.the_server.tenants.all():
+            assert tenant.waiting == held[tenant.name], (
+                f"tenant {tenant.name}: waiting {tenant.waiting}, {held[tenant.name]} payload(s) "
+                "held for a retry"
+            )
 
     # The answers -------------------------------------------------------------------------
 
