@@ -2,11 +2,13 @@
 
 Inline jobs and one-chunk uploads of two tenants, each maybe with its cancel in the same write,
 in one write or one by one; cancels later, of a job running, held or over; retries of held
-payloads as told; one job more than a connection may have open; over-long lines (fatal); clients
-that close or reset, maybe right after a ping and a job in one write. Every frame that asks for
-an answer gets one, never two: a job's payload frame its yield, refusal or terminal frame (for
-a running job, later), a manifest and a cancel theirs, a ping its pong; a connection the server
-closes says why (its own fatal frame, or a running job's abort that answers for it).
+payloads as told; one job more than a connection may have open; over-long lines (fatal);
+clients that close or reset, maybe right after a ping and a job in one write. Every frame that
+asks for an answer gets one, never two: a job's payload frame its yield, refusal or terminal
+frame (for a running job, later), a manifest and a cancel theirs, a ping its pong; a connection
+the server closes says why (its own fatal frame, or a running job's abort that answers for it).
+After a drain no payload is admitted. Each tenant's ``waiting`` is its payloads held for a
+retry, as the clients were told.
 """
 
 from __future__ import annotations

@@ -7,14 +7,15 @@ after every step, and at the end:
 
 - the cap: slots held equal the live executions, never more than ``max_inflight``; each
   tenant's count adds up to the slots, none over its own cap; the runner runs no more jobs than
-  are live (nor than a fleet leased, with a fleet);
+  are live; with a fleet, no more than the fleet leased, the leases within the fleet's cap and
+  each held by a live execution;
 - nothing runs on for a client that has gone: a job whose client left (or was closed) ends;
 - the payload buffers stay under ``max_buffer_bytes``;
 - every request a connected client sent is answered once, never twice, unless its job runs (or
   it waits at the door), and no answer comes for nothing sent;
 - at the end every job finishes and is answered, every client leaves, and every slot, live
-  execution, buffered byte, tenant count, place in line and promise in the ledger's line is
-  given back.
+  execution, buffered byte, tenant count, place in line, fleet lease and promise in the
+  ledger's line is given back.
 
 Each door adds what only it has (its own moves, the shape of its answers, its own books) behind
 the small :class:`Door` protocol below.
