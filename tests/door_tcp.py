@@ -235,6 +235,7 @@ class TcpDoor:
     LEAVINGS: ClassVar[tuple[str, ...]] = ("close", "reset")
     TIMED: ClassVar[bool] = False  # (what a rule acts on is settled when the step ends)
     LAST_JOBS_S: ClassVar[float] = 0.0
+    DRAIN_AFTER: ClassVar[int] = 0  # (connections stay open after it: what runs is still seen)
     CANCELS: ClassVar[bool] = True
 
     def __init__(self, machine: Interleavings) -> None:
