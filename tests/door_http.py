@@ -521,10 +521,10 @@ class HttpDoor:
 
     # The door's own moves ----------------------------------------------------------------
 
-    @move(spec=SPECS)
-    def crowd(self, spec: Spec) -> None:
+    def crowd(self, data: st.DataObject) -> None:
         """Every client sends the same request at once (more than the slots: some are refused,
         and each is the others' retry)."""
+        spec = data.draw(SPECS, label="spec")
         while len(self.m.live()) < CAP + 1:
             self.connect_a_client()
         for client in self.m.live():

@@ -389,6 +389,23 @@ class TcpDoor:
     def job_ending(self, job: str, ok: bool) -> None:
         self.m.log(f"runner {'finishes' if ok else 'fails'} {job}")
 
+    def crowd(self, data: st.DataObject) -> None:
+        """Tenant b's jobs from two clients at once, one more than the slots (b's own cap is
+        above the server's): only the server's cap holds them back."""
+        kind = data.draw(st.sampled_from(["inline", "upload"]), label="kind")
+        while len(self.m.live()) < 2:
+            self.connect_a_client()
+        each = -(-(CAP + 1) // 2)  # (at least one more than the slots, from the two)
+        writes = [
+            (client, [f for _ in range(each) for f in self.job_frames(client, kind, "b", False)])
+            for client in self.m.live()[:2]
+        ]
+        for client, frames in writes:
+            for frame in frames:
+                self.m.log(f"{client.name} > {describe(frame)}  (all at once)")
+            client.write(b"".join(encode(f) for f in frames), list(frames))
+        self.m.settle()
+
     # The door's own moves ----------------------------------------------------------------
 
     @move(data=st.data(), kind=st.sampled_from(["inline", "upload"]), with_cancel=st.booleans())

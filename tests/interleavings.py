@@ -199,6 +199,10 @@ class Door(Protocol):
     def submit(self, client: Any, data: st.DataObject) -> None:
         """``client`` sends work drawn from ``data`` (jobs, maybe with their cancels)."""
 
+    def crowd(self, data: st.DataObject) -> None:
+        """Clients send more jobs than the slots at once, of a tenant whose own cap is above
+        the server's: the server's cap alone decides which run."""
+
     def cancellable(self) -> list[tuple[Any, str]]:
         """(client, job) that a cancel may name: running jobs first, else any (empty if none)."""
         ...
@@ -396,6 +400,11 @@ class Interleavings(RuleBasedStateMachine):
         """A client sends work: jobs (as the door draws them), maybe with their cancels."""
         self.door.submit(self.a_client(data), data)
 
+    @rule(data=st.data())
+    def crowd(self, data: st.DataObject) -> None:
+        """More jobs than the slots at once, from several clients."""
+        self.door.crowd(data)
+
     @precondition(lambda self: self.door.CANCELS and self.enabled(self.door.cancellable()))
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
@@ -468,7 +477,8 @@ class Interleavings(RuleBasedStateMachine):
             self.run(poll(self.accounts_settle, SETTLE_S))
             inflight, live, buffered, tenants = accounted(server)
             assert inflight == live, f"{inflight} slot(s) held, {live} live execution(s)"
-            assert inflight <= server.config.max_inflight
+            cap = server.config.max_inflight
+            assert inflight <= cap, f"{inflight} slot(s) held, over the cap of {cap}"
             assert sum(tenants) == inflight, f"tenants' counts {tenants}, {inflight} slot(s)"
             for tenant in server.tenants.all():
                 assert tenant.inflight <= tenant.config.max_inflight, tenant.name
