@@ -200,8 +200,8 @@ class Door(Protocol):
         """``client`` sends work drawn from ``data`` (jobs, maybe with their cancels)."""
 
     def crowd(self, data: st.DataObject) -> None:
-        """Clients send more jobs than the slots at once, of a tenant whose own cap is above
-        the server's: the server's cap alone decides which run."""
+        """Several clients send jobs at once, more than the slots (where the tenant's own cap
+        is above the server's, the server's cap alone decides which run)."""
 
     def cancellable(self) -> list[tuple[Any, str]]:
         """(client, job) that a cancel may name: running jobs first, else any (empty if none)."""
