@@ -33,6 +33,10 @@ from loadtest.support.redisserver import RedisServer
 
 LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
 
+# The invariants' state machine and its doors assert outside test modules: their failures
+# should show the values as the tests' own do.
+pytest.register_assert_rewrite("tests.interleavings", "tests.door_tcp", "tests.door_http")
+
 
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item

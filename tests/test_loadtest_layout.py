@@ -50,9 +50,3 @@ def test_every_command_module_is_registered_once() -> None:
     assert sorted(registered) == sorted(modules)
     assert len({c.NAME for c in REGISTERED}) == len(REGISTERED)
 
-
-def test_nothing_in_loadtest_imports_the_old_redis_path() -> None:
-    # loadtest/redisserver.py only re-exports support.redisserver for tests edited elsewhere.
-    old = "loadtest.redisserver"
-    users = [n for n, deps in all_imports("loadtest").items() if old in deps and n != old]
-    assert users == []

@@ -1,20 +1,17 @@
-"""The front door's count holds whatever its HTTP clients do: slots held equal the jobs with a
-live execution, places kept for retries add up, every request gets one answer, never two.
+"""The HTTP door: the OpenAI front door (``http_listen``), with clients that speak HTTP/1.1 by hand.
 
-The HTTP side of ``test_invariants.py``: a hypothesis state machine drives a real server's
-OpenAI front door (``http_listen``) over real loopback sockets, on both event loops, with
-clients that speak HTTP/1.1 by hand (keep-alive, pipelined requests; answers parsed by ``h11``):
-chats and completions, whole or streamed, of two tenants, with bodies drawn from a small set
-(identical requests are one another's retries: a refused request's place is kept for them),
-bad keys and bad bodies among them; retries of refused requests at once (back early for their
-place, they wait at the door), from the same connection or another; clients that close, reset
-or half-close at any moment (while their job runs, while they wait at the door, in the middle
-of a pipeline); jobs that finish or fail when the test says so; a drain. After every step it
-checks that the slots, the tenants' counts, the payload buffers, the places kept and the
-clients waiting at the door add up, and that every request a connected client sent is answered
-once, in the shape its status says, unless it runs or waits at the door. At the end every job
-finishes, every client leaves, and everything must be given back: the slots and buffers at
-once, the places kept once their hints (plus ``upload_timeout``, their grace) have passed.
+Keep-alive, pipelined requests; answers parsed by ``h11``: chats and completions, whole or
+streamed, of two tenants, with bodies drawn from a small set (identical requests are one
+another's retries: a refused request's place is kept for them), bad keys and bad bodies among
+them; retries of refused requests at once (back early for their place, they wait at the door),
+from the same connection or another; clients that close, reset or half-close at any moment
+(while their job runs, which is HTTP's only cancel; while they wait at the door; in the middle
+of a pipeline); time that passes. Besides what every door holds, it checks that the payload
+buffers hold exactly the bodies of the requests held, that the places kept and the clients
+waiting at the door add up to each tenant's ``waiting`` and to the promises in the ledger's
+line, that each answer has the shape its status says, that the server counts every answer it
+sends, and at the end that the places kept are forgotten once their hints (plus
+``upload_timeout``, their grace) have passed.
 """
 
 from __future__ import annotations
@@ -22,53 +19,34 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import hashlib
 import math
 import socket
 import struct
-import time
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import h11
 import orjson
-import pytest
-import uvloop
-from hypothesis import note, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
 
-from governor.config import Config
 from governor.core.policy import LANES
 from governor.listeners import openai_api as api
 from governor.listeners.http import HttpConnection
 from governor.listeners.openai_api import KeptPlaces
 from governor.runners import Job, RunEvent, Token
-from governor.server import Server
 from protocol.spec import JobSpec
 
-from .test_invariants import KEYS, GateRunner, accounted, given_back, poll
-from .test_invariants import TENANTS as SHARED_TENANTS
+from .interleavings import KEYS, GateRunner, given_back, move, pick, poll, tenants
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from .interleavings import Interleavings
+
 CAP = 2
-# The invariants' tenants, but b's own cap above the server's: a's requests past its one are
-# refused tenant_busy (no place in the ledger's line), b's past the cap server_busy (a promise).
-TENANTS = (SHARED_TENANTS[0], dataclasses.replace(SHARED_TENANTS[1], max_inflight=CAP + 1))
-MAX_CLIENTS, PIPELINE = 4, 3
-DRAIN_AFTER = 8  # steps before the drain may come (one at once leaves little to see)
+TENANTS = tenants(CAP)
+PIPELINE = 3
 GRACE_S = 0.3  # upload_timeout: how long past its hint a refused request's place is kept
-SETTLE_S = 2.0  # the longest wait for the answers owed, or for the counts to add up
-FINAL_S = 5.0  # the longest wait for everything to be given back once the clients have gone
 PLACES_S = 3.0  # a place kept is gone this long past the longest hint told (and its grace)
 MAX_NEW_TOKENS = 64
 TOKEN = "tok "  # the one token each job yields before it waits for the test's word
@@ -166,7 +144,9 @@ SPECS = st.builds(
     ),
 ).map(lambda s: s if s.job else Spec(s.what))
 # Most requests are sent and left to be answered; some clients leave at once, in the same step.
-THEN = st.sampled_from([None, None, None, None, None, "close", "reset"])
+THEN: st.SearchStrategy[Leaving | None] = st.sampled_from(
+    [None, None, None, None, None, "close", "reset"]
+)
 
 
 @dataclass
@@ -188,6 +168,11 @@ class Sent:
     body: bytearray = field(default_factory=bytearray)
     complete: bool = False
     outcome: bool | None = None  # its job ended as the test said: finished (True) or failed
+
+    @property
+    def answers(self) -> list[Head]:
+        """Its answer, if it came (one at most: a second would answer the next request)."""
+        return [] if self.head is None else [self.head]
 
     @property
     def closes(self) -> bool:
@@ -310,84 +295,68 @@ class Client:
         return sent
 
 
-class FrontDoorInterleavings(RuleBasedStateMachine):
-    """Drives one real server's front door on a loop of its own; ``make_loop`` picks the loop."""
+class HttpDoor:
+    """The OpenAI front door's door (see the module's docstring)."""
 
-    make_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
+    MAX_CLIENTS: ClassVar[int] = 4
+    LEAVINGS: ClassVar[tuple[str, ...]] = ("close", "reset", "half-close")
+    TIMED: ClassVar[bool] = True  # (a request at the door is decided again at its hint)
+    LAST_JOBS_S: ClassVar[float] = api.DOOR_MAX_S
+    DRAIN_AFTER: ClassVar[int] = 8  # (each answer after it closes its connection)
+    # A client cancels its job by leaving (closing, resetting or half-closing while its job
+    # runs): disconnect draws that, among the clients that asked for something.
+    CANCELS: ClassVar[bool] = False
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.loop = type(self).make_loop()
-        self.runner = TokenGate()
-        self.server: Server | None = None
+    def __init__(self, machine: Interleavings) -> None:
+        self.m = machine
         self.clients: list[Client] = []
-        self.transcript: list[str] = []
-        self.drained = False
-        self.broken = False  # a job has failed: the breaker may open
-        self.failed = False
         self.requests = 0
-        self.steps = 0  # (counted by an invariant: the same whatever the timing)
         self.shown: dict[int, str] = {}  # what the transcript last said of each request
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.loop.run_until_complete(coro)
+    def settings(self) -> dict[str, Any]:
+        return {
+            "http_listen": "127.0.0.1:0",
+            "max_inflight": CAP,
+            "tenants": TENANTS,
+            "upload_timeout": GRACE_S,
+            "max_auth_failures": 2,  # a connection's second bad key closes it
+            "max_connections": 2 * self.MAX_CLIENTS,
+            "held_payloads_per_conn": 1,  # so at most 8 places are kept
+            "breaker_failures": 3,  # three failed jobs open the breaker: 503 for a moment
+            "breaker_cooldown": 0.2,
+        }
 
-    def log(self, line: str) -> None:
-        self.transcript.append(line)
+    def make_runner(self) -> GateRunner:
+        return TokenGate()
 
-    @contextlib.contextmanager
-    def reporting(self) -> Iterator[None]:
-        """On a failure: the requests sent and the answers received, in the example's notes."""
-        try:
-            yield
-        except BaseException:
-            if self.failed:  # (noted already)
-                raise
-            self.failed = True
-            note("requests and answers (> sent, < received):\n  " + "\n  ".join(self.transcript))
-            raise
-
-    @property
-    def the_server(self) -> Server:
-        assert self.server is not None
-        return self.server
+    def started(self) -> None:
+        for _ in range(2):
+            self.connect_a_client()
 
     @property
     def places(self) -> KeptPlaces:
-        front = self.the_server._front
+        front = self.m.the_server._front
         assert front is not None
         return front.places
 
-    @initialize()
-    def start(self) -> None:
-        async def start() -> Server:
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            config = Config(
-                listen="127.0.0.1:0",
-                http_listen="127.0.0.1:0",
-                runner="stub",  # (not built: the gate runner is given)
-                max_inflight=CAP,
-                tenants=TENANTS,
-                upload_timeout=GRACE_S,
-                max_auth_failures=2,  # a connection's second bad key closes it
-                max_connections=2 * MAX_CLIENTS,
-                held_payloads_per_conn=1,  # so at most 8 places are kept
-                breaker_failures=3,  # three failed jobs open the breaker: 503 for a moment
-                breaker_cooldown=0.2,
-            )
-            server = Server(config, self.runner)
-            await server.start(sock=sock)
-            return server
+    def connect_a_client(self) -> None:
+        name = f"c{len(self.clients) + 1}"
+        source = f"127.0.0.{len(self.clients) + 2}"
+        address = self.m.the_server.http_address
+        assert address is not None
 
-        self.server = self.run(start())
-        for _ in range(2):
-            self.connect_a_client()
+        async def connect() -> Client:
+            reader, writer = await asyncio.open_connection(*address, local_addr=(source, 0))
+            return Client(name, reader, writer, self.m.log, lambda: (self.m.drained, self.m.broken))
+
+        self.clients.append(self.m.run(connect()))
+        self.m.log(f"{name} connects (from {source})")
+        self.m.settle()
 
     # The server's side of each client ----------------------------------------------------
 
     def http_connections(self) -> list[HttpConnection]:
-        return [c for c in self.the_server.connections if isinstance(c, HttpConnection)]
+        return [c for c in self.m.the_server.connections if isinstance(c, HttpConnection)]
 
     def server_side(self, client: Client) -> HttpConnection | None:
         for conn in self.http_connections():
@@ -412,7 +381,7 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
         if exchange.door_timer is not None:
             return n, "at the door"
         execution = exchange.execution
-        if execution is not None and execution.ticket.job.id in self.runner.running():
+        if execution is not None and execution.ticket.job.id in self.m.runner.running():
             return n, "running"
         return None
 
@@ -425,7 +394,6 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
         return [s for s in client.queue if not s.complete and (blocked is None or s.n < blocked[0])]
 
     def quiet(self) -> bool:
-        """Every answer owed has come, every close has been seen by both sides."""
         for client in self.clients:
             if not client.open:
                 continue
@@ -436,31 +404,18 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
         both_open = sum(1 for c in self.clients if c.open)
         return len(self.http_connections()) == both_open
 
-    def settle(self) -> None:
-        """Wait (bounded) for the server to answer what was sent; the invariants then say
-        what is missing, if anything is."""
-
-        async def settle() -> None:
-            await poll(self.quiet, SETTLE_S)
-            for _ in range(3):  # done-callbacks the last step scheduled
-                await asyncio.sleep(0)
-
-        self.run(settle())
-        for client in self.live():  # (for the transcript: what runs, what waits)
+    def after_settle(self) -> None:
+        for client in self.m.live():  # (for the transcript: what runs, what waits)
             blocked = self.blocked(client)
             if blocked is not None and self.shown.get(blocked[0]) != blocked[1]:
                 self.shown[blocked[0]] = blocked[1]
-                self.log(f"{client.name}   #{blocked[0]} {blocked[1]}")
+                self.m.log(f"{client.name}   #{blocked[0]} {blocked[1]}")
 
-    def live(self) -> list[Client]:
-        return [c for c in self.clients if c.open]
+    def pending(self) -> list[HttpConnection]:
+        return [c for c in self.http_connections() if c.exchange and c.exchange.at_door]
 
-    def end_job(self, job: str, ok: bool) -> None:
-        """End a running job; its request (found by the head the server keeps) is told so."""
-        with self.reporting():
-            self._end_job(job, ok)
-
-    def _end_job(self, job: str, ok: bool) -> None:
+    def job_ending(self, job: str, ok: bool) -> None:
+        """Its request (found by the head the server keeps) is told how its job ends."""
         owner = None
         for conn in self.http_connections():
             exchange, client = conn.exchange, self.client_of(conn)
@@ -474,11 +429,9 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
             assert (call.chat, call.stream) == (spec.what == "chat", spec.stream), owner
             assert exchange.key == (spec.tenant, hashlib.sha256(spec.body()).digest()), owner
             owner.outcome = ok
-            self.log(f"runner {'finishes' if ok else 'fails'} {job} (#{owner.n} on {client})")
+            self.m.log(f"runner {'finishes' if ok else 'fails'} {job} (#{owner.n} on {client})")
         if owner is None:
-            self.log(f"runner {'finishes' if ok else 'fails'} {job} (its client left)")
-        self.runner.end(job, ok)
-        self.broken = self.broken or not ok
+            self.m.log(f"runner {'finishes' if ok else 'fails'} {job} (its client left)")
 
     # Sending -----------------------------------------------------------------------------
 
@@ -495,11 +448,11 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
         sents: list[Sent] = []
         for spec in specs:
             self.requests += 1
-            sents.append(Sent(self.requests, spec, self.drained))
+            sents.append(Sent(self.requests, spec, self.m.drained))
         for sent in sents:
             again = f"  (again: #{retry.n})" if retry is not None else ""
             together = "  (one write)" if coalesced and len(sents) > 1 else ""
-            self.log(f"{client.name} > #{sent.n} {sent.spec}{again}{together}")
+            self.m.log(f"{client.name} > #{sent.n} {sent.spec}{again}{together}")
         if coalesced:
             for sent in sents:
                 client.sending(sent)
@@ -507,22 +460,22 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
         else:
             for i, sent in enumerate(sents):
                 if not client.open:  # the server closed it: what is left is never sent
-                    self.log(f"{client.name}   (closed: #{sent.n} and after are not sent)")
+                    self.m.log(f"{client.name}   (closed: #{sent.n} and after are not sent)")
                     break
                 client.sending(sent)
                 client.writer.write(sent.spec.encode(sent.n))
                 if i + 1 < len(sents) or then is None:
-                    self.settle()
+                    self.m.settle()
         if then is not None:
             self.depart(client, then)
-        self.settle()
+        self.m.settle()
 
-    def depart(self, client: Client, how: Leaving) -> None:
+    def depart(self, client: Client, how: str) -> None:
         sock = client.writer.get_extra_info("socket")
         if how == "reset" and sock is not None:
             with contextlib.suppress(OSError):  # (the server may have closed it meanwhile)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.log(f"{client.name} {how}s" if how != "reset" else f"{client.name} resets")
+        self.m.log(f"{client.name} {how}s" if how != "reset" else f"{client.name} resets")
         if how == "half-close":
             with contextlib.suppress(OSError):
                 client.writer.write_eof()
@@ -530,68 +483,58 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
             client.writer.close()
         client.left = True
 
-    # Rules -------------------------------------------------------------------------------
-    #
-    # What a rule may act on (a client, a job, a refused request) depends on timing: a request
-    # at the door is decided again at its hint, in real time. So that hypothesis draws the same
-    # choices whatever the timing (else it calls the machine flaky), rules are always enabled
-    # and pick by a drawn index (see pick): one with nothing to act on does nothing.
-
-    @rule()
-    def connect(self) -> None:
-        if len(self.live()) >= MAX_CLIENTS:
-            self.log(f"(no connect: {MAX_CLIENTS} clients connected)")
-            return
-        self.connect_a_client()
-
-    def a_client(self, data: st.DataObject) -> Client:
-        """A connected client (a new one if none is left)."""
-        client = pick(data, self.live(), "client")
-        if client is None:
-            self.connect_a_client()
-            client = self.live()[-1]
-        return client
-
-    def connect_a_client(self) -> None:
-        name = f"c{len(self.clients) + 1}"
-        source = f"127.0.0.{len(self.clients) + 2}"
-        address = self.the_server.http_address
-        assert address is not None
-
-        async def connect() -> Client:
-            reader, writer = await asyncio.open_connection(*address, local_addr=(source, 0))
-            return Client(name, reader, writer, self.log, lambda: (self.drained, self.broken))
-
-        self.clients.append(self.run(connect()))
-        self.log(f"{name} connects (from {source})")
-        self.settle()
-
-    @rule(
-        data=st.data(),
-        specs=st.lists(SPECS, min_size=1, max_size=PIPELINE),
-        coalesced=st.booleans(),
-        then=THEN,
-    )
-    def send_requests(
-        self, data: st.DataObject, specs: list[Spec], coalesced: bool, then: Leaving | None
-    ) -> None:
+    def submit(self, client: Client, data: st.DataObject) -> None:
         """Requests, pipelined in one write or one by one, maybe with the client leaving at
         once."""
-        self.send(self.a_client(data), specs, coalesced, then)
+        specs = data.draw(st.lists(SPECS, min_size=1, max_size=PIPELINE), label="requests")
+        coalesced = data.draw(st.booleans(), label="coalesced")
+        then = data.draw(THEN, label="then")
+        self.send(client, specs, coalesced, then)
 
-    @rule(spec=SPECS)
-    def crowd(self, spec: Spec) -> None:
+    def running_on(self) -> dict[str, Client]:
+        """Each running job's client, where its connection is still there."""
+        running = set(self.m.runner.running())
+        owners: dict[str, Client] = {}
+        for conn in self.http_connections():
+            exchange, client = conn.exchange, self.client_of(conn)
+            if exchange is None or exchange.execution is None or client is None:
+                continue
+            if (job := exchange.execution.ticket.job.id) in running:
+                owners[job] = client
+        return owners
+
+    def cancellable(self) -> list[tuple[Any, str]]:
+        return []  # (no cancel but leaving: see CANCELS)
+
+    def cancel(self, client: Client, job: str, data: st.DataObject) -> None:
+        raise AssertionError("HTTP has no cancel but leaving: the machine draws disconnect")
+
+    def leavers(self) -> list[Any]:
+        """The clients that asked for something: they leave while their job runs, while they
+        wait at the door, or between requests."""
+        return [c for c in self.m.live() if c.queue]
+
+    def disconnect(self, client: Client, how: str, data: st.DataObject) -> None:
+        blocked = self.blocked(client)
+        if blocked is not None:
+            self.m.log(f"{client.name}   (#{blocked[0]} {blocked[1]})")
+        self.depart(client, how)
+
+    # The door's own moves ----------------------------------------------------------------
+
+    def crowd(self, data: st.DataObject) -> None:
         """Every client sends the same request at once (more than the slots: some are refused,
         and each is the others' retry)."""
-        while len(self.live()) < CAP + 1:
+        spec = data.draw(SPECS, label="spec")
+        while len(self.m.live()) < CAP + 1:
             self.connect_a_client()
-        for client in self.live():
+        for client in self.m.live():
             self.requests += 1
-            sent = Sent(self.requests, spec, self.drained)
-            self.log(f"{client.name} > #{sent.n} {spec}  (all at once)")
+            sent = Sent(self.requests, spec, self.m.drained)
+            self.m.log(f"{client.name} > #{sent.n} {spec}  (all at once)")
             client.sending(sent)
             client.writer.write(spec.encode(sent.n))
-        self.settle()
+        self.m.settle()
 
     def refused(self) -> list[Sent]:
         return [
@@ -601,76 +544,40 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
             if s.complete and s.head is not None and s.head.status == 429
         ]
 
-    @rule(data=st.data(), then=THEN)
+    @move(data=st.data(), then=THEN)
     def retry_a_refused_request(self, data: st.DataObject, then: Leaving | None) -> None:
         """A request that got 429, sent again at once (its hint not yet passed: back early for
         its place, it may wait at the door), on its connection or another."""
         refused = pick(data, self.refused(), "refused")
-        client = self.a_client(data)
+        client = self.m.a_client(data)
         if refused is None:
-            self.log("(no refused request to send again)")
+            self.m.log("(no refused request to send again)")
             return
         self.send(client, [refused.spec], True, then, retry=refused)
 
-    def asked(self) -> list[Client]:
-        return [c for c in self.live() if c.queue]
-
-    @rule(data=st.data(), how=st.sampled_from(["close", "reset", "half-close"]))
-    def leave(self, data: st.DataObject, how: Leaving) -> None:
-        """A client that asked for something leaves: while its job runs, while it waits at the
-        door, or between requests."""
-        self.leaves(pick(data, self.asked(), "client"), how)
-
     def waiting(self) -> list[Client]:
-        return [c for c in self.live() if (b := self.blocked(c)) is not None and b[1] != "running"]
+        return [
+            c for c in self.m.live() if (b := self.blocked(c)) is not None and b[1] != "running"
+        ]
 
-    @rule(data=st.data(), how=st.sampled_from(["close", "reset", "half-close"]))
+    @move(data=st.data(), how=st.sampled_from(["close", "reset", "half-close"]))
     def leave_the_door(self, data: st.DataObject, how: Leaving) -> None:
         """A client waiting at the door leaves: its place is given up."""
-        self.leaves(pick(data, self.waiting(), "client"), how)
-
-    def leaves(self, client: Client | None, how: Leaving) -> None:
+        client = pick(data, self.waiting(), "client")
         if client is None:
-            self.log("(no client to leave)")
+            self.m.log("(no client to leave)")
             return
-        blocked = self.blocked(client)
-        if blocked is not None:
-            self.log(f"{client.name}   (#{blocked[0]} {blocked[1]})")
-        self.depart(client, how)
-        self.settle()
+        self.disconnect(client, how, data)
+        self.m.settle()
 
-    @rule(data=st.data(), ok=st.booleans())
-    def end_a_job(self, data: st.DataObject, ok: bool) -> None:
-        """The runner finishes a running job, or fails it."""
-        job = pick(data, self.runner.running(), "job")
-        if job is None:
-            self.log("(no job to end)")
-            return
-        self.end_job(job, ok)
-        self.settle()
-
-    @rule(ms=st.sampled_from([10, 50, 200]))
+    @move(ms=st.sampled_from([10, 50, 200]))
     def wait(self, ms: int) -> None:
         """Time passes: doors are decided again, hints and places run out."""
-        self.log(f"({ms} ms pass)")
-        self.run(asyncio.sleep(ms / 1000))
-        self.settle()
+        self.m.log(f"({ms} ms pass)")
+        self.m.run(asyncio.sleep(ms / 1000))
+        self.m.settle()
 
-    @precondition(lambda self: not self.drained and self.steps >= DRAIN_AFTER)
-    @rule()
-    def drain(self) -> None:
-        """From now on, new requests are refused with 503 (and the connection closed after);
-        running jobs go on."""
-        self.drained = True
-        self.log("server begins a drain")
-
-        async def drain() -> None:
-            self.the_server.begin_drain("test")
-
-        self.run(drain())
-        self.settle()
-
-    # Invariants --------------------------------------------------------------------------
+    # What the server holds ---------------------------------------------------------------
 
     def bodies_held(self) -> int:
         """Request bodies counted against the payload buffers: those of the requests that run
@@ -683,113 +590,73 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
         )
 
     def orphans(self) -> set[str]:
-        """Jobs the runner still runs whose connection is gone."""
-        owned = {
-            conn.exchange.execution.ticket.job.id
-            for conn in self.http_connections()
-            if conn.exchange is not None and conn.exchange.execution is not None
-        }
-        return set(self.runner.running()) - owned
+        return set(self.m.runner.running()) - set(self.running_on())
 
-    def accounts_settle(self) -> bool:
-        server = self.the_server
-        return (
-            server.inflight == server.live_jobs
-            and server.buffered_bytes == self.bodies_held()
-            and not self.orphans()
+    def buffers_settle(self) -> bool:
+        return self.m.the_server.buffered_bytes == self.bodies_held()
+
+    def check_accounts(self) -> None:
+        """The buffers hold the bodies of the requests held, no more, no fewer; each tenant's
+        ``waiting`` is its places kept and its requests at the door; the ledger's line holds
+        the promises of those, no other."""
+        buffered, held = self.m.the_server.buffered_bytes, self.bodies_held()
+        assert buffered == held, f"{buffered} byte(s) buffered, {held} in requests held"
+        in_line = self.m.the_server.ledger.waiting(len(LANES) - 1)  # (lapses the old first)
+        places = self.places
+        kept: collections.Counter[str] = collections.Counter()
+        door: collections.Counter[str] = collections.Counter()
+        promised = 0
+        for (name, _), line in places._by_key.items():
+            kept[name] += len(line)
+            promised += sum(
+                k.attempt.promise is not None and k.attempt.promise.queued for k in line
+            )
+        assert places.count == sum(kept.values()), f"{places.count} places, {kept}"
+        assert places.count <= places.limit
+        for conn in self.http_connections():
+            exchange = conn.exchange
+            if exchange is None:
+                continue
+            assert (exchange.door_timer is not None) == exchange.at_door, "at the door?"
+            if exchange.at_door:
+                assert exchange.attempt is not None
+                door[exchange.attempt.tenant.name] += 1
+                promise = exchange.attempt.promise
+                promised += promise is not None and promise.queued
+        for tenant in self.m.the_server.tenants.all():
+            assert tenant.waiting == kept[tenant.name] + door[tenant.name], (
+                f"tenant {tenant.name}: waiting {tenant.waiting}, but "
+                f"{kept[tenant.name]} place(s) kept and {door[tenant.name]} at the door"
+            )
+        assert in_line == promised, (
+            f"{in_line} promise(s) in the ledger's line, {promised} held by places kept "
+            "and requests at the door"
         )
 
-    @invariant()
-    def count_steps(self) -> None:
-        self.steps += 1
+    # The answers -------------------------------------------------------------------------
 
-    @invariant()
-    def slots_held_are_live_jobs(self) -> None:
-        if self.server is None:
-            return
-        server = self.server
-        with self.reporting():
-            # A task that has just ended gives its slot back in its done-callback, a loop
-            # iteration later; a leaked slot is never given back.
-            self.run(poll(self.accounts_settle, SETTLE_S))
-            inflight, live, buffered, tenants = accounted(server)
-            assert inflight == live, f"{inflight} slot(s) held, {live} live execution(s)"
-            assert inflight <= CAP
-            assert sum(tenants) == inflight, f"tenants' counts {tenants}, {inflight} slot(s)"
-            for tenant in server.tenants.all():
-                assert tenant.inflight <= tenant.config.max_inflight, tenant.name
-            assert len(self.runner.running()) <= live
-            assert not self.orphans(), f"jobs run on for clients that left: {self.orphans()}"
-            held = self.bodies_held()
-            assert buffered == held, f"{buffered} byte(s) buffered, {held} in requests held"
+    def problems(self, client: Client) -> list[str]:
+        return client.problems
 
-    @invariant()
-    def places_add_up(self) -> None:
-        """Each tenant's ``waiting`` is its places kept and its requests at the door; the
-        ledger's line holds the promises of those, no other."""
-        if self.server is None:
-            return
-        with self.reporting():
-            in_line = self.the_server.ledger.waiting(len(LANES) - 1)  # (lapses the old first)
-            places = self.places
-            kept: collections.Counter[str] = collections.Counter()
-            door: collections.Counter[str] = collections.Counter()
-            promised = 0
-            for (name, _), line in places._by_key.items():
-                kept[name] += len(line)
-                promised += sum(
-                    k.attempt.promise is not None and k.attempt.promise.queued for k in line
-                )
-            assert places.count == sum(kept.values()), f"{places.count} places, {kept}"
-            assert places.count <= places.limit
-            for conn in self.http_connections():
-                exchange = conn.exchange
-                if exchange is None:
-                    continue
-                assert (exchange.door_timer is not None) == exchange.at_door, "at the door?"
-                if exchange.at_door:
-                    assert exchange.attempt is not None
-                    door[exchange.attempt.tenant.name] += 1
-                    promise = exchange.attempt.promise
-                    promised += promise is not None and promise.queued
-            for tenant in self.the_server.tenants.all():
-                assert tenant.waiting == kept[tenant.name] + door[tenant.name], (
-                    f"tenant {tenant.name}: waiting {tenant.waiting}, but "
-                    f"{kept[tenant.name]} place(s) kept and {door[tenant.name]} at the door"
-                )
-            assert in_line == promised, (
-                f"{in_line} promise(s) in the ledger's line, {promised} held by places kept "
-                "and requests at the door"
+    def asks(self, client: Client) -> list[Sent]:
+        return client.queue
+
+    def check_connection(self, client: Client) -> None:
+        if client.open:
+            closing = [s for s in client.queue if s.closes]
+            assert not closing, f"{client}: {closing[0]} said it closes, and did not"
+        if client.eof and not client.left:
+            # The server closed it: idle (HTTP lets it close an idle connection at any time),
+            # or after an answer that said so; never on requests it leaves unanswered without
+            # a word (it read them: a POST cannot be sent again safely).
+            assert not client.truncated, f"{client}: an answer cut short"
+            closing = [s for s in client.queue if s.closes]
+            last = client.queue.index(closing[0]) if closing else len(client.queue)
+            assert all(s.complete for s in client.queue[:last]), (
+                f"{client}: closed, with no answer to "
+                f"{[s for s in client.queue[:last] if not s.complete]}"
+                + ("" if closing else " and no connection: close")
             )
-
-    @invariant()
-    def one_answer_each(self) -> None:
-        with self.reporting():
-            self.check_answers()
-
-    def check_answers(self) -> None:
-        for client in self.clients:
-            assert not client.problems, f"{client}: {client.problems}"
-            for sent in client.queue:
-                if sent.head is not None:
-                    self.check_answer(client, sent)
-            if client.open:
-                owed = self.owed(client)
-                assert not owed, f"{client}: no answer to {owed}"
-                closing = [s for s in client.queue if s.closes]
-                assert not closing, f"{client}: {closing[0]} said it closes, and did not"
-            if client.eof and not client.left:
-                # The server closed it: idle (HTTP lets it close an idle connection at any
-                # time), or after an answer that said so; never on requests it leaves
-                # unanswered without a word (it read them: a POST cannot be sent again safely).
-                assert not client.truncated, f"{client}: an answer cut short"
-                closing = [s for s in client.queue if s.closes]
-                last = client.queue.index(closing[0]) if closing else len(client.queue)
-                assert all(s.complete for s in client.queue[:last]), (
-                    f"{client}: closed, with no answer to "
-                    f"{[s for s in client.queue[:last] if not s.complete]}"
-                    + ("" if closing else " and no connection: close")
-                )
 
     def check_answer(self, client: Client, sent: Sent) -> None:
         head, spec = sent.head, sent.spec
@@ -843,60 +710,30 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
 
     # The end -----------------------------------------------------------------------------
 
-    def teardown(self) -> None:
-        try:
-            if self.server is not None and not self.failed:
-                with self.reporting():
-                    self.run(self.finish())
-        finally:
-            self.run(self.close())
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-
-    def at_the_door(self) -> list[HttpConnection]:
-        return [c for c in self.http_connections() if c.exchange and c.exchange.at_door]
-
-    async def finish(self) -> None:
-        """Every job finishes and is answered (those waiting at the door too, once they run);
-        then every client leaves, and the server must give back every slot, byte and count,
-        and forget every place kept once its hint and grace have passed."""
-        server = self.the_server
-        deadline = time.monotonic() + api.DOOR_MAX_S + SETTLE_S
-        # (a request at the door may be admitted in any iteration: its job is live before it
-        # reaches the runner)
-        while server.live_jobs or self.at_the_door():
-            for job in self.runner.running():
-                self.end_job(job, True)
-            await poll(self.quiet, SETTLE_S)
-            for _ in range(3):
-                await asyncio.sleep(0)
-            if time.monotonic() > deadline:
-                self.log("(the wait for the last jobs timed out)")
-                break
-            await asyncio.sleep(0.005)
-        self.log("runner finishes every job")
-        await poll(self.quiet, SETTLE_S)
-        assert not self.runner.running(), f"jobs still running: {self.runner.running()}"
-        assert not self.at_the_door(), f"still at the door: {self.at_the_door()}"
-        self.check_answers()
-        self.check_counted()
-        for client in self.clients:
-            if not client.left:
-                client.left = True
-                client.writer.close()
-        self.log("every client closes")
-        await poll(lambda: accounted(server)[:3] == (0, 0, 0) and not server.connections, FINAL_S)
-        inflight, live, buffered, _ = accounted(server)
-        assert (inflight, live, buffered) == (0, 0, 0), (
-            f"with no client left: {inflight} slot(s) held, {live} live execution(s), "
-            f"{buffered} payload byte(s) buffered"
+    def check_final(self) -> None:
+        """The server counts every answer it sends (``http_responses``): those the clients
+        received, and at most one for each request of a client that left unanswered."""
+        counted = collections.Counter(self.m.the_server.state.http_responses)
+        received = collections.Counter(
+            (s.spec.counted_path, str(s.head.status))
+            for c in self.clients
+            for s in c.queue
+            if s.head is not None
         )
-        assert not server.connections
-        for tenant in server.tenants.all():
-            assert (tenant.inflight, tenant.running) == (0, []), tenant.name
-        # The places kept are forgotten at their time: each its hint, plus the grace, from its
-        # refusal (the longest hint told a client bounds them all, but for answers lost with
-        # a client that left at once: PLACES_S more covers those).
+        lost = sum(1 for c in self.clients if c.left for s in c.queue if s.head is None)
+        uncounted = received - counted
+        assert not uncounted, f"answers received, not counted: {dict(uncounted)}"
+        unseen = counted - received
+        assert sum(unseen.values()) <= lost, (
+            f"answers counted, not received: {dict(unseen)}; {lost} request(s) lost with "
+            "clients that left"
+        )
+
+    async def forget(self) -> None:
+        """The places kept are forgotten at their time: each its hint, plus the grace, from
+        its refusal (the longest hint told a client bounds them all, but for answers lost with
+        a client that left at once: PLACES_S more covers those)."""
+        server = self.m.the_server
         told = [
             int(s.head.headers["retry-after-ms"])
             for c in self.clients
@@ -925,47 +762,6 @@ class FrontDoorInterleavings(RuleBasedStateMachine):
             longest_s + 0.1,
         )
         assert places.count == 0, f"{places.count} place(s) still kept {longest_s:.1f} s on"
-        for tenant in server.tenants.all():
-            assert tenant.waiting == 0, f"tenant {tenant.name}: waiting {tenant.waiting}"
-        assert server.ledger.waiting(len(LANES) - 1) == 0, "promises left in the ledger's line"
-
-    def check_counted(self) -> None:
-        """The server counts every answer it sends (``http_responses``): those the clients
-        received, and at most one for each request of a client that left unanswered."""
-        counted = collections.Counter(self.the_server.state.http_responses)
-        received = collections.Counter(
-            (s.spec.counted_path, str(s.head.status))
-            for c in self.clients
-            for s in c.queue
-            if s.head is not None
-        )
-        lost = sum(1 for c in self.clients if c.left for s in c.queue if s.head is None)
-        uncounted = received - counted
-        assert not uncounted, f"answers received, not counted: {dict(uncounted)}"
-        unseen = counted - received
-        assert sum(unseen.values()) <= lost, (
-            f"answers counted, not received: {dict(unseen)}; {lost} request(s) lost with "
-            "clients that left"
-        )
-
-    async def close(self) -> None:
-        for client in self.clients:
-            client.writer.close()
-            client.reading.cancel()
-        await asyncio.gather(*(c.reading for c in self.clients), return_exceptions=True)
-        if self.server is not None:
-            server = self.server
-            await server.close()
-            await poll(lambda: not server.connections, FINAL_S)  # their connection_lost ran
-        for client in self.clients:  # their transports must close before the loop does
-            with contextlib.suppress(OSError, TimeoutError):
-                await asyncio.wait_for(client.writer.wait_closed(), 1.0)
-
-
-def pick(data: st.DataObject, items: list[T], label: str) -> T | None:
-    """One of ``items`` by a drawn index (the same draw however many there are), or None."""
-    index = data.draw(st.integers(0, 15), label=label)
-    return items[index % len(items)] if items else None
 
 
 def error(body: bytes, where: str) -> dict[str, Any]:
@@ -1030,20 +826,3 @@ def check_success(spec: Spec, body: bytes, where: str) -> bool:
     assert text == TOKEN, f"{where}: {body!r}"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop", where
     return False
-
-
-class OnAsyncio(FrontDoorInterleavings):
-    make_loop = asyncio.new_event_loop
-
-
-class OnUvloop(FrontDoorInterleavings):
-    make_loop = uvloop.new_event_loop
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("machine", [OnAsyncio, OnUvloop], ids=["asyncio", "uvloop"])
-def test_the_front_door_never_leaks(machine: type[FrontDoorInterleavings]) -> None:
-    # A plain test on a loop of the machine's own: pytest-asyncio's loop takes no part.
-    run_state_machine_as_test(
-        machine, settings=settings(max_examples=25, stateful_step_count=25, deadline=None)
-    )
