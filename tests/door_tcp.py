@@ -509,6 +509,8 @@ class TcpDoor:
                     ("need", "manifest_invalid"),
                     ("need", "manifest_missing"),
                 ), f"{client}: after the drain, {asked}"
+                if answer["need_code"] == "draining":  # (never admitted here: not kept)
+                    assert receipt(answer, "conn.payload_held") == 0, f"{client}: {asked}"
 
     def check_connection(self, client: Client) -> None:
         # A job running when the connection fails gets its own abort, which answers for the

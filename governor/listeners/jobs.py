@@ -274,10 +274,16 @@ class JobTable:
         """Answer ``yield``, keeping the payload for the retry if the connection may."""
         if state.first_refusal is None:
             state.first_refusal = self.state.clock()
-        held = self.hold(state)
+        # A draining governor admits nothing again: its refused payloads are not kept, so that
+        # their bytes do not turn the drain's later answers into buffers_full.
+        draining = decision.need_code == NeedCode.DRAINING
+        held = not draining and self.hold(state)
         if held:
             self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
             detail = "no execution slot free; resend the final chunk after retry_hint_ms"
+        elif draining:
+            self.forget(req.job)
+            detail = "the governor is draining and admits no new job; send it to another replica"
         else:
             self.forget(req.job)
             detail = "no execution slot free, and the payload was not kept; resend it"
