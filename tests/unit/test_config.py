@@ -29,7 +29,7 @@ from governor.core.slo import Objectives, SloPolicy
 from loadtest.support.options import parse_addr
 from protocol import addresses
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

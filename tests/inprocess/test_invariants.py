@@ -4,8 +4,8 @@ Real servers over real loopback sockets, on both event loops: first the interlea
 leaked every slot while a job's slot was freed by a ``finally`` in its task (which never runs
 for a task cancelled before its first step): a job and its cancel in one write, a job and an
 over-long line, one job too many, a reset. Then one hypothesis state machine
-(``tests/interleavings.py``) through each door, the TCP frame protocol (``tests/door_tcp.py``)
-and the OpenAI front door (``tests/door_http.py``): random interleavings of jobs, cancels,
+(``tests/inprocess/interleavings.py``) through each door, the TCP frame protocol (``tests/inprocess/door_tcp.py``)
+and the OpenAI front door (``tests/inprocess/door_http.py``): random interleavings of jobs, cancels,
 retries, clients that leave anyhow, jobs that finish or fail when the test says so and a drain,
 checking after every step that the slots, the tenants' counts and the buffers add up, that
 nothing runs on for a client that has gone, and that everything a client sent that asks for an
@@ -29,8 +29,8 @@ from hypothesis.stateful import run_state_machine_as_test
 from governor.core.ledger import Refusal
 from governor.server import Server
 from loadtest.support.redisserver import RedisServer
+from tests.conftest import RawConn, ServerFactory, wait_until
 
-from .conftest import RawConn, ServerFactory, wait_until
 from .door_http import HttpDoor
 from .door_tcp import LINE_LIMIT, TcpDoor, cancel, inline, job_bytes, ping
 from .interleavings import Door, Interleavings, given_back, machine

@@ -25,8 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from governor.core.sources import NOW, Displaced, Refused, Sources, Turn, parse_networks, source_of
 from governor.core.tenants import TenantConfig
+from tests.conftest import RawConn, ServerFactory, wait_until
 
-from .conftest import RawConn, ServerFactory, wait_until
 from .test_frontdoor_hostile import BODY, Dial, front, http_connections, post
 from .test_frontdoor_hostile import dial as dial  # (the fixture)
 from .test_server import ping

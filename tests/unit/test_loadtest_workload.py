@@ -33,7 +33,7 @@ from loadtest.support.workload import (
 )
 from protocol.spec import JobSpec
 
-TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 # Arrivals and classes ----------------------------------------------------------------------

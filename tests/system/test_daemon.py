@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients import NO_RETRY, GovernorClient, connect
 from governor.server import Server
-
-from .conftest import Daemon, ServerFactory, wait_until
+from tests.conftest import Daemon, ServerFactory, wait_until
 
 DaemonFactory = Callable[..., Daemon]
 

@@ -33,9 +33,8 @@ from governor.server import Server
 from loadtest.support.redisserver import RedisServer
 from protocol.codes import ErrorCode, NeedCode, Status
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
-
-from .conftest import Daemon, ServerFactory, wait_until
-from .test_invariants import inline
+from tests.conftest import Daemon, ServerFactory, wait_until
+from tests.inprocess.test_invariants import inline
 
 
 class FakeClock:

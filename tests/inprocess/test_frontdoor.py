@@ -29,8 +29,7 @@ from governor.server import Server
 from loadtest.support.redisserver import RedisServer
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, Message
-
-from .conftest import ServerFactory, wait_until
+from tests.conftest import ServerFactory, wait_until
 
 
 def user(text: str) -> list[ChatCompletionMessageParam]:

@@ -37,12 +37,11 @@ from governor.config import Config, parse_address
 from governor.listeners.admin import READY_TIMEOUT_S
 from loadtest.support.processes import free_port
 from loadtest.support.redisserver import RedisServer
-
-from .conftest import Daemon
+from tests.conftest import Daemon
 
 DaemonFactory = Callable[..., Daemon]
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFEST = DEPLOY / "kubernetes" / "governor.yaml"
 BARE_CONFIG = DEPLOY / "governor.toml"
 UNIT = DEPLOY / "systemd" / "governor.service"

@@ -23,9 +23,8 @@ from governor.runners.llama import embedded_model_path
 from loadtest.support import baseline_server
 from loadtest.support.processes import free_port, stop
 from protocol.spec import JobSpec, Message
-
-from .conftest import ServerFactory, wait_until
-from .test_ops import failing, ops_server, probe, until_ready
+from tests.conftest import ServerFactory, wait_until
+from tests.inprocess.test_ops import failing, ops_server, probe, until_ready
 
 
 def greedy(prompt: str | None = None, **fields: Any) -> JobSpec:

@@ -49,4 +49,3 @@ def test_every_command_module_is_registered_once() -> None:
     registered = [getattr(c, "__name__", "") for c in REGISTERED]
     assert sorted(registered) == sorted(modules)
     assert len({c.NAME for c in REGISTERED}) == len(REGISTERED)
-

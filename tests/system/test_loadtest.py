@@ -24,10 +24,9 @@ from loadtest.support.report import stats as class_stats
 from loadtest.support.stats import Summary, percentile, summarize
 from loadtest.support.targets import DONE, YIELDED, Outcome
 from loadtest.support.workload import Request
+from tests.conftest import Daemon
 
-from .conftest import Daemon
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # stats ------------------------------------------------------------------------------------

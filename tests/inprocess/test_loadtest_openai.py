@@ -26,10 +26,9 @@ from loadtest.support.targets import (
 )
 from loadtest.support.traffic import target_from
 from loadtest.support.workload import Request
+from tests.conftest import ServerFactory
 
-from .conftest import ServerFactory
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STUB_MS = 200
 
 

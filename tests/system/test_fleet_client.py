@@ -39,10 +39,9 @@ from clients import (
 from clients.fleet import Move, resolve, split_addresses, spread
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.frames import Reply
+from tests.conftest import Daemon
 
-from .conftest import Daemon
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 DaemonFactory = Callable[..., Daemon]
 

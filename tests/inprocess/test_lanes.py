@@ -17,8 +17,7 @@ from typing import Any
 from clients import GovernorClient, RetryPolicy
 from governor.server import Server
 from protocol.spec import JobSpec
-
-from .conftest import ServerFactory
+from tests.conftest import ServerFactory
 
 SPEEDUP = 40
 CALIBRATED = {"stub_prompt_ms": 19.2 / SPEEDUP, "stub_output_ms": 37.7 / SPEEDUP, "stub_ms": 0}

@@ -28,9 +28,8 @@ from governor.ops import logs
 from governor.runners import StubRunner
 from governor.server import Server
 from protocol.spec import JobSpec
-
-from .conftest import Daemon, ServerFactory, wait_until
-from .test_daemon import _scrape
+from tests.conftest import Daemon, ServerFactory, wait_until
+from tests.system.test_daemon import _scrape
 
 DaemonFactory = Callable[..., Daemon]
 

@@ -13,7 +13,7 @@ import ast
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def imports(package: str) -> dict[str, set[str]]:
@@ -190,3 +190,19 @@ def test_governor_shows_its_layers_at_first_look() -> None:
     assert len(top) <= MAX_TOP_MODULES, top
     layers = {p.name for p in (ROOT / "governor").iterdir() if (p / "__init__.py").exists()}
     assert {"core", "listeners", "ops", "runners"} <= layers
+
+
+# What a pure test may not touch: the tiers above it start servers, processes and Redis.
+NOT_IN_UNIT_TESTS = ("subprocess", "socket", "ssl", "redis", "tests.conftest", "tests.inprocess",
+                     "tests.system", "loadtest.support.processes")  # fmt: skip
+
+
+def test_the_pure_tests_start_nothing() -> None:
+    unit = {n: d for n, d in all_imports("tests").items() if within(n, "tests.unit")}
+    assert len(unit) >= 20
+    crossing = sorted(f"{n} -> {d}" for n, deps in unit.items() for d in deps
+                      if within(d, *NOT_IN_UNIT_TESTS))  # fmt: skip
+    assert crossing == []
+    tiers = {p.name for p in (ROOT / "tests").iterdir() if (p / "__init__.py").exists()}
+    assert tiers == {"unit", "inprocess", "system"}
+    assert not list((ROOT / "tests").glob("test_*.py"))  # every test in its tier

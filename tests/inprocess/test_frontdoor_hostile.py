@@ -35,8 +35,8 @@ from governor.listeners.http import MAX_HEAD_BYTES, MAX_HEADERS, MAX_READ_AHEAD,
 from governor.runners import Finished, Job, RunEvent, Runner, Token
 from governor.runners.stub import StubRunner
 from governor.server import Server
+from tests.conftest import RawConn, ServerFactory, outcomes, wait_until
 
-from .conftest import RawConn, ServerFactory, outcomes, wait_until
 from .test_server import ping, share
 
 KEY = "k-front"

@@ -26,10 +26,9 @@ from governor.config import Config, ConfigError
 from governor.core.tenants import TenantConfig, Tenants
 from governor.listeners import tls
 from governor.server import Server
+from tests.conftest import Daemon, ServerFactory, wait_until
 
-from .conftest import Daemon, ServerFactory, wait_until
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

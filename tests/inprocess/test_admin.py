@@ -22,8 +22,7 @@ from governor import cli
 from governor.config import ConfigError
 from governor.listeners import admin
 from governor.server import Server
-
-from .conftest import ServerFactory
+from tests.conftest import ServerFactory
 
 Address = tuple[str, int]
 

@@ -20,8 +20,8 @@ from governor.core.tenants import TenantConfig
 from governor.runners import Finished, Job, RunEvent, Token
 from governor.server import Server
 from protocol.upload import split_payload
+from tests.conftest import RawConn, ServerFactory, receipt, wait_until
 
-from .conftest import RawConn, ServerFactory, receipt, wait_until
 from .test_server import ScriptedRunner, ping, share
 
 Opener = Callable[[Server], Awaitable[RawConn]]

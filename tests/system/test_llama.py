@@ -31,9 +31,8 @@ from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_pa
 from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 from protocol.upload import split_payload
-
-from .conftest import RawConn, ServerFactory, outcomes, wait_until
-from .test_ops import failing, probe, until_ready
+from tests.conftest import RawConn, ServerFactory, outcomes, wait_until
+from tests.inprocess.test_ops import failing, probe, until_ready
 
 N_CTX = 512
 # On a machine with a GPU and llama-cpp-python built for it, GOVERNOR_TEST_N_GPU_LAYERS=-1

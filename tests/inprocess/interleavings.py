@@ -1,8 +1,8 @@
 """One state machine for every door: the count holds whatever the clients do.
 
 A hypothesis state machine drives one real server over real loopback sockets, on a loop of its
-own, through a *door*: the TCP frame protocol (``tests/door_tcp.py``) or the OpenAI front door
-(``tests/door_http.py``). The machine holds what every door promises and checks it the same way
+own, through a *door*: the TCP frame protocol (``tests/inprocess/door_tcp.py``) or the OpenAI front door
+(``tests/inprocess/door_http.py``). The machine holds what every door promises and checks it the same way
 after every step, and at the end:
 
 - the cap: slots held equal the live executions, never more than ``max_inflight``; each

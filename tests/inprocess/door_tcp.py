@@ -27,8 +27,8 @@ import orjson
 from hypothesis import strategies as st
 
 from protocol.upload import split_payload
+from tests.conftest import receipt
 
-from .conftest import receipt
 from .interleavings import KEYS, GateRunner, move, tenants
 
 if TYPE_CHECKING:

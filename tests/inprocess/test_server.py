@@ -17,8 +17,7 @@ from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, T
 from governor.server import Server
 from protocol.spec import JobSpec
 from protocol.upload import PreparedUpload, split_payload
-
-from .conftest import RawConn, ServerFactory, outcomes, receipt, wait_until
+from tests.conftest import RawConn, ServerFactory, outcomes, receipt, wait_until
 
 Opener = Callable[[Server], Awaitable[RawConn]]
 

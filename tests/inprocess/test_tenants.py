@@ -14,8 +14,7 @@ from clients import NO_RETRY, GovernorClient, RetryPolicy
 from governor.config import Config, ConfigError
 from governor.core.tenants import TenantConfig, Tenants, TokenBucket
 from protocol.spec import JobSpec
-
-from .conftest import ServerFactory, wait_until
+from tests.conftest import ServerFactory, wait_until
 
 
 def sha(key: str) -> str:

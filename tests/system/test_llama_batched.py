@@ -25,8 +25,8 @@ from governor.runners.llama import LlamaRunner
 from governor.server import Server
 from loadtest.support.processes import parent_pids
 from protocol.spec import Message
+from tests.conftest import ServerFactory, wait_until
 
-from .conftest import ServerFactory, wait_until
 from .test_llama import N_GPU_LAYERS, client_for, generating, greedy, worker_pids
 
 # The tokens a stream says beside others as alone: 4 on the CPU; on a GPU (an H100, measured)

@@ -1,0 +1,1 @@
+"""An in-process server on real sockets: the doors, their invariants, hostile clients."""

@@ -1,0 +1,1 @@
+"""Real processes: the daemon, the embedded model, a real Redis, the load tests."""
