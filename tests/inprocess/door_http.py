@@ -300,7 +300,6 @@ class HttpDoor:
 
     MAX_CLIENTS: ClassVar[int] = 4
     LEAVINGS: ClassVar[tuple[str, ...]] = ("close", "reset", "half-close")
-    TIMED: ClassVar[bool] = True  # (a request at the door is decided again at its hint)
     LAST_JOBS_S: ClassVar[float] = api.DOOR_MAX_S
     DRAIN_AFTER: ClassVar[int] = 8  # (each answer after it closes its connection)
     # A client cancels its job by leaving (closing, resetting or half-closing while its job

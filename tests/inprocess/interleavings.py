@@ -171,10 +171,6 @@ class Door(Protocol):
 
     MAX_CLIENTS: ClassVar[int]
     LEAVINGS: ClassVar[tuple[str, ...]]  # the ways a client may leave
-    # What a rule may act on depends on real time (requests at the door are decided again at
-    # their hint): rules are then always enabled and pick by a drawn index, doing nothing when
-    # there is nothing to act on, so that hypothesis draws the same choices whatever the timing.
-    TIMED: ClassVar[bool]
     LAST_JOBS_S: ClassVar[float]  # how long the last jobs may take to reach the runner at the end
     # Steps before the drain may come: one at once refuses every job after it, leaving little
     # running to see; one late is seen in fewer examples, with fewer steps after it.
@@ -274,16 +270,12 @@ class Door(Protocol):
 Move = Callable[..., None]
 
 
-def move(
-    when: Callable[[Any], bool] | None = None, **strategies: st.SearchStrategy[Any]
-) -> Callable[[Move], Move]:
+def move(**strategies: st.SearchStrategy[Any]) -> Callable[[Move], Move]:
     """Marks a door's method as a move of its own: a rule of the machine, its arguments drawn
-    from ``strategies``; ``when`` (given the door), if given, says whether it may be drawn now
-    (on an untimed door only: see ``Door.TIMED``)."""
+    from ``strategies``, always enabled (it does nothing when it finds nothing to act on)."""
 
     def mark(method: Move) -> Move:
         method.__dict__["move_strategies"] = strategies
-        method.__dict__["move_when"] = when
         return method
 
     return mark
@@ -368,11 +360,6 @@ class Interleavings(RuleBasedStateMachine):
     def live(self) -> list[Any]:
         return [c for c in self.door.clients if c.open]
 
-    def enabled(self, items: Sequence[Any]) -> bool:
-        """A rule that acts on one of ``items`` runs when there is one, or always on a timed
-        door (it then does nothing if there is none)."""
-        return bool(items) or self.door.TIMED
-
     def a_client(self, data: st.DataObject) -> Any:
         """A connected client (a new one if none is left)."""
         client = pick(data, self.live(), "client")
@@ -389,7 +376,11 @@ class Interleavings(RuleBasedStateMachine):
 
     # Rules: what every door has ----------------------------------------------------------
 
-    @precondition(lambda self: self.door.TIMED or len(self.live()) < self.door.MAX_CLIENTS)
+    # What a rule may act on depends on real time (a job reaches the runner, a reply its client,
+    # a request at the HTTP door is decided again at its hint, when the loop gets to them): the
+    # rules are always enabled and pick by a drawn index, doing nothing when there is nothing to
+    # act on, so that hypothesis draws the same choices whatever the timing.
+
     @rule()
     def connect(self) -> None:
         if len(self.live()) >= self.door.MAX_CLIENTS:
@@ -397,7 +388,6 @@ class Interleavings(RuleBasedStateMachine):
             return
         self.door.connect_a_client()
 
-    @precondition(lambda self: self.enabled(self.live()))
     @rule(data=st.data())
     def submit(self, data: st.DataObject) -> None:
         """A client sends work: jobs (as the door draws them), maybe with their cancels."""
@@ -408,7 +398,7 @@ class Interleavings(RuleBasedStateMachine):
         """More jobs than the slots at once, from several clients."""
         self.door.crowd(data)
 
-    @precondition(lambda self: self.door.CANCELS and self.enabled(self.door.cancellable()))
+    @precondition(lambda self: self.door.CANCELS)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         """A client cancels a job it sent: running, or (where its door lets it say so) held or
@@ -419,7 +409,6 @@ class Interleavings(RuleBasedStateMachine):
             return
         self.door.cancel(*target, data)
 
-    @precondition(lambda self: self.enabled(self.door.leavers()))
     @rule(data=st.data())
     def disconnect(self, data: st.DataObject) -> None:
         """A client leaves: while its job runs, while it waits, or between requests."""
@@ -431,7 +420,6 @@ class Interleavings(RuleBasedStateMachine):
         self.door.disconnect(client, how, data)
         self.settle()
 
-    @precondition(lambda self: self.enabled(self.runner.running()))
     @rule(data=st.data(), ok=st.booleans())
     def end_a_job(self, data: st.DataObject, ok: bool) -> None:
         """The runner finishes a running job, or fails it."""
@@ -603,10 +591,7 @@ def machine(
         apply.__name__ = apply.__qualname__ = name
         apply.__doc__ = method.__doc__
         as_a_rule: Any = rule  # (its overloads cannot tell a dict's keys from target's)
-        made = as_a_rule(**method.move_strategies)(apply)
-        if (when := method.move_when) is not None:
-            made = precondition(lambda self: when(self.door))(made)
-        return made
+        return as_a_rule(**method.move_strategies)(apply)
 
     moves = {
         name: as_rule(name, method)
