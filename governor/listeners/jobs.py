@@ -312,14 +312,15 @@ class JobTable:
         )
 
     def send_terminal(self, execution: Execution, ending: Ending) -> None:
-        req = self._final(execution)
+        req = self.jobs[execution.job].final
+        assert req is not None
         held_ms = round((self.state.clock() - execution.ticket.slot.started) * 1000)
         self.wire.send(
             self.wire.reply(
                 req,
                 Verb.CONFIRM,
                 Status.DONE if ending.need_code is None else Status.ABORT,
-                seq=final_seq(req),
+                seq=req.seq + (1 if req.inline is not None else 2),  # (final_seq: hot path)
                 need_code=ending.need_code,
                 error_code=ending.error_code,
                 detail=ending.detail,

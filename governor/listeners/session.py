@@ -35,6 +35,10 @@ from .wire import Wire
 LINES_PER_TURN = 64
 
 
+def _no_bytes(job: str) -> int:
+    return 0
+
+
 class Session:
     """One connection's protocol state.
 
@@ -64,8 +68,9 @@ class Session:
         self.id = conn_id  # names the connection in logs
         self.credentials = intake.Credentials(state, conn_id)
         self._close = close
-        self.wire = Wire(state, write, self._bytes_in)
+        self.wire = Wire(state, write, _no_bytes)
         self.table = JobTable(self, state, conn_id)
+        self.wire.bytes_in = self.table.bytes_in  # (the table needs the wire first)
         self.jobs = self.table.jobs
         self.buffers = self.table.buffers  # payload bytes on this connection
         self.reader = LineReader(config.max_line_bytes)
@@ -408,6 +413,3 @@ class Session:
         state = self.table.add(req.job, tenant)
         self.idle_changed()
         return state
-
-    def _bytes_in(self, job: str) -> int:
-        return self.table.bytes_in(job)

@@ -23,7 +23,7 @@ class Wire:
     ) -> None:
         self.state = state
         self._write = write
-        self._bytes_in = bytes_in  # a job's payload bytes received so far
+        self.bytes_in = bytes_in  # a job's payload bytes received so far
 
     def send(self, reply: Reply) -> None:
         if reply.status == Status.ABORT and reply.need_code is not None:
@@ -58,7 +58,7 @@ class Wire:
             error_code=error_code,
             retry_hint_ms=retry_hint_ms,
             detail=detail,
-            receipts=(*self.receipts(self._bytes_in(req.job)), *extra),
+            receipts=(*self.receipts(self.bytes_in(req.job)), *extra),
             result=result,
         )
 
@@ -94,7 +94,7 @@ class Wire:
 
     def error(self, req: Request, exc: RemoteProtocolError, *, seq: int | None = None) -> None:
         """The error's own reply (its codes and detail) to ``req``."""
-        receipts = self.receipts(self._bytes_in(req.job))
+        receipts = self.receipts(self.bytes_in(req.job))
         seq = req.seq + 1 if seq is None else seq
         self.send(error_reply(exc, req.job, seq, req.ttl_ms, receipts))
 
