@@ -78,6 +78,12 @@ def add_parser(commands: Any) -> None:
         help="also run loadtest.support.floor, the bare uvloop server (admitted and new-conn only)",
     )
     parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="another checkout of this repository (an earlier commit, say): its governor joins "
+        "the rotation as 'baseline', on the same flags, for a before-and-after in one run",
+    )
+    parser.add_argument(
         "--governor-arg",
         action="append",
         default=[],
@@ -119,10 +125,12 @@ def daemon_command(
 
 def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[str, Any]:
     port = free_port()
+    baseline = which == "baseline"  # (the governor of --baseline-tree: run from that checkout)
     proc = subprocess.Popen(
-        daemon_command(which, args, scenario, port),
+        daemon_command("governor" if baseline else which, args, scenario, port),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        cwd=args.baseline_tree if baseline else None,
     )
     try:
         wait_listening(port, proc)
@@ -170,6 +178,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     scenario = SCENARIOS[args.scenario]
     daemons = ["governor", "heptaminid"]
+    if args.baseline_tree is not None:
+        if not (args.baseline_tree / "governor" / "__main__.py").exists():
+            print(f"loadtest peer: {args.baseline_tree} is not a checkout of the governor")
+            return 2
+        daemons.append("baseline")
     if args.floor:
         if scenario.rate_key != "done_per_s":
             print("loadtest peer: --floor answers the admitted scenarios only")
@@ -196,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     for which in daemons:
         if which != "heptaminid":
             summary[f"{which}_over_heptaminid"] = ratios(medians[which], medians["heptaminid"])
+    if "baseline" in daemons:  # (this tree's governor over the other's: below 1, slower now)
+        summary["governor_over_baseline"] = ratios(medians["governor"], medians["baseline"])
     summary["runs"] = [{k: v for k, v in r.items() if k != "summary"} for r in runs]
     print(json.dumps(summary))
     return 0

@@ -78,3 +78,33 @@ def test_the_floor_answers_burst_s_admitted_jobs_in_the_rotation(tmp_path: Path)
     refused = peer(tmp_path, "--floor", "--scenario", "pings", "--runs", "1", check=False)
     assert refused.returncode == 2
     assert "admitted scenarios only" in refused.stdout
+
+
+BASELINE_MAIN = """import os, sys
+with open({marker!r}, "a") as f:
+    f.write(f"{{os.getcwd()}}\\n")
+os.chdir({root!r})  # (this tree is a stand-in: the governor it runs is this repository's)
+os.execv(sys.executable, [sys.executable, "-m", "governor", *sys.argv[1:]])
+"""
+
+
+@pytest.mark.skipif(not DEFAULT_BURST.exists(), reason="needs ../shared/bench/burst.py")
+def test_a_baseline_tree_s_governor_joins_the_rotation(tmp_path: Path) -> None:
+    """``--baseline-tree``: the other checkout's governor is started from that checkout, in the
+    rotation, with its ratio to this one's; a folder that is no checkout is refused."""
+    tree = tmp_path / "before"
+    (tree / "governor").mkdir(parents=True)
+    (tree / "governor" / "__init__.py").write_text("")
+    marker = tmp_path / "baseline-started"
+    root = Path(__file__).resolve().parents[2]
+    main = BASELINE_MAIN.format(marker=str(marker), root=str(root))
+    (tree / "governor" / "__main__.py").write_text(main)
+    out = peer(tmp_path, "--baseline-tree", str(tree), "--scenario", "pings", "--runs", "1")
+    summary = orjson.loads(out.stdout.strip().splitlines()[-1])
+    assert [run["daemon"] for run in summary["runs"]] == ["governor", "heptaminid", "baseline"]
+    assert marker.read_text().split() == [str(tree)]  # started once, from that checkout
+    assert summary["median"]["baseline"]["rate"] > 0
+    assert summary["governor_over_baseline"]["rate"] > 0
+    refused = peer(tmp_path, "--baseline-tree", str(tmp_path), "--runs", "1", check=False)
+    assert refused.returncode == 2
+    assert "not a checkout" in refused.stdout
