@@ -16,9 +16,9 @@ keep-alive and pipelining.
 - A yield is 429 (503 for ``draining``, ``breaker_open``, ``fleet_unavailable``) with
   ``retry-after-ms``, ``Retry-After`` (whole seconds, rounded up) and an OpenAI error body whose
   ``code`` is the need code; a busy yield's place in line is kept for its retry
-  (:class:`~governor.listeners.openai_api.KeptPlaces`), and a retry refused again waits here for its new
-  hint rather than spend one of its SDK's two retries (:meth:`Exchange._waits`). A request the
-  policy refuses for good is 400.
+  (:class:`~governor.listeners.openai_api.KeptPlaces`), and a retry refused again waits here
+  for its new hint rather than spend one of its SDK's two retries (:meth:`Exchange._waits`). A
+  request the policy refuses for good is 400.
 - A job that fails is 502 (504 when out of time, 503 at shutdown); once its stream has begun,
   an ``error`` event ends it instead.
 - A client that closes its connection cancels its job at once (its runner stops before its next
@@ -656,9 +656,9 @@ class Exchange:
             self._yielded(decision, self.key, attempt, first)
 
     def _waits(self, decision: Yielded) -> bool:
-        """Wait at the door for the new hint (:func:`~governor.listeners.openai_api.waits_at_door`), to
-        be decided again then, as if the client came back: the cap and the line hold as they
-        do for any client."""
+        """Wait at the door for the new hint
+        (:func:`~governor.listeners.openai_api.waits_at_door`), to be decided again then, as if
+        the client came back: the cap and the line hold as they do for any client."""
         hint_s = decision.retry_hint_ms / 1000
         if not api.waits_at_door(
             returning=self.first_refusal is not None,

@@ -281,12 +281,13 @@ class JobTable:
         if held:
             self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
             detail = "no execution slot free; resend the final chunk after retry_hint_ms"
-        elif draining:
-            self.forget(req.job)
-            detail = "the governor is draining and admits no new job; send it to another replica"
         else:
             self.forget(req.job)
-            detail = "no execution slot free, and the payload was not kept; resend it"
+            detail = (
+                "the governor is draining and admits no new job; send it to another replica"
+                if draining
+                else "no execution slot free, and the payload was not kept; resend it"
+            )
         self.wire.yield_(
             req,
             seq=final_seq(req),

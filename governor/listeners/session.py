@@ -237,7 +237,11 @@ class Session:
 
     def expect_progress(self, state: JobState, wait_s: float = 0.0) -> None:
         """The job is dropped unless it moves on within ``wait_s`` + ``upload_timeout``."""
-        state.deadline = deadline = self.clock() + wait_s + self.config.upload_timeout
+        state.deadline = self.clock() + wait_s + self.config.upload_timeout
+        self._due(state.deadline)
+
+    def _due(self, deadline: float) -> None:
+        """A new deadline: the listener moves its timer if it comes before the one it has."""
         if self.sooner is None or deadline < self.sooner:
             self.sooner = deadline
 
@@ -331,8 +335,7 @@ class Session:
             elif turn.wait > 0:  # the source's failures are spent: this key waits for its turn
                 self.deferred = req
                 self.deferred_at = self.clock() + turn.wait
-                if self.sooner is None or self.deferred_at < self.sooner:
-                    self.sooner = self.deferred_at
+                self._due(self.deferred_at)
                 return
         self._handle(req)
 

@@ -2,10 +2,10 @@
 
 A :class:`Runner` first checks a job with :meth:`Runner.prepare`: its spec as the intake parsed
 it (:mod:`governor.intake`: once, from a TCP payload or an HTTP body; an invalid one is refused
-there, or by the runner's own checks here, before it can take a slot), then executes each admitted job in one call
-of :meth:`Runner.run`, an async generator of :class:`Token` events (partial output, as it is produced;
-before them, a batched runner's :class:`Fed` progress while the prompt is fed) ending with one
-:class:`Finished`. The server cancels the iteration's task to stop a job (client gone,
+there, or by the runner's own checks here, before it can take a slot), then executes each
+admitted job in one call of :meth:`Runner.run`, an async generator of :class:`Token` events
+(partial output, as it is produced; before them, a batched runner's :class:`Fed` progress while
+the prompt is fed) ending with one :class:`Finished`. The server cancels the iteration's task to stop a job (client gone,
 ``ttl_ms`` spent, shutdown): a runner must stop work promptly when cancelled and raise
 :class:`RunnerError` for a job that failed, never anything else.
 
