@@ -318,10 +318,14 @@ class Fleet:
             else:
                 self.seconds.observe(time.perf_counter() - started)
                 self._written(released)
-                refusal = gate.answered(lease, answer, trial=trial)
+                refusal = gate.answered(
+                    lease, answer, trial=trial, tenant=tenant, next_end_ms=next_end_ms
+                )
+                if refusal is not None and answer.allowed:  # (over what this replica holds)
+                    self._forget(lease)
                 _reraise_cancel()  # (the caller releases the lease it may have been granted)
                 return refusal
-        return gate.on_share(lease, tenant, tokens, next_end_ms())
+        return gate.on_share(lease, tenant, tokens, next_end_ms)
 
     def release(self, lease: Lease) -> None:
         """The lease's job ended: free it here now, in the store with the next batch."""

@@ -23,7 +23,8 @@ job's lane decides (``fleet_fail_open``, by default interactive work only): *fai
 this replica's share of the fleet's limits (each divided by the replicas last seen alive), or
 *fail closed*, yield ``fleet_unavailable`` with the breaker's remaining cooldown as the hint.
 Leases taken on the share are written to the store by the next renewal that reaches it, so the
-fleet counts them again once it is back.
+fleet counts them again once it is back; until then a late grant from the store that would make
+this replica alone hold more than the fleet's (or the tenant's) cap is refused here.
 """
 
 from __future__ import annotations
@@ -127,12 +128,26 @@ class FleetGate:
     def question(self, lease: Lease, tenant: TenantConfig, tokens: int, expected_s: float) -> Ask:
         return Ask(lease=lease, tenant=tenant, tokens=tokens, expected_ms=round(expected_s * 1000))
 
-    def answered(self, lease: Lease, answer: Answer, *, trial: bool) -> Refusal | None:
-        """The store answered: the lease is this replica's, or the refusal to send."""
+    def answered(
+        self,
+        lease: Lease,
+        answer: Answer,
+        *,
+        trial: bool,
+        tenant: TenantConfig,
+        next_end_ms: Callable[[], int],
+    ) -> Refusal | None:
+        """The store answered: the lease is this replica's, or the refusal to send. A grant is
+        refused here too (the caller gives the store's lease back) when this replica already
+        holds the fleet's or the tenant's cap: leases granted on its share while the store was
+        slow, which the store has not counted."""
         self.breaker.record(False, trial=trial)
         self.replicas = max(1, answer.replicas)
         self.fleet_inflight = answer.inflight
         if answer.allowed:
+            held = self._held_refusal(tenant, 1, next_end_ms)
+            if held is not None:
+                return held
             self.answers["allowed"] += 1
             self.leases[lease.id] = lease
             return None
@@ -154,24 +169,20 @@ class FleetGate:
             self.replicas = max(1, replicas)
 
     def on_share(
-        self, lease: Lease, tenant: TenantConfig, tokens: int, next_end_ms: int
+        self, lease: Lease, tenant: TenantConfig, tokens: int, next_end_ms: Callable[[], int]
     ) -> Refusal | None:
         """The store cannot answer: admit ``lease`` within this replica's share of the fleet's
-        limits if its lane fails open, else refuse. ``next_end_ms``: when one of this replica's
-        jobs is expected to end, the hint at a share's cap."""
+        limits if its lane fails open, else refuse. ``next_end_ms()``: when one of this
+        replica's jobs is expected to end, the hint at a share's cap."""
         s, now = self.settings, self.clock()
         lane = lease.lane if lease.lane in LANES else Lane.INTERACTIVE
         if lane not in s.fail_open:
             self.answers["fail_closed"] += 1
             left = self.breaker.retry_after_s(s.timeout_s) or s.timeout_s
             return Refusal(NeedCode.FLEET_UNAVAILABLE, self._hint(left * 1000))
-        n = self.replicas
-        if s.max_inflight and len(self.leases) >= math.ceil(s.max_inflight / n):
-            return self._share_refusal(NeedCode.FLEET_BUSY, next_end_ms)
-        if tenant.max_inflight:
-            mine = sum(1 for held in self.leases.values() if held.tenant == tenant.name)
-            if mine >= math.ceil(tenant.max_inflight / n):
-                return self._share_refusal(NeedCode.TENANT_BUSY, next_end_ms)
+        held = self._held_refusal(tenant, self.replicas, next_end_ms)
+        if held is not None:
+            return held
         requests, token_bucket = self._share_buckets(tenant, now)
         wait = 0.0
         if tenant.requests_per_s:
@@ -186,6 +197,19 @@ class FleetGate:
             token_bucket.take(tokens, now)
         self.answers["on_share"] += 1
         self.leases[lease.id] = lease
+        return None
+
+    def _held_refusal(
+        self, tenant: TenantConfig, n: int, next_end_ms: Callable[[], int]
+    ) -> Refusal | None:
+        """The refusal when this replica holds ``1/n`` of the fleet's cap or of the tenant's."""
+        cap = self.settings.max_inflight
+        if cap and len(self.leases) >= math.ceil(cap / n):
+            return self._share_refusal(NeedCode.FLEET_BUSY, next_end_ms())
+        if tenant.max_inflight:
+            mine = sum(1 for held in self.leases.values() if held.tenant == tenant.name)
+            if mine >= math.ceil(tenant.max_inflight / n):
+                return self._share_refusal(NeedCode.TENANT_BUSY, next_end_ms())
         return None
 
     def released(self, lease: Lease) -> None:

@@ -147,13 +147,29 @@ def test_random_interleavings_never_leak(door: str, loop: str) -> None:
     )
 
 
+# A store that answers in time; one slower than fleet_timeout for nearly every job (its breaker
+# opens, every lane fails open): admissions decided on the share and the store's late grants mix.
+STORES: dict[str, dict[str, Any]] = {
+    "answering": {},
+    "slow": {"fleet_timeout": 0.0003, "fleet_fail_open": "all"},
+}
+
+
 @pytest.mark.slow
-def test_random_interleavings_never_leak_with_a_fleet(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("store", sorted(STORES))
+def test_random_interleavings_never_leak_with_a_fleet(
+    redis_server: RedisServer, store: str
+) -> None:
     """The same through the TCP door, with a fleet cap of 1 under the server's 3: jobs admitted
     here are refused by the fleet and taken back (their payloads held for a retry) amid
     cancels, resets and the drain; nothing may leak, and the runner never runs more than the
-    fleet leased."""
-    config: dict[str, Any] = {"redis_url": redis_server.url, "fleet_max_inflight": 1}
+    fleet leased, nor this replica more than the fleet's cap, whether the store answers in time
+    or not."""
+    config: dict[str, Any] = {
+        "redis_url": redis_server.url,
+        "fleet_max_inflight": 1,
+        **STORES[store],
+    }
     run_state_machine_as_test(
         machine(TcpDoor, uvloop.new_event_loop, config),
         settings=settings(max_examples=30, stateful_step_count=20, deadline=None),

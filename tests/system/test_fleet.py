@@ -63,19 +63,68 @@ def test_the_store_answer_grants_the_lease_or_gives_its_code_and_hint() -> None:
     clock = FakeClock()
     g = gate(clock, max_inflight=4)
     lease = g.lease("t", "interactive")
-    assert g.answered(lease, Answer(True, replicas=3, inflight=1), trial=False) is None
+    assert (
+        g.answered(
+            lease,
+            Answer(True, replicas=3, inflight=1),
+            trial=False,
+            tenant=tenant(),
+            next_end_ms=lambda: 0,
+        )
+        is None
+    )
     assert lease.id in g.leases
     assert g.replicas == 3
-    busy = g.answered(g.lease("t", "heavy"), Answer(False, "fleet_busy", 1234), trial=False)
+    busy = g.answered(
+        g.lease("t", "heavy"),
+        Answer(False, "fleet_busy", 1234),
+        trial=False,
+        tenant=tenant(),
+        next_end_ms=lambda: 0,
+    )
     assert busy is not None
     assert busy.need_code == NeedCode.FLEET_BUSY
     assert busy.retry_hint_ms == 1234
-    rate = g.answered(g.lease("t", "heavy"), Answer(False, "rate_limited", 0), trial=False)
+    rate = g.answered(
+        g.lease("t", "heavy"),
+        Answer(False, "rate_limited", 0),
+        trial=False,
+        tenant=tenant(),
+        next_end_ms=lambda: 0,
+    )
     assert rate is not None
     assert rate.need_code == NeedCode.RATE_LIMITED
     assert rate.retry_hint_ms == g.settings.min_hint_ms  # never below the floor
     g.released(lease)
     assert not g.leases
+
+
+def test_a_store_grant_never_takes_a_replica_over_the_caps_it_holds_on_its_share() -> None:
+    """A store slower than ``fleet_timeout`` for one job: another is admitted on the share
+    meanwhile; the store's late grant for a third would make this replica alone hold more than
+    the fleet's cap (or the tenant's), so it is refused, and its lease is not held."""
+    clock = FakeClock()
+    g = gate(clock, max_inflight=1)
+    assert g.on_share(g.lease("t", "interactive"), tenant(), 10, next_end_ms=lambda: 40) is None
+    late = g.lease("t", "interactive")
+    busy = g.answered(
+        late, Answer(True, inflight=1), trial=False, tenant=tenant(), next_end_ms=lambda: 40
+    )
+    assert busy is not None
+    assert (busy.need_code, busy.retry_hint_ms) == (NeedCode.FLEET_BUSY, 40)
+    assert late.id not in g.leases
+    assert len(g.leases) == 1
+    # The tenant's cap alike, under a fleet cap that has room.
+    g = gate(clock, max_inflight=8)
+    two = tenant("two", max_inflight=2)
+    for _ in range(2):
+        assert g.on_share(g.lease("two", "interactive"), two, 1, next_end_ms=lambda: 9) is None
+    third = g.answered(
+        g.lease("two", "interactive"), Answer(True), trial=False, tenant=two, next_end_ms=lambda: 9
+    )
+    assert third is not None
+    assert third.need_code == NeedCode.TENANT_BUSY
+    assert len(g.leases) == 2
 
 
 def test_store_failures_open_its_breaker_and_a_trial_closes_it() -> None:
@@ -101,14 +150,14 @@ def test_while_the_store_is_unreachable_lanes_fail_open_on_the_share_or_closed()
     g.replicas = 3
     for _ in range(3):
         g.failed(trial=False)
-    closed = g.on_share(g.lease("t", "heavy"), tenant(), 10, next_end_ms=50)
+    closed = g.on_share(g.lease("t", "heavy"), tenant(), 10, next_end_ms=lambda: 50)
     assert closed is not None
     assert closed.need_code == NeedCode.FLEET_UNAVAILABLE
     assert 1500 <= closed.retry_hint_ms <= 2000  # the breaker's cooldown left
     # Interactive work (and a job with lanes off) runs within 6 / 3 = 2 leases here.
-    assert g.on_share(g.lease("t", "interactive"), tenant(), 10, next_end_ms=50) is None
-    assert g.on_share(g.lease("t", "-"), tenant(), 10, next_end_ms=50) is None
-    full = g.on_share(g.lease("t", "interactive"), tenant(), 10, next_end_ms=70)
+    assert g.on_share(g.lease("t", "interactive"), tenant(), 10, next_end_ms=lambda: 50) is None
+    assert g.on_share(g.lease("t", "-"), tenant(), 10, next_end_ms=lambda: 50) is None
+    full = g.on_share(g.lease("t", "interactive"), tenant(), 10, next_end_ms=lambda: 70)
     assert full is not None
     assert full.need_code == NeedCode.FLEET_BUSY
     assert full.retry_hint_ms == 70
@@ -119,7 +168,9 @@ def test_the_share_divides_a_tenants_limits_by_the_replicas_alive() -> None:
     g = gate(clock, fail_open=frozenset({"interactive", "heavy", "background"}))
     g.replicas = 2
     noisy = tenant("noisy", max_inflight=4, requests_per_s=10.0, request_burst=10.0)
-    admitted = [g.on_share(g.lease("noisy", "heavy"), noisy, 1, next_end_ms=9) for _ in range(3)]
+    admitted = [
+        g.on_share(g.lease("noisy", "heavy"), noisy, 1, next_end_ms=lambda: 9) for _ in range(3)
+    ]
     assert admitted[:2] == [None, None]
     assert admitted[2] is not None
     assert admitted[2].need_code == NeedCode.TENANT_BUSY
@@ -127,7 +178,9 @@ def test_the_share_divides_a_tenants_limits_by_the_replicas_alive() -> None:
     for lease in list(g.leases.values()):
         g.released(lease)
     quick = tenant("quick", requests_per_s=10.0, request_burst=10.0)
-    answers = [g.on_share(g.lease("quick", "heavy"), quick, 1, next_end_ms=9) for _ in range(6)]
+    answers = [
+        g.on_share(g.lease("quick", "heavy"), quick, 1, next_end_ms=lambda: 9) for _ in range(6)
+    ]
     assert answers[:5] == [None] * 5
     refused = answers[5]
     assert refused is not None
