@@ -156,6 +156,15 @@ class Config:
     http_listen: str | None = _opt(None, check=_address)(
         "HOST:PORT for the OpenAI-compatible front door (/v1/completions, /v1/chat/completions, /v1/models) on the same admission; unset: none."
     )
+    http_max_wait: float = _opt(30.0, min=0)(
+        "Front door: seconds a request may wait at the door for its turn when every slot is taken, in its lane's order; a request whose turn is predicted later is answered 429 at once. A request's x-governor-max-wait-ms header asks for less; 0: refuse at once."
+    )
+    http_max_waiting: int = _opt(256, min=0)(
+        "Front door: requests that may wait at the door at once; past it, 429 at once."
+    )
+    http_max_waiting_per_tenant: int = _opt(64, min=0)(
+        "Front door: requests one declared tenant may have waiting at the door at once; 0: only http_max_waiting bounds them."
+    )
     max_inflight: int = _opt(4, min=1)(
         "Hard cap on jobs executing at once, across all connections."
     )

@@ -281,7 +281,9 @@ class Server:
         self._listeners = [self._tcp]
         try:
             if self.config.http_address is not None:
-                self._front = FrontDoor(self.state, self.config.served_model, self._tls)
+                self._front = FrontDoor(
+                    self.state, self.config.served_model, self._tls, self.health.readiness
+                )
                 self._listeners.append(self._front)
             if self.config.metrics_address is not None:  # (its drain token is read here)
                 self._admin = AdminListener(self.state, self.health, self._drain_for_admin, loop)
@@ -398,13 +400,16 @@ class Server:
         return await self.wait_for_jobs(wait)
 
     def begin_drain(self, reason: str, grace: float | None = None) -> None:
-        """Refuse new jobs from now on; running ones have until the drain's deadline."""
+        """Refuse new jobs from now on (requests waiting at the front door too, at once);
+        running ones have until the drain's deadline."""
         if self._drain_deadline is not None:
             return
         grace = self.config.shutdown_grace if grace is None else grace
         self._drain_deadline = asyncio.get_running_loop().time() + grace
         for pool in self.pools:
             pool.ledger.draining = True
+        if self.state.slots_changed is not None:
+            self.state.slots_changed()
         event(
             log,
             logging.INFO,

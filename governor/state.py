@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable, Sized
 from typing import TYPE_CHECKING, Protocol
 
 from protocol.codes import ErrorCode, NeedCode, Receipt
@@ -80,6 +81,10 @@ class ServerState:
         self.jobs_done = asyncio.Event()
         self.jobs_done.set()
         self.fleet: Fleet | None = None  # with redis_url: the fleet's step of every admission
+        # With the front door: the requests waiting at it, and what to call when a slot may
+        # have freed for them (a job ended, a drain began).
+        self.door_line: Sized | None = None
+        self.slots_changed: Callable[[], None] | None = None
 
     @property
     def inflight(self) -> int:
@@ -127,6 +132,8 @@ class ServerState:
         self.jobs.discard(task)
         if not self.jobs:
             self.jobs_done.set()
+        if self.slots_changed is not None:
+            self.slots_changed()
 
     def receipts(self) -> tuple[tuple[str, int], ...]:
         """The receipts every reply carries but ``cdr.bytes_in``, over both pools."""

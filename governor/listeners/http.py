@@ -13,23 +13,31 @@ keep-alive and pipelining.
   connection. A key the connection shows for the first time is checked at once while its
   source's budget of failures lasts, else at its turn (the request waits meanwhile;
   :meth:`~governor.core.sources.Sources.key_turn`).
-- A yield is 429 (503 for ``draining``, ``breaker_open``, ``fleet_unavailable``) with
-  ``retry-after-ms``, ``Retry-After`` (whole seconds, rounded up) and an OpenAI error body whose
-  ``code`` is the need code; a busy yield's place in line is kept for its retry
-  (:class:`~governor.listeners.openai_api.KeptPlaces`), and a retry refused again waits here
-  for its new hint rather than spend one of its SDK's two retries (:meth:`Exchange._waits`). A
-  request the policy refuses for good is 400.
+- A request that finds every slot taken waits at the door for its turn, in its lane's order,
+  when admission's hint says the turn comes within its wait budget (``http_max_wait``, or the
+  ``x-governor-max-wait-ms`` it asks for): :mod:`governor.core.waitline`. It is decided again
+  at its hint, and whenever a slot may have freed (:meth:`FrontDoor.offer`: a job ended, a
+  waiter left, a drain began), in the line's order; ``x-governor-waited-ms`` says how long it
+  waited.
+- A yield it does not wait for is 429 (503 for ``draining``, ``breaker_open``,
+  ``fleet_unavailable``) with ``retry-after-ms``, ``Retry-After`` (whole seconds, rounded up)
+  and an OpenAI error body whose ``code`` is the need code; a busy yield's place in line is
+  kept for its retry (:class:`~governor.listeners.openai_api.KeptPlaces`). A request the
+  policy refuses for good is 400.
+- ``GET /health`` is the admin listener's readiness on this port (200 ready, 503 not), where
+  load balancers and tools look for it.
 - A job that fails is 502 (504 when out of time, 503 at shutdown); once its stream has begun,
   an ``error`` event ends it instead.
 - A client that closes its connection cancels its job at once (its runner stops before its next
-  token), and gives up a place it waits for at the door.
+  token), and gives up its place in the line at once.
 
 Bounds, as on the TCP side: connections (``max_connections``, all listeners together, and
 ``max_connections_per_source``; at a limit, a connection between requests that has shown no key
 is displaced, 503 ``displaced``); a request head of :data:`MAX_HEAD_BYTES` and
 :data:`MAX_HEADERS` fields (431); a body of ``max_payload_bytes`` (413, told by Content-Length
 before it is read, or counted as it arrives), counted against the server's payload buffers while
-its job runs (``buffers_full``, 429); a whole request within ``upload_timeout`` of its first byte
+its job runs or it waits (``buffers_full``, 429); waiting requests (``http_max_waiting``, and
+``http_max_waiting_per_tenant`` of a declared tenant; 429 past them); a whole request within ``upload_timeout`` of its first byte
 (408), however steadily it trickles; a connection idle between requests for ``idle_timeout``
 (closed); pipelined requests read ahead by :data:`MAX_READ_AHEAD` bytes at most; and, on the way
 out, ``write_buffer_bytes`` or ``write_timeout`` of answers unread (cut off, the job cancelled).
@@ -44,6 +52,7 @@ import socket
 import ssl
 import time
 import urllib.parse
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import cast
 
@@ -62,8 +71,11 @@ from ..core.admission import (
     Yielded,
 )
 from ..core.ledger import Refusal
+from ..core.policy import LANES
 from ..core.sources import KEY_TURN_FAR
+from ..core.waitline import Waiter, WaitLine, wait_budget_s, waits
 from ..execution import Ending, Execution
+from ..ops.health import Verdict
 from ..state import ServerState
 from . import openai_api as api
 from .base import bind, bound_address
@@ -75,6 +87,7 @@ MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer i
 JSON = "application/json"
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # (True: a chat)
 MODELS = "/v1/models"
+HEALTH = "/health"
 
 
 class FrontDoor:
@@ -83,10 +96,17 @@ class FrontDoor:
 
     early = False
 
-    def __init__(self, state: ServerState, model: str, tls: ssl.SSLContext | None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        model: str,
+        tls: ssl.SSLContext | None,
+        readiness: Callable[[], Verdict],
+    ) -> None:
         self.state = state
         self.model = model
         self.tls = tls
+        self.readiness = readiness
         self.created = int(time.time())
         config = state.config
         self.places = api.KeptPlaces(
@@ -95,6 +115,15 @@ class FrontDoor:
             grace_s=config.upload_timeout,
             limit=config.max_connections * config.held_payloads_per_conn,
         )
+        self.line: WaitLine[Exchange] = WaitLine(
+            len(LANES),
+            limit=config.http_max_waiting,
+            per_tenant=config.http_max_waiting_per_tenant,
+        )
+        state.door_line = self.line
+        state.slots_changed = self.offer
+        self._offering = False  # in offer (a call from within it asks for one more round)
+        self._again = False
         self.buffers = state.buffers
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
@@ -133,6 +162,33 @@ class FrontDoor:
             self._sock.close()
         if self._sweep is not None:
             self._sweep.cancel()
+
+    def offer(self) -> None:
+        """A slot may have freed (a job ended, a waiter left) or a drain began: the waiters are
+        decided again, in the line's order, while a slot is free (or, draining, all of them);
+        a waiter refused ``server_busy`` ends the round (those behind it would be too)."""
+        if not self.line:
+            return
+        if self._offering:  # (a job ended while a waiter was decided: once more after)
+            self._again = True
+            return
+        self._offering = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                for waiter in self.line.in_order():
+                    if not self._room():
+                        break
+                    exchange = waiter.item
+                    if exchange.waiter is waiter and exchange.decide() == NeedCode.SERVER_BUSY:
+                        break
+        finally:
+            self._offering = False
+
+    def _room(self) -> bool:
+        state = self.state
+        return state.ledger.draining or not all(p.ledger.saturated for p in state.pools)
 
     def kept(self) -> None:
         """A place was kept: make sure one will be forgotten when its time is up."""
@@ -320,7 +376,7 @@ class HttpConnection(asyncio.Protocol):
             return
         self.request = request
         path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
-        self.path = path if path in PATHS or path == MODELS else "other"
+        self.path = path if path in PATHS or path in (MODELS, HEALTH) else "other"
         length = _header(request, b"content-length")
         limit = self.config.max_payload_bytes
         if length is not None and int(length) > limit:  # (h11 checked it is a number)
@@ -363,7 +419,14 @@ class HttpConnection(asyncio.Protocol):
         path = self.path
         exchange = self.exchange = Exchange(self, method == "HEAD")
         chat = PATHS.get(path)
-        if path == MODELS:
+        if path == HEALTH:
+            if method not in ("GET", "HEAD"):
+                exchange.fail(api.not_allowed("GET, HEAD"))
+                return
+            verdict = self.door.readiness()
+            status = HTTPStatus.OK if verdict.ok else HTTPStatus.SERVICE_UNAVAILABLE
+            exchange.respond(status, verdict.body())
+        elif path == MODELS:
             if method not in ("GET", "HEAD"):
                 exchange.fail(api.not_allowed("GET, HEAD"))
                 return
@@ -373,7 +436,7 @@ class HttpConnection(asyncio.Protocol):
                 api.ApiError(
                     HTTPStatus.NOT_FOUND,
                     "not_found",
-                    "no such path: try /v1/completions, /v1/chat/completions or /v1/models",
+                    "no such path: try /v1/completions, /v1/chat/completions, /v1/models or /health",
                 )
             )
         elif method != "POST":
@@ -504,10 +567,12 @@ class Exchange:
         self.call: api.Call | None = None
         self.key: api.Key = ("", b"")
         self.attempt: Attempt | None = None
-        self.first_refusal: float | None = None  # came back for its place: when first refused
-        self.at_door = False  # waiting at the door for its place
-        self.door_s = 0.0  # how long it has waited there
-        self.door_timer: asyncio.TimerHandle | None = None
+        self.first_refusal: float | None = None  # when first refused (a retry: its first try)
+        self.budget_s = 0.0  # how long it may wait at the door (from ``arrived``)
+        self.arrived = 0.0
+        self.waiter: Waiter[Exchange] | None = None  # its place in the door's line
+        self.waited_ms: int | None = None  # (a job's answers say how long it waited)
+        self.door_timer: asyncio.TimerHandle | None = None  # decided again at its hint
         self.key_timer: asyncio.TimerHandle | None = None  # the key waits for its turn
         self.streaming = False  # the 200 and the stream's head are out
 
@@ -563,6 +628,8 @@ class Exchange:
             ("x-governor-cap", str(sum(p.ledger.cap for p in conn.state.pools))),
             *headers,
         ]
+        if self.waited_ms is not None:
+            fields.append(("x-governor-waited-ms", str(self.waited_ms)))
         if length is not None:
             fields.append(("content-length", str(length)))
         if conn.closing():
@@ -616,6 +683,7 @@ class Exchange:
             return
         try:
             call = api.parse_call(body, chat=chat, lane_header=_header(request, b"x-governor-lane"))
+            asked_ms = api.max_wait_ms(_header(request, api.MAX_WAIT_HEADER.encode()))
         except api.ApiError as exc:
             self.fail(exc)
             return
@@ -629,55 +697,94 @@ class Exchange:
         else:
             self.attempt = Attempt(tenant, None)
         intake.prepare_fields(conn.state, self.attempt, job_id, call.fields, body)
-        self._decide()
+        self.arrived = conn.state.clock()
+        self.budget_s = wait_budget_s(conn.config.http_max_wait, asked_ms)
+        self.decide()
 
-    def _decide(self) -> None:
-        """Admission's answer: the job runs, is refused for good (400), or yields: 429 (503),
-        or, for a request that came back for its place and is told to wait more, a wait at the
-        door (:meth:`_waits`)."""
+    @property
+    def at_door(self) -> bool:
+        """Waiting at the door for its turn."""
+        return self.waiter is not None
+
+    def decide(self) -> str | None:
+        """Admission's answer: the job runs, is refused for good (400), waits at the door for
+        its turn (:meth:`_waits`), or yields: 429 (503). Returns the need code of a refusal
+        (None: admitted)."""
         conn, attempt = self.conn, self.attempt
         assert attempt is not None
         state = conn.state
-        self.door_timer = None
+        if self.door_timer is not None:  # (decided before its hint: a slot may have freed)
+            self.door_timer.cancel()
+            self.door_timer = None
         decision = intake.decide(state, attempt)
-        if isinstance(decision, Yielded) and self._waits(decision):
-            return
-        if self.at_door:
-            self.at_door = False
-            attempt.tenant.waiting -= 1
+        if isinstance(decision, Yielded):
+            if self.first_refusal is None:
+                self.first_refusal = state.clock()
+            if self._waits(decision):
+                return decision.need_code
+        self._leave_line(decision)
         if isinstance(decision, Admitted):
             self._run(decision)
-        elif isinstance(decision, Rejected):
+            return None
+        if isinstance(decision, Rejected):
             error = decision.error
             code = error.need_code if error is not None else decision.need_code
             self._abort(HTTPStatus.BAD_REQUEST, code, error.detail if error else decision.detail)
-        else:
-            first = self.first_refusal if self.first_refusal is not None else state.clock()
-            self._yielded(decision, self.key, attempt, first)
+            return code
+        assert self.first_refusal is not None
+        self._yielded(decision, self.key, attempt, self.first_refusal)
+        return decision.need_code
 
     def _waits(self, decision: Yielded) -> bool:
-        """Wait at the door for the new hint
-        (:func:`~governor.listeners.openai_api.waits_at_door`), to be decided again then, as if
-        the client came back: the cap and the line hold as they do for any client."""
-        hint_s = decision.retry_hint_ms / 1000
-        if not api.waits_at_door(
-            returning=self.first_refusal is not None,
-            error_code=decision.error_code,
-            waited_s=self.door_s,
-            hint_ms=decision.retry_hint_ms,
-        ):
+        """Wait at the door for the turn the hint says, to be decided again then (or when a
+        slot may have freed before): a busy yield whose turn comes within the request's budget,
+        while the line has room for it."""
+        state, attempt = self.conn.state, self.attempt
+        assert attempt is not None
+        door = self.conn.door
+        if decision.error_code != ErrorCode.BUSY:
             return False
-        if not self.at_door:
-            assert self.attempt is not None
-            self.at_door = True
-            self.attempt.tenant.waiting += 1
-        self.door_s += hint_s
-        self.door_timer = asyncio.get_running_loop().call_later(hint_s, self._decide)
+        if not waits(self.budget_s, state.clock() - self.arrived, decision.retry_hint_ms):
+            if self.waiter is None:
+                state.metrics.not_waited["beyond_budget"] += 1
+            return False
+        if self.waiter is None:
+            self.waiter = door.line.join(
+                self,
+                rank=LANES.index(attempt.lane) if attempt.lane in LANES else 0,
+                tenant=attempt.tenant.name,
+                since=state.clock(),
+                bounded=not state.tenants.open,
+            )
+            if self.waiter is None:
+                state.metrics.not_waited["line_full"] += 1
+                return False
+            attempt.tenant.waiting += 1
+        self.door_timer = asyncio.get_running_loop().call_later(
+            decision.retry_hint_ms / 1000, self.decide
+        )
         return True
 
+    def _leave_line(self, decision: Admitted | Rejected | Yielded | None) -> None:
+        """Out of the line (if in it) with the decision that ended its wait (None: its client
+        left): the wait measured, the answer told how long it was."""
+        waiter, attempt, state = self.waiter, self.attempt, self.conn.state
+        if waiter is None:
+            self.waited_ms = 0
+            return
+        assert attempt is not None
+        self.waiter = None
+        self.conn.door.line.leave(waiter)
+        attempt.tenant.waiting -= 1
+        waited_s = state.clock() - waiter.since
+        self.waited_ms = round(waited_s * 1000)
+        state.metrics.door_wait.observe(attempt.lane, waited_s)
+        state.metrics.door_waits[(attempt.lane, _wait_outcome(decision))] += 1
+
     def left(self) -> None:
-        """The client left while its request waited at the door (its place is given up) or
-        for its key's turn (the turn is given back)."""
+        """The client left while its request waited at the door (its place in the line and
+        in admission's line are given up, and a slot held for it is offered to the others)
+        or for its key's turn (the turn is given back)."""
         if self.key_timer is not None:
             self.key_timer.cancel()
             self.key_timer = None
@@ -685,11 +792,11 @@ class Exchange:
         if self.door_timer is not None:
             self.door_timer.cancel()
             self.door_timer = None
+        if self.waiter is not None:
             assert self.attempt is not None
+            self._leave_line(None)
             self.conn.state.admission.forget(self.attempt)
-            if self.at_door:
-                self.at_door = False
-                self.attempt.tenant.waiting -= 1
+            self.conn.door.offer()
 
     def _run(self, decision: Admitted) -> None:
         conn, state, call, attempt = self.conn, self.conn.state, self.call, self.attempt
@@ -768,6 +875,17 @@ class Exchange:
         decision, _ = intake.take_back(state, execution, refusal, keep_payload=False)
         error = api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms)
         self._whole(error.status, error.body(), error.headers)
+
+
+def _wait_outcome(decision: Admitted | Rejected | Yielded | None) -> str:
+    """How a wait at the door ended, for ``governor_http_waits_total``."""
+    if decision is None:
+        return "left"
+    if isinstance(decision, Admitted):
+        return "admitted"
+    if isinstance(decision, Rejected):
+        return "rejected"
+    return "refused" if decision.error_code == ErrorCode.BUSY else "unavailable"
 
 
 def _header(request: h11.Request, name: bytes) -> str | None:

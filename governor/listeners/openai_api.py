@@ -79,9 +79,9 @@ MAPPED = frozenset(
     | {"temperature", "top_p", "seed", "stop", "stream", *EXTRA_FIELDS}
 )
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# A request back for its place waits at the door for its new hint, up to this long in all (see
-# waits_at_door): hints are predictions, a cold start's especially.
-DOOR_MAX_S = 10.0
+# A request's own wait budget at the door, in whole milliseconds (0: refuse it at once); the
+# server's http_max_wait bounds it.
+MAX_WAIT_HEADER = "x-governor-max-wait-ms"
 # A draining replica's 503 says to retry within this: behind a load balancer the retry (on a
 # new connection: the answer closes this one) reaches another replica. The TCP protocol's
 # draining hint is the longest (its clients leave a draining replica themselves).
@@ -419,14 +419,19 @@ def not_allowed(allow: str) -> ApiError:
     )
 
 
-def waits_at_door(*, returning: bool, error_code: str, waited_s: float, hint_ms: int) -> bool:
-    """Whether a refused request waits at the door for its new hint rather than be answered
-    429: it came back for its kept place (it was told to, and has few retries left: an OpenAI
-    SDK has two in all), its place is still busy (a ``busy`` yield: ``server_busy``,
-    ``lane_full``, a tenant's limit; not draining, not a broken runner), and its waits there
-    would add up to :data:`DOOR_MAX_S` at most. The server's wrong prediction costs the client
-    time, not a retry."""
-    return returning and error_code == ErrorCode.BUSY and waited_s + hint_ms / 1000 <= DOOR_MAX_S
+def max_wait_ms(value: str | None) -> int | None:
+    """The wait a request asks for (:data:`MAX_WAIT_HEADER`), or None (the server's)."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            NeedCode.SPEC_INVALID,
+            f"{MAX_WAIT_HEADER} must be a whole number of milliseconds, 0 to 999999999",
+            param=MAX_WAIT_HEADER,
+        )
+    return int(text)
 
 
 # Places in line kept for retries --------------------------------------------------------------

@@ -243,6 +243,29 @@ def _front_families(server: ServerState, health: Health) -> Iterator[Metric]:
         ["path", "status"],
         server.http_responses.items(),
     )
+    if server.door_line is not None:
+        yield GaugeMetricFamily(
+            "governor_http_waiting",
+            "Requests waiting at the front door for their turn now.",
+            value=len(server.door_line),
+        )
+    metrics = server.metrics
+    yield _counter(
+        "governor_http_waits",
+        "Waits at the front door, by lane and how they ended (admitted; refused: 429 once "
+        "the turn moved past the request's budget; unavailable: 503, a drain; rejected: 400; "
+        "left: the client went).",
+        ["lane", "outcome"],
+        metrics.door_waits.items(),
+    )
+    yield _counter(
+        "governor_http_not_waited",
+        "Busy requests the front door answered 429 at once, by why they did not wait "
+        "(beyond_budget: their turn later than their wait budget; line_full: "
+        "http_max_waiting or the tenant's bound).",
+        ["reason"],
+        _by_one(metrics.not_waited),
+    )
 
 
 def _fleet_step_families(server: ServerState, health: Health) -> Iterator[Metric]:

@@ -103,6 +103,17 @@ class JobMetrics:
             "a queue (0 when admitted at once).",
             WAIT_BUCKETS,
         )
+        self.door_wait = LaneHistograms(
+            "governor_http_wait_seconds",
+            "How long requests waited at the front door for their turn, whatever ended the wait.",
+            WAIT_BUCKETS,
+        )
+        # Waits at the front door, by lane and how they ended (admitted, refused: 429,
+        # unavailable: 503, rejected: 400, left: the client went).
+        self.door_waits: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Busy requests the front door answered at once, by why they did not wait
+        # (beyond_budget: their turn later than their wait budget; line_full).
+        self.not_waited: collections.Counter[str] = collections.Counter()
         self.prompt_tokens = LaneHistograms(
             "governor_job_prompt_tokens", "Prompt tokens of jobs that finished.", TOKEN_BUCKETS
         )
@@ -122,6 +133,7 @@ class JobMetrics:
             self.e2e,
             self.decision,
             self.wait,
+            self.door_wait,
             self.prompt_tokens,
             self.output_tokens,
         ):

@@ -3,13 +3,14 @@
 Keep-alive, pipelined requests; answers parsed by ``h11``: chats and completions, whole or
 streamed, of two tenants, with bodies drawn from a small set (identical requests are one
 another's retries: a refused request's place is kept for them), bad keys and bad bodies among
-them; retries of refused requests at once (back early for their place, they wait at the door),
-from the same connection or another; clients that close, reset or half-close at any moment
+them, some that ask not to wait at the door; requests that wait there for their turn (within
+``http_max_wait``), and retries of refused requests at once (back early for their place), from
+the same connection or another; clients that close, reset or half-close at any moment
 (while their job runs, which is HTTP's only cancel; while they wait at the door; in the middle
 of a pipeline); time that passes. Besides what every door holds, it checks that the payload
 buffers hold exactly the bodies of the requests held, that the places kept and the clients
 waiting at the door add up to each tenant's ``waiting`` and to the promises in the ledger's
-line, that each answer has the shape its status says, that the server counts every answer it
+line, that the door's line holds exactly the requests waiting at it, that each answer has the shape its status says, that the server counts every answer it
 sends, and at the end that the places kept are forgotten once their hints (plus
 ``upload_timeout``, their grace) have passed.
 """
@@ -47,6 +48,7 @@ CAP = 2
 TENANTS = tenants(CAP)
 PIPELINE = 3
 GRACE_S = 0.3  # upload_timeout: how long past its hint a refused request's place is kept
+WAIT_S = 1.0  # http_max_wait: how long a request may wait at the door for its turn
 PLACES_S = 3.0  # a place kept is gone this long past the longest hint told (and its grace)
 MAX_NEW_TOKENS = 64
 TOKEN = "tok "  # the one token each job yields before it waits for the test's word
@@ -87,6 +89,7 @@ class Spec:
     prompt: str = "hi"
     stream: bool = False
     fault: Fault = ""
+    no_wait: bool = False  # it asks not to wait at the door (x-governor-max-wait-ms: 0)
 
     @property
     def job(self) -> bool:
@@ -118,6 +121,8 @@ class Spec:
         the request it is answering: the test finds which one runs or waits)."""
         method = "POST" if self.job else "GET"
         lines = [f"{method} {PATHS[self.what]} HTTP/1.1", "host: governor", f"x-test-request: {n}"]
+        if self.job and self.no_wait:
+            lines.append(f"{api.MAX_WAIT_HEADER}: 0")
         if self.job and self.fault != "no_key":
             key = "k-x" if self.fault == "bad_key" else KEYS[self.tenant]
             lines.append(f"authorization: Bearer {key}")
@@ -130,6 +135,7 @@ class Spec:
         if not self.job:
             return f"GET {self.what}"
         words = [self.what, self.tenant, self.prompt, "stream" if self.stream else "", self.fault]
+        words.append("no-wait" if self.no_wait else "")
         return " ".join(w for w in words if w)
 
 
@@ -139,6 +145,7 @@ SPECS = st.builds(
     tenant=st.sampled_from(sorted(KEYS)),
     prompt=st.sampled_from(["hi", "yo"]),
     stream=st.booleans(),
+    no_wait=st.sampled_from([False, False, True]),
     fault=st.sampled_from(
         ["", "", "", "", "", "", "bad_key", "no_key", "bad_json", "unsupported", "bad_spec"]
     ),
@@ -300,7 +307,7 @@ class HttpDoor:
 
     MAX_CLIENTS: ClassVar[int] = 4
     LEAVINGS: ClassVar[tuple[str, ...]] = ("close", "reset", "half-close")
-    LAST_JOBS_S: ClassVar[float] = api.DOOR_MAX_S
+    LAST_JOBS_S: ClassVar[float] = WAIT_S
     DRAIN_AFTER: ClassVar[int] = 8  # (each answer after it closes its connection)
     # A client cancels its job by leaving (closing, resetting or half-closing while its job
     # runs): disconnect draws that, among the clients that asked for something.
@@ -318,6 +325,7 @@ class HttpDoor:
             "max_inflight": CAP,
             "tenants": TENANTS,
             "upload_timeout": GRACE_S,
+            "http_max_wait": WAIT_S,
             "max_auth_failures": 2,  # a connection's second bad key closes it
             "max_connections": 2 * self.MAX_CLIENTS,
             "held_payloads_per_conn": 1,  # so at most 8 places are kept
@@ -622,6 +630,9 @@ class HttpDoor:
                 door[exchange.attempt.tenant.name] += 1
                 promise = exchange.attempt.promise
                 promised += promise is not None and promise.queued
+        door_line = self.m.the_server.state.door_line
+        assert door_line is not None
+        assert len(door_line) == sum(door.values()), f"{len(door_line)} in line, {door} at door"
         for tenant in self.m.the_server.tenants.all():
             assert tenant.waiting == kept[tenant.name] + door[tenant.name], (
                 f"tenant {tenant.name}: waiting {tenant.waiting}, but "
@@ -695,6 +706,8 @@ class HttpDoor:
                 assert error(body, where)["code"] == "max_new_tokens_invalid", where
         else:
             assert status in (200, 429, 502, 503), where
+        if status in (200, 429, 503):  # (decided by admission: at once, or after a wait)
+            assert headers.get("x-governor-waited-ms", "").isdigit(), f"{where}: {headers}"
         if status in (429, 503):
             check_refusal(status, headers, body, head, where)
             if sent.after_drain or spec.fault == "bad_spec":  # (draining is decided first)

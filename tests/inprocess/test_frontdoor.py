@@ -23,7 +23,7 @@ import governor.server
 from clients import NO_RETRY, GovernorClient
 from governor.core.ledger import SlotLedger
 from governor.core.tenants import TenantConfig
-from governor.listeners.openai_api import DOOR_MAX_S
+from governor.listeners.openai_api import MAX_WAIT_HEADER
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
 from governor.server import Server
 from loadtest.support.redisserver import RedisServer
@@ -102,13 +102,15 @@ async def test_a_yield_is_a_rate_limit_error_carrying_retry_after_ms(
     make_server: ServerFactory,
     sdk: Sdk,
 ) -> None:
+    """A request that asks for no wait at the door (or whose turn is past its budget)."""
     server = await front(make_server, max_inflight=1, stub_ms=1000)
     running = await hold_slot(server, sdk)
     with pytest.raises(openai.RateLimitError) as caught:
         await sdk(server, max_retries=0).chat.completions.create(
-            model="m", messages=CHAT, max_tokens=4
+            model="m", messages=CHAT, max_tokens=4, extra_headers={MAX_WAIT_HEADER: "0"}
         )
     response = caught.value.response
+    assert response.headers["x-governor-waited-ms"] == "0"
     hint_ms = int(response.headers["retry-after-ms"])
     assert 100 <= hint_ms <= 1500  # the running job's end, about a second away
     assert int(response.headers["retry-after"]) == math.ceil(hint_ms / 1000)
@@ -125,9 +127,9 @@ async def test_a_yield_is_a_rate_limit_error_carrying_retry_after_ms(
 
 
 async def test_the_sdk_own_retries_finish_every_job(make_server: ServerFactory, sdk: Sdk) -> None:
-    """Six clients on two slots, the SDK's default two retries, no code of ours: every job
-    finishes, the refused ones at the hint they were given."""
-    server = await front(make_server, max_inflight=2, stub_ms=200)
+    """Six clients on two slots, the SDK's default two retries, no code of ours, no wait at
+    the door: every job finishes, the refused ones at the hint they were given."""
+    server = await front(make_server, max_inflight=2, stub_ms=200, http_max_wait=0)
     client = sdk(server)  # max_retries: the SDK's default, 2
     answers = await asyncio.gather(
         *(
@@ -145,8 +147,9 @@ async def test_a_retry_keeps_its_place_in_line(
     make_server: ServerFactory, sdk: Sdk, stopped_clock: StoppedClock
 ) -> None:
     """A refused request sent again (same key, same body) is its own promise: it takes the slot
-    held for it, while a newcomer arriving at the same moment is refused."""
-    server = await front(make_server, max_inflight=1, stub_ms=400)
+    held for it, while a newcomer arriving at the same moment is refused (with no wait at the
+    door: each decision is the one the test makes)."""
+    server = await front(make_server, max_inflight=1, stub_ms=400, http_max_wait=0)
     running = await hold_slot(server, sdk)
     async with httpx.AsyncClient(base_url=url(server)) as http:
 
@@ -172,67 +175,34 @@ async def test_a_retry_keeps_its_place_in_line(
 async def test_a_request_back_for_its_place_waits_at_the_door_rather_than_spend_a_retry(
     make_server: ServerFactory,
 ) -> None:
-    """Back too early (hints are predictions; an SDK has two retries), it is not refused again:
-    it waits at the door and runs as the slot frees; one back for a place too far off is told
-    so."""
+    """Told 429 (it asked for no wait), then back too early (hints are predictions; an SDK has
+    two retries): it is not refused again, it waits at the door for its kept place and runs as
+    the slot frees; one whose place is past the door's budget is told so at once."""
     server = await front(make_server, max_inflight=1, stub_ms=400)
     body = {"model": "m", "messages": CHAT}
     async with httpx.AsyncClient(base_url=url(server)) as http:
         running = asyncio.create_task(http.post("/v1/chat/completions", json=body | {"seed": 1}))
         await wait_until(lambda: server.inflight == 1)
-        first = await http.post("/v1/chat/completions", json=body)
+        no_wait = {MAX_WAIT_HEADER: "0"}
+        first = await http.post("/v1/chat/completions", json=body, headers=no_wait)
         assert first.status_code == 429
         back = await http.post("/v1/chat/completions", json=body)  # at once: ~400 ms early
         assert back.status_code == 200
+        assert int(back.headers["x-governor-waited-ms"]) > 0
         assert (await running).status_code == 200
         assert server.ledger.yielded_total >= 2  # refused again, inside, at least once
         assert server.state.http_responses[("/v1/chat/completions", "429")] == 1
-        # A place more than DOOR_MAX_S away: told so, not held at the door.
-        long = await front(make_server, max_inflight=1, stub_ms=int(DOOR_MAX_S * 1000) + 2000)
+        # A turn further off than the door's budget: told so, not held at the door.
+        long = await front(make_server, max_inflight=1, stub_ms=3000, http_max_wait=1.0)
         async with httpx.AsyncClient(base_url=url(long)) as other:
             slow = asyncio.create_task(other.post("/v1/chat/completions", json=body | {"seed": 1}))
             await wait_until(lambda: long.inflight == 1)
-            statuses = [(await other.post("/v1/chat/completions", json=body)).status_code]
-            statuses.append((await other.post("/v1/chat/completions", json=body)).status_code)
-            assert statuses == [429, 429]
+            answers = [await other.post("/v1/chat/completions", json=body) for _ in range(2)]
+            assert [a.status_code for a in answers] == [429, 429]
+            assert [a.headers["x-governor-waited-ms"] for a in answers] == ["0", "0"]
+            assert long.state.metrics.not_waited["beyond_budget"] == 2
             slow.cancel()
     assert [t.waiting for t in server.tenants.all()] == [0]
-
-
-async def test_a_client_that_leaves_the_door_gives_up_its_place(
-    make_server: ServerFactory,
-) -> None:
-    server = await front(make_server, max_inflight=1, stub_ms=500)
-    body = orjson.dumps({"model": "m", "messages": CHAT})
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        + f"content-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    async with httpx.AsyncClient(base_url=url(server)) as http:
-        running = asyncio.create_task(
-            http.post("/v1/chat/completions", json={"model": "m", "messages": CHAT, "seed": 1})
-        )
-        await wait_until(lambda: server.inflight == 1)
-        assert (await http.post("/v1/chat/completions", content=body)).status_code == 429
-        host, port = server.http_address or ("", 0)
-        _, writer = await asyncio.open_connection(host, port)
-        writer.write(request)  # back for its place: it waits at the door
-        (tenant,) = server.tenants.all()
-        await wait_until(
-            lambda: tenant.waiting == 1 and server.state.admission.ledger.waiting(0) == 1
-        )
-        writer.close()
-        await wait_until(
-            lambda: tenant.waiting == 0 and server.state.admission.ledger.waiting(0) == 0
-        )
-        await running
-        # The slot is not held for a client that left: a newcomer gets it at once.
-        fresh = await http.post(
-            "/v1/chat/completions", json={"model": "m", "messages": CHAT, "n": 1}
-        )
-        assert fresh.status_code == 200
-    assert server.buffered_bytes == 0
 
 
 # Answers ---------------------------------------------------------------------------------
@@ -319,7 +289,7 @@ def sha(key: str) -> str:
 
 async def test_the_bearer_key_is_the_tenant(make_server: ServerFactory, sdk: Sdk) -> None:
     tenants = (TenantConfig(name="alpha", key_sha256=sha("alpha-key"), max_inflight=1),)
-    server = await front(make_server, tenants=tenants, max_inflight=4, stub_ms=300)
+    server = await front(make_server, tenants=tenants, max_inflight=4, stub_ms=300, http_max_wait=0)
     with pytest.raises(openai.AuthenticationError) as caught:
         await sdk(server, "wrong-key").chat.completions.create(model="m", messages=CHAT)
     assert caught.value.code == "unauthorized"

@@ -33,8 +33,11 @@ STUB_MS = 200
 
 
 async def _front_door(make_server: ServerFactory) -> str:
-    """A governor with one slot, its jobs STUB_MS long; its front door's base URL."""
-    server = await make_server(http_listen="127.0.0.1:0", max_inflight=1, stub_ms=STUB_MS)
+    """A governor with one slot, its jobs STUB_MS long, no wait at its front door (a request
+    that finds the slot taken is answered 429 at once); its front door's base URL."""
+    server = await make_server(
+        http_listen="127.0.0.1:0", max_inflight=1, stub_ms=STUB_MS, http_max_wait=0
+    )
     assert server.http_address is not None
     host, port = server.http_address
     return f"http://{host}:{port}"
@@ -199,8 +202,8 @@ def test_a_runs_figures_and_the_ratios() -> None:
 
 
 def test_sdk_bench_on_the_stub_absorbs_429s(tmp_path: Path) -> None:
-    """8 SDK clients at once on 4 slots: half are refused, and the SDK's own two retries, paced
-    by the hints, get every one of them done."""
+    """8 SDK clients at once on 4 slots, no wait at the door: half are refused, and the SDK's
+    own two retries, paced by the hints, get every one of them done."""
     done = subprocess.run(
         [
             sys.executable,
@@ -222,6 +225,7 @@ def test_sdk_bench_on_the_stub_absorbs_429s(tmp_path: Path) -> None:
             "4",
             "--run-timeout",
             "30",
+            "--governor-arg=--http-max-wait=0",
             "--out",
             str(tmp_path),
         ],

@@ -312,25 +312,21 @@ def test_places_kept_for_retries() -> None:
     Places.TestCase().runTest()
 
 
-@given(st.lists(st.integers(1, 60_000), max_size=50), st.booleans(), st.booleans())
-def test_the_door_holds_only_a_returning_busy_request_and_never_past_its_bound(
-    hints: list[int], returning: bool, busy: bool
+@pytest.mark.parametrize(
+    ("value", "asked"), [(None, None), ("0", 0), (" 250 ", 250), ("999999999", 999_999_999)]
+)
+def test_a_request_asks_for_its_wait_in_whole_milliseconds(
+    value: str | None, asked: int | None
 ) -> None:
-    """Re-refused again and again, with any hints: its waits add up to DOOR_MAX_S at most, and
-    it waits at all only if it came back for its place and the refusal is ``busy``."""
-    code = ErrorCode.BUSY if busy else ErrorCode.UNAVAILABLE
-    waited = 0.0
-    for hint_ms in hints:
-        if not api.waits_at_door(
-            returning=returning, error_code=code, waited_s=waited, hint_ms=hint_ms
-        ):
-            break
-        waited += hint_ms / 1000
-    assert waited <= api.DOOR_MAX_S
-    if not (returning and busy):
-        assert waited == 0
-    elif hints and hints[0] <= api.DOOR_MAX_S * 1000:
-        assert waited > 0  # (a returning busy request with a first hint within the bound waits)
+    assert api.max_wait_ms(value) == asked
+
+
+@pytest.mark.parametrize("value", ["", "-1", "1.5", "1e3", "abc", "1000000000", "٣"])
+def test_a_wait_asked_for_that_is_not_a_whole_number_of_milliseconds_is_400(value: str) -> None:
+    with pytest.raises(api.ApiError) as refused:
+        api.max_wait_ms(value)
+    assert refused.value.status == HTTPStatus.BAD_REQUEST
+    assert (refused.value.code, refused.value.param) == ("spec_invalid", api.MAX_WAIT_HEADER)
 
 
 def test_a_draining_replica_says_retry_soon_elsewhere() -> None:
