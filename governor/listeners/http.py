@@ -626,10 +626,10 @@ class Exchange:
             ("content-type", content_type),
             ("x-governor-inflight", str(inflight)),
             ("x-governor-cap", str(sum(p.ledger.cap for p in conn.state.pools))),
-            *headers,
         ]
         if self.waited_ms is not None:
             fields.append(("x-governor-waited-ms", str(self.waited_ms)))
+        fields += headers
         if length is not None:
             fields.append(("content-length", str(length)))
         if conn.closing():
