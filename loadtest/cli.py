@@ -19,6 +19,7 @@ from .commands import (
     burst,
     ceiling,
     compare,
+    door_refusal,
     fleet_bench,
     fleet_faults,
     generation,
@@ -66,6 +67,7 @@ REGISTERED: tuple[Command, ...] = (
     fleet_bench,
     fleet_faults,
     sdk_bench,
+    door_refusal,
 )
 COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}
 

@@ -248,3 +248,20 @@ def test_sdk_bench_on_the_stub_absorbs_429s(tmp_path: Path) -> None:
     assert row["ttft_p99_ms"] >= 2 * STUB_MS * 0.9  # the refused waited a whole job
     assert set(report["median"]) == {"governor"}
     assert "governor_over_baseline" not in report
+
+
+def test_door_refusal_measures_a_no_wait_429_against_the_cheapest_answer() -> None:
+    """Every answer is checked as it comes (429 for the no-wait chats, 200 for /v1/models: the
+    command fails otherwise), and each kind has its server time and round trips."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest", "door-refusal", "--requests", "50", "--rounds", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=90,
+        check=True,
+    )
+    report = json.loads(done.stdout.decode().splitlines()[-1])
+    assert [(r["kind"], r["answers"]) for r in report["runs"]] == [("refusal", 50), ("models", 50)]
+    for figures in report["median"].values():
+        assert 0 < figures["rtt_p50_us"] <= figures["rtt_p99_us"]
+        assert figures["server_cpu_us_per_answer"] >= 0
