@@ -6,7 +6,7 @@ Lane ``-`` is a job with lanes off.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -244,12 +244,18 @@ def _front_families(server: ServerState, health: Health) -> Iterator[Metric]:
         server.http_responses.items(),
     )
     if server.door_line is not None:
-        yield GaugeMetricFamily(
-            "governor_http_waiting",
-            "Requests waiting at the front door for their turn now.",
-            value=len(server.door_line),
-        )
+        yield from _door_families(server, server.door_line)
+
+
+def _door_families(server: ServerState, line: Sized) -> Iterator[Metric]:
+    """The wait at the front door, with ``http_listen`` only."""
     metrics = server.metrics
+    yield GaugeMetricFamily(
+        "governor_http_waiting",
+        "Requests waiting at the front door for their turn now.",
+        value=len(line),
+    )
+    yield metrics.door_wait.family()
     yield _counter(
         "governor_http_waits",
         "Waits at the front door, by lane and how they ended (admitted; refused: 429 once "

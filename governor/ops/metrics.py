@@ -133,7 +133,6 @@ class JobMetrics:
             self.e2e,
             self.decision,
             self.wait,
-            self.door_wait,
             self.prompt_tokens,
             self.output_tokens,
         ):
