@@ -36,9 +36,9 @@ Bounds, as on the TCP side: connections (``max_connections``, all listeners toge
 is displaced, 503 ``displaced``); a request head of :data:`MAX_HEAD_BYTES` and
 :data:`MAX_HEADERS` fields (431); a body of ``max_payload_bytes`` (413, told by Content-Length
 before it is read, or counted as it arrives), counted against the server's payload buffers while
-its job runs or it waits (``buffers_full``, 429); waiting requests (``http_max_waiting``, and
-``http_max_waiting_per_tenant`` of a declared tenant; 429 past them); a whole request within ``upload_timeout`` of its first byte
-(408), however steadily it trickles; a connection idle between requests for ``idle_timeout``
+it waits or its job runs (``buffers_full``, 429); requests waiting at the door
+(``http_max_waiting``, and ``http_max_waiting_per_tenant`` of a declared tenant; 429 past them);
+a whole request within ``upload_timeout`` of its first byte (408), however steadily it trickles; a connection idle between requests for ``idle_timeout``
 (closed); pipelined requests read ahead by :data:`MAX_READ_AHEAD` bytes at most; and, on the way
 out, ``write_buffer_bytes`` or ``write_timeout`` of answers unread (cut off, the job cancelled).
 """

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from ..support.options import positive_int
+from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_int
 from ..support.processes import REPO, cpu_s, free_port, stop, wait_http_ready
 from ..support.stats import percentile
 
@@ -119,7 +119,7 @@ def add_parser(commands: Any) -> None:
         NAME,
         help="the server's time for a no-wait 429 at the front door",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
     parser.add_argument("--requests", type=positive_int, default=2000, help="answers per run")
     parser.add_argument("--rounds", type=positive_int, default=3, help="runs of each kind")

@@ -26,11 +26,12 @@ def test_the_fleet_cap_holds_under_racing_clients(tmp_path: Path) -> None:
     )
     report = uvloop.run(fleet_bench.measure_cap(tmp_path, args))
     assert report["max_leases_in_store"] <= 6, report
-    # The replicas' own counts stay within the cap while each asks the store. One that found
-    # the store slower than fleet_timeout (a loaded machine) admits within its share (6/3)
-    # beside the others' leases: at most the two other replicas' shares over the cap then.
-    over = 0 if report["admitted_on_share"] == 0 else 2 * 2
-    assert report["max_sum_of_replica_leases_two_rounds"] <= 6 + over, report
+    # No replica holds more than the cap itself, whether the store granted its leases or (found
+    # slower than fleet_timeout on a loaded machine) its share did. (Their sum is read one
+    # replica after the other, over HTTP: on a loaded machine a lease moving between two reads
+    # is counted twice; the store's count above is the exact one.)
+    assert report["max_leases_of_one_replica"] <= 6, report
+    assert report["held"], report
     assert report["max_leases_in_store"] == 6  # it was reached: the cap bound
     assert report["jobs_done"] > 0
     assert report["yields"].get("fleet_busy", 0) > 0
