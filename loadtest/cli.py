@@ -22,6 +22,7 @@ from .commands import (
     fleet_bench,
     fleet_faults,
     generation,
+    guidellm_bench,
     idle,
     lanes,
     mix,
@@ -66,6 +67,7 @@ REGISTERED: tuple[Command, ...] = (
     fleet_bench,
     fleet_faults,
     sdk_bench,
+    guidellm_bench,
 )
 COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}
 
