@@ -36,7 +36,8 @@ latency p50 and p99 in ms (guidellm's percentiles, of the successful requests). 
 each server's medians, the governor's ratios to llama-server, and issue 27's targets (no request
 errored, output tokens/s at least 0.9x llama-server's, TTFT p99 no worse). The last line of stdout
 is the whole report as JSON (also written to ``--out DIR``, with guidellm's reports and every
-log).
+log). The exit status is 1 when a run left no report (guidellm refused to start, failed or ran
+past ``--run-timeout``: the row says why), whatever the figures.
 """
 
 from __future__ import annotations
@@ -615,4 +616,4 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         (args.out / "guidellm-bench.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
-    return 0
+    return 1 if any(r.get("guidellm_failed") for r in report["runs"]) else 0
