@@ -23,6 +23,7 @@ from .commands import (
     fleet_bench,
     fleet_faults,
     generation,
+    guidellm_bench,
     idle,
     lanes,
     mix,
@@ -67,6 +68,7 @@ REGISTERED: tuple[Command, ...] = (
     fleet_bench,
     fleet_faults,
     sdk_bench,
+    guidellm_bench,
     door_refusal,
 )
 COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}

@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -71,7 +70,7 @@ from typing import Any
 
 from clients.client import ClientError, RetryPolicy
 
-from ..support import baseline_server
+from ..support import baseline_server, llama_server
 from ..support.connections import Endpoint, StartError, run_loop
 from ..support.driver import closed_loop, open_loop
 from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
@@ -240,12 +239,6 @@ def parse_choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-def default_llama_server() -> Path:
-    """Where deploy/build-llama-server.sh keeps its binary."""
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "governor" / "llama-server" / "llama-server"
-
-
 # Targets ---------------------------------------------------------------------------------
 
 
@@ -265,24 +258,16 @@ class Settings:
 def command(name: str, settings: Settings, *, slots: int, lanes: bool, port: int) -> list[str]:
     """The command line that starts target ``name`` with ``slots`` slots on ``port``."""
     if name == "llama-server":
-        return [
-            str(settings.llama_server),
-            "-m",
-            str(settings.model),
-            "-np",
-            str(slots),
-            "-kvu",
-            "-c",
-            str(settings.server_ctx),
-            "-t",
-            str(settings.threads),
-            "-ngl",
-            str(settings.n_gpu_layers),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
+        return llama_server.command(
+            settings.llama_server,
+            settings.model,
+            port=port,
+            slots=slots,
+            ctx=settings.server_ctx,
+            threads=settings.threads,
+            n_gpu_layers=settings.n_gpu_layers,
+            unified_kv=True,
+        )
     if name == "llama-cpp-python":
         return baseline_server.command(
             settings.model, port, threads=settings.threads, n_ctx=settings.n_ctx
@@ -354,7 +339,7 @@ def launch(name: str, settings: Settings, *, slots: int, lanes: bool, log: Path)
         )
     url = f"http://127.0.0.1:{port}"
     if name == "llama-server":
-        wait_http_ready(proc, url + "/health", name, READY_TIMEOUT_S)
+        wait_http_ready(proc, url + llama_server.READY_PATH, name, READY_TIMEOUT_S)
         return Instance(name, proc, argv, url=url, extra=LLAMA_SERVER_EXTRA, cold_extra=COLD_EXTRA)
     if name == "llama-cpp-python":
         wait_http_ready(proc, url + "/v1/models", name, READY_TIMEOUT_S)
@@ -925,7 +910,7 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llama-server",
         type=Path,
-        default=default_llama_server(),
+        default=llama_server.default_binary(),
         help="llama-server binary (where deploy/build-llama-server.sh puts it)",
     )
 

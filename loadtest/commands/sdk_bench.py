@@ -1,8 +1,9 @@
-"""``sdk-bench``: the official OpenAI SDK against the governor's front door and the queueing
-baseline, side by side in one run.
+"""``sdk-bench``: the official OpenAI SDK against the governor's front door and a baseline
+server, side by side in one run.
 
 N clients, each an ``openai.AsyncOpenAI`` with the SDK's defaults (two retries, which sleep a
-429's ``retry-after-ms``; its own timeout unless ``--timeout``), start together and each send
+429's ``retry-after-ms``, unless ``--max-retries``: 0 is a client that never retries, as most
+scripts and tools are; its own timeout unless ``--timeout``), start together and each send
 ``--requests-per-client`` streamed chat completions one after the other: a short question that
 differs per request (by its number only, so that each is as much work), ``--max-tokens`` new
 tokens, temperature 0, a seed, ``include_usage``. Nothing here retries or paces them: what is
@@ -13,8 +14,11 @@ Servers, each started here on a free loopback port for its run and stopped by it
 * ``governor``: ``governor serve --runner llama --max-inflight K --threads T --http-listen ...``
   on the embedded model (``--runner stub`` for a quick run without the model): when its K slots
   are taken it answers 429 with its hint, and the SDK retries;
-* ``baseline``: llama-cpp-python's own server on the same model (:mod:`loadtest.support.baseline_server`),
-  which queues every request (``--no-baseline``: none).
+* ``baseline`` (``--baseline``): ``llama-cpp-python``'s own server on the same model
+  (:mod:`loadtest.support.baseline_server`), which queues every request and runs one at a time;
+  or ``llama-server``, llama.cpp's own (:mod:`loadtest.support.llama_server`) with
+  ``-np K``, the governor's K slots, and ``--n-ctx`` in each, which queues what its slots do not
+  take; or ``none`` (also ``--no-baseline``).
 
 Runs alternate (governor, baseline, baseline, governor, ...), ``--rounds`` of each, so that a
 drift of this shared machine falls on both. Each run reports requests ok and failed (by the
@@ -44,9 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..support import baseline_server
+from ..support import baseline_server, llama_server
 from ..support.connections import run_loop
-from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
+from ..support.options import (
+    RawDescriptionDefaultsHelpFormatter,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from ..support.processes import REPO, free_port, stop, wait_http_ready
 from ..support.stats import percentile, ratio
 
@@ -56,6 +65,7 @@ if TYPE_CHECKING:
 
 NAME = "sdk-bench"
 SERVERS = ("governor", "baseline")
+BASELINES = ("llama-cpp-python", "llama-server", "none")
 RUNNERS = ("llama", "stub")
 READY_TIMEOUT_S = 180.0
 API_KEY = "sdk-bench"  # the governor runs open (no tenants) and llama_cpp.server checks none
@@ -120,26 +130,45 @@ class Started:
     argv: list[str]
 
 
+def baseline_command(args: argparse.Namespace, model: Path, port: int) -> list[str]:
+    """``--baseline``'s server: llama-cpp-python's, or llama-server with the governor's slots
+    (``-np K``), each of ``--n-ctx`` tokens (its ``-c`` is all the slots' together)."""
+    if args.baseline == "llama-server":
+        return llama_server.command(
+            args.llama_server,
+            model,
+            port=port,
+            slots=args.max_inflight,
+            ctx=args.n_ctx * args.max_inflight,
+            threads=args.threads,
+        )
+    return baseline_server.command(model, port, threads=args.threads, n_ctx=args.n_ctx)
+
+
 def launch(name: str, args: argparse.Namespace, model: Path, log: Path) -> Started:
-    """Start ``name`` on a free loopback port, its output to ``log``, and wait until it answers
-    ``/v1/models`` (the governor answers once its runner is ready). Blocking: nothing else runs
-    meanwhile. Raises RuntimeError (with the process stopped)."""
+    """Start ``name`` on a free loopback port, its output to ``log``, and wait until it is ready:
+    ``/v1/models`` answers (the governor answers once its runner is ready; llama-server,
+    ``/health``). Blocking: nothing else runs meanwhile. Raises RuntimeError (with the process
+    stopped)."""
     port = free_port()
+    ready = "/v1/models"
     if name == "governor":
         argv = governor_command(args, model, port)
     else:
-        argv = baseline_server.command(model, port, threads=args.threads, n_ctx=args.n_ctx)
+        argv = baseline_command(args, model, port)
+        if args.baseline == "llama-server":
+            ready = llama_server.READY_PATH
     with log.open("ab") as out:
         proc = subprocess.Popen(
             argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
         )
-    url = f"http://127.0.0.1:{port}/v1"
+    root = f"http://127.0.0.1:{port}"
     try:
-        wait_http_ready(proc, url + "/models", name, READY_TIMEOUT_S)
+        wait_http_ready(proc, root + ready, name, READY_TIMEOUT_S)
     except BaseException:
         stop(proc)
         raise
-    return Started(name, proc, url, argv)
+    return Started(name, proc, root + "/v1", argv)
 
 
 # Clients ---------------------------------------------------------------------------------
@@ -226,13 +255,21 @@ async def model_of(url: str, args: argparse.Namespace) -> str:
     return model
 
 
+def max_retries(args: argparse.Namespace) -> int:
+    """``--max-retries``, else the SDK's own default."""
+    import openai
+
+    return openai.DEFAULT_MAX_RETRIES if args.max_retries is None else int(args.max_retries)
+
+
 def _timeout(seconds: float | None) -> dict[str, Any]:
     """The SDK's ``timeout`` argument: left out (its default) unless given."""
     return {} if seconds is None else {"timeout": seconds}
 
 
 async def load(url: str, args: argparse.Namespace) -> Load:
-    """``args.clients`` SDK clients with default retries, started together, each sending
+    """``args.clients`` SDK clients with ``args.max_retries`` retries (None: the SDK's
+    default), started together, each sending
     ``args.requests_per_client`` requests one after the other; bounded by ``args.run_timeout``
     (requests outstanding then fail as ``RunTimeout``, and those not yet sent are not)."""
     import openai
@@ -258,6 +295,7 @@ async def load(url: str, args: argparse.Namespace) -> Load:
             base_url=url,
             api_key=API_KEY,
             http_client=openai.DefaultAsyncHttpxClient(event_hooks={"response": [seen(i)]}),
+            max_retries=max_retries(args),
             **_timeout(args.timeout),
         )
         for i in range(args.clients)
@@ -381,7 +419,7 @@ async def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     from governor.runners.llama import embedded_model_path
 
     model = (args.model or embedded_model_path()).resolve()
-    servers = ["governor"] if args.no_baseline else list(SERVERS)
+    servers = ["governor"] if baseline(args) == "none" else list(SERVERS)
     report: dict[str, Any] = {
         "command": NAME,
         "model": model.name,
@@ -394,7 +432,8 @@ async def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         "n_ctx": args.n_ctx,
         "timeout": args.timeout,
         "sdk": f"openai {openai.__version__}",
-        "sdk_max_retries": openai.DEFAULT_MAX_RETRIES,
+        "sdk_max_retries": max_retries(args),
+        "baseline": baseline(args),
         "logs": str(logs),
         "argv": {},
         "runs": [],
@@ -464,7 +503,24 @@ def add_parser(commands: Any) -> None:
         "--stub-ms", type=positive_int, default=300, help="--runner stub: a job's time"
     )
     parser.add_argument(
-        "--no-baseline", action="store_true", help="run the governor only (no llama_cpp.server)"
+        "--max-retries",
+        type=non_negative_int,
+        help="the SDK's max_retries: 0 is a client that never retries (default: the SDK's own, "
+        "openai.DEFAULT_MAX_RETRIES)",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=BASELINES,
+        default=BASELINES[0],
+        help="the server beside the governor: llama-cpp-python's (one request at a time), "
+        "llama.cpp's llama-server with -np K (the governor's K slots), or none",
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="the same as --baseline none")
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=llama_server.default_binary(),
+        help=f"--baseline llama-server: its binary (where {llama_server.BUILD_SCRIPT} puts it)",
     )
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
     parser.add_argument(
@@ -478,11 +534,22 @@ def add_parser(commands: Any) -> None:
     )
 
 
+def baseline(args: argparse.Namespace) -> str:
+    """The baseline that runs: ``--baseline``, or none with ``--no-baseline``."""
+    return "none" if args.no_baseline else str(args.baseline)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import openai  # noqa: F401  (a test dependency of the governor, not a runtime one)
     except ImportError:
         print(f"loadtest {NAME}: needs the openai package (pip install openai)", file=sys.stderr)
+        return 2
+    if baseline(args) == "llama-server" and not args.llama_server.is_file():
+        print(
+            f"loadtest {NAME}: no {args.llama_server}: build it with {llama_server.BUILD_SCRIPT}",
+            file=sys.stderr,
+        )
         return 2
     if args.out is not None:
         logs = args.out / "logs"
@@ -495,7 +562,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"loadtest {NAME}: {exc} (logs: {logs})", file=sys.stderr)
         return 1
     for name, m in report["median"].items():
-        print(f"median {name}: {json.dumps(m)}")
+        label = f"baseline ({report['baseline']})" if name == "baseline" else name
+        print(f"median {label}: {json.dumps(m)}")
     if "governor_over_baseline" in report:
         print(f"governor / baseline: {json.dumps(report['governor_over_baseline'])}")
     if args.out is not None:

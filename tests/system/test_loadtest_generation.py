@@ -12,7 +12,7 @@ import pytest
 
 from loadtest.cli import build_parser
 from loadtest.commands import ceiling, generation
-from loadtest.support import baseline_server
+from loadtest.support import baseline_server, llama_server
 from loadtest.support.machine import others_share, parse_busy_s
 from loadtest.support.options import positive_ints
 from loadtest.support.processes import descendants, parse_rollup_kib, tree_rollup_kib
@@ -78,7 +78,7 @@ def test_generation_defaults_and_choices() -> None:
     assert (args.rewrite_tokens, args.burst_slots, args.burst_delay) == (1400, None, 0.2)
     assert args.slots is None
     assert args.threads == 2
-    assert args.llama_server == generation.default_llama_server()
+    assert args.llama_server == llama_server.default_binary()
     args = build_parser().parse_args(
         ["generation", "--targets", "llama-server,governor", "--measures", "burst", "--slots", "4"]
     )
@@ -93,7 +93,7 @@ def test_generation_defaults_and_choices() -> None:
 
 def test_default_llama_server_follows_xdg_cache_home(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", "/cache")
-    assert generation.default_llama_server() == Path("/cache/governor/llama-server/llama-server")
+    assert llama_server.default_binary() == Path("/cache/governor/llama-server/llama-server")
 
 
 def test_ceiling_options() -> None:
