@@ -11,10 +11,15 @@ project has, and pulls in torch): see :data:`SETUP_VENV`, printed when it is mis
 Servers, each started here on a free loopback port for its run and stopped by its PID after it:
 
 * ``governor``: ``governor serve --runner llama --model M --max-inflight S --lanes true
-  --threads T --http-listen 127.0.0.1:PORT --listen 127.0.0.1:0`` and ``--extra-governor-args``;
-  ready once its front door answers ``/v1/models``;
+  --threads T --kv-capacity C --n-ctx C/S --http-listen 127.0.0.1:PORT --listen 127.0.0.1:0``
+  and ``--extra-governor-args``; ready once its front door answers ``/v1/models``;
 * ``llama-server``: ``llama-server -m M -np S -c C -t T`` (``deploy/build-llama-server.sh``),
   ``C`` enough for S slots of the run's requests; ready once ``/health`` answers.
+
+Both get the same KV cache, ``C`` cells (``--server-ctx``), each request the same context: a
+larger cache costs every decode step (the governor's default, room for two jobs of ``n_ctx``
+2048 and a quarter of that for each further slot, is 5,120 cells for 4 slots; llama-server's is
+the model's training context), so the two are compared on equal memory.
 
 Runs alternate (governor, llama-server, llama-server, governor, ...), ``--rounds`` of each, so
 that a drift of this shared machine falls on both. Each run sends one chat first (not counted:
@@ -122,6 +127,10 @@ def server_ctx(args: argparse.Namespace) -> int:
 
 
 def governor_command(args: argparse.Namespace, model: Path, port: int) -> list[str]:
+    """The governor with llama-server's KV cache: as many cells (its ``-c``), each job's
+    context as long as a llama-server slot's (a larger cache costs every decode step, so the
+    two are compared on equal memory)."""
+    cells = server_ctx(args)
     return [
         sys.executable,
         "-m",
@@ -137,6 +146,10 @@ def governor_command(args: argparse.Namespace, model: Path, port: int) -> list[s
         "true",
         "--threads",
         str(args.threads),
+        "--kv-capacity",
+        str(cells),
+        "--n-ctx",
+        str(cells // args.slots),
         "--http-listen",
         f"127.0.0.1:{port}",
         "--listen",  # (its protocol listener, unused here: any free port)
