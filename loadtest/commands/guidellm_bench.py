@@ -69,7 +69,7 @@ from typing import Any
 from ..support import llama_server
 from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
 from ..support.processes import REPO, free_port, stop, wait_http_ready
-from ..support.stats import ratio
+from ..support.stats import alternating, ratio
 
 NAME = "guidellm-bench"
 SERVERS = ("governor", "llama-server")
@@ -106,11 +106,6 @@ MAX_TTFT_P99_RATIO = 1.0
 def default_guidellm() -> str:
     """The bench venv's guidellm where it exists, else ``guidellm`` on PATH."""
     return str(DEFAULT_GUIDELLM) if DEFAULT_GUIDELLM.exists() else "guidellm"
-
-
-def order(servers: Sequence[str], rounds: int) -> list[str]:
-    """Runs alternating A, B, B, A, ...: ``rounds`` of each."""
-    return ((list(servers) + list(servers)[::-1]) * ((rounds + 1) // 2))[: len(servers) * rounds]
 
 
 # Command lines -----------------------------------------------------------------------------
@@ -495,7 +490,7 @@ def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         "logs": str(logs),
         "runs": [],
     }
-    for k, name in enumerate(order(args.servers, args.rounds)):
+    for k, name in enumerate(alternating(args.servers, args.rounds)):
         row = one_run(k, name, args, model, logs)
         report["runs"].append(row)
         print(line(row), flush=True)

@@ -57,7 +57,7 @@ from ..support.options import (
     positive_int,
 )
 from ..support.processes import REPO, free_port, stop, wait_http_ready
-from ..support.stats import percentile, ratio
+from ..support.stats import alternating, percentile, ratio
 
 if TYPE_CHECKING:
     import httpx2
@@ -392,11 +392,6 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def order(servers: Sequence[str], rounds: int) -> list[str]:
-    """Runs alternating A, B, B, A, ...: ``rounds`` of each."""
-    return ((list(servers) + list(servers)[::-1]) * ((rounds + 1) // 2))[: len(servers) * rounds]
-
-
 def line(row: dict[str, Any]) -> str:
     failed = ", ".join(f"{k} {v}" for k, v in row["failed_by"].items())
     return (
@@ -438,7 +433,7 @@ async def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         "argv": {},
         "runs": [],
     }
-    for k, name in enumerate(order(servers, args.rounds)):
+    for k, name in enumerate(alternating(servers, args.rounds)):
         started = launch(name, args, model, logs / f"{k}-{name}.log")
         report["argv"][name] = started.argv
         try:

@@ -83,3 +83,9 @@ def summarize(values: Sequence[float]) -> Summary:
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b`` to 3 decimals; None where either is missing or ``b`` is 0."""
     return round(a / b, 3) if a is not None and b else None
+
+
+def alternating(names: Sequence[str], rounds: int) -> list[str]:
+    """Runs alternating A, B, B, A, ...: ``rounds`` of each, so that a drift of the machine
+    falls on every one of them."""
+    return ((list(names) + list(names)[::-1]) * ((rounds + 1) // 2))[: len(names) * rounds]

@@ -14,6 +14,7 @@ from loadtest.cli import build_parser
 from loadtest.commands import sdk_bench
 from loadtest.support.connections import retry_policy
 from loadtest.support.driver import Run, open_loop
+from loadtest.support.stats import alternating
 from loadtest.support.targets import (
     ABORTED,
     DONE,
@@ -164,10 +165,10 @@ async def test_a_request_the_front_door_refuses_for_good_is_aborted(
 
 
 def test_runs_alternate() -> None:
-    assert sdk_bench.order(["g", "b"], 1) == ["g", "b"]
-    assert sdk_bench.order(["g", "b"], 2) == ["g", "b", "b", "g"]
-    assert sdk_bench.order(["g", "b"], 3) == ["g", "b", "b", "g", "g", "b"]
-    assert sdk_bench.order(["g"], 2) == ["g", "g"]
+    assert alternating(["g", "b"], 1) == ["g", "b"]
+    assert alternating(["g", "b"], 2) == ["g", "b", "b", "g"]
+    assert alternating(["g", "b"], 3) == ["g", "b", "b", "g", "g", "b"]
+    assert alternating(["g"], 2) == ["g", "g"]
 
 
 def test_prompts_differ_and_are_as_long() -> None:

@@ -19,6 +19,7 @@ import pytest
 from loadtest.cli import build_parser
 from loadtest.commands import guidellm_bench
 from loadtest.support import llama_server
+from loadtest.support.stats import alternating
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path("/models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -223,7 +224,7 @@ def test_a_run_without_a_report_fails_the_target_and_counts_in_no_median() -> No
 
 
 def test_runs_alternate() -> None:
-    assert guidellm_bench.order(["g", "l"], 3) == ["g", "l", "l", "g", "g", "l"]
+    assert alternating(["g", "l"], 3) == ["g", "l", "l", "g", "g", "l"]
 
 
 # Command lines -----------------------------------------------------------------------------
