@@ -40,7 +40,10 @@ def url(server: Server) -> str:
 
 
 def line(server: Server) -> int:
-    return (server.state.door_line is not None and len(server.state.door_line)) or 0
+    """The requests waiting at the server's front door."""
+    door = server.state.door_line
+    assert door is not None
+    return len(door)
 
 
 def body(n: int = 0, **fields: Any) -> dict[str, Any]:
