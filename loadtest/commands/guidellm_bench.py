@@ -55,7 +55,6 @@ import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,7 +68,7 @@ from typing import Any
 from ..support import llama_server
 from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
 from ..support.processes import REPO, free_port, stop, wait_http_ready
-from ..support.stats import alternating, ratio
+from ..support.stats import alternating, medians_by, ratio
 
 NAME = "guidellm-bench"
 SERVERS = ("governor", "llama-server")
@@ -378,15 +377,6 @@ def failed_row(server: str, why: str) -> dict[str, Any]:
 # Summaries (pure) --------------------------------------------------------------------------
 
 
-def medians(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The median of each figure over one server's runs (None where no run had it)."""
-    out: dict[str, Any] = {"runs": len(rows)}
-    for key in (*COUNTS, *COMPARED):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        out[key] = round(statistics.median(values), 3) if values else None
-    return out
-
-
 def targets(runs: Sequence[dict[str, Any]], ratios: Mapping[str, float | None]) -> dict[str, Any]:
     """Issue 27's three, and whether all are met: every governor run ran with none errored (and
     left a report); its median output tokens/s at least 0.9x llama-server's; its median TTFT p99
@@ -404,11 +394,7 @@ def targets(runs: Sequence[dict[str, Any]], ratios: Mapping[str, float | None]) 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Medians per server and, with both, the governor's over llama-server's and the targets."""
-    by_server = {
-        name: medians(mine)
-        for name in SERVERS
-        if (mine := [r for r in runs if r["server"] == name])
-    }
+    by_server = medians_by(runs, SERVERS, (*COUNTS, *COMPARED))
     out: dict[str, Any] = {"median": by_server}
     if len(by_server) == 2:
         ours, theirs = by_server["governor"], by_server["llama-server"]

@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import collections
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +56,7 @@ from ..support.options import (
     positive_int,
 )
 from ..support.processes import REPO, free_port, stop, wait_http_ready
-from ..support.stats import alternating, percentile, ratio
+from ..support.stats import alternating, medians_by, percentile, ratio
 
 if TYPE_CHECKING:
     import httpx2
@@ -79,6 +78,8 @@ COMPARED = (
     "e2e_p50_ms",
     "e2e_p99_ms",
 )
+# Figures of each server's median run.
+MEDIANS = ("ok", "failed", *COMPARED, "http_429", "absorbed_429", "sdk_retries")
 
 
 def prompt(k: int) -> str:
@@ -369,22 +370,9 @@ def run_row(server: str, run: Load) -> dict[str, Any]:
     }
 
 
-def medians(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The median of each figure over one server's runs (None where no run had it)."""
-    out: dict[str, Any] = {"runs": len(rows)}
-    for key in ("ok", "failed", *COMPARED, "http_429", "absorbed_429", "sdk_retries"):
-        values = [r[key] for r in rows if r[key] is not None]
-        out[key] = round(statistics.median(values), 3) if values else None
-    return out
-
-
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Medians per server and, with both, the governor's over the baseline's."""
-    by_server = {
-        name: medians(mine)
-        for name in SERVERS
-        if (mine := [r for r in runs if r["server"] == name])
-    }
+    by_server = medians_by(runs, SERVERS, MEDIANS)
     out: dict[str, Any] = {"median": by_server}
     if len(by_server) == 2:
         ours, theirs = by_server["governor"], by_server["baseline"]

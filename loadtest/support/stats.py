@@ -11,8 +11,10 @@ A percentile of no values is undefined: :func:`percentile` raises, :func:`summar
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Summary", "percentile", "ratio", "summarize"]
 
@@ -89,3 +91,21 @@ def alternating(names: Sequence[str], rounds: int) -> list[str]:
     """Runs alternating A, B, B, A, ...: ``rounds`` of each, so that a drift of the machine
     falls on every one of them."""
     return ((list(names) + list(names)[::-1]) * ((rounds + 1) // 2))[: len(names) * rounds]
+
+
+def medians_by(
+    runs: Sequence[Mapping[str, Any]], names: Sequence[str], keys: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """Each named server's runs (``run["server"]``) as the median of every figure in ``keys``
+    (None where no run had it), with how many runs; servers with no run are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        rows = [r for r in runs if r["server"] == name]
+        if not rows:
+            continue
+        figures: dict[str, Any] = {"runs": len(rows)}
+        for key in keys:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            figures[key] = round(statistics.median(values), 3) if values else None
+        out[name] = figures
+    return out
