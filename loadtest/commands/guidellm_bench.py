@@ -97,7 +97,7 @@ COMPARED = (
     "latency_p99_ms",
 )
 COUNTS = ("successful", "errored", "incomplete")
-# Issue 27's bounds on the governor over llama-server.
+# The front door's targets: the governor over llama-server.
 MIN_OUTPUT_RATIO = 0.9
 MAX_TTFT_P99_RATIO = 1.0
 
@@ -378,7 +378,7 @@ def failed_row(server: str, why: str) -> dict[str, Any]:
 
 
 def targets(runs: Sequence[dict[str, Any]], ratios: Mapping[str, float | None]) -> dict[str, Any]:
-    """Issue 27's three, and whether all are met: every governor run ran with none errored (and
+    """The front door's three targets, and whether all are met: every governor run ran with none errored (and
     left a report); its median output tokens/s at least 0.9x llama-server's; its median TTFT p99
     no worse (None: a figure missing)."""
     ours = [r for r in runs if r["server"] == "governor"]

@@ -1,4 +1,4 @@
-"""``loadtest guidellm-bench``: guidellm's reports read into rows, the summary and issue 27's
+"""``loadtest guidellm-bench``: guidellm's reports read into rows, the summary and the front door's
 targets, and the command line each server and guidellm get, with no process started.
 
 The reports are real ones (guidellm 0.8.1, 32 requests, 16 streams, 128 prompt and 64 output
