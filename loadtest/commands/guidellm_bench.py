@@ -580,8 +580,10 @@ def add_parser(commands: Any) -> None:
 
 def missing(args: argparse.Namespace) -> str | None:
     """Why the run cannot start (a tool not installed), or None."""
-    if shutil.which(args.guidellm) is None:
+    found = shutil.which(args.guidellm)
+    if found is None:
         return f"no guidellm at {args.guidellm!r}; make the bench venv with: {SETUP_VENV}"
+    args.guidellm = str(Path(found).resolve())  # the runs start in other directories
     if "llama-server" in args.servers and not args.llama_server.is_file():
         return f"no {args.llama_server}: build it with {llama_server.BUILD_SCRIPT}"
     return None
