@@ -29,6 +29,7 @@ from .fleet import FleetClient, FleetResult, Replicas, resolve, split_addresses
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 DEFAULT_ADDR = "127.0.0.1:7777"
+WAIT_PAUSE_S = 0.25  # between two pings of ping --wait
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds for the whole call")
     tls.add_arguments(parser.add_argument_group("TLS (default: plain TCP)"))
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("ping", help="health probe: exit 0 ready, 2 saturated, 1 error")
+    ping = commands.add_parser("ping", help="health probe: exit 0 ready, 2 saturated, 1 error")
+    ping.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="ping again until the governor is ready or SECONDS pass (a daemon still "
+        "starting: its port not yet open, its model loading); the exit is the last ping's "
+        "(default: 0, one ping)",
+    )
     upload = commands.add_parser("upload", help="upload FILE as one job and print its outcome")
     upload.add_argument("file", type=Path, help="payload file, or - for standard input")
     upload.add_argument("--job", help="job id (default: generated)")
@@ -99,6 +109,21 @@ def _health_exit(reply: Reply) -> int:
 
 
 async def _ping(args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + args.wait
+    while True:
+        try:
+            code = await _ping_once(args)
+        except (OSError, ClientError, TimeoutError):
+            if loop.time() >= deadline:
+                raise
+        else:
+            if code == EXIT_OK or loop.time() >= deadline:
+                return code
+        await asyncio.sleep(WAIT_PAUSE_S)
+
+
+async def _ping_once(args: argparse.Namespace) -> int:
     async with await _connect(args) as client:
         if isinstance(client, FleetClient):
             return await _ping_fleet(client, args.timeout)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +66,32 @@ def test_cli_ping_exit_codes(daemon: DaemonFactory, tmp_path: Path) -> None:
     assert b'"status":"done"' in out
     unreachable = cli("--addr", "127.0.0.1:1", "--timeout", "2", "ping")
     assert unreachable.returncode == 1
+
+
+def test_cli_ping_waits_for_a_daemon_still_starting(daemon: DaemonFactory) -> None:
+    """``ping --wait`` pings again until the daemon answers ready; without it, a port not yet
+    open is an error at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{probe.getsockname()[1]}"
+    assert cli("--addr", addr, "ping").returncode == 1
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "clients", "--addr", addr, "ping", "--wait", "30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.0)  # (the pinger's first tries find the port closed)
+        assert waiting.poll() is None, waiting.communicate()
+        daemon("--listen", addr, "--stub-ms", "10")
+        out, err = waiting.communicate(timeout=30)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.communicate()
+    assert waiting.returncode == 0, err
+    assert '"server.health","value_u64":1' in out
 
 
 def test_cli_upload_abort_exits_2(daemon: DaemonFactory, tmp_path: Path) -> None:
