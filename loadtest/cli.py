@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest",
         description="Load tests for the governor (and its queueing baseline). Every run is "
-        "bounded by --timeout and connects only to --addr (or --openai); the last line of stdout "
-        "is the run's summary as JSON.",
+        "bounded by --timeout and connects only to --addr (or --openai); with --json, the last "
+        "line of stdout is the run's report as JSON.",
     )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=CommandParser

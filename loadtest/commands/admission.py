@@ -10,13 +10,12 @@ the ledger's bound). The network and the codec are not included: the
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
 
-from ..support.options import positive_int
+from ..support.options import positive_int, print_json
 
 NAME = "admission"
 
@@ -76,5 +75,5 @@ def run(args: argparse.Namespace) -> int:
         f"refuse with hint  {report['refuse_us']:.2f} us per decision "
         f"({args.waiting} clients already waiting)"
     )
-    print(json.dumps(report))
+    print_json(args, report)
     return 0

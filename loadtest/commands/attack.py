@@ -33,7 +33,6 @@ import base64
 import collections
 import contextlib
 import hashlib
-import json
 import socket
 import time
 from typing import Any
@@ -44,7 +43,7 @@ from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
 
 from ..support.connections import run_loop
-from ..support.options import DEFAULT_ADDR, parse_addr, positive_float, positive_int
+from ..support.options import DEFAULT_ADDR, parse_addr, positive_float, positive_int, print_json
 from ..support.processes import proc_status, rss_kib
 from ..support.stats import percentile
 
@@ -474,5 +473,5 @@ def run(args: argparse.Namespace) -> int:
         f"connections held at the end {report['connections_held_at_end']}; "
         f"its job: {report['bystander_job']}"
     )
-    print(json.dumps(report))
+    print_json(args, report)
     return 0

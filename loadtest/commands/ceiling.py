@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
-from ..support.options import positive_int, positive_ints
+from ..support.options import positive_int, positive_ints, print_json
 from ..support.workload import synth_prompt
 
 NAME = "ceiling"
@@ -278,7 +278,7 @@ def add_parser(commands: Any) -> None:
         default=3,
         help="runs of a round while others disturbed it; the least disturbed is kept",
     )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report here")
+    parser.add_argument("--report", type=Path, metavar="FILE", help="also write the report here")
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"loadtest ceiling: {exc}")
         return 1
     print("\n".join(render(report)))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report))
+    if args.report is not None:
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    print_json(args, report)
     return 0

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..support.options import RawDescriptionDefaultsHelpFormatter
+from ..support.options import RawDescriptionDefaultsHelpFormatter, print_json
 from ..support.render import output_dir, write_outputs
 from ..support.report import table
 
@@ -99,5 +99,5 @@ def run(args: argparse.Namespace) -> int:
         }
         for name, report in reports
     ]
-    print(json.dumps({"command": NAME, "reports": brief}))
+    print_json(args, {"command": NAME, "reports": brief})
     return 0

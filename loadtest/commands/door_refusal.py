@@ -8,13 +8,13 @@ cheapest answer the front door gives: parsing and writing HTTP, no admission). F
 the daemon's CPU time per answer (its user and system seconds from ``/proc``, over the run,
 divided by the answers: the server's time, whatever the client costs) and the round trip as the
 client saw it, p50 and p99 (the server's time plus the client's and the kernel's: an upper
-bound). ``--rounds`` alternate the two kinds. The last line of stdout is the report as JSON.
+bound). ``--rounds`` alternate the two kinds. With ``--json``, the last line of stdout is the
+report as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import subprocess
 import sys
@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_int
+from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_int, print_json
 from ..support.processes import REPO, cpu_s, free_port, stop, wait_http_ready
 from ..support.stats import percentile
 
@@ -132,5 +132,5 @@ def run(args: argparse.Namespace) -> int:
             f"{row['kind']:8} server {row['server_cpu_us_per_answer']:7.1f} us/answer  "
             f"round trip p50 {row['rtt_p50_us']:7.1f} us  p99 {row['rtt_p99_us']:7.1f} us"
         )
-    print(json.dumps(report))
+    print_json(args, report)
     return 0

@@ -38,7 +38,7 @@ from governor.core.fleetgate import FleetGate, FleetSettings
 from governor.core.tenants import TenantConfig
 from governor.fleetstore import RedisStore
 
-from ..support.options import RawDescriptionDefaultsHelpFormatter
+from ..support.options import RawDescriptionDefaultsHelpFormatter, print_json
 from ..support.redisserver import RedisServer
 from ..support.replicas import Replica, by_label, replica_set
 from ..support.stats import percentile
@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
     text = orjson.dumps(report).decode()
     if args.report is not None:
         args.report.write_text(text + "\n")
-    print(text)
+    print_json(args, report)
     held = [report[m]["held"] for m in ("cap",) if m in report]
     held += [report["tenants"]["noisy_held"]] if "tenants" in report else []
     return 0 if all(held) else 1

@@ -49,7 +49,8 @@ leases, then ``--after-kill`` seconds more. The checks (any one failing: exit st
   with the killed replica (output begun, then the connection broke) no more than its slots, all
   admitted before the kill; jobs done on the survivors after the kill (its callers moved).
 
-The last line of stdout is the report as JSON (``--report`` writes it to a file too). Exit status
+With ``--json``, the last line of stdout is the report as JSON (``--report`` writes it to a
+file too). Exit status
 0 when every check held, 1 when one failed, 2 when the processes could not be started. Traffic
 goes to 127.0.0.1 only; every process started here is stopped by its own PID.
 """
@@ -86,7 +87,12 @@ from protocol.frames import Reply
 from protocol.spec import JobSpec
 
 from ..support.connections import run_loop
-from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
+from ..support.options import (
+    RawDescriptionDefaultsHelpFormatter,
+    positive_float,
+    positive_int,
+    print_json,
+)
 from ..support.redisserver import RedisServer
 from ..support.replicas import Gauges, Replica, by_label, replica_set
 
@@ -885,12 +891,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"loadtest {NAME}: {exc}", file=sys.stderr)
         return 2
     print("\n".join(summary(report)))
-    text = json.dumps(report)
     if args.report is not None:
         try:
             args.report.write_text(json.dumps(report, indent=2) + "\n")
         except OSError as exc:
             print(f"loadtest {NAME}: cannot write {args.report}: {exc}", file=sys.stderr)
             return 2
-    print(text)
+    print_json(args, report)
     return 1 if report["failures"] else 0

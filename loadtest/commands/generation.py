@@ -51,8 +51,8 @@ Every round is bounded by ``--timeout``. On a machine shared with other work, ea
 first waits (``--wait-quiet`` seconds at most) until other processes leave the CPUs below 3 %
 busy, and records the share of the CPUs they used while it ran (``others_cpu``; the tables'
 "others"); a throughput round they disturbed is run again, ``--attempts`` in all, and the least
-disturbed kept. Figures print as one table per measure, and the last line of stdout is the
-whole report as JSON (also written to ``--json FILE``).
+disturbed kept. Figures print as one table per measure, and with ``--json`` the last line of
+stdout is the whole report as JSON (also written to ``--report FILE``).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ from ..support.options import (
     positive_float,
     positive_int,
     positive_ints,
+    print_json,
 )
 from ..support.processes import (
     REPO,
@@ -876,7 +877,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--logs", type=Path, help="directory for the targets' output (default: a new temporary one)"
     )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report here")
+    parser.add_argument("--report", type=Path, metavar="FILE", help="also write the report here")
 
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
@@ -967,7 +968,7 @@ def run(args: argparse.Namespace) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     report = run_loop(measure(args))
     print("\n".join(render(report)))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report))
+    if args.report is not None:
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    print_json(args, report)
     return 0 if report["targets"] else 1

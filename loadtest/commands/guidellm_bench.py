@@ -38,9 +38,9 @@ Each run's row is read from guidellm's JSON report: requests successful, errored
 guidellm recorded, e.g. an HTTP 429) and incomplete, output tokens per second (of the successful
 requests, over the run: guidellm's own figure), TTFT, ITL and TPOT p50 and p99 in ms, and request
 latency p50 and p99 in ms (guidellm's percentiles, of the successful requests). The summary gives
-each server's medians, the governor's ratios to llama-server, and the front door's targets (no request
-errored, output tokens/s at least 0.9x llama-server's, TTFT p99 no worse). The last line of stdout
-is the whole report as JSON (also written to ``--out DIR``, with guidellm's reports and every
+each server's medians, the governor's ratios to llama-server, and the front door's targets (no
+request errored, output tokens/s at least 0.9x llama-server's, TTFT p99 no worse). With
+``--json``, the last line of stdout is the whole report as JSON (also written to ``--out DIR``, with guidellm's reports and every
 log). The exit status is 1 when a run left no report (guidellm refused to start, failed or ran
 past ``--run-timeout``: the row says why), whatever the figures.
 """
@@ -66,7 +66,12 @@ from pathlib import Path
 from typing import Any
 
 from ..support import llama_server
-from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
+from ..support.options import (
+    RawDescriptionDefaultsHelpFormatter,
+    positive_float,
+    positive_int,
+    print_json,
+)
 from ..support.processes import REPO, free_port, stop, wait_http_ready
 from ..support.stats import alternating, medians_by, ratio
 
@@ -611,5 +616,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"targets: {json.dumps(report['targets'])}")
     if args.out is not None:
         (args.out / "guidellm-bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report))
+    print_json(args, report)
     return 1 if any(r.get("guidellm_failed") for r in report["runs"]) else 0

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import resource
 import time
 from typing import Any
 
 from ..support.connections import add_tls_arguments, endpoint_from, run_loop
-from ..support.options import DEFAULT_ADDR, parse_addr, positive_float, positive_int
+from ..support.options import DEFAULT_ADDR, parse_addr, positive_float, positive_int, print_json
 from ..support.processes import rss_kib
 
 NAME = "idle"
@@ -124,5 +123,5 @@ def run(args: argparse.Namespace) -> int:
             f"{report['rss_with_connections_kib'] / 1024:.1f} MiB with them: "
             f"{report['bytes_per_connection']} bytes per connection"
         )
-    print(json.dumps(report))
+    print_json(args, report)
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ from governor.server import Server
 from protocol.spec import JobSpec, Message
 
 from ..support.connections import run_loop
-from ..support.options import positive_int
+from ..support.options import positive_int, print_json
 from ..support.stats import summarize
 
 NAME = "lanes"
@@ -146,5 +145,5 @@ def run(args: argparse.Namespace) -> int:
             f"goodput {r['chat_goodput_per_s']}/s ({r['chats_within_slo']} within)  "
             f"rewrites {r['rewrites']}  over {r['seconds']} s"
         )
-    print(json.dumps(report))
+    print_json(args, report)
     return 0

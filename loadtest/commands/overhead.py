@@ -10,7 +10,6 @@ time to first token and decode rate of each, and their ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from governor.server import Server
 from protocol.spec import JobSpec
 
 from ..support.connections import run_loop
-from ..support.options import positive_int
+from ..support.options import positive_int, print_json
 
 NAME = "overhead"
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -149,5 +148,5 @@ def run(args: argparse.Namespace) -> int:
         f"governor / direct: decode rate x{report['decode_ratio']:.3f}, "
         f"time to first token x{report['ttft_ratio']:.3f}"
     )
-    print(json.dumps(report))
+    print_json(args, report)
     return 0

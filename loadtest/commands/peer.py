@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..support.options import positive_float, positive_int
+from ..support.options import positive_float, positive_int, print_json
 from ..support.processes import REPO, cpu_s, free_port, stop, wait_listening
 
 NAME = "peer"
@@ -212,5 +212,5 @@ def run(args: argparse.Namespace) -> int:
     if "baseline" in daemons:  # (this tree's governor over the other's: below 1, slower now)
         summary["governor_over_baseline"] = ratios(medians["governor"], medians["baseline"])
     summary["runs"] = [{k: v for k, v in r.items() if k != "summary"} for r in runs]
-    print(json.dumps(summary))
+    print_json(args, summary)
     return 0

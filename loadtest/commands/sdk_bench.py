@@ -27,8 +27,8 @@ wall time; tokens from ``usage`` where the server reports it, else the content d
 counted), TTFT (from the first send, the SDK's retries included, to the first content delta)
 and end-to-end latency, p50 and p99 by nearest rank, and the HTTP statuses the SDK got (read
 by an httpx event hook: every 429 it retried, or raised once its retries were spent). The
-summary gives each server's medians and the governor's ratios to the baseline; the last line
-of stdout is the whole report as JSON (also written to ``--out DIR``). Latencies are of the
+summary gives each server's medians and the governor's ratios to the baseline; with ``--json`` the
+last line of stdout is the whole report as JSON (also written to ``--out DIR``). Latencies are of the
 requests that succeeded: a request the SDK gave up on counts in ``failed`` only.
 """
 
@@ -54,6 +54,7 @@ from ..support.options import (
     non_negative_int,
     positive_float,
     positive_int,
+    print_json,
 )
 from ..support.processes import REPO, free_port, stop, wait_http_ready
 from ..support.stats import alternating, medians_by, percentile, ratio
@@ -551,5 +552,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"governor / baseline: {json.dumps(report['governor_over_baseline'])}")
     if args.out is not None:
         (args.out / "sdk-bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report))
+    print_json(args, report)
     return 0

@@ -57,7 +57,7 @@ from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 from protocol.upload import split_payload
 
 from ..support.connections import run_loop
-from ..support.options import parse_addr, positive_float, positive_int
+from ..support.options import parse_addr, positive_float, positive_int, print_json
 from ..support.processes import rss_kib, stop
 
 NAME = "soak"
@@ -729,6 +729,6 @@ def run(args: argparse.Namespace) -> int:
         f"{report['connections_after_settle']} connection(s) open; "
         f"{report['tracebacks']} traceback(s); daemon died: {died}"
     )
-    print(json.dumps(report))
+    print_json(args, report)
     leaked = report["leaked_slots"] != 0
     return 1 if leaked or bool(report["tracebacks"]) or died else 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from clients import NO_RETRY, client_context
 from protocol.codes import Receipt
 
 from ..support.connections import Endpoint, run_loop
-from ..support.options import positive_int
+from ..support.options import positive_int, print_json
 from ..support.processes import cpu_s, free_port, stop, wait_listening
 
 NAME = "tls-cost"
@@ -185,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             runs = []
             for mode in order:
                 runs.append(one_run(scenario, mode, pki, args.jobs))
-                print(json.dumps(runs[-1]), flush=True)
+                print_json(args, runs[-1])
             summary[scenario] = summarise(runs)
             median = summary[scenario]["median"]
             print(
@@ -194,5 +193,5 @@ def run(args: argparse.Namespace) -> int:
                 f"(x{summary[scenario]['tls_over_plain_cpu']:.2f})",
                 flush=True,
             )
-    print(json.dumps({"command": NAME, **summary}))
+    print_json(args, {"command": NAME, **summary})
     return 0

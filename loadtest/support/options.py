@@ -4,6 +4,7 @@ and the help that shows each option's default, read from the parser itself."""
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from protocol.addresses import parse_address
@@ -127,8 +128,19 @@ class RawDescriptionDefaultsHelpFormatter(
 
 class CommandParser(argparse.ArgumentParser):
     """A command's parser: its help shows the defaults (:class:`DefaultsHelpFormatter`, or a
-    subclass a command asks for)."""
+    subclass a command asks for), and every command takes ``--json``."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(**kwargs)
+        self.add_argument(
+            "--json",
+            action="store_true",
+            help="end stdout with the run's report as one line of JSON, for scripts",
+        )
+
+
+def print_json(args: argparse.Namespace, report: Any) -> None:
+    """The run's report as the last line of stdout, when ``--json`` asks for it."""
+    if args.json:
+        print(json.dumps(report), flush=True)

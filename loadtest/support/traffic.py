@@ -2,14 +2,13 @@
 
 :func:`add_arguments` gives every such command the same target, client, objective and output
 options; :func:`execute` runs the command's steps and writes what a run leaves behind: the
-summary on stdout (its last line the report as one-line JSON), and in ``--out``
+summary on stdout (with ``--json``, then the report as one line of JSON), and in ``--out``
 ``report.json``, the PNG plots and ``report.html``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from collections.abc import Callable, Coroutine
@@ -37,6 +36,7 @@ from .options import (
     parse_addrs,
     positive_float,
     positive_int,
+    print_json,
 )
 from .render import output_dir, write_outputs
 from .report import Slo, build, parse_slo, step, summary_lines
@@ -287,11 +287,9 @@ def execute(command: str, args: argparse.Namespace, target: Target, steps: Steps
         print(f"loadtest {command}: cannot write {out}: {exc}", file=sys.stderr)
         return 1
     print(f"report: {out / 'report.json'}" + ("" if args.no_plots else f", {out / 'report.html'}"))
-    print(
-        json.dumps(
-            {k: v for k, v in report.items() if k != "steps"}
-            | {"steps": [_brief(s) for s in results]}
-        )
+    print_json(
+        args,
+        {k: v for k, v in report.items() if k != "steps"} | {"steps": [_brief(s) for s in results]},
     )
     return 0
 

@@ -227,6 +227,7 @@ def test_sdk_bench_on_the_stub_absorbs_429s(tmp_path: Path) -> None:
             "--run-timeout",
             "30",
             "--governor-arg=--http-max-wait=0",
+            "--json",
             "--out",
             str(tmp_path),
         ],
@@ -255,7 +256,17 @@ def test_door_refusal_measures_a_no_wait_429_against_the_cheapest_answer() -> No
     """Every answer is checked as it comes (429 for the no-wait chats, 200 for /v1/models: the
     command fails otherwise), and each kind has its server time and round trips."""
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest", "door-refusal", "--requests", "50", "--rounds", "1"],
+        [
+            sys.executable,
+            "-m",
+            "loadtest",
+            "door-refusal",
+            "--requests",
+            "50",
+            "--rounds",
+            "1",
+            "--json",
+        ],
         cwd=ROOT,
         capture_output=True,
         timeout=90,

@@ -429,7 +429,7 @@ def test_loadtest_burst_over_tls(daemon: Callable[..., Daemon], pki: Pki, tmp_pa
         [
             sys.executable, "-m", "loadtest", "burst", "--addr", d.addr,
             "--tls-ca", str(pki.ca_file), "--clients", "4", "--rounds", "3",
-            "--no-plots", "--no-progress", "--out", str(tmp_path / "out"), "--timeout", "30",
+            "--no-plots", "--no-progress", "--out", str(tmp_path / "out"), "--timeout", "30", "--json",
         ],
         capture_output=True, text=True, timeout=90, cwd=ROOT,
     )  # fmt: skip

@@ -402,7 +402,17 @@ def test_a_model_that_does_not_load_stops_startup(tmp_path: Path, content: bytes
 def test_overhead_benchmark_command() -> None:
     """The benchmark of docs/BENCHMARKS.md runs and reports both paths (figures not asserted)."""
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest", "overhead", "--runs", "1", "--max-new-tokens", "8"],
+        [
+            sys.executable,
+            "-m",
+            "loadtest",
+            "overhead",
+            "--runs",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -137,7 +137,7 @@ def _loadtest(*args: str, out: Path, timeout_s: float = 90.0) -> tuple[dict[str,
     """Run ``python -m loadtest ARGS --out OUT`` to its end (exit 0): its report.json, parsed,
     and its stdout. (Standard error is not a terminal here: no progress bar is drawn.)"""
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest", *args, "--out", str(out)],
+        [sys.executable, "-m", "loadtest", *args, "--out", str(out), "--json"],
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -519,6 +519,7 @@ def test_idle_connections_cost_and_responsiveness(daemon: Callable[..., Daemon])
             "0.5",
             "--pid",
             str(d.proc.pid),
+            "--json",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -580,7 +581,17 @@ def test_rate_against_the_queueing_baseline(tmp_path: Path) -> None:
 
 def test_admission_timing_command() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest", "admission", "--iterations", "2000", "--waiting", "50"],
+        [
+            sys.executable,
+            "-m",
+            "loadtest",
+            "admission",
+            "--iterations",
+            "2000",
+            "--waiting",
+            "50",
+            "--json",
+        ],
         cwd=ROOT,
         capture_output=True,
         timeout=60,
@@ -595,7 +606,7 @@ def test_admission_timing_command() -> None:
 
 def loadtest_json(*args: str, timeout: float = 120) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest", *args],
+        [sys.executable, "-m", "loadtest", *args, "--json"],
         cwd=ROOT,
         capture_output=True,
         timeout=timeout,

@@ -39,7 +39,16 @@ def peer(tmp_path: Path, *args: str, check: bool = True) -> subprocess.Completed
     stand_in = tmp_path / "heptaminid"
     stand_in.write_text(STAND_IN.format(python=sys.executable, pids=str(tmp_path / "pids")))
     stand_in.chmod(0o755)
-    command = [sys.executable, "-m", "loadtest", "peer", "--heptaminid", str(stand_in), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "loadtest",
+        "peer",
+        "--heptaminid",
+        str(stand_in),
+        *args,
+        "--json",
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=check)
 
 

@@ -19,6 +19,7 @@ def test_a_short_soak_injects_every_fault_and_leaks_nothing() -> None:
             *(sys.executable, "-m", "loadtest", "soak", "--minutes", "0.33"),
             *("--sample-s", "2", "--slow-hold-s", "3", "--fault-every-ms", "40"),
             "--serve-arg=--write-timeout=1",
+            "--json",
         ],
         capture_output=True,
         timeout=120,
