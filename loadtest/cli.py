@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import Any, Protocol
 
+from clients.helptext import HelpParser
+
 from .commands import (
     admission,
     attack,
@@ -35,7 +37,6 @@ from .commands import (
     soak,
     tls_cost,
 )
-from .support.options import CommandParser
 
 
 class Command(Protocol):
@@ -75,14 +76,14 @@ COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = HelpParser(
         prog="python -m loadtest",
         description="Load tests for the governor (and its queueing baseline). Every run is "
         "bounded by --timeout and connects only to --addr (or --openai); the last line of stdout "
         "is the run's summary as JSON.",
     )
     commands = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+        dest="command", required=True, metavar="COMMAND", parser_class=HelpParser
     )
     for command in REGISTERED:
         command.add_parser(commands)

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..support.options import RawDescriptionDefaultsHelpFormatter
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
+
 from ..support.render import output_dir, write_outputs
 from ..support.report import table
 

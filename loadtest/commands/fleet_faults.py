@@ -80,13 +80,14 @@ from clients.fleet import (
     Replicas,
     ReplicaState,
 )
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
 from governor.fleetstore import RedisStore
 from protocol.codes import ErrorCode, Status
 from protocol.frames import Reply
 from protocol.spec import JobSpec
 
 from ..support.connections import run_loop
-from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
+from ..support.options import positive_float, positive_int
 from ..support.redisserver import RedisServer
 from ..support.replicas import Gauges, Replica, by_label, replica_set
 

@@ -65,8 +65,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
+
 from ..support import llama_server
-from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_float, positive_int
+from ..support.options import positive_float, positive_int
 from ..support.processes import REPO, free_port, stop, wait_http_ready
 from ..support.stats import alternating, medians_by, ratio
 
