@@ -38,11 +38,11 @@ Each run's row is read from guidellm's JSON report: requests successful, errored
 guidellm recorded, e.g. an HTTP 429) and incomplete, output tokens per second (of the successful
 requests, over the run: guidellm's own figure), TTFT, ITL and TPOT p50 and p99 in ms, and request
 latency p50 and p99 in ms (guidellm's percentiles, of the successful requests). The summary gives
-each server's medians, the governor's ratios to llama-server, and the front door's targets (no request
-errored, output tokens/s at least 0.9x llama-server's, TTFT p99 no worse). The last line of stdout
-is the whole report as JSON (also written to ``--out DIR``, with guidellm's reports and every
-log). The exit status is 1 when a run left no report (guidellm refused to start, failed or ran
-past ``--run-timeout``: the row says why), whatever the figures.
+each server's medians, the governor's ratios to llama-server, and the front door's targets (no
+request errored, output tokens/s at least 0.9x llama-server's, TTFT p99 no worse). The last
+line of stdout is the whole report as JSON (also written to ``--out DIR``, with guidellm's
+reports and every log). The exit status is 1 when a run left no report (guidellm refused to
+start, failed or ran past ``--run-timeout``: the row says why), whatever the figures.
 """
 
 from __future__ import annotations
