@@ -26,14 +26,17 @@ from protocol.spec import JobSpec, Message
 from . import tls
 from .client import ClientError, GovernorClient, RetryPolicy, UploadResult, connect
 from .fleet import FleetClient, FleetResult, Replicas, resolve, split_addresses
+from .helptext import HelpParser
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 DEFAULT_ADDR = "127.0.0.1:7777"
 WAIT_PAUSE_S = 0.25  # between two pings of ping --wait
+SPEC = JobSpec(prompt="")  # its defaults are the options'
+RETRY = RetryPolicy()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="governor-cli", description=__doc__.split("\n")[0])
+    parser = HelpParser(prog="governor-cli", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--addr",
         action="append",
@@ -44,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds for the whole call")
     tls.add_arguments(parser.add_argument_group("TLS (default: plain TCP)"))
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=HelpParser)
     ping = commands.add_parser("ping", help="health probe: exit 0 ready, 2 saturated, 1 error")
     ping.add_argument(
         "--wait",
@@ -52,34 +55,68 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SECONDS",
         help="ping again until the governor is ready or SECONDS pass (a daemon still "
-        "starting: its port not yet open, its model loading); the exit is the last ping's "
-        "(default: 0, one ping)",
+        "starting: its port not yet open, its model loading); the exit is the last ping's; "
+        "0: one ping",
     )
     upload = commands.add_parser("upload", help="upload FILE as one job and print its outcome")
     upload.add_argument("file", type=Path, help="payload file, or - for standard input")
     upload.add_argument("--job", help="job id (default: generated)")
-    upload.add_argument("--chunk-bytes", type=int, default=8192)
-    upload.add_argument("--content-type", default="application/octet-stream")
-    upload.add_argument("--ttl-ms", type=int, default=0, help="abort the job if it runs longer")
+    upload.add_argument("--chunk-bytes", type=int, default=8192, help="bytes in each chunk")
     upload.add_argument(
-        "--max-attempts", type=int, default=10, help="admission attempts in all; 1 never retries"
+        "--content-type", default="application/octet-stream", help="the payload's media type"
     )
-    upload.add_argument("--max-retry-ms", type=int, default=5000, help="cap on one retry's sleep")
+    _add_job_arguments(upload)
+    upload.add_argument(
+        "--max-retry-ms",
+        type=int,
+        default=round(RETRY.max_sleep_s * 1000),
+        help="cap on one retry's sleep",
+    )
     generate = commands.add_parser(
         "generate", help="run an inference job and print its text (needs the llama runner)"
     )
     generate.add_argument("prompt", help="the prompt, or with --chat the user's message")
     generate.add_argument("--chat", action="store_true", help="send it as a chat message")
     generate.add_argument("--system", help="with --chat: a system message first")
-    generate.add_argument("--max-new-tokens", type=int, default=128)
-    generate.add_argument("--temperature", type=float, default=0.8)
-    generate.add_argument("--top-p", type=float, default=0.95)
-    generate.add_argument("--seed", type=int)
+    generate.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=SPEC.max_new_tokens,
+        help="the most tokens to generate",
+    )
+    generate.add_argument(
+        "--temperature", type=float, default=SPEC.temperature, help="sampling temperature, 0 to 2"
+    )
+    generate.add_argument(
+        "--top-p",
+        type=float,
+        default=SPEC.top_p,
+        help="sample among the likeliest tokens whose probabilities add up to this (above 0, "
+        "at most 1)",
+    )
+    generate.add_argument(
+        "--seed", type=int, help="sampling seed, for a repeatable text (default: a random one)"
+    )
     generate.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     generate.add_argument("--stream", action="store_true", help="print the text as it comes")
-    generate.add_argument("--ttl-ms", type=int, default=0)
-    generate.add_argument("--max-attempts", type=int, default=10)
+    _add_job_arguments(generate)
     return parser
+
+
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``upload`` and ``generate`` share: the job's time limit and its retries."""
+    parser.add_argument(
+        "--ttl-ms",
+        type=int,
+        default=0,
+        help="milliseconds the job may run once admitted before it is aborted; 0: no limit",
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=RETRY.max_attempts,
+        help="admission attempts in all; 1 never retries",
+    )
 
 
 async def _connect(args: argparse.Namespace) -> GovernorClient | FleetClient:

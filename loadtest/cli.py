@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import Any, Protocol
 
+from clients.helptext import HelpParser
+
 from .commands import (
     admission,
     attack,
@@ -75,7 +77,7 @@ COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = HelpParser(
         prog="python -m loadtest",
         description="Load tests for the governor (and its queueing baseline). Every run is "
         "bounded by --timeout and connects only to --addr (or --openai); with --json, the last "

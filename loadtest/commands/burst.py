@@ -15,9 +15,11 @@ import argparse
 import sys
 from typing import Any
 
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
+
 from ..support import traffic
 from ..support.driver import closed_loop
-from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_int
+from ..support.options import positive_int
 from ..support.report import Slo, step
 from ..support.targets import Target
 from ..support.workload import Request

@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..support.options import RawDescriptionDefaultsHelpFormatter, print_json
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
+
+from ..support.options import print_json
 from ..support.render import output_dir, write_outputs
 from ..support.report import table
 

@@ -23,7 +23,9 @@ from typing import Any
 
 import orjson
 
-from ..support.options import RawDescriptionDefaultsHelpFormatter, positive_int, print_json
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
+
+from ..support.options import positive_int, print_json
 from ..support.processes import REPO, cpu_s, free_port, stop, wait_http_ready
 from ..support.stats import percentile
 

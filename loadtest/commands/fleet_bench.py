@@ -34,11 +34,12 @@ import orjson
 import uvloop
 
 from clients.client import GovernorClient, RetryPolicy
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
 from governor.core.fleetgate import FleetGate, FleetSettings
 from governor.core.tenants import TenantConfig
 from governor.fleetstore import RedisStore
 
-from ..support.options import RawDescriptionDefaultsHelpFormatter, print_json
+from ..support.options import print_json
 from ..support.redisserver import RedisServer
 from ..support.replicas import Replica, by_label, replica_set
 from ..support.stats import percentile

@@ -5,8 +5,9 @@ Two phases, each on fresh replicas and a Redis of its own (``--phase`` picks one
 
 **seed** (the retry storm). ``--replicas`` replicas of ``--max-inflight`` slots share a fleet
 cap (``--fleet-max-inflight``; by default the healthy replicas' slots, so that a doomed call
-holds a lease that good work could have had: a hard fleet-wide ceiling on GPU slots). Replica r0 fails every job (``--stub-fail-rate 1``) after ``--stub-ms``, as a sick GPU
-does: the call took a slot and produced nothing. ``--clients`` callers run jobs back to back for
+holds a lease that good work could have had: a hard fleet-wide ceiling on GPU slots). Replica
+r0 fails every job (``--stub-fail-rate 1``) after ``--stub-ms``, as a sick GPU does: the call
+took a slot and produced nothing. ``--clients`` callers run jobs back to back for
 ``--duration`` seconds under each of ``--policies`` in turn, each on fresh replicas:
 
 - ``naive``: a replica drawn uniformly at random; a call aborted with ``backend_error`` is tried
@@ -81,18 +82,14 @@ from clients.fleet import (
     Replicas,
     ReplicaState,
 )
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
 from governor.fleetstore import RedisStore
 from protocol.codes import ErrorCode, Status
 from protocol.frames import Reply
 from protocol.spec import JobSpec
 
 from ..support.connections import run_loop
-from ..support.options import (
-    RawDescriptionDefaultsHelpFormatter,
-    positive_float,
-    positive_int,
-    print_json,
-)
+from ..support.options import positive_float, positive_int, print_json
 from ..support.redisserver import RedisServer
 from ..support.replicas import Gauges, Replica, by_label, replica_set
 
@@ -106,7 +103,7 @@ KILL_TOKENS = 8
 # Flow control is paced by the hints and bounded by the job's timeout, not by a count: a caller
 # of a full fleet may be told to wait many times.
 YIELD_RETRY = RetryPolicy(max_attempts=100_000, max_sleep_s=1.0)
-SEED_SPEC = JobSpec(prompt="seed 002", max_new_tokens=1, temperature=0.0)
+SEED_SPEC = JobSpec(prompt="retry storm", max_new_tokens=1, temperature=0.0)
 FAILING = "r0"  # the seed phase's failing replica
 KILL_SPEC = JobSpec(prompt="kill -9", max_new_tokens=KILL_TOKENS, temperature=0.0, stream=True)
 
@@ -851,8 +848,8 @@ def summary(report: Mapping[str, Any]) -> list[str]:
     seed = report.get("seed")
     if seed:
         lines.append(
-            f"seed 002: {seed['replicas']} replicas x {seed['max_inflight']} slots, fleet cap "
-            f"{seed['fleet_max_inflight']}, {seed['failing']} failing every call; "
+            f"seed (retry storm): {seed['replicas']} replicas x {seed['max_inflight']} slots, "
+            f"fleet cap {seed['fleet_max_inflight']}, {seed['failing']} failing every call; "
             f"{seed['clients']} callers x {seed['duration_s']:g} s per policy, "
             f"{seed['stub_ms']} ms calls"
         )

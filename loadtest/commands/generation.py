@@ -69,13 +69,13 @@ from pathlib import Path
 from typing import Any
 
 from clients.client import ClientError, RetryPolicy
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
 
 from ..support import baseline_server, llama_server
 from ..support.connections import Endpoint, StartError, run_loop
 from ..support.driver import closed_loop, open_loop
 from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
 from ..support.options import (
-    RawDescriptionDefaultsHelpFormatter,
     positive_float,
     positive_int,
     positive_ints,

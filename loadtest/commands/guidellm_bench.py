@@ -40,9 +40,9 @@ requests, over the run: guidellm's own figure), TTFT, ITL and TPOT p50 and p99 i
 latency p50 and p99 in ms (guidellm's percentiles, of the successful requests). The summary gives
 each server's medians, the governor's ratios to llama-server, and the front door's targets (no
 request errored, output tokens/s at least 0.9x llama-server's, TTFT p99 no worse). With
-``--json``, the last line of stdout is the whole report as JSON (also written to ``--out DIR``, with guidellm's reports and every
-log). The exit status is 1 when a run left no report (guidellm refused to start, failed or ran
-past ``--run-timeout``: the row says why), whatever the figures.
+``--json``, the last line of stdout is the whole report as JSON (also written to ``--out DIR``,
+with guidellm's reports and every log). The exit status is 1 when a run left no report (guidellm refused to
+start, failed or ran past ``--run-timeout``: the row says why), whatever the figures.
 """
 
 from __future__ import annotations
@@ -65,13 +65,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
+
 from ..support import llama_server
-from ..support.options import (
-    RawDescriptionDefaultsHelpFormatter,
-    positive_float,
-    positive_int,
-    print_json,
-)
+from ..support.options import positive_float, positive_int, print_json
 from ..support.processes import REPO, free_port, stop, wait_http_ready
 from ..support.stats import alternating, medians_by, ratio
 

@@ -2,16 +2,18 @@
 
 Starts each daemon itself (the governor's stub runner, and ``heptaminid`` from ``--heptaminid``:
 built from heptamini's public source, outside this repository) on a free loopback port, with
-the flags of one scenario of ``../shared/bench/README.md``, and loads it with that scenario's
-``burst.py`` command; the governor runs on its defaults but for the scenario's cap and stub.
+the flags of one of heptamini's benchmark scenarios (``--scenario``), and loads it with that
+scenario's command of heptamini's load generator, burst.py (``--burst PATH``); the governor runs
+on its defaults but for the scenario's cap and stub.
 Runs alternate (governor, heptaminid, heptaminid, governor, ...) so that a drift of this shared
 machine falls on both. Each run reports burst.py's finished jobs (yields, for the yield
-scenario; pings) per second, how its jobs ended, and the daemon's CPU time per job, read from ``/proc/PID/stat`` before and after the
-load; the summary gives the medians and the governor's ratios to heptaminid's. Every daemon is
-stopped by its own PID.
+scenario; pings) per second, how its jobs ended, and the daemon's CPU time per job, read from
+``/proc/PID/stat`` before and after the load; the summary gives the medians and the governor's
+ratios to heptaminid's. Every daemon is stopped by its own PID.
 
-With ``--floor`` (the admitted scenarios), a third server joins the rotation:
-:mod:`loadtest.support.floor`, the least a Python server on uvloop spends on the same two frames.
+With ``--floor`` (the admitted scenarios), a third server joins the rotation: the bare uvloop
+server of :mod:`loadtest.support.floor`, the least a Python server on uvloop spends on the same
+two frames.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def add_parser(commands: Any) -> None:
         "--scenario",
         choices=sorted(SCENARIOS),
         default="admitted",
-        help="one of ../shared/bench/README.md's",
+        help="heptamini's benchmark scenario: both daemons' cap and job time, and burst.py's "
+        "arguments",
     )
     parser.add_argument("--runs", type=positive_int, default=3, help="runs of each daemon")
     parser.add_argument(

@@ -1,10 +1,10 @@
 """``replay``: a request trace's arrivals and lengths, scaled to this model and machine.
 
 A trace is CSV ``TIMESTAMP,ContextTokens,GeneratedTokens`` (Azure) or JSONL
-``timestamp,input_length,output_length`` (Mooncake), as in ``../shared/traces/``. Gaps between
-arrivals are multiplied by ``--time-scale`` and lengths by ``--token-scale``, then capped;
-prompts are synthesised to the right token counts. Every scaling is recorded in the report:
-say so with any figure.
+``timestamp,input_length,output_length`` (Mooncake), as those providers publish them. Gaps
+between arrivals are multiplied by ``--time-scale`` and lengths by ``--token-scale``, then
+capped; prompts are synthesised to the right token counts. Every scaling is recorded in the
+report: say so with any figure.
 """
 
 from __future__ import annotations

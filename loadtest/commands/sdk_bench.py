@@ -47,10 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
+
 from ..support import baseline_server, llama_server
 from ..support.connections import run_loop
 from ..support.options import (
-    RawDescriptionDefaultsHelpFormatter,
     non_negative_int,
     positive_float,
     positive_int,

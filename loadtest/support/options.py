@@ -1,5 +1,5 @@
-"""What the commands' parsers share: option types (addresses, positive numbers, lists of them),
-and the help that shows each option's default, read from the parser itself."""
+"""What the commands' parsers share: option types (addresses, positive numbers, lists of them).
+Their help (each default shown once, read from the parser) is :mod:`clients.helptext`'s."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from clients.helptext import HelpParser
 from protocol.addresses import parse_address
 
 DEFAULT_ADDR = "127.0.0.1:7777"
@@ -46,7 +47,7 @@ class AddressList(argparse.Action):
 
     @staticmethod
     def default_text(value: tuple[str, int]) -> str:
-        """The default (one parsed address) as it would be typed, for :func:`shown_default`."""
+        """The default (one parsed address) as it would be typed, for :func:`clients.helptext.shown_default`."""
         host, port = value
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -83,55 +84,10 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
-# Help ------------------------------------------------------------------------------------------
-
-
-def default_text(value: Any) -> str | None:
-    """A parser's default as it would be typed on the command line; None where there is nothing
-    to show: no default, a flag's False, an empty list."""
-    if value is None or value is argparse.SUPPRESS or isinstance(value, bool):
-        return None
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, list | tuple):
-        return ",".join(t for v in value if (t := default_text(v)) is not None) or None
-    return str(value)
-
-
-def shown_default(action: argparse.Action) -> str | None:
-    """What the help says of ``action``'s default (None: nothing). An action class may say how
-    its defaults read with a ``default_text`` of its own, as :class:`AddressList` does."""
-    if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
-        return None  # a positional that must be given
-    render = getattr(action, "default_text", default_text)
-    text: str | None = render(action.default)
-    return text
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Each option's help ends with ``(default: X)``, X taken from the parser's own default, so
-    that the help cannot name another value than the one a run uses. A default of None shows
-    nothing: the option's help may say in words what happens without it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        shown = shown_default(action)
-        if shown is None:
-            return action.help
-        return f"{action.help or ''} (default: {shown.replace('%', '%%')})".lstrip()
-
-
-class RawDescriptionDefaultsHelpFormatter(
-    DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
-):
-    """:class:`DefaultsHelpFormatter`, with the description printed as written."""
-
-
-class CommandParser(argparse.ArgumentParser):
-    """A command's parser: its help shows the defaults (:class:`DefaultsHelpFormatter`, or a
-    subclass a command asks for), and every command takes ``--json``."""
+class CommandParser(HelpParser):
+    """A command's parser: its help shows the defaults, and every command takes ``--json``."""
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(**kwargs)
         self.add_argument(
             "--json",

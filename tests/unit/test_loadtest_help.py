@@ -8,14 +8,14 @@ from typing import cast
 
 import pytest
 
-from loadtest.cli import COMMANDS, build_parser
-from loadtest.support.options import (
-    AddressList,
+from clients.helptext import (
     DefaultsHelpFormatter,
     RawDescriptionDefaultsHelpFormatter,
     default_text,
     shown_default,
 )
+from loadtest.cli import COMMANDS, build_parser
+from loadtest.support.options import AddressList
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:

@@ -1,0 +1,96 @@
+"""The ``--help`` of ``governor-cli`` and ``python -m loadtest``: each option's default shown
+once, read from the parser itself, and every text printed plain.
+
+A command's description is often its module's docstring, written for the source's readers in
+reStructuredText; argparse would print its markup as it stands. :func:`plain` takes the markup
+out, and :class:`DefaultsHelpFormatter` applies it to every text it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+# :role:`target`, :role:`~a.b.name` (shown: name) and :role:`text <target>` (shown: text).
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+_STRONG = re.compile(r"\*\*(.+?)\*\*", re.DOTALL)
+
+
+def _role_text(match: re.Match[str]) -> str:
+    short, target = match.groups()
+    if target.endswith(">") and "<" in target:
+        return target[: target.rindex("<")].rstrip()
+    return target.rsplit(".", 1)[-1] if short else target
+
+
+def plain(text: str) -> str:
+    """``text`` without its reStructuredText markup: roles, inline literals, strong emphasis."""
+    text = _ROLE.sub(_role_text, text)
+    text = _LITERAL.sub(r"\1", text)
+    return _STRONG.sub(r"\1", text)
+
+
+def default_text(value: Any) -> str | None:
+    """A parser's default as it would be typed on the command line; None where there is nothing
+    to show: no default, a flag's False (or True), an empty list."""
+    if value is None or value is argparse.SUPPRESS or isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return ",".join(t for v in value if (t := default_text(v)) is not None) or None
+    return str(value)
+
+
+def shown_default(action: argparse.Action) -> str | None:
+    """What the help says of ``action``'s default (None: nothing). An action class may say how
+    its defaults read with a ``default_text`` of its own."""
+    if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+        return None  # a positional that must be given
+    render = getattr(action, "default_text", default_text)
+    text: str | None = render(action.default)
+    return text
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with ``(default: X)``, X taken from the parser's own default, so
+    that the help cannot name another value than the one a run uses. A default of None shows
+    nothing: the option's help may say in words what happens without it. Every text is printed
+    without reStructuredText markup (:func:`plain`)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = None if action.help is None else plain(action.help)
+        shown = shown_default(action)
+        if shown is None:
+            return text
+        return f"{text or ''} (default: {shown.replace('%', '%%')})".lstrip()
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain(text))
+
+
+class RawDescriptionDefaultsHelpFormatter(
+    DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
+    """:class:`DefaultsHelpFormatter`, with the description's lines printed as written."""
+
+
+class HelpParser(argparse.ArgumentParser):
+    """A parser whose help shows the defaults (:class:`DefaultsHelpFormatter`, or a subclass
+    asked for); given as ``parser_class`` to ``add_subparsers``, every subcommand's too."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(**kwargs)
+
+
+__all__ = [
+    "DefaultsHelpFormatter",
+    "HelpParser",
+    "RawDescriptionDefaultsHelpFormatter",
+    "default_text",
+    "plain",
+    "shown_default",
+]
