@@ -188,6 +188,23 @@ async def test_unknown_or_missing_keys_are_unauthorized(make_server: ServerFacto
     assert server.ledger.executed_total == 1
 
 
+async def test_a_client_that_only_pings_shows_its_key_on_them(make_server: ServerFactory) -> None:
+    """A load test's monitor only pings: its pings carry the key, so the grace does not close
+    it, as it closes a connection that pings without one."""
+    server = await make(make_server, stub_ms=0, auth_grace=0.3)
+    host, port = server.address
+    async with (
+        await GovernorClient.connect(host, port, api_key="quiet-key") as keyed,
+        await GovernorClient.connect(host, port) as bare,
+    ):
+        for client in (keyed, bare):
+            assert (await client.ping()).status == "ok"  # answered alike
+        await wait_until(lambda: bare.closed)  # its grace is over, and so is keyed's
+        assert not keyed.closed
+        assert (await keyed.ping()).status == "ok"
+        assert (await keyed.upload(b"still here")).done
+
+
 async def test_a_tenant_pinned_to_a_lane_runs_there(make_server: ServerFactory) -> None:
     server = await make(make_server, stub_ms=500, lanes=True, max_inflight=2)
     host, port = server.address
