@@ -9,6 +9,12 @@ addresses, are replicas of one service: jobs go through :class:`clients.fleet.Fl
 which picks the less loaded of two, and goes elsewhere on a yield. ``ping`` then pings every
 replica, prints each reply, and exits 0 when any is ready, 2 when all that answered are
 saturated or draining, 1 when none answered.
+
+To a governor with ``[[tenants]]`` declared, jobs carry the tenant's API key, read from
+``GOVERNOR_API_KEY`` (or ``--api-key``, which shows in ``ps``), or the connection shows a client
+certificate (``--tls-cert``). A job refused ``unauthorized`` is a ``confirm abort`` like any
+other (exit 2), with a line on standard error saying what to give. A ping needs no key: a
+governor answers it the same either way. The key is never printed.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from protocol.codes import Receipt, Status
+from protocol.codes import NeedCode, Receipt, Status
 from protocol.frames import Reply, encode_reply
 from protocol.spec import JobSpec, Message
 
-from . import tls
+from . import apikey, tls
 from .client import ClientError, GovernorClient, RetryPolicy, UploadResult, connect
 from .fleet import FleetClient, FleetResult, Replicas, resolve, split_addresses
 from .helptext import HelpParser
@@ -46,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "go to the less loaded and move on a yield",
     )
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds for the whole call")
+    apikey.add_arguments(parser)
     tls.add_arguments(parser.add_argument_group("TLS (default: plain TCP)"))
     commands = parser.add_subparsers(dest="command", required=True, parser_class=HelpParser)
     ping = commands.add_parser("ping", help="health probe: exit 0 ready, 2 saturated, 1 error")
@@ -123,16 +130,18 @@ async def _connect(args: argparse.Namespace) -> GovernorClient | FleetClient:
     """One connection for one governor; a :class:`FleetClient` for several replicas."""
     texts = split_addresses(args.addr or [DEFAULT_ADDR])
     ssl = tls.context_from(args)
+    key = apikey.key_from(args)
     async with asyncio.timeout(args.timeout):
         found = await resolve(texts)
     if len(found) == 1:  # (one name, connected to as given: it may have a v4 and a v6 address)
         only = texts[0] if len(texts) == 1 else found[0].name
         return await connect(
-            only, timeout=args.timeout, ssl=ssl, server_hostname=args.tls_server_name
+            only, timeout=args.timeout, api_key=key, ssl=ssl, server_hostname=args.tls_server_name
         )
     return FleetClient(
         Replicas(found),
         targets=texts,
+        api_key=key,
         ssl=ssl,
         server_hostname=args.tls_server_name,
         connect_timeout=args.timeout,
@@ -184,6 +193,13 @@ async def _ping_fleet(fleet: FleetClient, timeout: float) -> int:
     return EXIT_REFUSED if EXIT_REFUSED in exits else EXIT_ERROR
 
 
+def _note_unauthorized(reply: Reply, args: argparse.Namespace) -> None:
+    """On stderr, for a job refused ``unauthorized``: what to give (never the key itself)."""
+    if reply.need_code == NeedCode.UNAUTHORIZED:
+        given = apikey.key_from(args) is not None
+        print(f"governor-cli: unauthorized: {apikey.unauthorized_hint(given)}", file=sys.stderr)
+
+
 def _note_replicas(result: UploadResult) -> None:
     """On stderr, for a job over several replicas: where it went."""
     if isinstance(result, FleetResult) and len(result.tried) > 1:
@@ -210,6 +226,7 @@ async def _upload(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     _note_replicas(result)
+    _note_unauthorized(result.reply, args)
     return {Status.DONE: EXIT_OK, Status.ABORT: EXIT_REFUSED}.get(result.status, EXIT_ERROR)
 
 
@@ -258,6 +275,7 @@ async def _generate(args: argparse.Namespace) -> int:
         )
     else:
         sys.stdout.buffer.write(encode_reply(reply))
+        _note_unauthorized(reply, args)
     return {Status.DONE: EXIT_OK, Status.ABORT: EXIT_REFUSED}.get(reply.status, EXIT_ERROR)
 
 

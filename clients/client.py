@@ -192,9 +192,12 @@ class GovernorClient:
     # Operations ------------------------------------------------------------------------
 
     async def ping(self, *, timeout: float = 10.0) -> Reply:
+        """A ping's reply. It carries the client's ``api_key``: to a governor with tenants, a
+        connection that only pings (a monitor) shows its key that way, or is closed after
+        ``auth_grace``; the answer is the same either way."""
         job = f"J_ping{next(self._jobs)}"
         async with self._expecting(job) as inbox, asyncio.timeout(timeout):
-            self._write(encode_request(Verb.PING, job, 1))
+            self._write(encode_request(Verb.PING, job, 1, api_key=self.api_key))
             return await self._next(inbox)
 
     async def upload(
@@ -465,6 +468,7 @@ async def connect(
     address: str,
     *,
     timeout: float = 10.0,
+    api_key: str | None = None,
     retry_budget: RetryBudget | None = None,
     ssl: SSLContext | None = None,
     server_hostname: str | None = None,
@@ -475,6 +479,7 @@ async def connect(
         host,
         port,
         timeout=timeout,
+        api_key=api_key,
         retry_budget=retry_budget,
         ssl=ssl,
         server_hostname=server_hostname,

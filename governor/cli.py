@@ -1,13 +1,17 @@
-"""``governor serve`` (flags map 1:1 onto :class:`governor.config.Config` fields), and
-``governor drain`` (a Kubernetes preStop hook's: drain a running daemon and wait for it)."""
+"""``governor serve`` (flags map 1:1 onto :class:`governor.config.Config` fields),
+``governor drain`` (a Kubernetes preStop hook's: drain a running daemon and wait for it), and
+``governor key-hash`` (a tenant's ``key_sha256`` line for an API key)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import getpass
 import logging
+import os
 import resource
+import secrets
 import signal
 import sys
 import urllib.error
@@ -18,8 +22,11 @@ from typing import Any
 
 import orjson
 
+from protocol.frames import MAX_ID_CHARS
+
 from . import __version__
 from .config import CLI_FIELDS, Config, ConfigError, default_text, parse_address
+from .core.tenants import key_sha256
 from .ops import logs, memory
 from .runners import RunnerStartError
 from .server import Server
@@ -48,7 +55,20 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 DESCRIPTION = (
     "An ingress governor for LLM inference. 'governor serve' runs the daemon: its flags are the "
     "keys of its TOML config file, and override them. 'governor drain' asks a running daemon to "
-    "drain and waits for its jobs to end (a Kubernetes preStop hook)."
+    "drain and waits for its jobs to end (a Kubernetes preStop hook). 'governor key-hash' "
+    "prints a tenant's key_sha256 line for an API key."
+)
+
+# The clients' variable (clients.apikey.ENV; the daemon does not import the clients).
+API_KEY_ENV = "GOVERNOR_API_KEY"
+NEW_KEY_BYTES = 32  # secrets.token_urlsafe: 43 characters, 256 random bits
+KEY_HASH_DESCRIPTION = (
+    f'Print the line a [[tenants]] table needs for an API key: key_sha256 = "<sha256 of the '
+    f'key, hex>". The key is read from ${API_KEY_ENV}, else from standard input (its first '
+    "line; on a terminal, a prompt that does not echo), never from the command line, where "
+    "ps and the shell's history would show it; surrounding whitespace is dropped. With --new, "
+    "a fresh random key is made instead and printed on the first line, the key_sha256 line on "
+    "the second: the key is shown this once, the config keeps only its hash."
 )
 
 
@@ -100,7 +120,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="a file holding the daemon's drain token (its drain_token_file), sent as "
         "Authorization: Bearer TOKEN",
     )
+    key_hash = commands.add_parser(
+        "key-hash",
+        help="print a tenant's key_sha256 line for an API key",
+        description=KEY_HASH_DESCRIPTION,
+    )
+    key_hash.add_argument(
+        "--new",
+        action="store_true",
+        help="make a new random key; print it, then its key_sha256 line",
+    )
     return parser
+
+
+def key_hash(new: bool) -> int:
+    """``governor key-hash``: 0 with the line printed; 1 for a key no client could send."""
+    if new:
+        key = secrets.token_urlsafe(NEW_KEY_BYTES)
+        print(key)
+    else:
+        try:
+            key = _key_to_hash()
+        except (ValueError, EOFError, OSError) as exc:  # ValueError: not UTF-8 text
+            print(f"governor: key-hash: {exc or 'no key on standard input'}", file=sys.stderr)
+            return 1
+    print(f'key_sha256 = "{key_sha256(key)}"')
+    return 0
+
+
+def _key_to_hash() -> str:
+    """``$GOVERNOR_API_KEY``, else standard input's first line; raises ValueError (never
+    showing the key) for one that both doors would not take alike."""
+    where = f"${API_KEY_ENV}"
+    key = os.environ.get(API_KEY_ENV)
+    if not key:
+        where = "the key on standard input"
+        if sys.stdin.isatty():
+            key = getpass.getpass("API key (not echoed): ")
+        else:
+            key = sys.stdin.readline(4 * MAX_ID_CHARS)
+    key = key.strip()
+    if not key:
+        raise ValueError(f"no key: set ${API_KEY_ENV} or give the key on standard input")
+    if len(key) > MAX_ID_CHARS:
+        raise ValueError(f"{where} is {len(key)} characters long; a key has at most {MAX_ID_CHARS}")
+    # The TCP door hashes a key's UTF-8 bytes, the HTTP door reads its header as Latin-1, and
+    # trims it: printable ASCII without spaces is the same key through both.
+    if not all("!" <= c <= "~" for c in key):
+        raise ValueError(
+            f"{where} holds a space, a control or a non-ASCII character: a key is printable "
+            "ASCII without spaces (governor key-hash --new makes one)"
+        )
+    return key
 
 
 def drain(address: str, wait: float, token_file: Path | None = None) -> int:
@@ -195,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "drain":
         return drain(args.metrics_addr, args.wait, args.token_file)
+    if args.command == "key-hash":
+        return key_hash(args.new)
     try:
         config = config_from_args(args)
     except ConfigError as exc:

@@ -577,12 +577,21 @@ def _tenants(value: Any, source: str) -> tuple[TenantConfig, ...]:
     if type(value) is not list or not all(type(t) is dict for t in value):
         raise ConfigError(f"{source}: tenants must be [[tenants]] tables")
     tenants = []
+    known = {f.name for f in dataclasses.fields(TenantConfig)}
     for table in value:
+        name = table.get("name")
+        if type(name) is not str or not name:
+            raise ConfigError(f"{source}: each [[tenants]] table needs a name (a string)")
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ConfigError(f"{source}: tenant {name!r}: unknown key {unknown[0]!r}")
         table = {**table, "lanes": tuple(table.get("lanes", ()))}
         try:
             tenants.append(TenantConfig(**table))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{source}: tenant {table.get('name')!r}: {exc}") from None
+        except ValueError as exc:  # (its message names the tenant)
+            raise ConfigError(f"{source}: {exc}") from None
+        except TypeError as exc:  # a value of the wrong type, met by a comparison
+            raise ConfigError(f"{source}: tenant {name!r}: {exc}") from None
     for what, values in (
         ("names", [t.name for t in tenants]),
         ("keys (key_sha256)", [t.key_sha256 for t in tenants if t.key_sha256 is not None]),

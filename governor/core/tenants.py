@@ -24,6 +24,12 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 DEFAULT_TENANT = "default"
 
 
+def key_sha256(api_key: str) -> str:
+    """What a tenant's ``key_sha256`` holds for ``api_key``: the sha256 of its UTF-8 bytes, as
+    64 lower-case hex digits (``governor key-hash`` prints the config line)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TenantConfig:
     name: str
@@ -50,7 +56,11 @@ class TenantConfig:
         if self.key_sha256 is not None and not (
             isinstance(self.key_sha256, str) and _SHA256_HEX.fullmatch(self.key_sha256)
         ):
-            raise ValueError(f"tenant {self.name!r}: key_sha256 must be 64 lower-case hex digits")
+            raise ValueError(
+                f"tenant {self.name!r}: key_sha256 must be 64 lower-case hex digits, the "
+                "sha256 of the tenant's API key (not the key itself); `governor key-hash` "
+                "prints the line for a key"
+            )
         if self.cert_name is not None and (
             not isinstance(self.cert_name, str)
             or not self.cert_name
@@ -189,7 +199,7 @@ class Tenants:
         if api_key is None:
             return None
         # Looked up by the key's hash: the stored secret is never compared, only its digest.
-        return self._by_key.get(hashlib.sha256(api_key.encode()).hexdigest())
+        return self._by_key.get(key_sha256(api_key))
 
     def find_cert(self, peercert: Mapping[str, Any] | None) -> Tenant | None:
         """The tenant a verified client certificate names; None for no certificate, or one

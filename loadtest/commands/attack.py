@@ -42,7 +42,7 @@ from protocol.codes import Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
 from protocol.frames import Reply, decode_reply, encode_request
 
-from ..support.connections import run_loop
+from ..support.connections import add_key_arguments, api_key_from, run_loop
 from ..support.options import DEFAULT_ADDR, parse_addr, positive_float, positive_int, print_json
 from ..support.processes import proc_status, rss_kib
 from ..support.stats import percentile
@@ -77,7 +77,7 @@ def add_parser(commands: Any) -> None:
         "--hold", type=positive_float, default=20.0, help="seconds the attack lasts"
     )
     parser.add_argument("--bystander", default="127.0.0.2", help="the bystander's source address")
-    parser.add_argument("--api-key", help="the bystander's key, when tenants are declared")
+    add_key_arguments(parser)  # the bystander's key, as the traffic commands take theirs
     parser.add_argument(
         "--metrics-addr", type=parse_addr, metavar="HOST:PORT", help="the HTTP listener"
     )
@@ -427,7 +427,7 @@ ATTACKS = {
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     stop = asyncio.Event()
-    bystander = Bystander(args.addr, args.bystander, args.api_key)
+    bystander = Bystander(args.addr, args.bystander, api_key_from(args))
     rss_before = rss_kib(args.pid) if args.pid else None
     peak = rss_before or 0
     most_threads = threads(args.pid) or 0

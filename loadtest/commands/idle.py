@@ -1,7 +1,9 @@
 """``idle``: hold many idle connections open and measure what they cost the daemon.
 
 Opens ``--connections`` TCP (or, with ``--tls-ca``, TLS) connections that send nothing, holds them ``--hold`` seconds, then
-pings through one more to show the daemon still answers. With ``--pid`` (the daemon's) it reads
+pings through one more to show the daemon still answers (its pings carry the API key, if
+given: to a daemon with tenants, the idle connections show none and are closed after its
+``auth_grace``). With ``--pid`` (the daemon's) it reads
 the daemon's resident memory (``VmRSS`` in ``/proc/PID/status``) before and with them open.
 Raise the daemon's ``--max-connections`` (and both sides' open-file limits) above the count (at
 the limit, a new connection displaces the oldest idle one). Every connection comes from
@@ -16,7 +18,7 @@ import resource
 import time
 from typing import Any
 
-from ..support.connections import add_tls_arguments, endpoint_from, run_loop
+from ..support.connections import add_key_arguments, add_tls_arguments, endpoint_from, run_loop
 from ..support.options import DEFAULT_ADDR, parse_addr, positive_float, positive_int, print_json
 from ..support.processes import rss_kib
 
@@ -40,6 +42,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--addr", type=parse_addr, default=DEFAULT_ADDR, metavar="HOST:PORT", help="the daemon"
     )
+    add_key_arguments(parser)
     add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
     parser.add_argument(
         "--connections", type=positive_int, default=10_000, help="idle connections held open"

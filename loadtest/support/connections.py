@@ -1,18 +1,19 @@
-"""Speaking to the governor: where it is and how (plain TCP or TLS), the ``--retry`` modes,
-connections opened and closed in bulk under a time bound, and the event loop a command runs on."""
+"""Speaking to the governor: where it is and how (plain TCP or TLS, with which API key), the
+``--retry`` modes, connections opened and closed in bulk under a time bound, and the event loop
+a command runs on."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from ssl import SSLContext
 from typing import Any, TypeVar
 
 import uvloop
 
-from clients import tls
+from clients import apikey, tls
 from clients.client import NO_RETRY, GovernorClient, RetryPolicy
 from clients.fleet import FleetClient
 
@@ -48,12 +49,14 @@ def retry_policy(mode: str, max_attempts: int, fixed_ms: int = 500) -> RetryPoli
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """A governor's protocol listener: where, and whether through TLS (``ssl`` set)."""
+    """A governor's protocol listener: where, whether through TLS (``ssl`` set), and the API
+    key its connections show (None: none; kept out of the repr)."""
 
     host: str
     port: int
     ssl: SSLContext | None = None
     server_hostname: str | None = None  # TLS: the name its certificate must carry; None: host
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def addr(self) -> str:
@@ -64,6 +67,7 @@ class Endpoint:
             self.host,
             self.port,
             timeout=timeout,
+            api_key=self.api_key,
             ssl=self.ssl,
             server_hostname=self.server_hostname,
         )
@@ -73,6 +77,29 @@ def add_tls_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """governor-cli's TLS options (:func:`clients.tls.add_arguments`), for the governor
     ``--addr`` names."""
     tls.add_arguments(parser)
+
+
+def add_key_arguments(parser: argparse.ArgumentParser | Any, *, openai: bool = False) -> None:
+    """governor-cli's ``--api-key`` (:func:`clients.apikey.add_arguments`; by default
+    ``$GOVERNOR_API_KEY``), for the governor ``--addr`` names (with ``openai``, also the bearer
+    key of ``--openai URL``)."""
+    help = None
+    if openai:
+        help = (
+            f"the tenant's API key, for a governor with [[tenants]] declared; with --openai, "
+            f"sent as Authorization: Bearer KEY (default: ${apikey.ENV}, which is safer: a flag "
+            "shows in ps and in the shell's history)"
+        )
+    apikey.add_arguments(parser, help=help)
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$GOVERNOR_API_KEY`` (:func:`clients.apikey.key_from`); a key no
+    governor takes ends the command (exit status 1, the key not shown)."""
+    try:
+        return apikey.key_from(args)
+    except apikey.APIKeyError as exc:
+        raise SystemExit(f"loadtest: {exc}") from None
 
 
 def endpoint_from(args: argparse.Namespace) -> Endpoint:
@@ -85,14 +112,15 @@ def endpoints_from(
     args: argparse.Namespace, addrs: Sequence[tuple[str, int]] | None = None
 ) -> list[Endpoint]:
     """:func:`endpoint_from` for each of ``addrs`` (by default every ``--addr`` given, as
-    :class:`AddressList` keeps them), all with the same TLS options."""
+    :class:`AddressList` keeps them), all with the same TLS options and API key."""
     if addrs is None:
         addrs = getattr(args, "addrs", None) or [args.addr]
     try:
         context = tls.context_from(args)
     except tls.TLSSetupError as exc:
         raise SystemExit(f"loadtest: {exc}") from None
-    return [Endpoint(host, port, context, args.tls_server_name) for host, port in addrs]
+    key = api_key_from(args)
+    return [Endpoint(host, port, context, args.tls_server_name, key) for host, port in addrs]
 
 
 # Timed connections ----------------------------------------------------------------------

@@ -190,6 +190,7 @@ class FleetTarget:
         first = self.endpoints[0]  # (every endpoint has the same TLS options)
         return FleetClient(
             self.replicas,
+            api_key=first.api_key,
             ssl=first.ssl,
             server_hostname=first.server_hostname,
             connect_timeout=self._timeout,
@@ -377,6 +378,9 @@ class OpenAITarget:
     (shared by its requests) and its hint is within ``retry.max_sleep_s``. Any other status is
     an abort (``http_<status>``); a stream that ends with an ``error`` event is one too (its
     code as the reason). A queueing server never yields: it is loaded as before.
+
+    ``api_key``: sent as ``Authorization: Bearer KEY`` on every request (the governor's front
+    door with tenants declared; a server that wants no key ignores it).
     """
 
     kind = "openai"
@@ -389,6 +393,7 @@ class OpenAITarget:
         extra: dict[str, Any] | None = None,
         *,
         retry: RetryPolicy | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.addr = url.rstrip("/")
         self.shape = shape
@@ -398,10 +403,12 @@ class OpenAITarget:
         self.budget = RetryBudget()
         self._rng = random.Random()
         self._http: httpx.AsyncClient | None = None
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key is not None else {}
 
     async def open(self, connections: int, *, timeout: float) -> None:
         self._http = httpx.AsyncClient(
             base_url=self.addr,
+            headers=self._headers,
             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
             timeout=httpx.Timeout(None, connect=timeout),
         )

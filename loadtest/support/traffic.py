@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from clients import apikey
 from clients.fleet import resolve_now
 from governor.core.policy import Lane
 from governor.core.slo import DEFAULT_OBJECTIVES
@@ -22,7 +23,9 @@ from governor.core.slo import DEFAULT_OBJECTIVES
 from .connections import (
     RETRY_MODES,
     StartError,
+    add_key_arguments,
     add_tls_arguments,
+    api_key_from,
     endpoints_from,
     retry_policy,
     run_loop,
@@ -42,6 +45,9 @@ from .render import output_dir, write_outputs
 from .report import Slo, build, parse_slo, step, summary_lines
 from .targets import FleetTarget, GovernorTarget, OpenAITarget, Shape, Target
 from .workload import ARRIVALS, ClassSpec, Request, arrivals, mixed
+
+# Why a request was refused for its key: the protocol's need code, the front door's status.
+UNAUTHORIZED = ("unauthorized", "http_401")
 
 Steps = Callable[[Target, Slo], Coroutine[Any, Any, list[dict[str, Any]]]]
 
@@ -78,6 +84,7 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "hint's sleep; --addr is ignored",
     )
     target.add_argument("--model", help="--openai: the model name to send (default: none)")
+    add_key_arguments(target, openai=True)
     add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
 
 
@@ -230,7 +237,7 @@ def target_from(
     if args.openai:
         if payload_bytes is not None or ping or reconnect:
             raise SystemExit("loadtest: --openai sends inference jobs only: give --prompt-tokens")
-        return OpenAITarget(args.openai, shape, args.model, retry=retry)
+        return OpenAITarget(args.openai, shape, args.model, retry=retry, api_key=api_key_from(args))
     endpoints = endpoints_from(args)
     if len(endpoints) == 1 and len(resolve_now([endpoints[0].addr])) == 1:
         return GovernorTarget(endpoints[0], shape, retry)
@@ -245,8 +252,8 @@ def with_replicas(target: Target, step_report: dict[str, Any]) -> dict[str, Any]
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's options as given (JSON-ready), for the report."""
-    skip = {"command", "out", "no_plots", "no_progress"}
+    """The run's options as given (JSON-ready), for the report; never the API key."""
+    skip = {"command", "out", "no_plots", "no_progress", "api_key"}
     return {
         k: list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
         for k, v in vars(args).items()
@@ -273,6 +280,10 @@ def execute(command: str, args: argparse.Namespace, target: Target, steps: Steps
     report = build(command, target, settings_of(args), slo, results)
     for s in results:
         print("\n".join(summary_lines(s)))
+    refused = sum(s["all"]["aborted_by"].get(r, 0) for s in results for r in UNAUTHORIZED)
+    if refused:
+        hint = apikey.unauthorized_hint(api_key_from(args) is not None)
+        print(f"loadtest {command}: {refused} request(s) unauthorized: {hint}", file=sys.stderr)
     out = output_dir(args.out, command)
     try:
         write_outputs(

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from clients.client import NO_RETRY, RetryPolicy
+from governor.core.tenants import TenantConfig, key_sha256
 from loadtest.cli import build_parser
 from loadtest.commands import sdk_bench
 from loadtest.support.connections import retry_policy
@@ -159,6 +162,26 @@ async def test_a_request_the_front_door_refuses_for_good_is_aborted(
     assert (outcome.status, outcome.reason) == (ABORTED, "http_400")
     assert outcome.attempts == 1
     assert not outcome.yields
+
+
+async def test_the_key_goes_as_the_bearer_key(
+    make_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--api-key`` (or ``$GOVERNOR_API_KEY``) reaches a front door with tenants as
+    ``Authorization: Bearer``; without it every request is a 401."""
+    tenant = TenantConfig(name="ide", key_sha256=key_sha256("door-key"))
+    server = await make_server(http_listen="127.0.0.1:0", stub_ms=0, tenants=(tenant,))
+    assert server.http_address is not None
+    url = "http://{}:{}".format(*server.http_address)
+    argv = ["burst", "--openai", url, "--prompt-tokens", "4", "--retry", "none"]
+    monkeypatch.delenv("GOVERNOR_API_KEY", raising=False)
+    bare = await _drive(target_from(build_parser().parse_args(argv)), 2)
+    assert [(o.status, o.reason) for o in bare.outcomes] == [(ABORTED, "http_401")] * 2
+    flag = await _drive(target_from(build_parser().parse_args([*argv, "--api-key", "door-key"])), 2)
+    assert [o.status for o in flag.outcomes] == [DONE] * 2
+    monkeypatch.setenv("GOVERNOR_API_KEY", "door-key")
+    env = await _drive(target_from(build_parser().parse_args(argv)), 2)
+    assert [o.status for o in env.outcomes] == [DONE] * 2
 
 
 # sdk-bench ----------------------------------------------------------------------------------

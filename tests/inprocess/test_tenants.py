@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import re
 import time
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 
 from clients import NO_RETRY, GovernorClient, RetryPolicy
 from governor.config import Config, ConfigError
-from governor.core.tenants import TenantConfig, Tenants, TokenBucket
+from governor.core.tenants import TenantConfig, Tenants, TokenBucket, key_sha256
 from protocol.spec import JobSpec
 from tests.conftest import ServerFactory, wait_until
 
@@ -107,12 +108,42 @@ def test_key_and_certificate_find_the_same_tenant() -> None:
         ({"cert_name": ""}, "cert_name must be"),
         ({"cert_name": " alpha"}, "cert_name must be"),
         ({"cert_name": 7}, "cert_name must be"),
-        ({"key_sha256": "NOTHEX"}, "key_sha256 must be 64 lower-case hex digits"),
+        ({"key_sha256": "NOTHEX"}, "key_sha256 must be 64 lower-case hex digits, the sha256"),
     ],
 )
 def test_a_tenant_needs_a_key_or_a_certificate_name(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TenantConfig(name="t", **fields)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"key_sha256": "…"}, "tenant 'ide': key_sha256 must be 64 lower-case hex digits, the "
+         "sha256 of the tenant's API key (not the key itself); `governor key-hash` prints"),
+        ({"key_sha256": sha("k").upper()}, "tenant 'ide': key_sha256 must be 64 lower-case"),
+        ({}, "tenant 'ide': needs key_sha256"),
+        ({"cert_name": "x", "colour": "red"}, "tenant 'ide': unknown key 'colour'"),
+        ({"cert_name": "x", "max_inflight": "2"}, "tenant 'ide': '<' not supported"),
+    ],
+)  # fmt: skip
+def test_a_bad_tenant_is_named_once_with_what_is_expected(
+    table: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Config.from_mapping({"tenants": [{"name": "ide", **table}]}, source="governor.toml")
+    assert str(caught.value).startswith(f"governor.toml: {message}")
+    assert str(caught.value).count("'ide'") == 1
+    with pytest.raises(ConfigError, match=re.escape("each [[tenants]] table needs a name")):
+        Config.from_mapping({"tenants": [table]})
+
+
+def test_key_sha256_is_what_the_tenants_look_keys_up_by() -> None:
+    assert key_sha256("abc") == (
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # FIPS 180-2's
+    )
+    tenants = Tenants([TenantConfig(name="a", key_sha256=key_sha256("é-key"))], clock=lambda: 0)
+    assert tenants.find("é-key") is not None
 
 
 def test_config_tenants_by_certificate_only_and_unique_names() -> None:
@@ -155,6 +186,23 @@ async def test_unknown_or_missing_keys_are_unauthorized(make_server: ServerFacto
     async with await GovernorClient.connect(host, port, api_key="quiet-key") as client:
         assert (await client.upload(b"hello")).done
     assert server.ledger.executed_total == 1
+
+
+async def test_a_client_that_only_pings_shows_its_key_on_them(make_server: ServerFactory) -> None:
+    """A load test's monitor only pings: its pings carry the key, so the grace does not close
+    it, as it closes a connection that pings without one."""
+    server = await make(make_server, stub_ms=0, auth_grace=0.3)
+    host, port = server.address
+    async with (
+        await GovernorClient.connect(host, port, api_key="quiet-key") as keyed,
+        await GovernorClient.connect(host, port) as bare,
+    ):
+        for client in (keyed, bare):
+            assert (await client.ping()).status == "ok"  # answered alike
+        await wait_until(lambda: bare.closed)  # its grace is over, and so is keyed's
+        assert not keyed.closed
+        assert (await keyed.ping()).status == "ok"
+        assert (await keyed.upload(b"still here")).done
 
 
 async def test_a_tenant_pinned_to_a_lane_runs_there(make_server: ServerFactory) -> None:
