@@ -164,7 +164,8 @@ def burst(
 ) -> subprocess.CompletedProcess[str]:
     return run(
         "-m", "loadtest", "burst", "--addr", d.addr, "--clients", "3", "--rounds", "1",
-        "--no-plots", "--no-progress", "--timeout", "30", "--out", str(out), *args, env=env,
+        "--no-plots", "--no-progress", "--timeout", "30", "--out", str(out), "--json", *args,
+        env=env,
     )  # fmt: skip
 
 
