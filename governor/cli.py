@@ -29,6 +29,7 @@ from .config import CLI_FIELDS, Config, ConfigError, default_text, parse_address
 from .core.tenants import key_sha256
 from .ops import logs, memory
 from .runners import RunnerStartError
+from .runners.llama import embedded_model_path
 from .server import Server
 
 log = logging.getLogger("governor")
@@ -130,7 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="make a new random key; print it, then its key_sha256 line",
     )
+    commands.add_parser(
+        "model-path",
+        help="print the embedded model's GGUF file (for another server on the same model)",
+    )
     return parser
+
+
+def model_path() -> int:
+    """``governor model-path``: the embedded model's file, or 1 when it is not installed."""
+    try:
+        print(embedded_model_path())
+    except RunnerStartError as exc:
+        print(f"governor: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def key_hash(new: bool) -> int:
@@ -268,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         return drain(args.metrics_addr, args.wait, args.token_file)
     if args.command == "key-hash":
         return key_hash(args.new)
+    if args.command == "model-path":
+        return model_path()
     try:
         config = config_from_args(args)
     except ConfigError as exc:

@@ -73,7 +73,7 @@ def plot_cdf(reports: Named, path: Path) -> None:
         ax.set_xscale("log")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -101,12 +101,12 @@ def plot_timeline(reports: Named, path: Path) -> None:
         )
     top.set_ylabel("requests")
     top.set_title("in flight over time")
-    top.legend(fontsize="small")
+    _legend(top)
     top.grid(alpha=0.3)
     bottom.set_ylabel("yields per second")
     bottom.set_xlabel("seconds from the start")
     bottom.grid(alpha=0.3)
-    bottom.legend(fontsize="small")
+    _legend(bottom)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -131,7 +131,7 @@ def plot_goodput(reports: Named, path: Path) -> None:
     ax.set_ylabel("requests/s")
     ax.set_title("goodput (done within the objectives) against offered load")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -208,3 +208,9 @@ def write_outputs(
     (out / filename).write_text(json.dumps(data) + "\n", encoding="utf-8")
     if plots:
         write_html(reports, out, write_plots(reports, out), title)
+
+
+def _legend(ax: Any) -> None:
+    """A legend where something is labelled (a run with no done request draws no curve)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")

@@ -7,8 +7,10 @@ never sees it):
   another. A line ending in ``&`` starts a background process (in a process group of its own)
   that lives until the next ``stop``; a line whose comment says ``exit N`` must exit N, every
   other line 0.
+* ``<!-- readme: run background -->``: the same, as a reader leaves it running in a terminal
+  of its own: the whole block is one background process.
 * ``<!-- readme: output -->``: what the ``run`` block before it prints. Each line must appear,
-  in order, among the lines printed (stdout and stderr): ``…`` stands for any text, a number
+  in order, among the lines printed (stdout and stderr, interleaved): ``…`` stands for any text, a number
   for any number.
 * ``<!-- readme: python -->``: a Python program, run by ``.venv/bin/python``.
 * ``<!-- readme: file NAME -->``: written to NAME, from the root (a config that later blocks
@@ -19,14 +21,15 @@ never sees it):
 And, with no block, ``<!-- readme: stop -->``: the background processes get SIGINT (Ctrl-C),
 must exit within a minute, and a ``governor serve`` among them must exit 0.
 
-So that a busy port never fails it, the test moves the README's ports (7777, 8000, 8080, 9464)
-to free ones, and gives ``governor serve`` its ``--listen``, ``governor-cli`` and the traffic
+So that a busy port never fails it, the test moves the README's ports (6379, 7777, 7778, 8000, 8080,
+9464) to free ones, and gives ``governor serve`` its ``--listen``, ``governor-cli`` and the traffic
 load tests their ``--addr`` where the README relies on the default. Nothing else is rewritten.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -39,7 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-PORTS = (7777, 8000, 8080, 9464)
+PORTS = (6379, 7777, 7778, 8000, 8080, 9464)
+HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
 MARKER = re.compile(r"^<!-- readme: (\w+)\s*(.*?)\s*-->$")
 FENCE = re.compile(r"^```")
 KINDS = {"run", "output", "python", "file", "skip", "stop"}
@@ -96,15 +100,20 @@ def free_ports() -> dict[int, int]:
 
 
 def commands(text: str) -> Iterator[str]:
-    """The block's commands: continued lines joined, blank and comment lines left out."""
+    """The block's commands: continued lines joined, a here-document kept whole with its
+    command, blank and comment lines left out."""
+    lines = iter(text.splitlines())
     pending = ""
-    for raw in text.splitlines():
+    for raw in lines:
         if raw.rstrip().endswith("\\"):
             pending += raw.rstrip()[:-1] + " "
             continue
         line = (pending + raw).strip()
         pending = ""
-        if line and not line.startswith("#"):
+        if here := HEREDOC.search(line):
+            body = list(itertools.takewhile(lambda ln, end=here[1]: ln.strip() != end, lines))
+            yield "\n".join([line, *body, here[1]])
+        elif line and not line.startswith("#"):
             yield line
 
 
@@ -141,25 +150,33 @@ class Session:
         return command
 
     def script(self, block: Block) -> str:
-        lines = ["set -m", f"cd {ROOT}"]
-        for n, command in enumerate(commands(self.rewrite(block.text))):
-            command = self.defaults(command)
-            code, body = command.partition(" #")[0].rstrip(), command
+        lines = [
+            "set -m -eo pipefail",  # (-m: each background process in a group of its own)
+            """trap 'echo "README-TEST: failed: $BASH_COMMAND" >&2' ERR""",
+            f"cd {ROOT}",
+        ]
+        steps = [self.defaults(c) for c in commands(self.rewrite(block.text))]
+        if block.arg == "background":
+            steps = [" && ".join(c.partition(" #")[0].rstrip() for c in steps) + " &"]
+        for n, command in enumerate(steps):
+            first, newline, rest = command.partition("\n")
+            code = first.partition(" #")[0].rstrip() + newline + rest
             if code.endswith("&"):
                 name = f"README.md:{block.line}+{n}"
                 log, rc = (
                     self.logs / f"bg{block.line}-{n}.log",
                     self.logs / f"bg{block.line}-{n}.rc",
                 )
-                lines.append(f"( {code[:-1]}; echo $? > {rc} ) > {log} 2>&1 &")
+                lines.append(f"( set +e; {code[:-1]}; echo $? > {rc} ) > {log} 2>&1 &")
                 lines.append(f'echo "$! {log} {name}" >> {self.logs / "pids"}')
-                continue
-            want = expected_exit(body)
-            lines.append(code)
-            lines.append(
-                f'rc=$?; if [ $rc -ne {want} ]; then echo "README-TEST: {code!r} exited $rc, '
-                f'expected {want}" >&2; exit 97; fi'
-            )
+            elif want := expected_exit(first):
+                lines.append(f"if {code}; then rc=0; else rc=$?; fi")
+                lines.append(
+                    f'if [ $rc -ne {want} ]; then echo "README-TEST: {code!r} exited $rc, '
+                    f'expected {want}" >&2; exit 97; fi'
+                )
+            else:
+                lines.append(code)
         return "\n".join(lines) + "\n"
 
     def run(self, block: Block, argv: list[str]) -> str:
@@ -167,14 +184,15 @@ class Session:
         proc = subprocess.run(
             argv,
             cwd=ROOT,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # interleaved, as a terminal shows them
             text=True,
             timeout=BLOCK_TIMEOUT_S,
             check=False,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self._note_background()
-        out = proc.stdout + proc.stderr
+        out = proc.stdout
         assert proc.returncode == 0, (
             f"README.md:{block.line}: the block failed (exit {proc.returncode}, "
             f"{time.monotonic() - started:.1f} s):\n{out[-4000:]}\n{self.background_logs()}"
