@@ -20,7 +20,12 @@ are cut to fit the generating sequences' time per output token (TPOT). Each sequ
 tokens it lets a step be (the interactive lane's: a chat never runs much slower because long
 prompts are being fed). Over the generating sequences, two bounds:
 
-* the objective bound, the tightest ``MARGIN * tpot_s``;
+* the objective bound, the tightest of the sequences' banked time: a TPOT objective is an
+  average (the time from a stream's first token to its last, over its tokens), so a stream
+  ahead of it may take a longer step, up to the time its next token is due at the
+  objective's pace (``MARGIN * tpot_s`` a token since its first), never less than one
+  token's share, nor more than ``MARGIN * ttft_s``, its time-to-first-token objective (no
+  running stream pauses longer than a new one is promised to wait);
 * the stall bound, the tightest ``stall * D``, ``D`` being the step's predicted cost with no
   prompt tokens.
 
@@ -28,9 +33,9 @@ A step takes the most prompt tokens whose predicted step (:class:`~.stepcost.Ste
 online by the worker) fits both bounds, and then more where either of these asks for it:
 
 * prompts that it can feed whole within the objective bound alone (in the order prompts are
-  taken) it feeds whole: a chat's short prompt gets its first token at the next step even
-  beside running chats, at the cost of one step of at most their objective, while a long prompt
-  is fed in chunks that keep them within the stall bound;
+  taken) it feeds whole: a chat's prompt gets its first token at the next step even beside
+  running chats, at the cost of one step within their objective (of their banked time),
+  while a longer prompt is fed in chunks that keep them within the stall bound;
 * prompts that, fed at that pace, would get their first token after their ``deadline`` (when
   the step is planned at ``now``: the worker sets it from the job's TTFT objective) it feeds
   now, through the last such prompt, as far as the objective bound allows: a chat's long prompt
@@ -109,6 +114,8 @@ class Sequence:
     tpot_s: float = 0.0  # its time-per-output-token objective (0: none)
     stall: float = 0.0  # the most a step may be stretched by prompt tokens, x (0: no limit)
     deadline: float = math.inf  # when its first token is due (the clock of plan's ``now``)
+    ttft_s: float = 0.0  # its time-to-first-token objective (0: none)
+    first_at: float | None = None  # when its first token was sampled (plan's clock)
 
     @property
     def prefilling(self) -> bool:
@@ -264,7 +271,7 @@ class Scheduler:
         if not pending:
             return entries
         full = max(self.step_tokens - len(entries), MIN_PREFILL)
-        objective, stall = self.bounds(entries)
+        objective, stall = self.bounds(entries, now)
         if objective is None and stall is None:
             take = full
         else:
@@ -277,10 +284,10 @@ class Scheduler:
             take = max(take, self._due(entries, pending, full, take, objective, now))
         return entries + self._prefill(pending, take, commit=True)
 
-    def bounds(self, decodes: list[Entry]) -> tuple[float | None, float | None]:
-        """The objective bound and the stall bound on the next step, in seconds, for the
-        generating sequences ``decodes`` (None: no such bound)."""
-        objective = min((MARGIN * e.seq.tpot_s for e in decodes if e.seq.tpot_s > 0), default=None)
+    def bounds(self, decodes: list[Entry], now: float = 0.0) -> tuple[float | None, float | None]:
+        """The objective bound and the stall bound on the next step planned at ``now``, in
+        seconds, for the generating sequences ``decodes`` (None: no such bound)."""
+        objective = min((_banked(e.seq, now) for e in decodes if e.seq.tpot_s > 0), default=None)
         stall = min((e.seq.stall for e in decodes if e.seq.stall > 0), default=None)
         if stall is None:
             return objective, None
@@ -356,6 +363,18 @@ class Scheduler:
                 seq.fed += len(entry.tokens)
             else:
                 seq.pending = -1
+
+
+def _banked(seq: Sequence, now: float) -> float:
+    """The longest next step that keeps ``seq`` within its TPOT objective (less the margin), an
+    average over its tokens since its first: the time until its next token is due at that
+    pace, never less than one token's share, nor more than its TTFT objective (less the
+    margin: no pause of a running stream is longer than a new one's promised wait)."""
+    per = MARGIN * seq.tpot_s
+    if seq.first_at is None:
+        return per
+    due = seq.first_at + per * seq.generated - now
+    return min(max(per, due), max(per, MARGIN * seq.ttft_s))
 
 
 def _whole(prefill: list[Entry]) -> int:

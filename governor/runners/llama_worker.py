@@ -246,6 +246,7 @@ class Job:
             priority=request["priority"],
             tpot_s=request.get("tpot_ms", 0.0) / 1000,
             stall=request.get("stall", 0.0),
+            ttft_s=request.get("ttft_ms", 0.0) / 1000,
         )
         if ttft_ms := request.get("ttft_ms", 0.0):
             self.seq.deadline = time.perf_counter() + ttft_ms / 1000
@@ -361,6 +362,8 @@ class Worker:
             finish = "stop"
         else:
             seq.generated += 1
+            if seq.generated == 1:
+                seq.first_at = time.perf_counter()
             if job.text.add(model.piece(token)):
                 finish = "stop"
             elif seq.generated >= seq.max_new_tokens:

@@ -111,8 +111,9 @@ def commands(text: str) -> Iterator[str]:
         line = (pending + raw).strip()
         pending = ""
         if here := HEREDOC.search(line):
-            body = list(itertools.takewhile(lambda ln, end=here[1]: ln.strip() != end, lines))
-            yield "\n".join([line, *body, here[1]])
+            end = here[1]
+            body = list(itertools.takewhile(lambda ln: ln.strip() != end, lines))  # noqa: B023
+            yield "\n".join([line, *body, end])
         elif line and not line.startswith("#"):
             yield line
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from governor.runners.batching import (
+    MARGIN,
     MAX_PASSED,
     MIN_PREFILL,
     PREFILL_FLOOR,
@@ -574,3 +575,87 @@ def test_a_heavy_prompt_past_its_deadline_is_fed_within_the_chats_objective() ->
     assert sum(len(e.tokens) for e in entries if e.seq is rewrite) == 28  # (90 - 5) / 3
     assert s.cost(entries) <= 0.09
     assert any(e.seq is chat for e in entries)
+
+
+def test_a_prompt_goes_whole_on_the_time_the_chats_have_banked() -> None:
+    """Chats ahead of their TPOT objective (an average since their first token) let a prompt
+    too long for one token's share go whole, in a step no longer than their TTFT objective
+    (less the margin); behind it, past it, or with no first token known, the prompt is fed at
+    the stall's pace."""
+    s, cache = budgeted(costs(2, 4), slots=8)
+    chats = [generating(s, cache, f"chat{i}", tpot_s=0.1, stall=1.5, ttft_s=1.0) for i in range(4)]
+    for chat in chats:
+        chat.first_at, chat.generated = 0.0, 10  # 10 tokens: due by 0.9 s at 90 ms each
+
+    def fed(key: str, now: float) -> int:
+        return sum(len(e.tokens) for e in s.plan(now) if e.seq.key == key)
+
+    s.submit(Sequence("new", tuple(range(10, 90)), 16))  # 80 tokens: 2 + 4 x 84 = 338 ms
+    assert fed("new", 0.5) == 80  # 400 ms banked
+    assert fed("new", 0.6) == 2  # 300 ms banked; the stall: 1.5 x (2 + 16) ms is 2 tokens
+    assert fed("new", 1.0) == 2  # behind: one token's share (90 ms), and the stall
+    chats[0].first_at = None
+    assert fed("new", 0.5) == 2
+    chats[0].first_at = 0.0
+    s.remove("new")
+    for chat in chats:
+        chat.generated = 1000  # far ahead: only the TTFT objective bounds the step, 900 ms
+    s.submit(Sequence("fits", tuple(range(1, 201)), 16))  # 2 + 4 x 204 = 818 ms
+    assert fed("fits", 0.5) == 200
+    s.remove("fits")
+    s.submit(Sequence("long", tuple(range(1, 231)), 16))  # 2 + 4 x 234 = 938 ms
+    assert fed("long", 0.5) == 2
+
+
+@given(
+    step_ms=st.floats(0.5, 5),
+    token_ms=st.floats(0.05, 3),
+    objectives=st.lists(
+        st.tuples(st.sampled_from([0.05, 0.1, 0.3]), st.sampled_from([0.0, 0.5, 1.0, 15.0])),
+        min_size=1,
+        max_size=4,
+    ),
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 60), st.integers(1, 400), st.integers(0, 2)), max_size=8
+    ),
+)
+@settings(max_examples=150, deadline=None)
+def test_every_stream_keeps_its_tpot_on_average_and_pauses_no_longer_than_its_ttft(
+    step_ms: float,
+    token_ms: float,
+    objectives: list[tuple[float, float]],
+    arrivals: list[tuple[int, int, int]],
+) -> None:
+    """Steps run as predicted, prompts of any lane arriving at any step: every stream's mean
+    time per output token since its first stays within its TPOT objective (less the margin),
+    and no gap between two of its tokens is longer than that objective's share or its TTFT
+    objective (less the margin), however much time it banked."""
+    s, cache = budgeted(costs(step_ms, token_ms), slots=16)
+    streams = [
+        generating(s, cache, f"g{i}", tpot_s=tpot, stall=1.5, ttft_s=ttft)
+        for i, (tpot, ttft) in enumerate(objectives)
+    ]
+    now = 0.0
+    times: dict[str, list[float]] = {q.key: [now] for q in streams}
+    for q in streams:
+        q.first_at, q.generated = now, 1
+    due = sorted(arrivals)
+    for step in range(200):
+        while due and due[0][0] <= step:
+            _, length, priority = due.pop(0)
+            s.submit(Sequence(f"p{step}-{len(due)}", tuple(range(1, length + 1)), 4, priority))
+        entries = s.plan(now)
+        now += s.cost(entries)  # the step runs as predicted
+        cache.decode(entries)
+        s.advance(entries)
+        for entry in entries:
+            if entry.sample and entry.seq in streams:
+                entry.seq.generated += 1
+                times[entry.seq.key].append(now)
+            if entry.sample:
+                entry.seq.pending = 7
+    for q in streams:
+        t, per = times[q.key], MARGIN * q.tpot_s
+        assert (t[-1] - t[0]) / (len(t) - 1) <= per * (1 + 1e-9)
+        longest = max(b - a for a, b in itertools.pairwise(t))
+        assert longest <= max(per, MARGIN * q.ttft_s) * (1 + 1e-9)
