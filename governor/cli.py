@@ -22,7 +22,7 @@ import orjson
 from . import __version__
 from .config import CLI_FIELDS, Config, ConfigError, default_text, parse_address
 from .ops import logs, memory
-from .runners import RunnerStartError
+from .runners import RunnerConfigError, RunnerStartError
 from .server import Server
 
 log = logging.getLogger("governor")
@@ -167,6 +167,9 @@ async def serve(config: Config) -> int:
     try:
         server = Server(config)
         await server.start()
+    except RunnerConfigError as exc:  # a setting the model cannot honour (n_ctx, say)
+        log.error("cannot start the %s runner: %s", config.runner, exc)
+        return 2
     except RunnerStartError as exc:
         log.error("cannot start the %s runner: %s", config.runner, exc)
         return 1
