@@ -23,7 +23,9 @@ import argparse
 import asyncio
 import dataclasses
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from protocol.codes import NeedCode, Receipt, Status
 from protocol.frames import Reply, encode_reply
@@ -266,17 +268,32 @@ async def _generate(args: argparse.Namespace) -> int:
         if not args.stream:
             show(str(reply.result.get("text", "")))
         print()
-        r = reply.result
-        print(
-            f"governor-cli: {r.get('prompt_tokens')} prompt + {r.get('completion_tokens')} "
-            f"generated tokens, finish {r.get('finish_reason')}, ttft {r.get('ttft_ms')} ms, "
-            f"tpot {r.get('tpot_ms')} ms",
-            file=sys.stderr,
-        )
+        print(f"governor-cli: {summary(reply.result)}", file=sys.stderr)
     else:
         sys.stdout.buffer.write(encode_reply(reply))
         _note_unauthorized(reply, args)
     return {Status.DONE: EXIT_OK, Status.ABORT: EXIT_REFUSED}.get(reply.status, EXIT_ERROR)
+
+
+def summary(result: Mapping[str, Any]) -> str:
+    """A finished generation's counts and pace, for people. A count the runner did not report
+    (the ``http`` runner's prompt, behind an upstream that sends no usage in its stream) is
+    said to be unknown, and a count taken from the stream's chunks says so."""
+    prompt, completion = result.get("prompt_tokens"), result.get("completion_tokens")
+    if prompt is None:
+        counts = "prompt tokens not reported by the upstream + "
+    else:
+        counts = f"{prompt} prompt + "
+    counts += f"{completion} generated tokens"
+    if result.get("counted") == "chunks":
+        counts += " (counted from the streamed chunks)"
+    parts = [counts, f"finish {result.get('finish_reason')}"]
+    parts += [
+        f"{name} {result[key]} ms"
+        for name, key in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"))
+        if result.get(key) is not None
+    ]
+    return ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

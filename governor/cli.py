@@ -1,6 +1,7 @@
 """``governor serve`` (flags map 1:1 onto :class:`governor.config.Config` fields),
-``governor drain`` (a Kubernetes preStop hook's: drain a running daemon and wait for it), and
-``governor key-hash`` (a tenant's ``key_sha256`` line for an API key)."""
+``governor drain`` (a Kubernetes preStop hook's: drain a running daemon and wait for its jobs;
+the SIGTERM that follows stops it), ``governor key-hash`` (a tenant's ``key_sha256`` line for an
+API key) and ``governor model-path`` (the embedded model's file)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from . import __version__
 from .config import CLI_FIELDS, Config, ConfigError, default_text, parse_address
 from .core.tenants import key_sha256
 from .ops import logs, memory
-from .runners import RunnerStartError
+from .runners import RunnerConfigError, RunnerStartError
 from .runners.llama import embedded_model_path
 from .server import Server
 
@@ -56,8 +57,9 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 DESCRIPTION = (
     "An ingress governor for LLM inference. 'governor serve' runs the daemon: its flags are the "
     "keys of its TOML config file, and override them. 'governor drain' asks a running daemon to "
-    "drain and waits for its jobs to end (a Kubernetes preStop hook). 'governor key-hash' "
-    "prints a tenant's key_sha256 line for an API key."
+    "drain and waits for its jobs to end (a Kubernetes preStop hook); SIGTERM then stops it. "
+    "'governor key-hash' prints a tenant's key_sha256 line for an API key; 'governor "
+    "model-path' the embedded model's file."
 )
 
 # The clients' variable (clients.apikey.ENV; the daemon does not import the clients).
@@ -101,8 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         "drain",
         help="drain a running daemon (for a preStop hook)",
         description="Ask a running daemon to drain (POST /drain on its metrics_listen, from "
-        "this host), then wait for its running jobs. Exit 0 once none runs, 1 if some still "
-        "run after --wait seconds or on any error.",
+        "this host): its readiness fails and new jobs are told 'draining'. Then wait for its "
+        "running jobs. Exit 0 once none runs, 1 if some still run after --wait seconds or on "
+        "any error. The daemon keeps running, drained, until SIGTERM or SIGINT stops it (at "
+        "once when no job runs): in Kubernetes the kubelet sends it when this preStop hook "
+        "returns; by hand, send it yourself (systemctl stop, kill -TERM).",
     )
     drain.add_argument(
         "--metrics-addr",
@@ -209,7 +214,10 @@ def drain(address: str, wait: float, token_file: Path | None = None) -> int:
         print(f"governor: drain failed: {exc}", file=sys.stderr)
         return 1
     print(orjson.dumps(answer).decode())
-    return 0 if answer.get("drained") else 1
+    if answer.get("drained"):
+        print("governor: drained; SIGTERM now stops the daemon at once", file=sys.stderr)
+        return 0
+    return 1
 
 
 def _read_token(path: Path) -> str:
@@ -246,6 +254,9 @@ async def serve(config: Config) -> int:
     try:
         server = Server(config)
         await server.start()
+    except RunnerConfigError as exc:  # a setting the model cannot honour (n_ctx, say)
+        log.error("cannot start the %s runner: %s", config.runner, exc)
+        return 2
     except RunnerStartError as exc:
         log.error("cannot start the %s runner: %s", config.runner, exc)
         return 1
@@ -258,7 +269,10 @@ async def serve(config: Config) -> int:
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
         if not stop.is_set():
-            log.info("%s: draining (a second signal forces exit)", name)
+            if server.draining:  # (POST /drain began it: this is the stop that follows)
+                log.info("%s: stopping the drained daemon (a second signal forces exit)", name)
+            else:
+                log.info("%s: draining, then stopping (a second signal forces exit)", name)
             server.begin_drain(name)  # readiness fails from this moment
             stop.set()
         else:

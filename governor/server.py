@@ -5,9 +5,14 @@ pools (each a runner, its slot ledger and its circuit breaker), the health probe
 operator's HTTP listener. The drain is the graceful half of shutdown, begun by a signal or
 by ``POST /drain``: readiness fails at once, admission closes (new payloads get ``yield``
 with ``draining``, on connections old and new: the listener stays open, so that a client
-routed here late gets that answer rather than a refused connection), running jobs get
-``shutdown_grace`` seconds from the drain's start to finish, and any still running then get a
-``confirm abort`` with ``shutdown`` before their connections close.
+routed here late gets that answer rather than a refused connection), and running jobs get
+``shutdown_grace`` seconds from the drain's start to finish. The stop is the other half, and
+only a signal (SIGTERM, SIGINT) begins it (:meth:`Server.drain`): it waits for the running
+jobs until that deadline, gives any still running a ``confirm abort`` with ``shutdown``, and
+closes everything. A drain begun by ``POST /drain`` (a preStop hook's) therefore leaves the
+process up, failing readiness and answering ``draining``, until the signal that follows it
+(the kubelet's, once the hook returns; systemd's, on stop); with no job left running, that
+signal stops it at once.
 """
 
 from __future__ import annotations
@@ -395,9 +400,18 @@ class Server:
     def buffered_bytes(self) -> int:
         return self.state.buffers.used
 
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
     async def _drain_for_admin(self, wait: float) -> int:
+        """POST /drain: the drain alone, not the stop (see the module docstring); returns how
+        many jobs still run after ``wait`` seconds."""
         self.begin_drain("POST /drain")
-        return await self.wait_for_jobs(wait)
+        running = await self.wait_for_jobs(wait)
+        if not running:
+            log.info("drained: no job running; SIGTERM or SIGINT stops the process at once")
+        return running
 
     def begin_drain(self, reason: str, grace: float | None = None) -> None:
         """Refuse new jobs from now on (requests waiting at the front door too, at once);

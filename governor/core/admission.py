@@ -48,7 +48,7 @@ from protocol.spec import SpecInvalid
 from ..runners.base import Job, Runner
 from .breaker import CircuitBreaker
 from .fleetgate import Lease
-from .ledger import Completed, Promise, Refusal, Slot, SlotLedger
+from .ledger import DRAINING_HINT_MS, Completed, Promise, Refusal, Slot, SlotLedger
 from .overload import OverloadController, State
 from .policy import LANES, NO_LANE, Demand, Lane
 from .service import JobSize
@@ -310,7 +310,7 @@ class Admission:
         promise, attempt.promise = attempt.promise, None
         # 1. Draining.
         if ledger.draining:
-            return self._refuse(attempt, promise, Refusal(NeedCode.DRAINING, ledger.max_hint_ms))
+            return self._refuse(attempt, promise, Refusal(NeedCode.DRAINING, DRAINING_HINT_MS))
         # 2. What the spec and the tenant's key allow.
         plan = self._plan(attempt)
         if isinstance(plan, Rejected):

@@ -46,9 +46,23 @@ from .policy import LANES, Demand, Lane, LanePolicy
 from .promises import Promise, PromiseLine
 from .service import JobSize, ServiceModel
 
-__all__ = ["Clock", "Completed", "Promise", "Refusal", "Slot", "SlotLedger", "kv_demand"]
+__all__ = [
+    "DRAINING_HINT_MS",
+    "Clock",
+    "Completed",
+    "Promise",
+    "Refusal",
+    "Slot",
+    "SlotLedger",
+    "kv_demand",
+]
 
 Clock = Callable[[], float]
+# A ``draining`` refusal's hint, the same on every door: not when to come back here (a
+# draining replica admits nothing again, and stops when told to), but how soon to send the job
+# to another replica, on a new connection, which a load balancer sends to a ready one. A
+# constant: nothing here knows when the replica will stop (its SIGTERM comes from outside).
+DRAINING_HINT_MS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +287,7 @@ class SlotLedger:
         if self.draining:
             if promise is not None:
                 self.withdraw(promise)
-            return self.refused(Refusal(NeedCode.DRAINING, self.max_hint_ms))
+            return self.refused(Refusal(NeedCode.DRAINING, DRAINING_HINT_MS))
         free = self.cap - len(self._running)
         self.lanes.asked(rank, now)
         # The free slots this job may take: not those the interactive reserve keeps.

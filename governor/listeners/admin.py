@@ -7,7 +7,8 @@
     POST /drain[?wait=S] from a loopback address only (and with ``Authorization: Bearer TOKEN``
                          when ``drain_token_file`` is set): start the graceful drain, then wait
                          up to S seconds (finite, 0 or more) for running jobs; 200 with
-                         ``{"drained": ...}``
+                         ``{"drained": ...}``. The process stays up, drained, until a SIGTERM
+                         or SIGINT stops it
 
 Why a thread: a liveness probe served on the daemon's event loop cannot tell a blocked loop
 from a slow network; it just gets no answer. Served here, it answers 503 and says how long the

@@ -43,7 +43,7 @@ from ..core.ledger import Refusal
 from ..core.tenants import Tenant
 from ..execution import Ending, Execution
 from ..state import ServerState
-from .wire import Wire
+from .wire import Wire, yield_detail
 
 
 class BuffersFull(Exception):
@@ -280,14 +280,8 @@ class JobTable:
         held = not draining and self.hold(state)
         if held:
             self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
-            detail = "no execution slot free; resend the final chunk after retry_hint_ms"
         else:
             self.forget(req.job)
-            detail = (
-                "the governor is draining and admits no new job; send it to another replica"
-                if draining
-                else "no execution slot free, and the payload was not kept; resend it"
-            )
         self.wire.yield_(
             req,
             seq=final_seq(req),
@@ -295,7 +289,7 @@ class JobTable:
             error_code=decision.error_code,
             retry_hint_ms=decision.retry_hint_ms,
             held=held,
-            detail=detail,
+            detail=yield_detail(decision.need_code, held),
         )
 
     # Replies for executions (execution.Replies) ------------------------------------------

@@ -82,10 +82,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # A request's own wait budget at the door, in whole milliseconds (0: refuse it at once); the
 # server's http_max_wait bounds it.
 MAX_WAIT_HEADER = "x-governor-max-wait-ms"
-# A draining replica's 503 says to retry within this: behind a load balancer the retry (on a
-# new connection: the answer closes this one) reaches another replica. The TCP protocol's
-# draining hint is the longest (its clients leave a draining replica themselves).
-DRAINING_HINT_MS = 1000
 # Ends of a job that the runner (or the upstream) caused and a retry may get past: 502, or 504
 # for those that ran out of time.
 TIMEOUTS = frozenset({NeedCode.RUNNER_TIMEOUT, NeedCode.UPSTREAM_TIMEOUT})
@@ -400,13 +396,17 @@ def abort_status(need_code: str) -> HTTPStatus:
 
 def refusal(need_code: str, error_code: str, retry_hint_ms: int) -> ApiError:
     """A yield's answer: 429 or 503, the need code, the hint in both headers."""
-    if need_code == NeedCode.DRAINING:  # (the retry is for another replica)
-        retry_hint_ms = min(retry_hint_ms, DRAINING_HINT_MS)
+    if need_code == NeedCode.DRAINING:
+        # (The answer closes its connection: behind a load balancer, the retry's new one
+        # reaches a ready replica.)
+        message = (
+            "draining: this replica is draining and admits no new request again; "
+            f"retry on another replica in {retry_hint_ms} ms"
+        )
+    else:
+        message = f"{need_code}: no slot for this request now; retry in {retry_hint_ms} ms"
     return ApiError(
-        yield_status(error_code),
-        need_code,
-        f"{need_code}: no slot for this request now; retry in {retry_hint_ms} ms",
-        headers=retry_headers(retry_hint_ms),
+        yield_status(error_code), need_code, message, headers=retry_headers(retry_hint_ms)
     )
 
 

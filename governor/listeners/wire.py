@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from protocol.codes import ErrorCode, Receipt, Status, Verb
+from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.errors import RemoteProtocolError
 from protocol.frames import Reply, Request, encode_reply, error_reply
 
@@ -126,3 +126,16 @@ class Wire:
                 ),
             )
         )
+
+
+def yield_detail(need_code: str, held: bool) -> str:
+    """An admission yield's sentence for people: what it means for the job (a ``draining``
+    one's hint is how soon to go to another replica, not when to come back)."""
+    if need_code == NeedCode.DRAINING:  # (never held: a draining governor admits no job again)
+        return (
+            "this replica is draining: it admits no new job again; send the job to another "
+            "replica after retry_hint_ms"
+        )
+    if held:
+        return "no execution slot free; resend the final chunk after retry_hint_ms"
+    return "no execution slot free, and the payload was not kept; resend it"

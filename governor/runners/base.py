@@ -91,6 +91,11 @@ class RunnerStartError(Exception):
     """The runner cannot start (a model that does not load, say); the message is for people."""
 
 
+class RunnerConfigError(RunnerStartError):
+    """The runner cannot start on this configuration: a setting the model cannot honour (an
+    ``n_ctx`` over its training context). Like any configuration error, the daemon exits 2."""
+
+
 class RunnerError(Exception):
     """A job failed in the backend. ``code`` is the ``need_code`` of its ``confirm abort``."""
 

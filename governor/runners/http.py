@@ -8,9 +8,11 @@ become ``upstream_error`` and ``upstream_timeout`` aborts. HTTP is httpx's: conn
 timeouts and streamed bodies are what it does well.
 
 Token counts come from the upstream's ``usage`` when it sends one in the stream (it is asked
-with ``stream_options``); otherwise ``completion_tokens`` counts the streamed content chunks
-(one per token on llama.cpp's servers) and ``prompt_tokens`` is null, and ``result.counted``
-says which.
+with ``stream_options: {"include_usage": true}``; llama-server and vLLM send it, in the last
+chunk; llama-cpp-python's server sends none in a stream); otherwise ``completion_tokens``
+counts the streamed content chunks (one per token on llama.cpp's servers) and
+``prompt_tokens`` is null: the runner has no tokenizer to count it with. ``result.counted``
+says which (:func:`token_counts`).
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class HttpRunner:
                         NeedCode.UPSTREAM_ERROR,
                     )
                 async for event in sse_events(response):
-                    usage = event.get("usage") or usage
+                    usage = event.get("usage") or usage  # (vLLM sends null until the last)
                     for choice in event.get("choices") or ():
                         finish = choice.get("finish_reason") or finish
                         text = choice.get("text")
@@ -176,12 +178,28 @@ class HttpRunner:
         yield Finished(
             {
                 "text": "".join(parts),
-                "prompt_tokens": usage["prompt_tokens"] if usage else None,
-                "completion_tokens": usage["completion_tokens"] if usage else len(parts),
-                "counted": "usage" if usage else "chunks",
+                **token_counts(usage, len(parts)),
                 "finish_reason": FINISH_REASONS.get(finish or "", finish),
             }
         )
+
+
+def token_counts(usage: Any, chunks: int) -> dict[str, Any]:
+    """A result's ``prompt_tokens``, ``completion_tokens`` and ``counted``: the upstream's
+    ``usage`` where it reported a count, else ``chunks`` (the streamed content chunks) for the
+    completion and null for the prompt. A usage of the wrong shape counts as none."""
+    reported = usage if isinstance(usage, dict) else {}
+    prompt, completion = reported.get("prompt_tokens"), reported.get("completion_tokens")
+    by_usage = _count(completion)
+    return {
+        "prompt_tokens": prompt if _count(prompt) else None,
+        "completion_tokens": completion if by_usage else chunks,
+        "counted": "usage" if by_usage else "chunks",
+    }
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[Any]:

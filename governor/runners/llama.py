@@ -42,6 +42,7 @@ from .base import (
     Finished,
     Job,
     RunEvent,
+    RunnerConfigError,
     RunnerError,
     RunnerHealth,
     RunnerStartError,
@@ -134,6 +135,7 @@ class WorkerProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.jobs: dict[str, asyncio.Queue[dict[str, Any] | Token | Fed | _Ended]] = {}
         self.kv_used = 0
+        self.n_ctx_train = 0  # what the model was trained for, as the worker read it (0: unsaid)
         self.killed = False
         self.exited = asyncio.Event()
         self._heard = 0.0  # when it last sent a line, or was given work while idle
@@ -157,6 +159,8 @@ class WorkerProcess:
             str(self.shape.cells),
             "--slots",
             str(self.shape.sequences),
+            "--n-ctx",
+            str(s.n_ctx),
             "--step-tokens",
             str(s.step_tokens),
             "--threads",
@@ -191,6 +195,10 @@ class WorkerProcess:
                 "(its error is above)"
             )
         ready = orjson.loads(line)
+        if ready["ev"] == "refused":  # (the worker exits 2 after saying why)
+            await self.proc.wait()
+            raise RunnerConfigError(ready["error"])
+        self.n_ctx_train = ready["n_ctx_train"]
         if ready["cells"] < self.shape.cells:  # (llama.cpp rounds a cache up, never down)
             self.kill()
             raise RunnerStartError(
@@ -349,13 +357,14 @@ class LlamaRunner:
         self._started = True
         s = self.settings
         log.info(
-            "%d llama worker(s) ready: %s, %d slot(s) batched, %d KV cells, n_ctx=%d, "
-            "%d thread(s) each, n_gpu_layers=%d",
+            "%d llama worker(s) ready: %s, %d slot(s) batched, %d KV cells, n_ctx=%d "
+            "(trained for %s), %d thread(s) each, n_gpu_layers=%d",
             len(workers),
             s.model.name,
             s.slots,
             sum(c.cells for c in s.caches()),
             s.n_ctx,
+            workers[0].n_ctx_train or "unsaid",
             s.threads,
             s.n_gpu_layers,
         )
@@ -366,13 +375,21 @@ class LlamaRunner:
         self._spawn(self._supervise(worker))
 
     def _load_vocab(self) -> tuple[Any, Any, bool]:
-        from llama_cpp import Llama
+        """The model's vocabulary alone, with no context: ``Llama(vocab_only=True)`` would
+        make one of 512 cells that nothing uses, and llama.cpp would warn "n_ctx_seq (512) >
+        n_ctx_train (0)" (a vocabulary-only load leaves the training context unread)."""
+        import llama_cpp
+        from llama_cpp._internals import LlamaModel  # (Llama's own model wrapper)
+        from llama_cpp._logger import set_verbose
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+        set_verbose(False)  # llama.cpp's errors only, on stderr (as Llama(verbose=False))
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
         visible = {name: os.environ.get(name) for name in GPU_DEVICES}
         os.environ.update(dict.fromkeys(GPU_DEVICES, ""))
         try:
-            vocab = Llama(model_path=str(self.settings.model), vocab_only=True, verbose=False)
+            vocab = LlamaModel(path_model=str(self.settings.model), params=params, verbose=False)
         except (ValueError, RuntimeError) as exc:
             raise RunnerStartError(f"cannot load {self.settings.model}: {exc}") from None
         finally:
@@ -381,13 +398,14 @@ class LlamaRunner:
                     del os.environ[name]
                 else:
                     os.environ[name] = value
-        template = vocab.metadata.get("tokenizer.chat_template")
+        metadata = vocab.metadata()
+        template = metadata.get("tokenizer.chat_template")
         chat = None
         if template:
             eos = vocab.detokenize([vocab.token_eos()], special=True).decode(errors="replace")
             bos = vocab.detokenize([vocab.token_bos()], special=True).decode(errors="replace")
             chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
-        return vocab, chat, vocab.metadata.get("tokenizer.ggml.add_bos_token") == "true"
+        return vocab, chat, metadata.get("tokenizer.ggml.add_bos_token") == "true"
 
     async def close(self) -> None:
         self._closing = True

@@ -10,7 +10,10 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
              "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
              "stop": [str], "ignore_eos": bool}
             {"op": "cancel", "id": str}
-    stdout: {"ev": "ready", "cells": int, "slots": int}         once, after loading and warming up
+    stdout: {"ev": "ready", "cells": int, "slots": int, "n_ctx_train": int}
+                                                                once, after loading and warming up
+            {"ev": "refused", "error": str}                     instead, for an ``--n-ctx`` the
+                                                                model was not trained for; exit 2
             {"ev": "step", "kv": int, "acks": int, "f": {id: int}, "out": {id: text},
              "n": {id: int}, "done": [{"id": str, "text": str, "completion_tokens": int,
              "cached_tokens": int, "finish_reason": "stop" | "length" | "error",
@@ -57,6 +60,7 @@ import random
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
@@ -66,6 +70,31 @@ from .stepcost import StepCosts
 
 PROBE_SLOTS = 1  # a sequence beyond the admitted ones, for the health probe
 PROBE_CELLS = 16  # and the cells its job (a few prompt tokens, one generated) needs
+# llama.cpp's warning for a context whose cells per sequence exceed the model's training
+# context. With kv_unified every sequence may address the whole cache, so llama.cpp counts all
+# its cells (every slot's, and the probe's) as one sequence's, and warns whenever the cache is
+# larger than one training context: a cache of four 2048-token slots on a model trained for
+# 8192 tokens, say. What bounds a sequence here is n_ctx: admission refuses a job whose prompt
+# and max_new_tokens exceed it, and n_ctx is checked against n_ctx_train before the context is
+# made (:func:`context_refusal`). The warning then speaks of cells no sequence can reach, and
+# is dropped (only it: llama.cpp's other lines pass as before).
+TRAINING_OVERFLOW_WARNING = b"possible training context overflow"
+
+
+class Refused(Exception):
+    """The worker cannot serve this configuration; the message is for people."""
+
+
+def context_refusal(n_ctx: int, n_ctx_train: int, model: str) -> str | None:
+    """Why ``n_ctx``, the longest sequence admission lets in, is more than ``model`` was
+    trained for, or None. ``n_ctx_train`` 0: the model does not say (nothing is checked)."""
+    if 0 < n_ctx_train < n_ctx:
+        return (
+            f"n_ctx {n_ctx} is more than the {n_ctx_train} tokens {model} was trained for (its "
+            "context_length): a job that long would run past what the model has seen. Set "
+            f"n_ctx (fallback_n_ctx, for the fallback model) to {n_ctx_train} or less"
+        )
+    return None
 
 
 def emit(out: BinaryIO, event: dict[str, Any]) -> None:
@@ -130,6 +159,13 @@ class Model:
         if not self.model:
             raise SystemExit(f"cannot load the model {args.model}")
         self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_ctx_train = ll.llama_model_n_ctx_train(self.model)
+        refusal = context_refusal(args.n_ctx, self.n_ctx_train, Path(args.model).name)
+        if refusal is not None:
+            ll.llama_model_free(self.model)
+            raise Refused(refusal)
+        # (n_ctx checked above: no sequence passes n_ctx_train)
+        self._log_callback = _without_training_overflow_warning(ll) if self.n_ctx_train else None
         self.slots = args.slots + PROBE_SLOTS
         self.batch_size = args.step_tokens + self.slots
         cparams = ll.llama_context_default_params()
@@ -230,6 +266,21 @@ class Model:
         tokens = (self.ll.llama_token * (len(text) + 8))()
         n = self.ll.llama_tokenize(self.vocab, text, len(text), tokens, len(tokens), True, False)
         return list(tokens[: max(n, 0)])
+
+
+def _without_training_overflow_warning(ll: Any) -> Any:
+    """Route llama.cpp's log through llama-cpp-python's own callback (which prints it as
+    before) except :data:`TRAINING_OVERFLOW_WARNING`'s line; returns the callback, which must
+    stay referenced as long as llama.cpp may call it."""
+    from llama_cpp._logger import llama_log_callback as forward
+
+    @ll.llama_log_callback  # type: ignore[untyped-decorator]  # (llama-cpp-python: untyped)
+    def callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        if TRAINING_OVERFLOW_WARNING not in text:
+            forward(level, text, user_data)
+
+    ll.llama_log_set(callback, ctypes.c_void_p(0))
+    return callback
 
 
 class Job:
@@ -400,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--cells", type=int, required=True, help="KV cache cells")
     parser.add_argument("--slots", type=int, required=True, help="sequences at once")
+    parser.add_argument(
+        "--n-ctx", type=int, required=True, help="the longest sequence (prompt + output)"
+    )
     parser.add_argument("--step-tokens", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
@@ -408,7 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but events may reach the daemon's pipe
 
-    model = Model(args)
+    try:
+        model = Model(args)
+    except Refused as exc:
+        emit(out, {"ev": "refused", "error": str(exc)})
+        return 2
     scheduler = Scheduler(model.slots, args.step_tokens, model.size, model)
     worker = Worker(model, scheduler, io.BytesIO())
     # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
@@ -417,7 +475,15 @@ def main(argv: list[str] | None = None) -> int:
         worker.step()
     calibrate(worker)
     worker.out = out
-    emit(out, {"ev": "ready", "cells": model.cells, "slots": args.slots})
+    emit(
+        out,
+        {
+            "ev": "ready",
+            "cells": model.cells,
+            "slots": args.slots,
+            "n_ctx_train": model.n_ctx_train,
+        },
+    )
 
     inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
 

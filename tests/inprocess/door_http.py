@@ -32,6 +32,7 @@ import h11
 import orjson
 from hypothesis import strategies as st
 
+from governor.core.ledger import DRAINING_HINT_MS
 from governor.core.policy import LANES
 from governor.listeners import openai_api as api
 from governor.listeners.http import HttpConnection
@@ -808,7 +809,7 @@ def check_refusal(
     seconds = str(max(1, math.ceil(int(hint) / 1000)))
     assert headers.get("retry-after") == seconds, f"{where}: retry-after {headers}"
     if err["code"] == "draining":
-        assert int(hint) <= api.DRAINING_HINT_MS, where
+        assert int(hint) == DRAINING_HINT_MS, where
 
 
 def check_success(spec: Spec, body: bytes, where: str) -> bool:

@@ -334,6 +334,7 @@ async def test_draining_is_a_503_with_a_hint(make_server: ServerFactory) -> None
         answer = await http.post("/v1/completions", json={"model": "m", "prompt": "p"})
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "draining"
+    assert "this replica is draining" in answer.json()["error"]["message"]
     # Retry soon: behind a load balancer, on a new connection, another replica answers.
     assert (answer.headers["retry-after-ms"], answer.headers["retry-after"]) == ("1000", "1")
     assert answer.headers["connection"] == "close"  # (a load balancer's next try goes elsewhere)

@@ -12,19 +12,27 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients import NO_RETRY, GovernorClient, connect
+from clients import NO_RETRY, GovernorClient, UploadResult, connect
+from governor.core.ledger import DRAINING_HINT_MS
 from governor.server import Server
 from tests.conftest import Daemon, ServerFactory, wait_until
+from tests.system.test_deploy import http_get, metrics_address
 
 DaemonFactory = Callable[..., Daemon]
 
 
 def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return cli_of("clients", *args, timeout=timeout)
+
+
+def cli_of(package: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """``python -m PACKAGE ARGS``: governor-cli (``clients``) or ``governor``."""
     return subprocess.run(
-        [sys.executable, "-m", "clients", *args],
+        [sys.executable, "-m", package, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -136,6 +144,55 @@ def test_sigterm_drains_without_losing_an_admitted_job(daemon: DaemonFactory) ->
     code, err = d.wait()
     assert code == 0, err.decode()
     assert b"draining" in err
+    assert b"0 job(s) aborted" in err
+
+
+def test_governor_drain_leaves_the_daemon_up_until_sigterm_stops_it_at_once(
+    daemon: DaemonFactory,
+) -> None:
+    """Drain, then SIGTERM. ``governor drain`` (POST /drain) closes admission and waits for
+    the running jobs; the process stays up, drained, answering its probes and telling new jobs
+    to go elsewhere. The SIGTERM that follows (the kubelet's, once a preStop hook returns)
+    stops it at once: not after shutdown_grace, which is longer than this test may run."""
+    d = daemon(
+        "--max-inflight", "2", "--stub-ms", "300", "--shutdown-grace", "600",
+        "--metrics-listen", "127.0.0.1:0",
+    )  # fmt: skip
+    addr = metrics_address(d)
+
+    async def scenario() -> tuple[UploadResult, UploadResult]:
+        async with await connect(d.addr) as client, await connect(d.addr) as probe:
+            job = asyncio.ensure_future(client.upload(b"in flight", retry=NO_RETRY))
+            for _ in range(500):
+                if (await probe.ping()).receipt("backend.inflight") == 1:
+                    break
+            drained = await asyncio.to_thread(
+                cli_of, "governor", "drain", "--metrics-addr", addr, "--wait", "30"
+            )
+            assert drained.returncode == 0, drained
+            assert orjson.loads(drained.stdout) == {
+                "draining": True,
+                "drained": True,
+                "inflight": 0,
+            }
+            finished = await job
+        assert d.proc.poll() is None, "the drain alone must not stop the process"
+        async with await connect(d.addr) as newcomer:  # (a client routed here late)
+            refused = await newcomer.upload(b"late", retry=NO_RETRY)
+        return finished, refused
+
+    finished, refused = asyncio.run(scenario())
+    assert finished.status == "done"
+    assert (refused.status, refused.reply.need_code) == ("yield", "draining")
+    # Go elsewhere, soon: not "come back here in a minute", nor "no slot free".
+    assert refused.reply.retry_hint_ms == DRAINING_HINT_MS
+    assert "draining" in (refused.reply.detail or "")
+    assert "slot" not in (refused.reply.detail or "")
+    assert http_get(f"http://{addr}/healthz/ready")[0] == 503
+    d.signal(signal.SIGTERM)
+    code, err = d.wait(timeout=30)
+    assert code == 0, err.decode()
+    assert b"stopping the drained daemon" in err
     assert b"0 job(s) aborted" in err
 
 

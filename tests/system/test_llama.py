@@ -31,7 +31,7 @@ from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_pa
 from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 from protocol.upload import split_payload
-from tests.conftest import RawConn, ServerFactory, outcomes, wait_until
+from tests.conftest import Daemon, RawConn, ServerFactory, outcomes, wait_until
 from tests.inprocess.test_ops import failing, probe, until_ready
 
 N_CTX = 512
@@ -397,6 +397,43 @@ def test_a_model_that_does_not_load_stops_startup(tmp_path: Path, content: bytes
     assert result.returncode == 1
     assert "cannot start the llama runner" in result.stderr
     assert "listening" not in result.stderr
+
+
+# SmolLM2-135M's training context (its GGUF's llama.context_length).
+N_CTX_TRAIN = 8192
+
+
+def test_an_n_ctx_over_the_models_training_context_is_refused_at_start() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "governor", "serve", "--listen", "127.0.0.1:0",
+         "--n-ctx", str(N_CTX_TRAIN + 1), "--max-inflight", "1", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr  # a configuration error, as a bad key is
+    assert f"n_ctx {N_CTX_TRAIN + 1} is more than the {N_CTX_TRAIN} tokens" in result.stderr
+    assert f"to {N_CTX_TRAIN} or less" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "listening" not in result.stderr
+
+
+def test_a_cache_past_the_training_context_is_no_alarm_when_each_sequence_fits(
+    daemon: Callable[..., Daemon],
+) -> None:
+    """n_ctx at the model's training context: one job's cells, plus the probe's, make a
+    unified cache larger than n_ctx_train, which llama.cpp would call a "possible training
+    context overflow" though no sequence can pass n_ctx. Neither that nor the vocabulary-only
+    copy's "n_ctx_train (0)" reaches the log."""
+    d = daemon(
+        "--runner", "llama", "--n-ctx", str(N_CTX_TRAIN), "--max-inflight", "1",
+        "--threads", "1", "--n-gpu-layers", str(N_GPU_LAYERS),
+    )  # fmt: skip
+    log = d.stderr_head.decode(errors="replace")
+    assert f"KV cells, n_ctx={N_CTX_TRAIN} (trained for {N_CTX_TRAIN})" in log
+    assert "training context overflow" not in log
+    assert "n_ctx_train" not in log
 
 
 def test_overhead_benchmark_command() -> None:

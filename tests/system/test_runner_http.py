@@ -9,8 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import subprocess
+import sys
+import threading
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
@@ -23,7 +27,7 @@ from governor.runners.llama import embedded_model_path
 from loadtest.support import baseline_server
 from loadtest.support.processes import free_port, stop
 from protocol.spec import JobSpec, Message
-from tests.conftest import ServerFactory, wait_until
+from tests.conftest import Daemon, ServerFactory, wait_until
 from tests.inprocess.test_ops import failing, ops_server, probe, until_ready
 
 
@@ -106,6 +110,132 @@ async def test_an_upstream_refusal_is_an_abort(make_server: ServerFactory, upstr
     assert (result.reply.status, result.reply.need_code) == ("abort", "upstream_error")
     assert "404" in (result.reply.detail or "")
     assert server.ledger.inflight == 0
+
+
+class CountingUpstream(ThreadingHTTPServer):
+    """An OpenAI-compatible server that streams ``max_tokens`` one-token chunks and reports
+    its usage as ``usage`` says: ``"last"`` in a chunk of its own with no choices (OpenAI's,
+    vLLM's), ``"finish"`` on the finishing chunk (llama-server's), ``"none"`` not at all
+    (llama-cpp-python's server). It keeps the bodies it was sent."""
+
+    daemon_threads = True
+    PROMPT_TOKENS = 7
+
+    def __init__(self, usage: str) -> None:
+        super().__init__(("127.0.0.1", 0), _CountingHandler)
+        self.usage = usage
+        self.bodies: list[dict[str, Any]] = []
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+
+class _CountingHandler(BaseHTTPRequestHandler):
+    server: CountingUpstream
+
+    def do_GET(self) -> None:  # /v1/models: the runner's start-up check
+        body = b'{"data": []}'
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:  # streamed; HTTP/1.0: the close ends it
+        request = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.server.bodies.append(request)
+        n, mode = request["max_tokens"], self.server.usage
+        usage = {"prompt_tokens": self.server.PROMPT_TOKENS, "completion_tokens": n}
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        for i in range(n):
+            chunk: dict[str, Any] = {"choices": [{"text": f"t{i} ", "finish_reason": None}]}
+            if i == n - 1:
+                chunk["choices"][0]["finish_reason"] = "length"
+                if mode == "finish":
+                    chunk["usage"] = usage
+            elif mode == "last":
+                chunk["usage"] = None  # (vLLM's, until the last)
+            self.wfile.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        if mode == "last":
+            self.wfile.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def counting_upstream(usage: str) -> Iterator[CountingUpstream]:
+    upstream = CountingUpstream(usage)
+    thread = threading.Thread(target=upstream.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield upstream
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("usage", ["last", "finish"])
+async def test_the_upstreams_usage_gives_the_counts(make_server: ServerFactory, usage: str) -> None:
+    with counting_upstream(usage) as upstream:
+        server = await make_server(runner="http", upstream=upstream.url)
+        result = await generate(server, greedy("hello", max_new_tokens=20))
+    assert result.done, result.reply
+    got = result.reply.result
+    assert (got["prompt_tokens"], got["completion_tokens"], got["counted"]) == (
+        CountingUpstream.PROMPT_TOKENS,
+        20,
+        "usage",
+    )
+    assert got["text"] == "".join(f"t{i} " for i in range(20))
+    # Asked for, or a server that follows OpenAI's API would send no usage in a stream.
+    job = [b for b in upstream.bodies if b["max_tokens"] == 20]
+    assert job[0]["stream_options"] == {"include_usage": True}
+
+
+async def test_without_usage_the_prompt_count_is_null_and_the_chunks_are_counted(
+    make_server: ServerFactory,
+) -> None:
+    with counting_upstream("none") as upstream:
+        server = await make_server(runner="http", upstream=upstream.url)
+        result = await generate(server, greedy("hello", max_new_tokens=20))
+    got = result.reply.result
+    assert (got["prompt_tokens"], got["completion_tokens"], got["counted"]) == (
+        None,
+        20,
+        "chunks",
+    )
+
+
+@pytest.mark.parametrize("usage", ["last", "none"])
+def test_governor_cli_prints_the_counts_it_has_and_says_which_it_lacks(
+    daemon: Callable[..., Daemon], usage: str
+) -> None:
+    with counting_upstream(usage) as upstream:
+        d = daemon("--runner", "http", "--upstream", upstream.url)
+        done = subprocess.run(
+            [sys.executable, "-m", "clients", "--addr", d.addr, "generate", "hello",
+             "--max-new-tokens", "20"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("governor-cli:")]
+    assert "None" not in line
+    if usage == "last":
+        assert line.startswith("governor-cli: 7 prompt + 20 generated tokens, finish length")
+    else:
+        assert line.startswith(
+            "governor-cli: prompt tokens not reported by the upstream + 20 generated tokens "
+            "(counted from the streamed chunks), finish length"
+        )
 
 
 @contextlib.asynccontextmanager

@@ -22,7 +22,7 @@ from governor.core.admission import (
     Yielded,
 )
 from governor.core.breaker import BreakerSettings, BreakerState, CircuitBreaker
-from governor.core.ledger import SlotLedger
+from governor.core.ledger import DRAINING_HINT_MS, SlotLedger
 from governor.core.overload import OverloadController, OverloadSettings, State
 from governor.core.policy import Lane, LanePolicy
 from governor.core.slo import Objectives, SloPolicy
@@ -103,6 +103,7 @@ def test_draining_comes_before_a_tenant_at_its_cap(clock: FakeClock) -> None:
     decision = admission.decide(attempt(admission, "k-noisy"))
     assert isinstance(decision, Yielded)
     assert decision.need_code == "draining"
+    assert decision.retry_hint_ms == DRAINING_HINT_MS  # (go elsewhere: the same on every door)
 
 
 def test_draining_comes_before_an_open_breaker_and_a_bad_spec(clock: FakeClock) -> None:

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from governor.core.estimates import EWMA_ALPHA
-from governor.core.ledger import Completed, Promise, Refusal, Slot, SlotLedger
+from governor.core.ledger import (
+    DRAINING_HINT_MS,
+    Completed,
+    Promise,
+    Refusal,
+    Slot,
+    SlotLedger,
+)
 from governor.core.policy import LANES, Demand, LanePolicy
 from governor.core.promises import SLACK
 from governor.core.service import JobSize
@@ -385,6 +392,9 @@ def test_draining_refuses_with_its_own_code(clock: FakeClock) -> None:
     refusal = ledger.admit()
     assert isinstance(refusal, Refusal)
     assert refusal.need_code == NeedCode.DRAINING
+    # Not when to come back (never): how soon to go to another replica. Not the longest hint.
+    assert refusal.retry_hint_ms == DRAINING_HINT_MS < ledger.max_hint_ms
+    assert refusal.promise is None  # (no place in a line that will never move)
     assert ledger.inflight == 0
     assert not ledger.ready
 

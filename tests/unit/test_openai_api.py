@@ -16,6 +16,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from governor.core.admission import Attempt
+from governor.core.ledger import DRAINING_HINT_MS
 from governor.core.tenants import TenantConfig, Tenants
 from governor.listeners import openai_api as api
 from protocol.codes import ErrorCode, NeedCode
@@ -330,9 +331,13 @@ def test_a_wait_asked_for_that_is_not_a_whole_number_of_milliseconds_is_400(valu
 
 
 def test_a_draining_replica_says_retry_soon_elsewhere() -> None:
-    draining = api.refusal(NeedCode.DRAINING, ErrorCode.UNAVAILABLE, 60_000)
+    draining = api.refusal(NeedCode.DRAINING, ErrorCode.UNAVAILABLE, DRAINING_HINT_MS)
     assert draining.status == HTTPStatus.SERVICE_UNAVAILABLE
     assert dict(draining.headers) == {"retry-after-ms": "1000", "retry-after": "1"}
+    # It says why: this replica drains, the retry is for another (not "no slot free").
+    assert "this replica is draining" in draining.message
+    assert "another replica" in draining.message
+    assert "slot" not in draining.message
     busy = api.refusal(NeedCode.SERVER_BUSY, ErrorCode.BUSY, 2_500)
     assert (busy.status, busy.code) == (HTTPStatus.TOO_MANY_REQUESTS, "server_busy")
     assert dict(busy.headers) == {"retry-after-ms": "2500", "retry-after": "3"}

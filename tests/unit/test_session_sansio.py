@@ -13,11 +13,12 @@ import pytest
 
 from governor.config import Config
 from governor.core.admission import Admission, Pool, Ticket
-from governor.core.ledger import SlotLedger
+from governor.core.ledger import DRAINING_HINT_MS, SlotLedger
 from governor.core.tenants import Tenants
 from governor.execution import Ending, Execution
 from governor.intake import JobAdmitted
 from governor.listeners.session import Session
+from governor.listeners.wire import yield_detail
 from governor.runners import StubRunner
 from governor.server import build_breaker
 from governor.state import ServerState
@@ -174,6 +175,27 @@ def test_a_job_yields_when_every_slot_is_taken_and_its_held_payload_is_admitted_
     assert retried.job == "J_2"
     assert retried.waited_s == pytest.approx(refused.retry_hint_ms / 1000)
     assert second.session.held == 0
+
+
+def test_a_draining_yield_says_so_and_sends_the_job_elsewhere_soon(clock: FakeClock) -> None:
+    state = make_state(clock, cap=2)  # (free slots: only the drain refuses)
+    state.ledger.draining = True
+    client = Client(state)
+    *frames, final = upload("J_1", PAYLOAD)
+    for frame in frames:
+        client.send(frame)
+    (refused,) = client.send(final)
+    assert (refused.status, refused.need_code) == (Status.YIELD, NeedCode.DRAINING)
+    assert refused.error_code == ErrorCode.UNAVAILABLE
+    # The hint is how soon to go to another replica, the same as the front door's 503 says:
+    # neither "come back here in a minute" nor "no slot free".
+    assert refused.retry_hint_ms == receipts(refused)[Receipt.RETRY_HINT_MS] == DRAINING_HINT_MS
+    assert refused.detail == yield_detail(NeedCode.DRAINING, held=False)
+    assert "this replica is draining" in refused.detail
+    assert "another replica" in refused.detail
+    assert "slot" not in refused.detail
+    assert receipts(refused)[Receipt.PAYLOAD_HELD] == 0  # (never admitted here again)
+    assert client.session.held == 0
 
 
 def test_a_cancel_read_with_the_final_chunk_finds_the_job_running(clock: FakeClock) -> None:
