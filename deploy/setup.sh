@@ -3,7 +3,8 @@
 #
 #   deploy/setup.sh           the daemon, and the load tester with its plots and baseline
 #   deploy/setup.sh --test    ... and the test and lint tools, and Debian's redis-server (the
-#                             fleet's tests and `loadtest fleet` start their own; as root)
+#                             fleet's tests and `loadtest fleet` start their own), curl and
+#                             openssl (the README's test runs them; as root)
 #
 # GOVERNOR_LLAMA_CMAKE_ARGS overrides llama.cpp's build flags, e.g. "-DGGML_CUDA=on" for an
 # NVIDIA GPU (then serve with --n-gpu-layers -1).
@@ -19,13 +20,19 @@ FLAGS="${GOVERNOR_LLAMA_CMAKE_ARGS:-$DEFAULT_FLAGS}"
 extras="[loadtest]"
 if [ "${1:-}" = "--test" ]; then
     extras="[loadtest,test]"
-    if ! command -v redis-server >/dev/null; then
+    # The fleet's tests start their own redis-server; the README's test runs its curl and
+    # openssl commands as written.
+    missing=()
+    for tool in redis-server curl openssl; do
+        command -v "$tool" >/dev/null || missing+=("$tool")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-            echo "setup: installing Debian's redis-server" >&2
-            apt-get install -y -q redis-server >/dev/null 2>&1 ||
-                { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+            echo "setup: installing Debian's ${missing[*]}" >&2
+            apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 ||
+                { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null; }
         else
-            echo "setup: the fleet's tests need redis-server: apt-get install redis-server" >&2
+            echo "setup: the tests need ${missing[*]}: apt-get install ${missing[*]}" >&2
             exit 1
         fi
     fi
