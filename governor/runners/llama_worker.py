@@ -60,6 +60,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -79,6 +80,7 @@ PROBE_CELLS = 16  # and the cells its job (a few prompt tokens, one generated) n
 # made (:func:`context_refusal`). The warning then speaks of cells no sequence can reach, and
 # is dropped (only it: llama.cpp's other lines pass as before).
 TRAINING_OVERFLOW_WARNING = b"possible training context overflow"
+GGML_LOG_WARN, GGML_LOG_ERROR, GGML_LOG_CONT = 3, 4, 5  # llama.cpp's enum ggml_log_level
 
 
 class Refused(Exception):
@@ -148,9 +150,12 @@ class Model:
 
     def __init__(self, args: argparse.Namespace) -> None:
         import llama_cpp as ll
-        from llama_cpp._logger import set_verbose
 
-        set_verbose(False)  # llama.cpp's errors only, on stderr
+        # Set (by the request reader) to abort a preemptible step.
+        self.preempt = threading.Event()
+        # llama.cpp's warnings and errors on stderr, but the overflow warning (n_ctx is checked
+        # below: no sequence passes n_ctx_train) and a preempted step's errors
+        self._log_callback = _without_training_overflow_warning(ll, self.preempt.is_set)
         self.ll = ll
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
@@ -164,8 +169,6 @@ class Model:
         if refusal is not None:
             ll.llama_model_free(self.model)
             raise Refused(refusal)
-        # (n_ctx checked above: no sequence passes n_ctx_train)
-        self._log_callback = _without_training_overflow_warning(ll) if self.n_ctx_train else None
         self.slots = args.slots + PROBE_SLOTS
         self.batch_size = args.step_tokens + self.slots
         cparams = ll.llama_context_default_params()
@@ -186,8 +189,6 @@ class Model:
         self.memory = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(self.batch_size, 0, 1)
         self._piece = ctypes.create_string_buffer(256)
-        # Set (by the request reader) to abort a preemptible step.
-        self.preempt = threading.Event()
         # (llama-cpp-python declares the function but binds it not: bound here)
         self._set_abort = ll.llama_cpp._lib.llama_set_abort_callback
         self._set_abort.argtypes = [ctypes.c_void_p, ll.ggml_abort_callback, ctypes.c_void_p]
@@ -268,16 +269,24 @@ class Model:
         return list(tokens[: max(n, 0)])
 
 
-def _without_training_overflow_warning(ll: Any) -> Any:
-    """Route llama.cpp's log through llama-cpp-python's own callback (which prints it as
-    before) except :data:`TRAINING_OVERFLOW_WARNING`'s line; returns the callback, which must
-    stay referenced as long as llama.cpp may call it."""
-    from llama_cpp._logger import llama_log_callback as forward
+def _without_training_overflow_warning(ll: Any, aborting: Callable[[], bool]) -> Any:
+    """llama.cpp's warnings and errors on stderr, but :data:`TRAINING_OVERFLOW_WARNING`'s line
+    and the errors of a step aborted on purpose (while ``aborting()``: a preempted step);
+    returns the callback, which must stay referenced as long as llama.cpp may call it.
+    (llama-cpp-python's own callback reads the log levels of an older llama.cpp: it shows this
+    one's warnings as errors and drops its errors as debug lines, depending on its logger's
+    level.)"""
+    shown = False
 
     @ll.llama_log_callback  # type: ignore[untyped-decorator]  # (llama-cpp-python: untyped)
     def callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        if TRAINING_OVERFLOW_WARNING not in text:
-            forward(level, text, user_data)
+        nonlocal shown
+        if level != GGML_LOG_CONT:  # (a continued line goes where its first went)
+            shown = level == GGML_LOG_WARN and TRAINING_OVERFLOW_WARNING not in text
+            shown = shown or (level == GGML_LOG_ERROR and not aborting())
+        if shown:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+            sys.stderr.flush()
 
     ll.llama_log_set(callback, ctypes.c_void_p(0))
     return callback

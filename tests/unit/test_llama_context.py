@@ -4,6 +4,7 @@ warning it drops (no model loaded)."""
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import pytest
 
@@ -26,18 +27,35 @@ def test_a_model_that_does_not_say_is_not_refused() -> None:
     assert context_refusal(16384, 0, "m.gguf") is None
 
 
+@pytest.mark.parametrize("python_logger_level", [logging.NOTSET, logging.ERROR])
 def test_only_the_overflow_warning_is_dropped_from_llama_cpps_log(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], python_logger_level: int
 ) -> None:
+    """Warnings and errors (and their continued lines) pass, whatever llama-cpp-python's own
+    logger is set to; information, the overflow warning and an aborted step's errors do not."""
     import llama_cpp
     from llama_cpp import _logger
 
-    callback = _without_training_overflow_warning(llama_cpp)
+    before = _logger.logger.level
+    _logger.logger.setLevel(python_logger_level)
+    aborting = False
+    callback = _without_training_overflow_warning(llama_cpp, lambda: aborting)
     try:
-        warn, error = 3, 4  # (llama.cpp's ggml_log_level: GGML_LOG_LEVEL_WARN, _ERROR)
+        info, warn, error, cont = 2, 3, 4, 5  # (llama.cpp's ggml_log_level)
+        callback(info, b"llama_context: n_ctx = 2064\n", None)
         callback(warn, b"llama_context: n_ctx_seq (8448) > n_ctx_train (8192) -- possible "
                  b"training context overflow\n", None)  # fmt: skip
-        callback(error, b"llama_model_load: error loading model\n", None)
+        callback(cont, b"(a continued line of it)\n", None)
+        callback(error, b"llama_model_load: error loading model", None)
+        callback(cont, b": no such file\n", None)
+        callback(warn, b"load: a warning\n", None)
+        aborting = True  # (a preempted step: its graph's compute fails on purpose)
+        callback(error, b"llama_decode: failed to decode, ret = 2\n", None)
+        callback(warn, b"load: a warning while aborting\n", None)
     finally:  # (llama-cpp-python's own, as the process had it)
         llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
-    assert capsys.readouterr().err == "llama_model_load: error loading model\n"
+        _logger.logger.setLevel(before)
+    assert capsys.readouterr().err == (
+        "llama_model_load: error loading model: no such file\nload: a warning\n"
+        "load: a warning while aborting\n"
+    )
