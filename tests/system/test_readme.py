@@ -173,8 +173,8 @@ class Session:
             elif want := expected_exit(first):
                 lines.append(f"if {code}; then rc=0; else rc=$?; fi")
                 lines.append(
-                    f'if [ $rc -ne {want} ]; then echo "README-TEST: {code!r} exited $rc, '
-                    f'expected {want}" >&2; exit 97; fi'
+                    f'if [ $rc -ne {want} ]; then echo "README-TEST: command {n + 1} of the block '
+                    f'exited $rc, expected {want}" >&2; exit 97; fi'
                 )
             else:
                 lines.append(code)
