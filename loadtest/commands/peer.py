@@ -24,36 +24,14 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..support.heptamini import DEFAULT_BURST, SCENARIOS, Scenario
 from ..support.options import positive_float, positive_int, print_json
-from ..support.processes import REPO, cpu_s, free_port, stop, wait_listening
+from ..support.processes import cpu_s, free_port, stop, wait_listening
 
 NAME = "peer"
-DEFAULT_BURST = REPO.parent / "shared" / "bench" / "burst.py"
-
-
-@dataclass(frozen=True)
-class Scenario:
-    cap: int
-    stub_ms: int
-    burst: tuple[str, ...]  # burst.py's arguments, --addr and --duration aside
-    rate_key: str = "done_per_s"  # (burst.py's jobs_per_s counts failed jobs too)
-
-
-SCENARIOS = {
-    "admitted": Scenario(64, 0, ("--clients", "64", "--reuse-conn", "--procs", "2")),
-    "new-conn": Scenario(64, 0, ("--clients", "64", "--procs", "2")),
-    "pings": Scenario(4, 0, ("--clients", "100", "--ping", "--procs", "2"), "pings_per_s"),
-    "yield": Scenario(
-        1,
-        60_000,
-        ("--clients", "1000", "--rounds", "5", "--saturate", "1", "--procs", "2"),
-        "yield_per_s",  # each job should end in a yield: any other end is not counted
-    ),
-}
 
 
 def add_parser(commands: Any) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from loadtest.commands.peer import DEFAULT_BURST
+from loadtest.support.heptamini import DEFAULT_BURST
 from loadtest.support.processes import cpu_s
 
 STAND_IN = """#!{python}
@@ -117,3 +117,22 @@ def test_a_baseline_tree_s_governor_joins_the_rotation(tmp_path: Path) -> None:
     refused = peer(tmp_path, "--baseline-tree", str(tmp_path), "--runs", "1", check=False)
     assert refused.returncode == 2
     assert "not a checkout" in refused.stdout
+
+
+@pytest.mark.skipif(not DEFAULT_BURST.exists(), reason="needs ../shared/bench/burst.py")
+def test_hotpath_samples_the_admitted_path_step_by_step_and_stops_its_daemon() -> None:
+    """``loadtest hotpath``: a real daemon under burst.py, sampled by py-spy; the steps of the
+    path each get a share, and the table adds up to the CPU measured a job."""
+    command = [sys.executable, "-m", "loadtest", "hotpath", "--duration", "2", "--json"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    summary = orjson.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["jobs"] > 0
+    assert summary["samples"] > 0
+    steps = {row["step"]: row for row in summary["steps"]}
+    # The path's own steps are seen: a frame decoded, an upload hashed, a decision, a reply.
+    for seen in ("socket writes", "frames:", "upload:", "admission:", "execution:"):
+        assert any(name.startswith(seen) for name in steps), (seen, list(steps))
+    assert sum(row["share"] for row in steps.values()) == pytest.approx(1, abs=0.01)
+    total_us = sum(row["us_per_job"] for row in steps.values())
+    assert total_us == pytest.approx(summary["cpu_us_per_job"], rel=0.01)
+    assert not Path(f"/proc/{summary['daemon_pid']}").exists()
