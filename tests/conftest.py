@@ -26,6 +26,7 @@ import orjson
 import pytest
 import uvloop
 
+from governor import compiled
 from governor.config import Config
 from governor.runners import Runner
 from governor.server import Server
@@ -35,7 +36,20 @@ LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
 
 # The invariants' state machine and its doors assert outside test modules: their failures
 # should show the values as the tests' own do.
-pytest.register_assert_rewrite("tests.interleavings", "tests.door_tcp", "tests.door_http")
+pytest.register_assert_rewrite(
+    "tests.inprocess.interleavings", "tests.inprocess.door_tcp", "tests.inprocess.door_http"
+)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"governor: {compiled.summary()[1]}"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A compiled module older than its source would test the old code: refuse to."""
+    current, line = compiled.summary()
+    if not current:
+        pytest.exit(line, returncode=4)
 
 
 def pytest_asyncio_loop_factories(

@@ -174,6 +174,8 @@ class Tenants:
         Shared among the tenants active now (running or waiting), by weight; a tenant whose own
         ``max_inflight`` is below its share gets that, and the rest goes to the others.
         """
+        if self.open:  # (one tenant: nobody else waits)
+            return None
         active = [t for t in self.all() if t is tenant or t.inflight or t.waiting]
         if not any(t.waiting for t in active if t is not tenant):
             return None

@@ -522,7 +522,8 @@ class HttpDoor:
         wait at the door, or between requests."""
         return [c for c in self.m.live() if c.queue]
 
-    def disconnect(self, client: Client, how: str, data: st.DataObject) -> None:
+    def disconnect(self, client: Client, how: str, last_words: bool) -> None:
+        # (no last words: a client's requests are in its queue already)
         blocked = self.blocked(client)
         if blocked is not None:
             self.m.log(f"{client.name}   (#{blocked[0]} {blocked[1]})")
@@ -575,7 +576,7 @@ class HttpDoor:
         if client is None:
             self.m.log("(no client to leave)")
             return
-        self.disconnect(client, how, data)
+        self.disconnect(client, how, last_words=False)
         self.m.settle()
 
     @move(ms=st.sampled_from([10, 50, 200]))

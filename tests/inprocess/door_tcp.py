@@ -368,9 +368,9 @@ class TcpDoor:
     def leavers(self) -> list[Any]:
         return self.m.live()
 
-    def disconnect(self, client: Client, how: str, data: st.DataObject) -> None:
+    def disconnect(self, client: Client, how: str, last_words: bool) -> None:
         """Close (or reset) a connection, maybe right after a ping and a job in one write."""
-        if data.draw(st.booleans(), label="after a ping"):
+        if last_words:
             seq = client.next_seq()
             client.expect("J_p", seq, "ping", (seq + 1,), self.m.drained)
             frames: list[dict[str, Any] | bytes] = [orjson.loads(ping(seq))]

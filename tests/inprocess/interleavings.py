@@ -213,8 +213,9 @@ class Door(Protocol):
         """The clients that may leave now."""
         ...
 
-    def disconnect(self, client: Any, how: str, data: st.DataObject) -> None:
-        """``client`` leaves (``how`` one of ``LEAVINGS``)."""
+    def disconnect(self, client: Any, how: str, last_words: bool) -> None:
+        """``client`` leaves (``how`` one of ``LEAVINGS``), where the door has them after a last
+        request in the same write (``last_words``)."""
 
     def job_ending(self, job: str, ok: bool) -> None:
         """The runner is about to end ``job`` as the test says."""
@@ -414,10 +415,13 @@ class Interleavings(RuleBasedStateMachine):
         """A client leaves: while its job runs, while it waits, or between requests."""
         client = pick(data, self.door.leavers(), "client")
         how = data.draw(st.sampled_from(self.door.LEAVINGS), label="how")
+        # (drawn whether or not a client is left to leave, which is up to the timing: the
+        # draws of a step must not depend on it, or hypothesis cannot replay the example)
+        last_words = data.draw(st.booleans(), label="last words")
         if client is None:
             self.log("(no client to leave)")
             return
-        self.door.disconnect(client, how, data)
+        self.door.disconnect(client, how, last_words)
         self.settle()
 
     @rule(data=st.data(), ok=st.booleans())

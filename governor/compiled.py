@@ -1,0 +1,97 @@
+"""The hot path compiled: which modules ``deploy/compile.py`` builds with mypyc, and whether the
+process runs them compiled.
+
+mypyc turns a typed module into a C extension that Python imports instead of the ``.py`` file
+beside it (an extension comes first in the import order). Only pure modules of the admitted path
+are listed: the codec, the upload, the session and its job table, the intake, the execution, the
+admission and its ledger. Everything works without them: with no C compiler, or after
+``deploy/compile.py --clean``, the same modules run as Python.
+
+A compiled module is *stale* when its ``.py`` changed after the build (``deploy/compile.py``
+records each source's SHA-256 in :func:`record`): the process would run the old code, so the
+daemon says so at start and the tests refuse to run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import json
+from pathlib import Path
+
+MODULES = (
+    "protocol.codes",
+    "protocol.errors",
+    "protocol.frames",
+    "protocol.lines",
+    "protocol.upload",
+    "governor.core.admission",
+    "governor.core.estimates",
+    "governor.core.hints",
+    "governor.core.lanegate",
+    "governor.core.ledger",
+    "governor.core.promises",
+    "governor.execution",
+    "governor.intake",
+    "governor.listeners.jobs",
+    "governor.listeners.session",
+    "governor.listeners.wire",
+    "governor.state",
+)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def record(root: Path = ROOT) -> Path:
+    """The build's record: each module's SHA-256 of the source it was built from."""
+    return root / "governor" / "_hot.json"
+
+
+def source(module: str, root: Path = ROOT) -> Path:
+    return root.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def extension(module: str, root: Path = ROOT) -> Path | None:
+    """The module's extension for this interpreter, which an import takes before its ``.py``."""
+    path = source(module, root)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (built := path.with_suffix(suffix)).exists():
+            return built
+    return None
+
+
+def status(root: Path = ROOT) -> dict[str, str]:
+    """Each module's state: ``compiled``, ``pure`` or ``stale`` (read from the files, whatever
+    this process has imported)."""
+    try:
+        built: dict[str, str] = json.loads(record(root).read_text())
+    except (OSError, ValueError):
+        built = {}
+    states = {}
+    for module in MODULES:
+        if extension(module, root) is None:
+            states[module] = "pure"
+        elif built.get(module) == digest(source(module, root)):
+            states[module] = "compiled"
+        else:
+            states[module] = "stale"
+    return states
+
+
+def summary(root: Path = ROOT) -> tuple[bool, str]:
+    """For the daemon's start: whether the hot path runs its source (no stale module), and how,
+    in one line."""
+    states = status(root)
+    stale = sorted(m for m, s in states.items() if s == "stale")
+    if stale:
+        return False, (
+            f"the compiled {', '.join(stale)} predate their source: the old code runs; "
+            "rebuild with deploy/compile.py (or remove with deploy/compile.py --clean)"
+        )
+    compiled = sum(s == "compiled" for s in states.values())
+    if not compiled:
+        return True, "hot path in pure Python (deploy/compile.py compiles it)"
+    return True, f"hot path compiled with mypyc ({compiled} of {len(MODULES)} modules)"
