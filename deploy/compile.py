@@ -26,7 +26,8 @@ GROUP = "governor._hot"  # the shared library's name: governor/_hot__mypyc.*.so
 
 
 def built_files() -> list[Path]:
-    files = [path for module in MODULES if (path := extension(module)) is not None]
+    modules = set(MODULES) | set(status())  # (with those of an earlier build's list)
+    files = [path for module in modules if (path := extension(module)) is not None]
     return files + sorted((ROOT / "governor").glob("_hot__mypyc.*")) + [record()]
 
 

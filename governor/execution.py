@@ -55,6 +55,20 @@ class Ending:
     result: dict[str, Any] | None = None
 
 
+class Running(Protocol):
+    """What a door holds of a running job (an :class:`Execution`; a test's stand-in): its
+    name, its ticket, whether its terminal frame went out, and the two ways to stop it. (A
+    protocol, not the class: the doors' compiled code checks a class's instances at run time.)"""
+
+    job: str
+    ticket: Ticket
+    terminal_sent: bool
+
+    def abort(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None: ...
+
+    def client_gone(self) -> None: ...
+
+
 class Replies(Protocol):
     """Where a job's frames go: the session that admitted it (``id`` names it in logs)."""
 

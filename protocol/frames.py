@@ -245,6 +245,9 @@ def decode_reply(line: bytes) -> Reply:
         raise ReplyInvalid("reply is not a JSON object")
     try:
         receipts = tuple((r["kind"], r["value_u64"]) for r in obj.get("receipts") or ())
+        # (before they are a Reply's: its receipts are typed, and compiled code checks that)
+        if any(type(k) is not str or not is_uint(v) for k, v in receipts):
+            raise ReplyInvalid("reply breaks the envelope: receipts")
         reply = Reply(
             verb=Verb(obj["verb"]),
             job=obj["job"],
@@ -267,8 +270,6 @@ def decode_reply(line: bytes) -> Reply:
         raise ReplyInvalid("reply breaks the envelope: job, seq or ttl_ms")
     if reply.retry_hint_ms is not None and not is_uint(reply.retry_hint_ms):
         raise ReplyInvalid("reply breaks the envelope: retry_hint_ms")
-    if any(type(k) is not str or not is_uint(v) for k, v in reply.receipts):
-        raise ReplyInvalid("reply breaks the envelope: receipts")
     for name in ("need_code", "error_code", "detail", "delta"):
         if not isinstance(getattr(reply, name), str | None):
             raise ReplyInvalid(f"reply breaks the envelope: {name}")

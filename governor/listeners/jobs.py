@@ -41,7 +41,7 @@ from ..core.admission import (
 )
 from ..core.ledger import Refusal
 from ..core.tenants import Tenant
-from ..execution import Ending, Execution
+from ..execution import Ending, Execution, Running
 from ..state import ServerState
 from .wire import Wire, yield_detail
 
@@ -72,7 +72,7 @@ class JobState:
     phase: Phase = Phase.UPLOADING
     reservation: Reservation | None = None  # its payload bytes against the buffer budgets
     first_refusal: float | None = None
-    execution: Execution | None = None
+    execution: Running | None = None
     # The frame that completed its payload, once admitted: the job's answers answer it.
     final: Request | None = None
     # Uploading: dropped unless a chunk comes by then; held: unless its client comes back.
@@ -294,19 +294,19 @@ class JobTable:
 
     # Replies for executions (execution.Replies) ------------------------------------------
 
-    def _final(self, execution: Execution) -> Request:
+    def _final(self, execution: Running) -> Request:
         final = self.jobs[execution.job].final
         assert final is not None
         return final
 
-    def send_delta(self, execution: Execution, text: str) -> None:
+    def send_delta(self, execution: Running, text: str) -> None:
         req = self._final(execution)
         # Small on purpose: no receipts on a stream frame.
         self.wire.send(
             Reply(Verb.CLARIFY, req.job, final_seq(req), Status.OK, ttl_ms=req.ttl_ms, delta=text)
         )
 
-    def send_terminal(self, execution: Execution, ending: Ending) -> None:
+    def send_terminal(self, execution: Running, ending: Ending) -> None:
         req = self.jobs[execution.job].final
         assert req is not None
         held_ms = round((self.state.clock() - execution.ticket.slot.started) * 1000)
@@ -324,7 +324,7 @@ class JobTable:
             )
         )
 
-    def job_ended(self, execution: Execution) -> None:
+    def job_ended(self, execution: Running) -> None:
         state = self.jobs.get(execution.job)
         if state is not None and state.execution is execution:
             del self.jobs[execution.job]

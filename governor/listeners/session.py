@@ -25,7 +25,7 @@ from protocol.lines import LineReader
 
 from .. import intake
 from ..core.sources import KEY_TURN_FAR
-from ..execution import Execution
+from ..execution import Running
 from ..state import ServerState
 from .jobs import JobState, JobTable, Phase
 from .wire import Wire
@@ -152,7 +152,7 @@ class Session:
         back (:meth:`started`) before more lines are handled; None: none."""
         return self.table.admitted
 
-    def started(self, execution: Execution) -> None:
+    def started(self, execution: Running) -> None:
         """The job :meth:`next_event` gave out runs: its frames answer through this session."""
         assert self.table.admitted is not None
         assert self.table.admitted.job == execution.job

@@ -74,6 +74,20 @@ def test_an_extension_with_no_record_is_stale(tmp_path: Path) -> None:
     assert status(root)[MODULES[0]] == "stale"
 
 
+def test_a_module_built_before_but_no_longer_listed_is_stale(tmp_path: Path) -> None:
+    """(Its extension would still be imported before its source.)"""
+    root = tree(tmp_path)
+    build(root, MODULES)
+    dropped = root / "protocol" / "dropped.py"
+    dropped.write_text("")
+    ext = importlib.machinery.EXTENSION_SUFFIXES[0]
+    dropped.with_suffix(ext).write_bytes(b"")
+    sources = json.loads(record(root).read_text()) | {"protocol.dropped": digest(dropped)}
+    record(root).write_text(json.dumps(sources))
+    assert status(root)["protocol.dropped"] == "stale"
+    assert not summary(root)[0]
+
+
 def test_this_tree_runs_what_its_status_says() -> None:
     """Whether this test run imported the compiled modules or their sources, the status read
     from the files agrees (and none is stale: the session would not have started)."""

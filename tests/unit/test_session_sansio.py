@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import pytest
@@ -15,7 +15,7 @@ from governor.config import Config
 from governor.core.admission import Admission, Pool, Ticket
 from governor.core.ledger import DRAINING_HINT_MS, SlotLedger
 from governor.core.tenants import Tenants
-from governor.execution import Ending, Execution
+from governor.execution import Ending
 from governor.intake import JobAdmitted
 from governor.listeners.session import Session
 from governor.listeners.wire import yield_detail
@@ -79,7 +79,7 @@ class Client:
     def start(self, admitted: JobAdmitted) -> Started:
         """What the listener does with the event: start the job, hand it back."""
         started = Started(admitted.job, admitted.ticket)
-        self.session.started(cast(Execution, started))
+        self.session.started(started)
         return started
 
 
@@ -127,9 +127,8 @@ def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_start
     (pong,) = client.send(b"")
     assert (pong.job, pong.seq, pong.status) == ("P_1", 8, Status.OK)
 
-    execution = cast(Execution, started)
-    client.session.table.send_delta(execution, "stub ")
-    client.session.table.send_terminal(execution, Ending(result={"ok": 1}))
+    client.session.table.send_delta(started, "stub ")
+    client.session.table.send_terminal(started, Ending(result={"ok": 1}))
     delta, done = client.replies()
     assert (delta.status, delta.seq, delta.delta) == (Status.OK, 4, "stub ")  # final chunk + 2
     assert (done.verb, done.status, done.seq, done.result) == (
@@ -139,7 +138,7 @@ def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_start
         {"ok": 1},
     )
     admitted.ticket.release("done")
-    client.session.table.job_ended(execution)
+    client.session.table.job_ended(started)
     assert client.session.jobs == {}
     assert (state.inflight, client.session.buffers.used, state.buffers.used) == (0, 0, 0)
 
@@ -167,7 +166,7 @@ def test_a_job_yields_when_every_slot_is_taken_and_its_held_payload_is_admitted_
     assert second.session.held == 1
 
     admitted.ticket.release("done")
-    first.session.table.job_ended(cast(Execution, started))
+    first.session.table.job_ended(started)
     clock.now += refused.retry_hint_ms / 1000
     assert second.send(chunk) == []  # the final chunk again: the held payload's retry
     retried = second.session.next_event()
