@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
@@ -19,9 +19,9 @@ import openai
 import orjson
 import pytest
 
-from governor.core.admission import Admitted
 from governor.core.tenants import TenantConfig
 from governor.listeners.openai_api import MAX_WAIT_HEADER
+from governor.runners.base import Job, RunEvent
 from governor.server import Server
 from tests.conftest import ServerFactory, wait_until
 
@@ -184,18 +184,17 @@ async def test_with_lanes_a_chat_is_admitted_before_heavy_requests_that_waited_l
         make_server, max_inflight=1, lanes=True, interactive_reserve=0, stub_ms=200
     )
     started: list[str] = []
-    original = server.state.admission.decide
+    runner = server.runner
+    original = runner.run
 
-    def decide(attempt: Any) -> Any:
-        decision = original(attempt)
-        if isinstance(decision, Admitted):
-            spec = decision.ticket.job.spec
-            assert spec is not None
-            assert spec.messages
-            started.append(spec.messages[-1].content)
-        return decision
+    def run(job: Job) -> AsyncGenerator[RunEvent, None]:
+        # (a job runs as it is admitted: the runner sees them in their admission's order)
+        assert job.spec is not None
+        assert job.spec.messages
+        started.append(job.spec.messages[-1].content)
+        return original(job)
 
-    server.state.admission.decide = decide  # type: ignore[method-assign]
+    runner.run = run  # type: ignore[method-assign]
     heavy = {"x-governor-lane": "heavy"}
 
     def post(n: int, headers: dict[str, str]) -> asyncio.Task[httpx.Response]:
