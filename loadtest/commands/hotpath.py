@@ -11,6 +11,10 @@ step's share of the samples, and the CPU time a job that share stands for: the d
 (``/proc/PID/stat``) over the jobs finished in a run of the same load just before the sampled
 one, since sampling costs the daemon some. Then the busiest functions.
 
+The table is the pure build's (``deploy/compile.py --clean`` first): a module compiled with mypyc
+runs as C, with no Python frame for py-spy to see, so its time goes to the step that called it.
+The command says which build it measured.
+
 py-spy comes with the ``loadtest`` extra. It reads the process from outside (ptrace): as root,
 or where ``kernel.yama.ptrace_scope`` lets a user trace its own children.
 """
@@ -29,6 +33,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from governor import compiled
 
 from ..support.heptamini import DEFAULT_BURST, SCENARIOS
 from ..support.options import positive_float, positive_int, print_json
@@ -135,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.burst.exists():
         print(f"loadtest hotpath: no {args.burst}")
         return 2
+    states = compiled.status()
+    pure = set(states.values()) == {"pure"}
+    build = "pure Python" if pure else "compiled: its compiled steps count as their callers'"
     scenario = SCENARIOS["admitted"]
     port = free_port()
     daemon = subprocess.Popen(
@@ -172,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
     rows = table(steps, cpu_us)
     total = sum(steps.values())
     per_job = "?" if cpu_us is None else f"{cpu_us:.1f}"
+    print(f"the hot path: {build}")
     print(f"{done} jobs, {rate} a second, {per_job} µs of CPU a job (unsampled)")
     print(f"then {total} samples, {sampled_cpu:.1f} µs of CPU a job while sampled")
     print(f"{'step':<45} {'share':>6} {'µs/job':>7}")
@@ -185,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         args,
         {
             "daemon_pid": daemon.pid,  # (sampled, then stopped by this PID)
+            "pure": pure,
             "jobs": done,
             "jobs_per_s": rate,
             "sampled_cpu_us_per_job": round(sampled_cpu, 1),
