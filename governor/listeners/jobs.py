@@ -39,7 +39,7 @@ from ..core.admission import (
     Reservation,
     Yielded,
 )
-from ..core.ledger import Refusal
+from ..core.ledger import DRAINING_HINT_MS, Refusal
 from ..core.tenants import Tenant
 from ..execution import Ending, Execution, Running
 from ..state import ServerState
@@ -352,8 +352,21 @@ class JobTable:
         reservation.hold(held)
 
     def buffers_full(self, req: Request, seq: int) -> None:
-        """Drop the job and tell its client to send it again later."""
+        """Drop the job and tell its client to send it again later; while the server drains,
+        to send it elsewhere (no retry here would be admitted: the answer it would get)."""
         self.forget(req.job)
+        if self.state.admission.draining:
+            refusal = Yielded(NeedCode.DRAINING, DRAINING_HINT_MS)
+            self.wire.yield_(
+                req,
+                seq=seq,
+                need_code=refusal.need_code,
+                error_code=refusal.error_code,
+                retry_hint_ms=refusal.retry_hint_ms,
+                held=False,
+                detail=yield_detail(refusal.need_code, held=False),
+            )
+            return
         self.wire.yield_(
             req,
             seq=seq,

@@ -31,10 +31,10 @@ from .test_ledger import FakeClock
 PAYLOAD = b"twelve bytes"
 
 
-def make_state(clock: FakeClock, cap: int = 1) -> ServerState:
+def make_state(clock: FakeClock, cap: int = 1, **settings: Any) -> ServerState:
     with pytest.raises(RuntimeError):  # (no event loop runs these tests)
         asyncio.get_running_loop()
-    config = Config(max_inflight=cap)
+    config = Config(max_inflight=cap, **settings)
     ledger = SlotLedger(cap, expected_service_s=1.0, clock=clock)
     pool = Pool("primary", StubRunner(0.0), ledger, build_breaker(config, ledger, "primary"))
     return ServerState(config, Admission(pool, Tenants((), clock)))
@@ -195,6 +195,39 @@ def test_a_draining_yield_says_so_and_sends_the_job_elsewhere_soon(clock: FakeCl
     assert "slot" not in refused.detail
     assert receipts(refused)[Receipt.PAYLOAD_HELD] == 0  # (never admitted here again)
     assert client.session.held == 0
+
+
+@pytest.mark.parametrize("draining", [False, True])
+def test_a_chunk_the_full_buffers_cannot_take_is_told_draining_during_a_drain(
+    clock: FakeClock, draining: bool
+) -> None:
+    """A payload held from before a drain still fills the server's buffers. A chunk they have no
+    room for is refused ``buffers_full``, but during a drain ``draining``: no retry here would be
+    admitted (the answer the client would get next)."""
+    state = make_state(clock, cap=1, max_buffer_bytes=2 * len(PAYLOAD))
+    first, second, third = Client(state), Client(state), Client(state)
+    for frame in upload("J_1", PAYLOAD):  # runs: its payload's bytes stay counted
+        first.send(frame)
+    admitted = first.session.next_event()
+    assert admitted is not None
+    first.start(admitted)
+    manifest, chunk = upload("J_3", PAYLOAD)
+    assert [r.status for r in third.send(manifest)] == [Status.OK]  # (room for it then)
+    for frame in upload("J_2", PAYLOAD):
+        (answer,) = second.send(frame)
+    assert (answer.need_code, receipts(answer)[Receipt.PAYLOAD_HELD]) == (NeedCode.SERVER_BUSY, 1)
+    state.ledger.draining = draining
+    (refused,) = third.send(chunk)
+    assert refused.status == Status.YIELD
+    assert receipts(refused)[Receipt.PAYLOAD_HELD] == 0
+    if draining:
+        assert (refused.need_code, refused.error_code) == (NeedCode.DRAINING, ErrorCode.UNAVAILABLE)
+        assert refused.retry_hint_ms == DRAINING_HINT_MS
+        assert refused.detail == yield_detail(NeedCode.DRAINING, held=False)
+    else:
+        assert (refused.need_code, refused.error_code) == (NeedCode.BUFFERS_FULL, ErrorCode.BUSY)
+    assert "J_3" not in third.session.jobs  # dropped either way: its bytes given back
+    assert state.buffers.used == 2 * len(PAYLOAD)
 
 
 def test_a_cancel_read_with_the_final_chunk_finds_the_job_running(clock: FakeClock) -> None:
