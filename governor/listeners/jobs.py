@@ -357,24 +357,18 @@ class JobTable:
         self.forget(req.job)
         if self.state.admission.draining:
             refusal = Yielded(NeedCode.DRAINING, DRAINING_HINT_MS)
-            self.wire.yield_(
-                req,
-                seq=seq,
-                need_code=refusal.need_code,
-                error_code=refusal.error_code,
-                retry_hint_ms=refusal.retry_hint_ms,
-                held=False,
-                detail=yield_detail(refusal.need_code, held=False),
-            )
-            return
+            detail = yield_detail(refusal.need_code, held=False)
+        else:
+            refusal = Yielded(NeedCode.BUFFERS_FULL, BUFFERS_FULL_HINT_MS)
+            detail = "the server's payload buffers are full; send the payload again later"
         self.wire.yield_(
             req,
             seq=seq,
-            need_code=NeedCode.BUFFERS_FULL,
-            error_code=ErrorCode.BUSY,
-            retry_hint_ms=BUFFERS_FULL_HINT_MS,
+            need_code=refusal.need_code,
+            error_code=refusal.error_code,
+            retry_hint_ms=refusal.retry_hint_ms,
             held=False,
-            detail="the server's payload buffers are full; send the payload again later",
+            detail=detail,
         )
 
     def hold(self, state: JobState) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import shutil
 import subprocess
@@ -36,9 +35,9 @@ from typing import Any
 
 from governor import compiled
 
-from ..support.heptamini import DEFAULT_BURST, SCENARIOS
+from ..support.heptamini import DEFAULT_BURST, SCENARIOS, governor_command, load
 from ..support.options import positive_float, positive_int, print_json
-from ..support.processes import cpu_s, free_port, stop, wait_listening
+from ..support.processes import free_port, stop, wait_listening
 
 NAME = "hotpath"
 
@@ -105,14 +104,8 @@ def table(steps: collections.Counter[str], cpu_us: float | None) -> list[dict[st
     ]
 
 
-def _load(command: list[str], pid: int) -> tuple[int, float, float]:
-    """Run burst.py: the jobs it finished, a second, and the daemon's CPU µs a job."""
-    before = cpu_s(pid)
-    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
-    cpu = cpu_s(pid) - before
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
-    done = summary["done"]
-    return done, summary["done_per_s"], cpu / done * 1e6 if done else 0.0
+def _us(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f}"
 
 
 def add_parser(commands: Any) -> None:
@@ -141,18 +134,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.burst.exists():
         print(f"loadtest hotpath: no {args.burst}")
         return 2
-    states = compiled.status()
-    pure = set(states.values()) == {"pure"}
+    pure = set(compiled.status().values()) == {"pure"}
     build = "pure Python" if pure else "compiled: its compiled steps count as their callers'"
     scenario = SCENARIOS["admitted"]
     port = free_port()
     daemon = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "governor", "serve", "--runner", "stub"),
-            *("--listen", f"127.0.0.1:{port}"),
-            *("--max-inflight", str(scenario.cap), "--stub-ms", str(scenario.stub_ms)),
-            *args.governor_arg,
-        ],
+        governor_command(scenario, port, args.governor_arg),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -161,15 +148,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             wait_listening(port, daemon)
             time.sleep(0.5)  # (start-up work settles)
-            load = [sys.executable, str(args.burst), "--addr", f"127.0.0.1:{port}", "--quiet"]
-            load += [*scenario.burst, "--duration", str(args.duration)]
             # The CPU a job, unsampled (sampling costs the daemon some), then the shares.
-            done, rate, cpu = _load(load, daemon.pid)
+            summary, cpu = load(args.burst, scenario, port, args.duration, daemon.pid)
             record = [spy, "record", "--pid", str(daemon.pid), "--gil", "--nonblocking"]
             record += ["--rate", str(args.rate), "--format", "raw", "--output", str(samples)]
             record += ["--duration", str(round(args.duration))]
             profiler = subprocess.Popen(record, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            _, _, sampled_cpu = _load(load, daemon.pid)
+            sampled, sampled_cpu = load(args.burst, scenario, port, args.duration, daemon.pid)
             _, err = profiler.communicate(timeout=60)
         finally:
             stop(daemon)
@@ -177,13 +162,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"loadtest hotpath: py-spy failed: {err.decode(errors='replace').strip()}")
             return 1
         steps, leaves = attribute(samples.read_text().splitlines())
-    cpu_us = cpu if done else None
+    done, rate = summary["done"], summary["done_per_s"]
+    cpu_us = cpu / done * 1e6 if done else None
+    sampled_us = sampled_cpu / sampled["done"] * 1e6 if sampled["done"] else None
     rows = table(steps, cpu_us)
     total = sum(steps.values())
-    per_job = "?" if cpu_us is None else f"{cpu_us:.1f}"
     print(f"the hot path: {build}")
-    print(f"{done} jobs, {rate} a second, {per_job} µs of CPU a job (unsampled)")
-    print(f"then {total} samples, {sampled_cpu:.1f} µs of CPU a job while sampled")
+    print(f"{done} jobs, {rate} a second, {_us(cpu_us)} µs of CPU a job (unsampled)")
+    print(f"then {total} samples, {_us(sampled_us)} µs of CPU a job while sampled")
     print(f"{'step':<45} {'share':>6} {'µs/job':>7}")
     for row in rows:
         us = "" if row["us_per_job"] is None else f"{row['us_per_job']:.1f}"
@@ -198,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             "pure": pure,
             "jobs": done,
             "jobs_per_s": rate,
-            "sampled_cpu_us_per_job": round(sampled_cpu, 1),
+            "sampled_cpu_us_per_job": None if sampled_us is None else round(sampled_us, 1),
             "cpu_us_per_job": None if cpu_us is None else round(cpu_us, 1),
             "samples": total,
             "steps": rows,

@@ -19,7 +19,6 @@ two frames.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -27,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..support.heptamini import DEFAULT_BURST, SCENARIOS, Scenario
+from ..support.heptamini import DEFAULT_BURST, SCENARIOS, Scenario, governor_command, load
 from ..support.options import positive_float, positive_int, print_json
-from ..support.processes import cpu_s, free_port, stop, wait_listening
+from ..support.processes import free_port, stop, wait_listening
 
 NAME = "peer"
 
@@ -87,21 +86,7 @@ def daemon_command(
             "--stub_ms",
             str(scenario.stub_ms),
         ]
-    return [
-        sys.executable,
-        "-m",
-        "governor",
-        "serve",
-        "--runner",
-        "stub",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--max-inflight",
-        str(scenario.cap),
-        "--stub-ms",
-        str(scenario.stub_ms),
-        *args.governor_arg,
-    ]
+    return governor_command(scenario, port, args.governor_arg)
 
 
 def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[str, Any]:
@@ -116,16 +101,9 @@ def one_run(which: str, args: argparse.Namespace, scenario: Scenario) -> dict[st
     try:
         wait_listening(port, proc)
         time.sleep(0.5)  # let start-up work (the runner's, the probes') settle
-        load = [sys.executable, str(args.burst), "--addr", f"127.0.0.1:{port}", "--quiet"]
-        load += list(scenario.burst)
-        if "--rounds" not in scenario.burst:  # (a scenario runs for --duration unless counted)
-            load += ["--duration", str(args.duration)]
-        before = cpu_s(proc.pid)
-        out = subprocess.run(load, capture_output=True, text=True, timeout=300, check=True)
-        cpu = cpu_s(proc.pid) - before
+        summary, cpu = load(args.burst, scenario, port, args.duration, proc.pid)
     finally:
         stop(proc)
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
     if scenario.rate_key == "yield_per_s":
         rate = round(summary["yield"] / summary["wall_s"], 1)
     else:
