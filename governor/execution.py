@@ -30,7 +30,7 @@ from .core.ledger import Completed, Refusal
 from .core.policy import Lane
 from .core.slo import judge, share
 from .ops.logs import event
-from .runners import Fed, RunnerError, Token
+from .runners import Fed, Relay, Relayed, RunnerError, Token
 from .state import ServerState
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class Ending:
     error_code: str | None = None
     detail: str | None = None
     result: dict[str, Any] | None = None
+    relayed: Relayed | None = None  # a forwarding runner's upstream answer, to pass on
 
 
 class Running(Protocol):
@@ -74,7 +75,9 @@ class Replies(Protocol):
 
     id: int
 
-    def send_delta(self, execution: Execution, text: str) -> None: ...
+    def send_delta(self, execution: Execution, piece: Token | Relay) -> None:
+        """A piece of a streamed answer: generated text, or (a forwarded request's) an upstream
+        event that carries none."""
 
     def send_terminal(self, execution: Execution, ending: Ending) -> None: ...
 
@@ -150,13 +153,14 @@ class Execution:
         error_code: str | None = None,
         detail: str | None = None,
         result: dict[str, Any] | None = None,
+        relayed: Relayed | None = None,
     ) -> None:
         """The job's one terminal frame: done without a ``need_code``, abort with one."""
         if self.terminal_sent:
             return
         self.terminal_sent = True
         self.outcome = need_code or "done"
-        self.replies.send_terminal(self, Ending(need_code, error_code, detail, result))
+        self.replies.send_terminal(self, Ending(need_code, error_code, detail, result, relayed))
 
     def abort(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send the terminal abort now, then stop the work."""
@@ -180,9 +184,9 @@ class Execution:
         try:
             if ttl_ms:
                 async with asyncio.timeout(ttl_ms / 1000):
-                    result = await self._execute()
+                    result, relayed = await self._execute()
             else:  # (no deadline: no timeout context to set up for every job)
-                result = await self._execute()
+                result, relayed = await self._execute()
         except TimeoutError:
             self.end(
                 need_code=NeedCode.TTL_EXPIRED,
@@ -190,7 +194,12 @@ class Execution:
                 detail=f"ttl_ms of {ttl_ms} ran out",
             )
         except RunnerError as exc:
-            self.end(need_code=exc.code, error_code=ErrorCode.BACKEND_ERROR, detail=exc.detail)
+            self.end(
+                need_code=exc.code,
+                error_code=ErrorCode.BACKEND_ERROR,
+                detail=exc.detail,
+                relayed=exc.relayed,
+            )
         except Exception:
             log.exception("runner failed on job %r", self.ticket.job.id)
             self.end(
@@ -200,7 +209,7 @@ class Execution:
             )
         else:
             self.result = result
-            self.end(result=result)
+            self.end(result=result, relayed=relayed)
 
     async def _fleet_admits(self, fleet: Fleet) -> bool:
         """The fleet's step, after this replica's own admission: the job holds a lease, or the
@@ -227,7 +236,7 @@ class Execution:
         self.replies.fleet_refused(self, refusal)
         return False
 
-    async def _execute(self) -> dict[str, Any]:
+    async def _execute(self) -> tuple[dict[str, Any], Relayed | None]:
         ticket, state = self.ticket, self.state
         job, clock = ticket.job, state.clock
         stream = job.spec is not None and job.spec.stream
@@ -242,12 +251,17 @@ class Execution:
                         self._first_token(now - ticket.slot.started)
                     elif item.generated is not None:
                         ticket.slot.progress(item.generated, self.first_token, now)
-                    parts.append(item.text)
+                    if item.index == 0 and item.tool is None:
+                        parts.append(item.text)
                     if stream and not self.terminal_sent:
-                        self.replies.send_delta(self, item.text)
+                        self.replies.send_delta(self, item)
                     continue
                 if isinstance(item, Fed):
                     ticket.slot.feeding(item.tokens, clock())
+                    continue
+                if isinstance(item, Relay):
+                    if stream and not self.terminal_sent:
+                        self.replies.send_delta(self, item)
                     continue
                 result = dict(item.result)
                 if parts:
@@ -262,7 +276,7 @@ class Execution:
                     result["tpot_ms"] = _ms(self.tpot_s)
                 if ticket.degraded:
                     result["degraded"] = list(ticket.degraded)
-                return result
+                return result, item.relayed
         raise RunnerError("the runner ended the job without finishing it")
 
     def _first_token(self, ttft_s: float) -> None:

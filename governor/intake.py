@@ -29,12 +29,11 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from protocol.codes import NeedCode
-from protocol.spec import SpecInvalid, is_json_content_type, parse_spec, spec_from_object
+from protocol.spec import JobSpec, SpecInvalid, is_json_content_type, parse_spec
 
 from .core.admission import Admitted, Attempt, Decision, Reservation, Ticket, Yielded
 from .core.ledger import Refusal
@@ -188,14 +187,18 @@ def prepare(
 
 
 def prepare_fields(
-    state: ServerState, attempt: Attempt, job_id: str, fields: Mapping[str, Any], body: bytes
+    state: ServerState,
+    attempt: Attempt,
+    job_id: str,
+    spec: Callable[[int], JobSpec],
+    body: bytes,
 ) -> None:
-    """An HTTP request's job spec, as its API mapped it to the spec's fields (already decoded
-    from the body: no JSON in between), checked here."""
+    """An HTTP request's job spec, as its API maps it (from the body it decoded already: no
+    JSON in between), checked here against the runner's ceiling (``spec`` raises
+    ``SpecInvalid``)."""
 
     def job(runner: Runner) -> Job:
-        spec = spec_from_object(dict(fields), max_new_tokens_ceiling=runner.max_new_tokens)
-        return runner.prepare(job_id, spec, body)
+        return runner.prepare(job_id, spec(runner.max_new_tokens), body)
 
     _prepare(state, attempt, job_id, job)
 

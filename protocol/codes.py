@@ -98,6 +98,8 @@ class NeedCode(StrEnum):
     RUNNER_UNAVAILABLE = "runner_unavailable"  # extension: no worker came up in time
     UPSTREAM_ERROR = "upstream_error"  # extension: the sidecar's server answered an error
     UPSTREAM_TIMEOUT = "upstream_timeout"  # extension: ... or did not answer in time
+    # Extension: the sidecar's server refused the request (its 4xx, passed on to the client).
+    UPSTREAM_REJECTED = "upstream_rejected"
     # Connection-fatal: answered with confirm/abort, then the connection is closed.
     LINE_TOO_LARGE = "line_too_large"
     IDLE_TIMEOUT = "idle_timeout"

@@ -9,6 +9,7 @@ needs the model (the prompt's length in tokens against the context window).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,21 @@ from .errors import RemoteProtocolError
 
 SPEC_CONTENT_TYPE = "application/vnd.governor.job+json"
 JSON_CONTENT_TYPES = frozenset({SPEC_CONTENT_TYPE, "application/json"})
-ROLES = frozenset({"system", "user", "assistant"})
+ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_STOPS = 8
 MAX_STOP_CHARS = 64
 MAX_LABEL_CHARS = 64
 MAX_SEED = 2**31 - 1
 MAX_TOP_K = 1000
 MAX_SLO_MS = 3_600_000.0  # an hour: a request's own objectives are at most this
+MAX_N = 16  # sequences of one prompt a job may ask for
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's bound)
+MAX_TOOLS = 64
+MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema or a tool's parameters
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+ANY_OBJECT = '{"type":"object"}'  # the schema of JSON mode (response_format json_object)
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
 
 _FIELDS = frozenset(
     {
@@ -45,6 +54,16 @@ _FIELDS = frozenset(
         "tool_risk",
         "ttft_slo_ms",
         "tpot_slo_ms",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repeat_penalty",
+        "logit_bias",
+        "response_format",
+        "tools",
+        "tool_choice",
     }
 )
 
@@ -59,6 +78,23 @@ class SpecInvalid(RemoteProtocolError):
 class Message:
     role: str
     content: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forward:
+    """An OpenAI request for a runner that forwards it (the ``http`` runner: a sidecar), as the
+    client sent it: the upstream's ``path`` and the ``body``; ``fields``, the object it decodes
+    to less the governor's own fields, where it had some (None: the body goes as it came);
+    ``chars``, the characters of its text (the prompt's size, for admission); ``stream``;
+    ``asked``, the output length it asked for, in its field ``length_field`` (None: none)."""
+
+    path: str
+    body: bytes
+    fields: dict[str, Any] | None
+    chars: int
+    stream: bool
+    asked: int | None = None
+    length_field: str = "max_tokens"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,9 +116,26 @@ class JobSpec:
     # Its own objectives in ms, over its lane's (an interactive job's only tightened); 0: none.
     ttft_slo_ms: float = 0.0
     tpot_slo_ms: float = 0.0
+    n: int = 1  # sequences generated from the prompt (OpenAI's choices)
+    logprobs: int | None = None  # None: none; else each token's and this many alternatives'
+    presence_penalty: float = 0.0  # -2 to 2, OpenAI's
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0  # llama.cpp's (1: off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    json_schema: str | None = None  # the output is JSON valid against this schema (JSON text)
+    tools: str | None = None  # the functions the model may call (JSON text, OpenAI's list)
+    tool_choice: str = "none"  # "none", "auto", "required", or the name of one of the tools
+    forward: Forward | None = None  # the request as it came, for a runner that forwards it
+
+    @property
+    def output_tokens(self) -> int:
+        """The most tokens it may generate, all its sequences together."""
+        return self.max_new_tokens * self.n
 
     def estimated_prompt_tokens(self) -> int:
         """The prompt's length in tokens for a runner without a tokenizer: about 4 characters each."""
+        if self.forward is not None:
+            return -(-self.forward.chars // 4)
         text = self.prompt or "".join(m.content for m in self.messages or ())
         return -(-len(text) // 4)
 
@@ -114,6 +167,33 @@ class JobSpec:
         for name in ("tool_risk", "ttft_slo_ms", "tpot_slo_ms"):
             if getattr(self, name):
                 obj[name] = getattr(self, name)
+        obj.update(self._features_wire())
+        return obj
+
+    def _features_wire(self) -> dict[str, Any]:
+        """:func:`_features`' fields, where they are not their defaults."""
+        obj: dict[str, Any] = {}
+        for name, default in (
+            ("n", 1),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repeat_penalty", 1.0),
+        ):
+            if getattr(self, name) != default:
+                obj[name] = getattr(self, name)
+        if self.logprobs is not None:
+            obj.update(logprobs=True, top_logprobs=self.logprobs)
+        if self.logit_bias:
+            obj["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        if self.json_schema is not None:
+            schema = orjson.loads(self.json_schema)
+            obj["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+        if self.tools is not None:
+            obj["tools"] = orjson.loads(self.tools)
+        if self.tool_choice != "none":
+            choice = self.tool_choice
+            named = {"type": "function", "function": {"name": choice}}
+            obj["tool_choice"] = choice if choice in TOOL_CHOICES else named
         return obj
 
     def encode(self) -> bytes:
@@ -203,6 +283,172 @@ def spec_from_object(obj: Any, *, max_new_tokens_ceiling: int) -> JobSpec:
         tool_risk=_number(obj, "tool_risk", 0.0, 0.0, 1.0),
         ttft_slo_ms=_slo(obj, "ttft_slo_ms"),
         tpot_slo_ms=_slo(obj, "tpot_slo_ms"),
+        **_features(obj),
+    )
+
+
+def _features(obj: dict[str, Any]) -> dict[str, Any]:
+    """The fields beyond sampling that OpenAI's API has: choices, log probabilities,
+    penalties, biases, structured output and tools (checked in shape; what needs the model,
+    token ids and schemas, its runner checks)."""
+    n = obj.get("n", 1)
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise _invalid(f"'n' must be an integer from 1 to {MAX_N}")
+    tools, tool_choice = _tools(obj)
+    return {
+        "n": n,
+        "logprobs": _logprobs(obj),
+        "presence_penalty": _number(obj, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(obj, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repeat_penalty": _number(obj, "repeat_penalty", 1.0, 0.0, 10.0),
+        "logit_bias": _logit_bias(obj.get("logit_bias")),
+        "json_schema": _response_format(obj.get("response_format")),
+        "tools": tools,
+        "tool_choice": tool_choice,
+    }
+
+
+def _logprobs(obj: dict[str, Any]) -> int | None:
+    wanted, top = obj.get("logprobs", False), obj.get("top_logprobs")
+    if type(wanted) is not bool:
+        raise _invalid("'logprobs' must be true or false")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise _invalid(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+    if not wanted:
+        if top:
+            raise _invalid("'top_logprobs' needs 'logprobs': true")
+        return None
+    return top or 0
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
+    if type(bias) is not dict or len(bias) > MAX_LOGIT_BIAS:
+        raise _invalid(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} entries")
+    out = []
+    for token, value in bias.items():
+        if not (token.isascii() and token.isdigit() and len(token) <= 9):
+            raise _invalid("'logit_bias' keys must be token ids (whole numbers, as strings)")
+        if type(value) not in (int, float) or not -100 <= value <= 100:
+            raise _invalid("'logit_bias' values must be numbers from -100 to 100")
+        out.append((int(token), float(value)))
+    return tuple(sorted(out))
+
+
+def _response_format(fmt: Any) -> str | None:
+    """JSON mode's schema, as JSON text: ``json_object`` is any object, ``json_schema`` its
+    ``schema`` (any object where it gives none); ``text`` (or none): None."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if type(fmt) is dict else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", {"type": "object"}) if type(spec) is dict else None
+        if type(schema) is not dict or _too_deep(schema):
+            raise _invalid(
+                "'response_format' json_schema must be {\"schema\": {...}}, a JSON schema "
+                f"nested at most {MAX_SCHEMA_DEPTH} deep"
+            )
+        return orjson.dumps(schema).decode()
+    raise _invalid(
+        '\'response_format\' must be {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"schema": {...}}}'
+    )
+
+
+def _tools(obj: dict[str, Any]) -> tuple[str | None, str]:
+    """The tools (JSON text of OpenAI's list, each ``{"type": "function", "function": {name,
+    description, parameters}}``) and the choice among them: ``none``, ``auto``, ``required``
+    or one function's name."""
+    tools, choice = obj.get("tools"), obj.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise _invalid("'tool_choice' needs 'tools'")
+        return None, "none"
+    if type(tools) is not list or len(tools) > MAX_TOOLS:
+        raise _invalid(f"'tools' must be a list of at most {MAX_TOOLS} functions")
+    names = [_tool_name(tool) for tool in tools]
+    if len(set(names)) != len(names):
+        raise _invalid("each tool's name must be different")
+    if choice is None:
+        choice = "auto"
+    elif type(choice) is dict:
+        function = choice.get("function")
+        name = function.get("name") if type(function) is dict else None
+        if choice.get("type") != "function" or name not in names:
+            raise _invalid(
+                'a named \'tool_choice\' is {"type": "function", "function": {"name": '
+                "NAME}} with NAME one of the tools"
+            )
+        choice = name
+    elif choice not in TOOL_CHOICES:
+        raise _invalid("'tool_choice' must be none, auto, required or a named function")
+    return orjson.dumps(tools).decode(), choice
+
+
+def _tool_name(tool: Any) -> str:
+    function = tool.get("function") if type(tool) is dict else None
+    if type(function) is not dict or tool.get("type") != "function":
+        raise _invalid('each tool must be {"type": "function", "function": {...}}')
+    name, parameters = function.get("name"), function.get("parameters", {})
+    if type(name) is not str or not TOOL_NAME.fullmatch(name):
+        raise _invalid("a function's name must be 1 to 64 letters, digits, '_' or '-'")
+    if type(parameters) is not dict or _too_deep(parameters):
+        raise _invalid(
+            f"a function's parameters must be a JSON schema nested at most {MAX_SCHEMA_DEPTH} deep"
+        )
+    if type(function.get("description", "")) is not str:
+        raise _invalid("a function's description must be a string")
+    return name
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether ``value``'s lists and objects nest deeper than :data:`MAX_SCHEMA_DEPTH` (walked
+    without recursion: a body may nest a thousand deep)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if type(item) is dict else item if type(item) is list else ()
+        for child in children:
+            if depth + 1 > MAX_SCHEMA_DEPTH:
+                return True
+            stack.append((child, depth + 1))
+    return False
+
+
+# The fields of a forwarded request that are the governor's, not its upstream's.
+GOVERNOR_FIELDS = frozenset({"lane", "tool_risk", "ttft_slo_ms", "tpot_slo_ms"})
+
+
+def forwarded_spec(
+    forward: Forward, obj: dict[str, Any], *, n: int, max_new_tokens_ceiling: int
+) -> JobSpec:
+    """A forwarded request's job: what admission needs of it (its size, its lane, its
+    objectives), from ``obj``, its :data:`GOVERNOR_FIELDS`; the rest is the upstream's to
+    judge. Its ``max_new_tokens`` is what it asked for, else the ceiling (0 for a request
+    that generates nothing: ``length_field`` empty)."""
+    if not forward.length_field:
+        max_new = 0
+    else:
+        max_new = max_new_tokens_ceiling if forward.asked is None else forward.asked
+        if not 1 <= max_new <= max_new_tokens_ceiling:
+            raise _max_new_tokens_invalid(max_new_tokens_ceiling)
+    if not 1 <= n <= MAX_N:
+        raise _invalid(f"'n' must be an integer from 1 to {MAX_N}")
+    return JobSpec(
+        max_new_tokens=max_new,
+        n=n,
+        stream=forward.stream,
+        lane=_label(obj, "lane"),
+        tool_risk=_number(obj, "tool_risk", 0.0, 0.0, 1.0),
+        ttft_slo_ms=_slo(obj, "ttft_slo_ms"),
+        tpot_slo_ms=_slo(obj, "tpot_slo_ms"),
+        forward=forward,
     )
 
 

@@ -68,8 +68,9 @@ BACKEND_FAILURES = frozenset(
         NeedCode.UPSTREAM_TIMEOUT,
     }
 )
-# Ends that say nothing of the pool's health or load: not counted by the overload state.
-NEUTRAL_OUTCOMES = frozenset({"cancelled", "client_gone", "revoked"})
+# Ends that say nothing of the pool's health or load: not counted by the overload state. (An
+# upstream's refusal of a request, its 4xx, is the request's fault, not the backend's.)
+NEUTRAL_OUTCOMES = frozenset({"cancelled", "client_gone", "revoked", NeedCode.UPSTREAM_REJECTED})
 UNAVAILABLE_CODES = frozenset(
     {NeedCode.DRAINING, NeedCode.BREAKER_OPEN, NeedCode.FLEET_UNAVAILABLE}
 )
@@ -388,9 +389,10 @@ class Admission:
         spec = job.spec
         if spec is None:
             return _Plan(job, None, None, 0)
-        prompt = prompt_tokens(job)
-        size = JobSize(prompt, spec.max_new_tokens)
-        tokens = prompt + spec.max_new_tokens
+        # (The n sequences of one prompt share it, and each may generate max_new_tokens.)
+        prompt, output = prompt_tokens(job), spec.output_tokens
+        size = JobSize(prompt, output)
+        tokens = prompt + output
         if policy is None:
             return _Plan(job, None, size, tokens)
         requested = None
@@ -398,7 +400,7 @@ class Admission:
             if spec.lane not in LANES:
                 return Rejected(NeedCode.SPEC_INVALID, f"no lane {spec.lane!r}")
             requested = Lane(spec.lane)
-        decision = policy.classify(prompt, spec.max_new_tokens, requested, spec.tool_risk)
+        decision = policy.classify(prompt, output, requested, spec.tool_risk)
         if not isinstance(decision, Demand):
             return Rejected(decision.need_code, decision.detail)
         # A tenant pinned to some lanes runs in the first of them at or below the job's own.
@@ -419,9 +421,9 @@ class Admission:
         cap = overload.max_new_tokens(demand.lane, spec.max_new_tokens)
         if cap is None:
             return plan
-        cut = spec.max_new_tokens - cap
+        cut = (spec.max_new_tokens - cap) * spec.n
         job = dataclasses.replace(plan.job, spec=dataclasses.replace(spec, max_new_tokens=cap))
-        size = None if plan.size is None else JobSize(plan.size.prompt_tokens, cap)
+        size = None if plan.size is None else JobSize(plan.size.prompt_tokens, cap * spec.n)
         return _Plan(
             job,
             Demand(demand.lane, demand.kv_tokens - cut),

@@ -76,6 +76,7 @@ from ..core.sources import KEY_TURN_FAR
 from ..core.waitline import Waiter, WaitLine, wait_budget_s, waits
 from ..execution import Ending, Execution
 from ..ops.health import Verdict
+from ..runners import Forwarding, Relay, Relayed, RunnerError, Token
 from ..state import ServerState
 from . import openai_api as api
 from .base import bind, bound_address
@@ -85,9 +86,17 @@ MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
 MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer is on its way
 JSON = "application/json"
-PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # (True: a chat)
+PATHS = {
+    "/v1/completions": api.COMPLETION,
+    "/v1/chat/completions": api.CHAT,
+    "/v1/embeddings": api.EMBEDDING,  # (served by a forwarding runner's upstream)
+}
 MODELS = "/v1/models"
 HEALTH = "/health"
+# A forwarding runner's upstream answers these as they are, with no slot taken: its list of
+# models, and llama-server's tokenizer (cheap, bounded as any request is).
+PROXIED = {MODELS: ("GET", "HEAD"), "/tokenize": ("POST",), "/detokenize": ("POST",)}
+PROXY = "proxy"  # (the kind of request that is one of these)
 
 
 class FrontDoor:
@@ -107,6 +116,9 @@ class FrontDoor:
         self.model = model
         self.tls = tls
         self.readiness = readiness
+        runner = state.admission.primary.runner
+        # A runner that forwards requests as they came (a sidecar's): see openai_api.
+        self.forwarder = runner if isinstance(runner, Forwarding) else None
         self.created = int(time.time())
         config = state.config
         self.places = api.KeptPlaces(
@@ -376,7 +388,8 @@ class HttpConnection(asyncio.Protocol):
             return
         self.request = request
         path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
-        self.path = path if path in PATHS or path in (MODELS, HEALTH) else "other"
+        known = path in PATHS or path in PROXIED or path == HEALTH
+        self.path = path if known else "other"
         length = _header(request, b"content-length")
         limit = self.config.max_payload_bytes
         if length is not None and int(length) > limit:  # (h11 checked it is a number)
@@ -418,8 +431,16 @@ class HttpConnection(asyncio.Protocol):
         method = request.method.decode("ascii", "replace")
         path = self.path
         exchange = self.exchange = Exchange(self, method == "HEAD")
-        chat = PATHS.get(path)
-        if path == HEALTH:
+        kind = PATHS.get(path)
+        forwards = self.door.forwarder is not None
+        if forwards and path in PROXIED:
+            if method not in PROXIED[path]:
+                exchange.fail(api.not_allowed(", ".join(PROXIED[path])))
+            elif path == MODELS:  # (no key needed, as for the door's own list)
+                exchange.proxy(request, b"")
+            else:
+                exchange.job(request, bytes(self.body), PROXY)
+        elif path == HEALTH:
             if method not in ("GET", "HEAD"):
                 exchange.fail(api.not_allowed("GET, HEAD"))
                 return
@@ -431,18 +452,12 @@ class HttpConnection(asyncio.Protocol):
                 exchange.fail(api.not_allowed("GET, HEAD"))
                 return
             exchange.respond(HTTPStatus.OK, api.models(self.door.model, self.door.created))
-        elif chat is None:
-            exchange.fail(
-                api.ApiError(
-                    HTTPStatus.NOT_FOUND,
-                    "not_found",
-                    "no such path: try /v1/completions, /v1/chat/completions, /v1/models or /health",
-                )
-            )
+        elif kind is None or (kind == api.EMBEDDING and not forwards):
+            exchange.fail(api.not_found(path, forwards))
         elif method != "POST":
             exchange.fail(api.not_allowed("POST"))
         else:
-            exchange.job(request, bytes(self.body), chat)
+            exchange.job(request, bytes(self.body), kind)
 
     def exchange_ended(self) -> None:
         """The answer is out: the next request, or the end of the connection."""
@@ -574,6 +589,7 @@ class Exchange:
         self.waited_ms: int | None = None  # (a job's answers say how long it waited)
         self.door_timer: asyncio.TimerHandle | None = None  # decided again at its hint
         self.key_timer: asyncio.TimerHandle | None = None  # the key waits for its turn
+        self.proxied: asyncio.Task[Relayed] | None = None  # the upstream answers it
         self.streaming = False  # the 200 and the stream's head are out
 
     # Plain answers ---------------------------------------------------------------------
@@ -607,9 +623,13 @@ class Exchange:
             self.conn.exchange_ended()
 
     def _whole(
-        self, status: HTTPStatus, body: bytes, headers: tuple[tuple[str, str], ...] = ()
+        self,
+        status: HTTPStatus,
+        body: bytes,
+        headers: tuple[tuple[str, str], ...] = (),
+        content_type: str = JSON,
     ) -> None:
-        self._head(status, headers, JSON, len(body))
+        self._head(status, headers, content_type, len(body))
         self._send(None if self.head_only else h11.Data(data=body))
         self._send(h11.EndOfMessage())
 
@@ -648,7 +668,7 @@ class Exchange:
 
     # A job -----------------------------------------------------------------------------
 
-    def job(self, request: h11.Request, body: bytes, chat: bool) -> None:
+    def job(self, request: h11.Request, body: bytes, kind: str) -> None:
         """A job's request: its key checked (at its turn, if it must wait for one), then
         prepared and decided."""
         key = _bearer(_header(request, b"authorization"))
@@ -659,17 +679,17 @@ class Exchange:
                 return
             if turn.wait > 0:
                 self.key_timer = asyncio.get_running_loop().call_later(
-                    turn.wait, self._key_turn, request, body, chat, key
+                    turn.wait, self._key_turn, request, body, kind, key
                 )
                 return
-        self._job(request, body, chat, key)
+        self._job(request, body, kind, key)
 
-    def _key_turn(self, request: h11.Request, body: bytes, chat: bool, key: str) -> None:
+    def _key_turn(self, request: h11.Request, body: bytes, kind: str, key: str) -> None:
         self.key_timer = None
         self.conn.credentials.check_at_turn(key)
-        self._job(request, body, chat, key)
+        self._job(request, body, kind, key)
 
-    def _job(self, request: h11.Request, body: bytes, chat: bool, key: str | None) -> None:
+    def _job(self, request: h11.Request, body: bytes, kind: str, key: str | None) -> None:
         conn = self.conn
         tenant = conn.credentials.tenant(key)
         if tenant is None:
@@ -681,8 +701,17 @@ class Exchange:
                 "a valid API key is needed: Authorization: Bearer KEY",
             )
             return
+        if kind == PROXY:
+            self.proxy(request, body)
+            return
         try:
-            call = api.parse_call(body, chat=chat, lane_header=_header(request, b"x-governor-lane"))
+            call = api.parse_call(
+                body,
+                kind=kind,
+                lane_header=_header(request, b"x-governor-lane"),
+                path=conn.path,
+                forwards=conn.door.forwarder is not None,
+            )
             asked_ms = api.max_wait_ms(_header(request, api.MAX_WAIT_HEADER.encode()))
         except api.ApiError as exc:
             self.fail(exc)
@@ -696,10 +725,34 @@ class Exchange:
             self.attempt, self.first_refusal = kept.attempt, kept.first_refusal
         else:
             self.attempt = Attempt(tenant, None)
-        intake.prepare_fields(conn.state, self.attempt, job_id, call.fields, body)
+        intake.prepare_fields(conn.state, self.attempt, job_id, call.spec, body)
         self.arrived = conn.state.clock()
         self.budget_s = wait_budget_s(conn.config.http_max_wait, asked_ms)
         self.decide()
+
+    def proxy(self, request: h11.Request, body: bytes) -> None:
+        """A request the forwarding runner's upstream answers as it is, with no slot taken:
+        the answer is relayed as it came (502 or 504 if none came)."""
+        forwarder = self.conn.door.forwarder
+        assert forwarder is not None
+        method = request.method.decode("ascii", "replace")
+        self.proxied = asyncio.get_running_loop().create_task(
+            forwarder.relay(method, self.conn.path, body if method == "POST" else b"")
+        )
+        self.proxied.add_done_callback(self._proxied)
+
+    def _proxied(self, task: asyncio.Task[Relayed]) -> None:
+        self.proxied = None
+        if task.cancelled() or self.conn.closed:
+            return
+        error = task.exception()
+        if isinstance(error, RunnerError):
+            self._abort(api.abort_status(error.code), error.code, error.detail)
+        elif error is not None:
+            raise error
+        else:
+            self._relay(task.result())
+            self.conn.exchange_ended()
 
     @property
     def at_door(self) -> bool:
@@ -789,6 +842,8 @@ class Exchange:
             self.key_timer.cancel()
             self.key_timer = None
             self.conn.credentials.turn_unused()
+        if self.proxied is not None:
+            self.proxied.cancel()
         if self.door_timer is not None:
             self.door_timer.cancel()
             self.door_timer = None
@@ -833,26 +888,49 @@ class Exchange:
 
     # execution.Replies -------------------------------------------------------------------
 
-    def send_delta(self, execution: Execution, text: str) -> None:
+    def send_delta(self, execution: Execution, piece: Token | Relay) -> None:
+        """A piece of the stream: a forwarded request's upstream event as it came, else the
+        token in OpenAI's shape."""
         answers = self.answers
         assert answers is not None
         self._stream()
-        self._send(h11.Data(data=answers.delta(text)))
+        if answers.call.forward is not None:
+            if piece.raw:
+                self._send(h11.Data(data=piece.raw))
+        elif isinstance(piece, Token):
+            self._send(h11.Data(data=answers.delta(piece)))
 
     def _stream(self) -> None:
-        """The stream's head (200, no length: chunked) and, for a chat, its role event."""
+        """The stream's head (200, no length: chunked) and its first events (a chat's role, a
+        completion's echo; a forwarded request's are the upstream's)."""
         answers = self.answers
         assert answers is not None
         if not self.streaming:
             self.streaming = True
             self._head(HTTPStatus.OK, (("cache-control", "no-cache"),), "text/event-stream", None)
-            if answers.call.chat:
-                self._send(h11.Data(data=answers.first()))
+            first = answers.first() if answers.call.forward is None else b""
+            if first:
+                self._send(h11.Data(data=first))
+
+    def _relay(self, relayed: Relayed) -> None:
+        """A forwarding runner's upstream answer, as it came: after the stream's events, the
+        rest of the stream; else the whole answer, its status and content type."""
+        if self.streaming:
+            self._send(h11.Data(data=relayed.body))
+            self._send(h11.EndOfMessage())
+            return
+        status = _status(relayed.status)
+        self._whole(status, relayed.body, content_type=relayed.content_type)
 
     def send_terminal(self, execution: Execution, ending: Ending) -> None:
         answers = self.answers
         assert answers is not None
         need_code, result = ending.need_code, ending.result or {}
+        if ending.relayed is not None:
+            if need_code is not None:
+                self.conn.state.metrics.aborts[need_code] += 1
+            self._relay(ending.relayed)
+            return
         if need_code is None:
             if answers.call.stream:
                 self._stream()
@@ -900,3 +978,11 @@ def _bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not credentials.strip():
         return None
     return credentials.strip()
+
+
+def _status(code: int) -> HTTPStatus:
+    """An upstream's status as h11 sends it (one this module does not know: 502)."""
+    try:
+        return HTTPStatus(code)
+    except ValueError:
+        return HTTPStatus.BAD_GATEWAY

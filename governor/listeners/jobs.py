@@ -42,6 +42,7 @@ from ..core.admission import (
 from ..core.ledger import DRAINING_HINT_MS, Refusal
 from ..core.tenants import Tenant
 from ..execution import Ending, Execution, Running
+from ..runners import Relay, Token
 from ..state import ServerState
 from .wire import Wire, yield_detail
 
@@ -299,11 +300,21 @@ class JobTable:
         assert final is not None
         return final
 
-    def send_delta(self, execution: Running, text: str) -> None:
+    def send_delta(self, execution: Running, piece: Token | Relay) -> None:
+        """The first sequence's text (with ``n`` above 1, the others' are in the result)."""
+        if not isinstance(piece, Token) or piece.index or piece.tool is not None:
+            return
         req = self._final(execution)
         # Small on purpose: no receipts on a stream frame.
         self.wire.send(
-            Reply(Verb.CLARIFY, req.job, final_seq(req), Status.OK, ttl_ms=req.ttl_ms, delta=text)
+            Reply(
+                Verb.CLARIFY,
+                req.job,
+                final_seq(req),
+                Status.OK,
+                ttl_ms=req.ttl_ms,
+                delta=piece.text,
+            )
         )
 
     def send_terminal(self, execution: Running, ending: Ending) -> None:

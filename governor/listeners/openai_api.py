@@ -26,8 +26,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import secrets
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -35,50 +36,77 @@ from typing import Any
 import orjson
 
 from protocol.codes import ErrorCode, NeedCode
-from protocol.spec import MAX_SEED
+from protocol.spec import (
+    GOVERNOR_FIELDS,
+    MAX_SEED,
+    Forward,
+    JobSpec,
+    forwarded_spec,
+    spec_from_object,
+)
 
 from ..core.admission import Attempt
+from ..runners import Token
 
 LANE_HEADER = "x-governor-lane"
-# Passed on to the job spec as they are (the governor's own parameters).
+# Passed on to the job spec as they are: the governor's own parameters, llama.cpp's sampling
+# parameters beyond OpenAI's, and OpenAI's whose values the spec checks.
 EXTRA_FIELDS = (
     "lane",
     "top_k",
     "min_p",
+    "repeat_penalty",
     "ignore_eos",
     "tool_risk",
     "ttft_slo_ms",
     "tpot_slo_ms",
+    "n",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
 )
-# Accepted whatever their value: they change nothing about the generation.
+# Accepted whatever their value: they change nothing about the generation. (There is at most
+# one tool call a choice: parallel_tool_calls asks for no more.)
 NO_EFFECT = frozenset(
-    {"model", "user", "metadata", "store", "service_tier", "stream_options", "prompt_cache_key"}
+    {
+        "model",
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "stream_options",
+        "prompt_cache_key",
+        "parallel_tool_calls",
+    }
 )
 # Accepted at these values (OpenAI's defaults, or what the governor does anyway); refused at
 # any other, since the answer would silently not honour them.
 DEFAULTS: Mapping[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
-    "logprobs": (False, None),
-    "top_logprobs": (0, None),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
+    "echo": (False,),  # (a chat's: a completion's is honoured)
+    "functions": ([],),  # (OpenAI's older form of tools)
     "function_call": ("none",),
-    "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "suffix": ("",),
     "modalities": (["text"],),
 }
 MAPPED = frozenset(
-    {"prompt", "messages", "max_tokens", "max_completion_tokens"}
+    {"prompt", "messages", "max_tokens", "max_completion_tokens", "logprobs"}
     | {"temperature", "top_p", "seed", "stop", "stream", *EXTRA_FIELDS}
 )
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+CHAT, COMPLETION, EMBEDDING = "chat", "completion", "embedding"
+# A forwarded request's fields that may carry its text (their strings make its size).
+TEXT_FIELDS = ("messages", "prompt", "input", "tools", "functions", "suffix")
 # A request's own wait budget at the door, in whole milliseconds (0: refuse it at once); the
 # server's http_max_wait bounds it.
 MAX_WAIT_HEADER = "x-governor-max-wait-ms"
@@ -139,27 +167,51 @@ def bad_request(
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """A request for a job: the job spec it maps to, and how the answer is to be shaped."""
+    """A request for a job: the job spec it maps to (``fields``, or ``forward`` for a runner
+    that forwards requests as they came), and how the answer is to be shaped."""
 
-    chat: bool
+    kind: str  # CHAT, COMPLETION or EMBEDDING
     fields: dict[str, Any]  # a governor job spec's (protocol.spec) fields, checked at the intake
     stream: bool
     include_usage: bool
+    forward: Forward | None = None
+    echo: str = ""  # a completion's prompt, before each choice's text (``echo``)
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == CHAT
+
+    def spec(self, max_new_tokens_ceiling: int) -> JobSpec:
+        """The job spec, checked against the runner's ceiling; raises ``SpecInvalid``."""
+        if self.forward is not None:
+            return forwarded_spec(
+                self.forward,
+                self.fields,
+                n=self.fields.get("n", 1),
+                max_new_tokens_ceiling=max_new_tokens_ceiling,
+            )
+        return spec_from_object(dict(self.fields), max_new_tokens_ceiling=max_new_tokens_ceiling)
 
 
-def parse_call(body: bytes, *, chat: bool, lane_header: str | None) -> Call:
-    """The job a ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions`` body asks for;
-    raises :class:`ApiError` (400). What the runner checks (ranges, the prompt's length) it
-    checks when it prepares the spec."""
+def parse_call(
+    body: bytes, *, kind: str, lane_header: str | None, path: str = "", forwards: bool = False
+) -> Call:
+    """The job a ``/v1/completions``, ``/v1/chat/completions`` (or, forwarded,
+    ``/v1/embeddings``) body asks for; raises :class:`ApiError` (400). What the runner checks
+    (ranges, the prompt's length) it checks when it prepares the spec. ``forwards``: the
+    runner forwards the request to ``path`` upstream as it came (:func:`parse_forward`)."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     if type(obj) is not dict:
         raise bad_request("the body must be a JSON object")
-    _check_supported(obj)
+    if forwards:
+        return parse_forward(obj, body, kind=kind, path=path, lane_header=lane_header)
+    _check_supported(obj, kind)
     spec: dict[str, Any] = {}
-    if chat:
+    echo = ""
+    if kind == CHAT:
         if "prompt" in obj:
             raise bad_request("a chat completion takes 'messages', not 'prompt'", "prompt")
         spec["messages"] = _messages(obj.get("messages"))
@@ -167,30 +219,123 @@ def parse_call(body: bytes, *, chat: bool, lane_header: str | None) -> Call:
         if "messages" in obj:
             raise bad_request("a completion takes 'prompt', not 'messages'", "messages")
         spec["prompt"] = _prompt(obj.get("prompt"))
+        echo = _echo(obj, spec["prompt"])
     _sampling(obj, spec)
     stream, include_usage = _streaming(obj)
     for name in EXTRA_FIELDS:
         if obj.get(name) is not None:
             spec[name] = obj[name]
+    _logprobs(obj, spec, kind)
     if "lane" not in spec and lane_header:
         spec["lane"] = lane_header
     spec["stream"] = stream
-    return Call(chat, spec, stream, include_usage)
+    return Call(kind, spec, stream, include_usage, echo=echo)
 
 
-def _check_supported(obj: dict[str, Any]) -> None:
+def parse_forward(
+    obj: dict[str, Any], body: bytes, *, kind: str, path: str, lane_header: str | None
+) -> Call:
+    """A request for a runner that forwards it: only what admission needs is read (its
+    length, ``n``, ``stream``, its text's size, the governor's own fields); every other field
+    is the upstream's, passed on as it came, and so is the body when it has none of the
+    governor's fields."""
+    governor = {name: obj[name] for name in GOVERNOR_FIELDS if obj.get(name) is not None}
+    if "lane" not in governor and lane_header:
+        governor["lane"] = lane_header
+    asked, length_field = None, "" if kind == EMBEDDING else "max_tokens"
+    if kind != EMBEDDING:
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = obj.get(name)
+            if value is not None:
+                if type(value) is not int:
+                    raise bad_request(f"{name!r} must be an integer", name)
+                asked, length_field = value, name
+                break
+    n = obj.get("n", 1)
+    if n is None:
+        n = 1
+    if type(n) is not int:
+        raise bad_request("'n' must be an integer", "n")
+    stream, include_usage = _streaming(obj)
+    upstream_fields = None
+    if governor.keys() & obj.keys():
+        upstream_fields = {k: v for k, v in obj.items() if k not in GOVERNOR_FIELDS}
+    forward = Forward(
+        path=path,
+        body=body,
+        fields=upstream_fields,
+        chars=text_chars([obj.get(name) for name in TEXT_FIELDS]),
+        stream=stream,
+        asked=asked,
+        length_field=length_field,
+    )
+    return Call(kind, {**governor, "n": n}, stream, include_usage, forward)
+
+
+def text_chars(values: list[Any]) -> int:
+    """The characters of the strings in ``values`` (lists and objects walked; a token id in a
+    list of them counts as four: one token)."""
+    total, stack = 0, list(values)
+    while stack:
+        item = stack.pop()
+        if type(item) is str:
+            total += len(item)
+        elif type(item) is int:
+            total += 4
+        elif type(item) is dict:
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+    return total
+
+
+def _check_supported(obj: dict[str, Any], kind: str) -> None:
     """Refuse a field the governor does not map, unless it is unset or at the only value it
-    serves (``n`` 1, say)."""
+    serves (``best_of`` 1, say)."""
     for name, value in obj.items():
         if name in MAPPED or name in NO_EFFECT or value is None:
+            continue
+        if name == "echo" and kind == COMPLETION:
             continue
         allowed = DEFAULTS.get(name)
         if allowed is None:
             raise bad_request(f"the governor does not support {name!r}", name)
         if not any(type(value) is type(a) and value == a for a in allowed):
+            hint = "; use 'tools'" if name in ("functions", "function_call") else ""
             raise bad_request(
-                f"the governor supports {name!r} only as {' or '.join(map(_json, allowed))}", name
+                f"the governor supports {name!r} only as {' or '.join(map(_json, allowed))}{hint}",
+                name,
             )
+
+
+def _echo(obj: dict[str, Any], prompt: str) -> str:
+    """A completion's ``echo``: the prompt to put before the text ("" without it)."""
+    echo = obj.get("echo")
+    if echo is None or echo is False:
+        return ""
+    if echo is not True:
+        raise bad_request("'echo' must be true or false", "echo")
+    if obj.get("logprobs") is not None:
+        raise bad_request(
+            "'echo' with 'logprobs' would need the prompt's log probabilities, which the "
+            "governor does not compute: ask for one of them",
+            "echo",
+        )
+    return prompt
+
+
+def _logprobs(obj: dict[str, Any], spec: dict[str, Any], kind: str) -> None:
+    """``logprobs`` into ``spec``: a chat's is true or false (its alternatives in
+    ``top_logprobs``), a completion's the number of alternatives, 0 to 5."""
+    value = obj.get("logprobs")
+    if value is None:
+        return
+    if kind == CHAT:
+        spec["logprobs"] = value  # (the spec checks it is a boolean)
+        return
+    if type(value) is not int or not 0 <= value <= 5:
+        raise bad_request("a completion's 'logprobs' must be an integer from 0 to 5", "logprobs")
+    spec["logprobs"], spec["top_logprobs"] = True, value
 
 
 def _sampling(obj: dict[str, Any], spec: dict[str, Any]) -> None:
@@ -258,9 +403,14 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         role = m.get("role")
         if type(role) is not str or role not in ROLES:
             raise bad_request(
-                "a message's role must be system, developer, user or assistant", "messages"
+                "a message's role must be system, developer, user, assistant or tool", "messages"
             )
-        out.append({"role": ROLES[role], "content": _content(m.get("content"))})
+        content = m.get("content")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        text = "" if content is None and calls else _content(content)
+        if calls:  # (the calls it made, as the model would have written them)
+            text += _json(calls)
+        out.append({"role": ROLES[role], "content": text})
     return out
 
 
@@ -289,56 +439,140 @@ def usage(result: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-def finish_reason(result: Mapping[str, Any]) -> str:
-    return "length" if result.get("finish_reason") == "length" else "stop"
+def finish_reason(choice: Mapping[str, Any]) -> str:
+    reason = choice.get("finish_reason")
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
-@dataclass(frozen=True, slots=True)
+def choices(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A result's choices: its ``choices`` (``n`` above 1, logprobs, tools), else the one its
+    ``text`` and ``finish_reason`` make."""
+    listed = result.get("choices")
+    if isinstance(listed, list) and listed:
+        return listed
+    return [{"index": 0, "text": result.get("text"), "finish_reason": result.get("finish_reason")}]
+
+
+def legacy_logprobs(entries: Sequence[Mapping[str, Any]], offset: int) -> dict[str, Any]:
+    """Chat-shaped log probabilities in the completions API's shape, the text's first
+    character at ``offset``."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 class Answers:
-    """One job's answer, whole or as server-sent events, in OpenAI's objects."""
+    """One job's answer, whole or as server-sent events, in OpenAI's objects (a stream keeps
+    what it has said of each choice: its tool call's id, its text's length)."""
 
-    call: Call
-    id: str
-    created: int
-    model: str
+    __slots__ = ("_calls", "_sent", "call", "created", "id", "model")
+
+    def __init__(self, call: Call, id: str, created: int, model: str) -> None:
+        self.call = call
+        self.id = id
+        self.created = created
+        self.model = model
+        self._calls: dict[int, str] = {}  # a choice's streamed tool call: its id
+        self._sent: dict[int, int] = {}  # a completion choice's characters streamed
+
+    @property
+    def n(self) -> int:
+        n = self.call.fields.get("n", 1)
+        return n if isinstance(n, int) else 1
 
     def whole(self, result: Mapping[str, Any]) -> bytes:
-        text = result.get("text")
-        text = text if isinstance(text, str) else ""
-        choice: dict[str, Any] = {
-            "index": 0,
-            "logprobs": None,
-            "finish_reason": finish_reason(result),
-        }
-        if self.call.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        rendered = [self._whole_choice(i, c) for i, c in enumerate(choices(result))]
         return orjson.dumps(
             {
                 **self._head("chat.completion" if self.call.chat else "text_completion"),
-                "choices": [choice],
+                "choices": rendered,
                 "usage": usage(result),
             }
         )
 
-    def first(self) -> bytes:
-        """A chat stream's first event: the assistant's role (completions have none)."""
-        return self._event(self._choice({"role": "assistant", "content": ""}, None))
+    def _whole_choice(self, index: int, choice: Mapping[str, Any]) -> dict[str, Any]:
+        text = choice.get("text")
+        text = text if isinstance(text, str) else ""
+        entries = choice.get("logprobs")
+        out: dict[str, Any] = {"index": choice.get("index", index)}
+        if self.call.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if choice.get("tool_calls"):
+                message.update(content=text or None, tool_calls=choice["tool_calls"])
+            out["message"] = message
+            out["logprobs"] = None if entries is None else {"content": entries, "refusal": None}
+        else:
+            echo = self.call.echo
+            out["text"] = echo + text
+            out["logprobs"] = None if entries is None else legacy_logprobs(entries, len(echo))
+        out["finish_reason"] = finish_reason(choice)
+        return out
 
-    def delta(self, text: str) -> bytes:
-        return self._event(self._choice(text, None))
+    def first(self) -> bytes:
+        """A stream's first events: a chat's role, a completion's echoed prompt, for each
+        choice (a completion without ``echo`` has none)."""
+        if self.call.chat:
+            delta = {"role": "assistant", "content": ""}
+            return b"".join(self._event(self._choice(i, delta, None)) for i in range(self.n))
+        if not self.call.echo:
+            return b""
+        return b"".join(self._text(i, self.call.echo, None) for i in range(self.n))
+
+    def delta(self, token: Token) -> bytes:
+        index = token.index
+        entries = list(token.logprobs) if token.logprobs else None
+        if not self.call.chat:
+            return self._text(index, token.text, entries)
+        delta: dict[str, Any]
+        if token.tool is not None:
+            function: dict[str, Any] = {"arguments": token.text}
+            call: dict[str, Any] = {"index": 0, "function": function}
+            if index not in self._calls:
+                self._calls[index] = f"call_{secrets.token_hex(12)}"
+                call.update(id=self._calls[index], type="function")
+                function["name"] = token.tool
+            delta = {"tool_calls": [call]}
+        else:
+            delta = {"content": token.text}
+        logprobs = None if entries is None else {"content": entries, "refusal": None}
+        return self._event(self._choice(index, delta, None, logprobs))
+
+    def _text(self, index: int, text: str, entries: list[dict[str, Any]] | None) -> bytes:
+        """A completion's piece of text (its log probabilities' offsets from the choice's
+        start)."""
+        sent = self._sent.get(index, 0)
+        self._sent[index] = sent + len(text)
+        logprobs = None if entries is None else legacy_logprobs(entries, sent)
+        return self._event(self._choice(index, text, None, logprobs))
 
     def last(self, result: Mapping[str, Any]) -> bytes:
-        """The finish reason; then the usage (asked for with ``include_usage``); then
-        ``[DONE]``."""
-        events = self._event(self._choice({} if self.call.chat else "", finish_reason(result)))
+        """Each choice's finish reason; then the usage (asked for with ``include_usage``);
+        then ``[DONE]``."""
+        events = b"".join(
+            self._event(
+                self._choice(c.get("index", i), {} if self.call.chat else "", finish_reason(c))
+            )
+            for i, c in enumerate(choices(result))
+        )
         if self.call.include_usage:
             events += self._event({"choices": [], "usage": usage(result)})
         return events + b"data: [DONE]\n\n"
 
-    def _choice(self, delta: dict[str, str] | str, finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    def _choice(
+        self,
+        index: int,
+        delta: dict[str, Any] | str,
+        finish: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if self.call.chat:
             choice["delta"] = delta if isinstance(delta, dict) else {"content": delta}
         else:
@@ -408,6 +642,19 @@ def refusal(need_code: str, error_code: str, retry_hint_ms: int) -> ApiError:
     return ApiError(
         yield_status(error_code), need_code, message, headers=retry_headers(retry_hint_ms)
     )
+
+
+def not_found(path: str, forwards: bool) -> ApiError:
+    paths = "/v1/completions, /v1/chat/completions, /v1/models or /health"
+    if forwards:
+        paths = "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize or /health"
+    elif path == "/v1/embeddings":
+        return ApiError(
+            HTTPStatus.NOT_FOUND,
+            "not_found",
+            "this runner serves no embeddings: the http runner passes them to its upstream",
+        )
+    return ApiError(HTTPStatus.NOT_FOUND, "not_found", f"no such path: try {paths}")
 
 
 def not_allowed(allow: str) -> ApiError:

@@ -3,8 +3,11 @@
 from .base import (
     Fed,
     Finished,
+    Forwarding,
     Job,
     KvCacheRunner,
+    Relay,
+    Relayed,
     RunEvent,
     Runner,
     RunnerConfigError,
@@ -18,8 +21,11 @@ from .stub import StubRunner
 __all__ = [
     "Fed",
     "Finished",
+    "Forwarding",
     "Job",
     "KvCacheRunner",
+    "Relay",
+    "Relayed",
     "RunEvent",
     "Runner",
     "RunnerConfigError",

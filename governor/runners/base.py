@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from protocol.codes import NeedCode
-from protocol.spec import JobSpec, check_ceiling, parse_spec
+from protocol.spec import JobSpec, SpecInvalid, check_ceiling, parse_spec
 
 from ..core.kvbudget import CacheShape
 
@@ -53,10 +53,38 @@ class Job:
 @dataclass(frozen=True, slots=True)
 class Token:
     """Partial output; ``generated``: the job's output tokens so far, where the runner counts
-    them (admission predicts a running job's end from its pace)."""
+    them (admission predicts a running job's end from its pace).
+
+    ``index``: the sequence (OpenAI's choice) it belongs to, of the spec's ``n``.
+    ``logprobs``: with the spec's ``logprobs``, one entry per token in ``text``, in OpenAI's
+    chat shape: ``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+    "bytes"}]}``. ``tool``: the text is (part of) the arguments of a call to this function.
+    ``raw``: a forwarding runner's upstream event, to pass to the client as it came."""
 
     text: str
     generated: int | None = None
+    index: int = 0
+    logprobs: tuple[dict[str, Any], ...] = ()
+    tool: str | None = None
+    raw: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """A forwarding runner's upstream event that carries no generated token (a stream's role,
+    its finish, its usage), to pass to a streaming client as it came."""
+
+    raw: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """A forwarding runner's upstream answer, for the client as it came: its status, content
+    type and body (after a stream's events: what is left of it, ``data: [DONE]``)."""
+
+    status: int
+    content_type: str
+    body: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +97,17 @@ class Fed:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The job's end; ``result`` goes into the terminal ``confirm done`` frame."""
+    """The job's end; ``result`` goes into the terminal ``confirm done`` frame. With the
+    spec's ``n`` above 1, ``logprobs`` or ``tools``, ``result["choices"]`` holds each
+    sequence's ``{"index", "text", "finish_reason", "logprobs"?, "tool_calls"?}`` (its
+    ``text`` and ``finish_reason`` are the first's). ``relayed``: a forwarding runner's
+    upstream answer."""
 
     result: Mapping[str, Any] = field(default_factory=dict)
+    relayed: Relayed | None = None
 
 
-RunEvent = Token | Fed | Finished
+RunEvent = Token | Fed | Relay | Finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +130,19 @@ class RunnerConfigError(RunnerStartError):
 
 
 class RunnerError(Exception):
-    """A job failed in the backend. ``code`` is the ``need_code`` of its ``confirm abort``."""
+    """A job failed in the backend. ``code`` is the ``need_code`` of its ``confirm abort``;
+    ``relayed``, a forwarding runner's upstream answer to pass on as it came."""
 
-    def __init__(self, detail: str, code: NeedCode = NeedCode.BACKEND_ERROR) -> None:
+    def __init__(
+        self,
+        detail: str,
+        code: NeedCode = NeedCode.BACKEND_ERROR,
+        relayed: Relayed | None = None,
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
         self.code = code
+        self.relayed = relayed
 
 
 class Runner(Protocol):
@@ -144,6 +184,17 @@ class Runner(Protocol):
 
 
 @runtime_checkable
+class Forwarding(Protocol):
+    """A runner that OpenAI requests go to as they came (:attr:`JobSpec.forward`), not as job
+    specs: the http runner, a sidecar that leaves what it does not read to its upstream."""
+
+    async def relay(self, method: str, path: str, body: bytes) -> Relayed:
+        """The upstream's answer to a request that takes no slot (its models, its tokenizer);
+        raises :class:`RunnerError` when none comes."""
+        ...
+
+
+@runtime_checkable
 class KvCacheRunner(Protocol):
     """A runner with KV caches of its own (the batched llama runner, one per worker):
     admission reserves each job's cells in one of them, and tells the runner which
@@ -165,7 +216,10 @@ def probe_job(runner: Runner) -> Job:
 
 def spec_or_prompt(spec: JobSpec | None, payload: bytes, max_new_tokens: int) -> JobSpec:
     """What a runner that generates text runs: the job's spec, within its ceiling; for a
-    payload that is not a JSON job spec, its UTF-8 text as the prompt."""
+    payload that is not a JSON job spec, its UTF-8 text as the prompt. A request that came to
+    be forwarded as it is (a sidecar's, :attr:`JobSpec.forward`) is no job spec: refused."""
     if spec is not None:
+        if spec.forward is not None:
+            raise SpecInvalid(NeedCode.SPEC_INVALID, "this request is for the upstream server only")
         return check_ceiling(spec, max_new_tokens)
     return parse_spec(payload, "text/plain", max_new_tokens_ceiling=max_new_tokens)

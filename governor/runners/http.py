@@ -28,11 +28,13 @@ import httpx
 import orjson
 
 from protocol.codes import NeedCode
-from protocol.spec import JobSpec
+from protocol.spec import JobSpec, check_ceiling
 
 from .base import (
     Finished,
     Job,
+    Relay,
+    Relayed,
     RunEvent,
     RunnerError,
     RunnerHealth,
@@ -43,6 +45,9 @@ from .base import (
 )
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
+JSON = "application/json"
+SSE = "text/event-stream"
+JSON_HEADERS = {"content-type": JSON}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,11 +111,6 @@ class HttpRunner:
     def max_new_tokens(self) -> int:
         return self.settings.max_new_tokens
 
-    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
-        # No tokenizer here: a prompt too long for the upstream's context is its error to give.
-        spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
-        return Job(job_id, payload, spec=spec, stop=spec.stop)
-
     def _request(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
         """The upstream's path and body for ``spec``: a chat or a completion, streamed."""
         body: dict[str, Any] = {
@@ -141,10 +141,56 @@ class HttpRunner:
             body["ignore_eos"] = True
         return path, body
 
+    def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
+        if spec is not None and spec.forward is not None:
+            return Job(job_id, payload, spec=check_ceiling(spec, self.settings.max_new_tokens))
+        # No tokenizer here: a prompt too long for the upstream's context is its error to give.
+        spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
+        return Job(job_id, payload, spec=spec, stop=spec.stop)
+
+    def forwarded_body(self, spec: JobSpec) -> bytes:
+        """What goes upstream for a forwarded request: its body as it came, unless the
+        governor's own fields are to come out of it, the upstream's model name in (with
+        ``upstream_model``), or its length bounded (none asked for: the ceiling; the
+        degraded state's lower cap)."""
+        forward = spec.forward
+        assert forward is not None
+        fields = forward.fields
+        model = self.settings.model
+        bound = forward.length_field and spec.max_new_tokens != forward.asked
+        if fields is None and model is None and not bound:
+            return forward.body
+        if fields is None:
+            fields = orjson.loads(forward.body)
+        fields = dict(fields)
+        if model is not None:
+            fields["model"] = model
+        if bound:
+            fields[forward.length_field] = spec.max_new_tokens
+        return orjson.dumps(fields)
+
+    async def relay(self, method: str, path: str, body: bytes) -> Relayed:
+        """The upstream's answer to a request that takes no slot, as it came."""
+        assert self._client is not None
+        try:
+            response = await self._client.request(
+                method, path, content=body or None, headers=JSON_HEADERS if body else None
+            )
+        except httpx.TimeoutException:
+            raise self._timeout() from None
+        except httpx.HTTPError as exc:
+            raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
+        return _relayed(response, response.content)
+
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         spec = job.spec
         assert spec is not None
         assert self._client is not None
+        if spec.forward is not None:
+            async with contextlib.aclosing(self._forward(spec)) as events:
+                async for event in events:
+                    yield event
+            return
         path, body = self._request(spec)
         parts: list[str] = []
         usage: dict[str, Any] | None = None
@@ -168,10 +214,7 @@ class HttpRunner:
                             parts.append(text)
                             yield Token(text)
         except httpx.TimeoutException:
-            raise RunnerError(
-                f"the upstream sent nothing for {self.settings.timeout_s:g} s",
-                NeedCode.UPSTREAM_TIMEOUT,
-            ) from None
+            raise self._timeout() from None
         except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError) as exc:
             raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
         # (ttft_ms and tpot_ms are the governor's, measured from admission.)
@@ -182,6 +225,103 @@ class HttpRunner:
                 "finish_reason": FINISH_REASONS.get(finish or "", finish),
             }
         )
+
+    def _timeout(self) -> RunnerError:
+        return RunnerError(
+            f"the upstream sent nothing for {self.settings.timeout_s:g} s",
+            NeedCode.UPSTREAM_TIMEOUT,
+        )
+
+    async def _forward(self, spec: JobSpec) -> AsyncGenerator[RunEvent, None]:
+        """A forwarded request: its body to the upstream, the upstream's answer back as it
+        came. A stream's events are relayed one by one (those with generated text or tool
+        calls as tokens, timed); its 4xx is the request's fault (``upstream_rejected``, the
+        answer passed on, no failure of the backend), a 5xx the upstream's."""
+        forward = spec.forward
+        assert forward is not None
+        assert self._client is not None
+        body = self.forwarded_body(spec)
+        try:
+            async with self._client.stream(
+                "POST", forward.path, content=body, headers=JSON_HEADERS
+            ) as response:
+                if response.status_code >= 300 or not forward.stream:
+                    whole = await response.aread()
+                    relayed = _relayed(response, whole)
+                    if response.status_code >= 300:
+                        raise _refused(relayed)
+                    yield Finished(whole_counts(whole), relayed)
+                    return
+                counts = StreamCounts()
+                async for raw, event in sse_raw(response):
+                    token = counts.add(event)
+                    yield (
+                        Token(token, counts.generated, raw=raw) if token is not None else Relay(raw)
+                    )
+                yield Finished(counts.result(), Relayed(200, SSE, b"data: [DONE]\n\n"))
+        except httpx.TimeoutException:
+            raise self._timeout() from None
+        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+            raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
+
+
+def _relayed(response: httpx.Response, body: bytes) -> Relayed:
+    return Relayed(response.status_code, response.headers.get("content-type", JSON), body)
+
+
+def _refused(relayed: Relayed) -> RunnerError:
+    """An upstream's answer other than 2xx: the request's fault (4xx: passed on as it came,
+    ``upstream_rejected``), or the upstream's (a failure of the backend: ``upstream_error``)."""
+    detail = relayed.body[:300].decode(errors="replace")
+    message = f"the upstream answered {relayed.status}: {detail}"
+    if 400 <= relayed.status < 500:
+        return RunnerError(message, NeedCode.UPSTREAM_REJECTED, relayed)
+    return RunnerError(message, NeedCode.UPSTREAM_ERROR)
+
+
+class StreamCounts:
+    """What a forwarded stream's events say of the job: its generated pieces (content, text or
+    tool calls, any choice), its finish, the upstream's usage where it sends one."""
+
+    def __init__(self) -> None:
+        self.generated = 0
+        self.usage: Any = None
+        self.finish: str | None = None
+
+    def add(self, event: Any) -> str | None:
+        """The event's generated text ("" for tool calls alone), or None: it has none."""
+        if type(event) is not dict:
+            return None
+        self.usage = event.get("usage") or self.usage
+        text = None
+        for choice in event.get("choices") or ():
+            if type(choice) is not dict:
+                continue
+            self.finish = choice.get("finish_reason") or self.finish
+            delta = choice.get("delta")
+            delta = delta if type(delta) is dict else {}
+            piece = choice.get("text") or delta.get("content") or delta.get("reasoning_content")
+            if piece or delta.get("tool_calls"):
+                text = (text or "") + (piece if type(piece) is str else "")
+        if text is not None:
+            self.generated += 1
+        return text
+
+    def result(self) -> dict[str, Any]:
+        return {**token_counts(self.usage, self.generated), "finish_reason": self.finish}
+
+
+def whole_counts(body: bytes) -> dict[str, Any]:
+    """A forwarded whole answer's counts, from its ``usage`` (none: null)."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        answer = None
+    usage = answer.get("usage") if type(answer) is dict else None
+    counts = token_counts(usage, 0)
+    if counts["counted"] != "usage":
+        counts["completion_tokens"] = None
+    return counts
 
 
 def token_counts(usage: Any, chunks: int) -> dict[str, Any]:
@@ -205,10 +345,26 @@ def _count(value: Any) -> bool:
 async def sse_events(response: httpx.Response) -> AsyncIterator[Any]:
     """The JSON of each ``data:`` event of an OpenAI-style stream, up to ``data: [DONE]``
     (``orjson.JSONDecodeError`` for one that is not JSON)."""
+    async for _, event in sse_raw(response):
+        yield event
+
+
+async def sse_raw(response: httpx.Response) -> AsyncIterator[tuple[bytes, Any]]:
+    """Each event of an OpenAI-style stream up to ``data: [DONE]``: its bytes, to pass on as
+    they came, and its ``data:`` decoded (None for an event with no data, a comment, say;
+    ``orjson.JSONDecodeError`` for data that is not JSON)."""
+    lines: list[str] = []
+    data: list[str] = []
     async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+        if line:
+            lines.append(line)
+            if line.startswith("data:"):
+                data.append(line[5:].strip())
             continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+        if not lines:
+            continue
+        if data == ["[DONE]"]:
             return
-        yield orjson.loads(data)
+        raw = ("\n".join(lines) + "\n\n").encode()
+        yield raw, orjson.loads("\n".join(data)) if data else None
+        lines, data = [], []

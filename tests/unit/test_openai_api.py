@@ -19,13 +19,18 @@ from governor.core.admission import Attempt
 from governor.core.ledger import DRAINING_HINT_MS
 from governor.core.tenants import TenantConfig, Tenants
 from governor.listeners import openai_api as api
+from governor.runners import Token
 from protocol.codes import ErrorCode, NeedCode
-from protocol.spec import SpecInvalid, spec_from_object
+from protocol.spec import SpecInvalid
 
 
 def spec_of(body: dict[str, Any], *, chat: bool = True, lane: str | None = None) -> dict[str, Any]:
-    call = api.parse_call(orjson.dumps(body), chat=chat, lane_header=lane)
+    call = api.parse_call(orjson.dumps(body), kind=kind_of(chat), lane_header=lane)
     return call.fields
+
+
+def kind_of(chat: bool) -> str:
+    return api.CHAT if chat else api.COMPLETION
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -85,13 +90,11 @@ def test_roles_content_parts_and_the_lane() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        (chat(n=2), "n"),
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (chat(logprobs=True), "logprobs"),
-        (chat(frequency_penalty=0.5), "frequency_penalty"),
-        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(best_of=2), "best_of"),
+        (chat(functions=[{"name": "f"}]), "functions"),
+        (chat(echo=True), "echo"),
         (chat(surprise=1), "surprise"),
-        (chat(messages=[{"role": "tool", "content": "x"}]), "messages"),
+        (chat(messages=[{"role": "function", "content": "x"}]), "messages"),
         (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
         (chat(messages=[]), "messages"),
         (chat(max_tokens="7"), "max_tokens"),
@@ -121,7 +124,7 @@ def test_defaults_that_change_nothing_are_accepted() -> None:
 
 def test_include_usage_only_with_a_stream() -> None:
     def call(**fields: Any) -> api.Call:
-        return api.parse_call(orjson.dumps(chat(**fields)), chat=True, lane_header=None)
+        return api.parse_call(orjson.dumps(chat(**fields)), kind=api.CHAT, lane_header=None)
 
     assert call(stream=True, stream_options={"include_usage": True}).include_usage
     assert not call(stream=False, stream_options={"include_usage": True}).include_usage
@@ -152,14 +155,14 @@ def test_any_body_is_a_job_spec_or_a_400(body: dict[str, Any], is_chat: bool, no
     for raw in (orjson.dumps(body), noise):
         refused: api.ApiError | None = None
         try:
-            call = api.parse_call(raw, chat=is_chat, lane_header=None)
+            call = api.parse_call(raw, kind=kind_of(is_chat), lane_header=None)
         except api.ApiError as exc:
             refused = exc
         if refused is not None:
             assert (refused.status, refused.code) == (HTTPStatus.BAD_REQUEST, "spec_invalid")
             continue
         try:
-            spec = spec_from_object(call.fields, max_new_tokens_ceiling=64)
+            spec = call.spec(64)
         except SpecInvalid:
             continue
         assert spec.stream == call.stream
@@ -193,7 +196,9 @@ RESULT = {
 
 
 def answers(*, chat: bool, stream: bool, include_usage: bool = False) -> api.Answers:
-    return api.Answers(api.Call(chat, {}, stream, include_usage), "id-1", 1700000000, "smol")
+    return api.Answers(
+        api.Call(kind_of(chat), {}, stream, include_usage), "id-1", 1700000000, "smol"
+    )
 
 
 def events(data: bytes) -> list[Any]:
@@ -221,7 +226,7 @@ def test_a_stream_is_what_the_sdk_parses() -> None:
     a = answers(chat=True, stream=True, include_usage=True)
     chunks = [
         ChatCompletionChunk.model_validate(e)
-        for e in events(a.first() + a.delta("Hel") + a.delta("lo") + a.last(RESULT))
+        for e in events(a.first() + a.delta(Token("Hel")) + a.delta(Token("lo")) + a.last(RESULT))
     ]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
@@ -230,7 +235,9 @@ def test_a_stream_is_what_the_sdk_parses() -> None:
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 3
     plain = answers(chat=False, stream=True)
-    texts = events(plain.delta("Hi") + plain.last(RESULT))  # (the SDK reads them unvalidated)
+    texts = events(
+        plain.delta(Token("Hi")) + plain.last(RESULT)
+    )  # (the SDK reads them unvalidated)
     assert [t["choices"][0]["text"] for t in texts] == ["Hi", ""]
     assert [t["choices"][0]["finish_reason"] for t in texts] == [None, "length"]
     assert {t["object"] for t in texts} == {"text_completion"}

@@ -19,7 +19,7 @@ from governor.execution import Ending
 from governor.intake import JobAdmitted
 from governor.listeners.session import Session
 from governor.listeners.wire import yield_detail
-from governor.runners import StubRunner
+from governor.runners import StubRunner, Token
 from governor.server import build_breaker
 from governor.state import ServerState
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
@@ -127,7 +127,7 @@ def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_start
     (pong,) = client.send(b"")
     assert (pong.job, pong.seq, pong.status) == ("P_1", 8, Status.OK)
 
-    client.session.table.send_delta(started, "stub ")
+    client.session.table.send_delta(started, Token("stub "))
     client.session.table.send_terminal(started, Ending(result={"ok": 1}))
     delta, done = client.replies()
     assert (delta.status, delta.seq, delta.delta) == (Status.OK, 4, "stub ")  # final chunk + 2
