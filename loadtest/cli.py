@@ -35,6 +35,7 @@ from .commands import (
     rate,
     replay,
     sdk_bench,
+    sidecar,
     soak,
     tls_cost,
 )
@@ -72,6 +73,7 @@ REGISTERED: tuple[Command, ...] = (
     fleet_bench,
     fleet_faults,
     sdk_bench,
+    sidecar,
     guidellm_bench,
     door_refusal,
 )

@@ -105,6 +105,7 @@ ROLES = {
     "tool": "tool",
 }
 CHAT, COMPLETION, EMBEDDING = "chat", "completion", "embedding"
+CHAT_ONLY = frozenset({"tools", "tool_choice", "top_logprobs"})
 # A forwarded request's fields that may carry its text (their strings make its size).
 TEXT_FIELDS = ("messages", "prompt", "input", "tools", "functions", "suffix")
 # A request's own wait budget at the door, in whole milliseconds (0: refuse it at once); the
@@ -293,9 +294,11 @@ def _check_supported(obj: dict[str, Any], kind: str) -> None:
     """Refuse a field the governor does not map, unless it is unset or at the only value it
     serves (``best_of`` 1, say)."""
     for name, value in obj.items():
-        if name in MAPPED or name in NO_EFFECT or value is None:
+        if value is None:
             continue
-        if name == "echo" and kind == COMPLETION:
+        if name in CHAT_ONLY and kind != CHAT:
+            raise bad_request(f"{name!r} is for chat completions", name)
+        if name in MAPPED or name in NO_EFFECT or (name == "echo" and kind == COMPLETION):
             continue
         allowed = DEFAULTS.get(name)
         if allowed is None:

@@ -112,7 +112,7 @@ class Spec:
         else:
             obj["prompt"] = self.prompt
         if self.fault == "unsupported":
-            obj["n"] = 2  # (refused by the mapping: 400 before admission)
+            obj["best_of"] = 2  # (refused by the mapping: 400 before admission)
         if self.fault == "bad_spec":
             obj["max_tokens"] = 10 * MAX_NEW_TOKENS  # (refused by the runner: 400 at admission)
         return orjson.dumps(obj)

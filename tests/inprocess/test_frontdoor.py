@@ -311,7 +311,8 @@ async def test_the_bearer_key_is_the_tenant(make_server: ServerFactory, sdk: Sdk
 @pytest.mark.parametrize(
     ("fields", "code", "param"),
     [
-        ({"n": 3}, "spec_invalid", "n"),
+        ({"n": 17}, "spec_invalid", None),
+        ({"extra_body": {"best_of": 3}}, "spec_invalid", "best_of"),
         ({"max_tokens": 10**6}, "max_new_tokens_invalid", None),
         ({"temperature": 5}, "spec_invalid", None),
         ({"extra_body": {"lane": "nowhere"}}, "spec_invalid", None),

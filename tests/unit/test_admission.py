@@ -395,3 +395,26 @@ def test_an_admitted_job_carries_its_objectives_to_the_runner(clock: FakeClock) 
     )
     assert heavy.objectives == Objectives(60000.0, 40.0)
     assert (heavy.job.tpot_ms, heavy.job.stall, heavy.job.priority) == (40.0, 0.0, 1)
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_n_sequences_cost_n_times_the_output(lanes: bool) -> None:
+    """A job's n sequences each may generate max_new_tokens: its tokens, its KV demand and its
+    size for the lane policy count them all (the prompt once: they share it)."""
+    clock = FakeClock()
+    costs = []
+    for n in (1, 2):
+        admission = make(clock, lanes=lanes)
+        decision = admission.decide(attempt(admission, max_new_tokens=40, n=n))
+        assert isinstance(decision, Admitted)
+        ticket = decision.ticket
+        assert ticket.slot.size is not None
+        demand = ticket.slot.demand
+        kv = demand.kv_tokens if demand is not None else 0
+        costs.append((ticket.tokens, ticket.slot.size.max_new_tokens, kv))
+        ticket.release("done")
+    prompt = costs[0][0] - 40
+    assert costs[1][0] == prompt + 2 * 40
+    assert costs[1][1] == 2 * costs[0][1]
+    if lanes:
+        assert costs[1][2] - prompt == 2 * (costs[0][2] - prompt)

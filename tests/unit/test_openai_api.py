@@ -21,7 +21,7 @@ from governor.core.tenants import TenantConfig, Tenants
 from governor.listeners import openai_api as api
 from governor.runners import Token
 from protocol.codes import ErrorCode, NeedCode
-from protocol.spec import SpecInvalid
+from protocol.spec import SpecInvalid, spec_from_object
 
 
 def spec_of(body: dict[str, Any], *, chat: bool = True, lane: str | None = None) -> dict[str, Any]:
@@ -348,3 +348,157 @@ def test_a_draining_replica_says_retry_soon_elsewhere() -> None:
     busy = api.refusal(NeedCode.SERVER_BUSY, ErrorCode.BUSY, 2_500)
     assert (busy.status, busy.code) == (HTTPStatus.TOO_MANY_REQUESTS, "server_busy")
     assert dict(busy.headers) == {"retry-after-ms": "2500", "retry-after": "3"}
+
+
+# OpenAI's features on a runner that generates (the embedded one) ---------------------------
+
+
+def test_the_features_map_to_the_job_spec() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    fields = spec_of(
+        chat(
+            n=2,
+            logprobs=True,
+            top_logprobs=3,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            logit_bias={"7": -100},
+            response_format={"type": "json_object"},
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+    )
+    spec = spec_from_object(fields, max_new_tokens_ceiling=64)
+    assert (spec.n, spec.logprobs, spec.presence_penalty, spec.frequency_penalty) == (
+        2,
+        3,
+        0.5,
+        -0.5,
+    )
+    assert (spec.logit_bias, spec.json_schema, spec.tool_choice) == (
+        ((7, -100.0),),
+        '{"type":"object"}',
+        "required",
+    )
+    assert orjson.loads(spec.tools or "") == tools
+    completion = spec_from_object(
+        spec_of({"prompt": "x", "logprobs": 2}, chat=False), max_new_tokens_ceiling=64
+    )
+    assert completion.logprobs == 2
+
+
+def test_a_conversation_with_tool_calls_maps_to_messages() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    fields = spec_of(
+        chat(
+            messages=[
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            ]
+        )
+    )
+    assert fields["messages"] == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": orjson.dumps(calls).decode()},
+        {"role": "tool", "content": "42"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "'echo' with 'logprobs'"),
+        ({"prompt": "x", "logprobs": 9}, "from 0 to 5"),
+        ({"prompt": "x", "echo": "yes"}, "'echo' must be"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, "'tools' is for chat completions"),
+    ],
+)
+def test_completion_options_that_cannot_be_honoured(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(api.ApiError, match=message):
+        spec_of(body, chat=False)
+
+
+LOGPROB = {
+    "token": "Hi",
+    "logprob": -0.5,
+    "bytes": [72, 105],
+    "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}],
+}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+CHOICES = {
+    **RESULT,
+    "choices": [
+        {"index": 0, "text": "Hi", "finish_reason": "stop", "logprobs": [LOGPROB]},
+        {
+            "index": 1,
+            "text": "",
+            "finish_reason": "tool_calls",
+            "logprobs": [],
+            "tool_calls": [CALL],
+        },
+    ],
+}
+
+
+def features(chat: bool, stream: bool, **fields: Any) -> api.Answers:
+    call = api.Call(kind_of(chat), {"n": 2, **fields}, stream, False, echo=fields.pop("echo", ""))
+    return api.Answers(call, "id-1", 1700000000, "smol")
+
+
+def test_choices_logprobs_and_tool_calls_are_what_the_sdk_parses() -> None:
+    completion = ChatCompletion.model_validate_json(features(True, False).whole(CHOICES))
+    first, second = completion.choices
+    assert first.message.content == "Hi"
+    assert first.logprobs is not None
+    assert first.logprobs.content is not None
+    assert [t.token for t in first.logprobs.content] == ["Hi"]
+    assert (second.finish_reason, second.message.content) == ("tool_calls", None)
+    assert second.message.tool_calls is not None
+    assert second.message.tool_calls[0].function.name == "f"  # type: ignore[union-attr]
+    text = Completion.model_validate_json(
+        features(False, False).whole(RESULT | {"choices": CHOICES["choices"][:1]})
+    )
+    assert text.choices[0].logprobs is not None
+    assert text.choices[0].logprobs.tokens == ["Hi"]
+    assert text.choices[0].logprobs.text_offset == [0]
+
+
+def test_a_stream_of_choices_tool_calls_and_logprobs() -> None:
+    a = features(True, True)
+    data = (
+        a.first()
+        + a.delta(Token("Hi", logprobs=(LOGPROB,)))
+        + a.delta(Token('{"a"', index=1, tool="f"))
+        + a.delta(Token(":1}", index=1, tool="f"))
+        + a.last(CHOICES)
+    )
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events(data)]
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1]
+    calls = [
+        tc for c in chunks for tc in c.choices[0].delta.tool_calls or () if c.choices[0].index == 1
+    ]
+    assert calls[0].id is not None
+    assert calls[0].function is not None
+    assert calls[0].function.name == "f"
+    assert calls[1].id is None  # (only the first piece names the call)
+    assert "".join(tc.function.arguments or "" for tc in calls if tc.function) == '{"a":1}'
+    finishes = {
+        c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason
+    }
+    assert finishes == {0: "stop", 1: "tool_calls"}
+
+
+def test_echo_puts_the_prompt_first() -> None:
+    whole = orjson.loads(features(False, False, echo="Once ").whole(RESULT))
+    assert whole["choices"][0]["text"] == "Once Hello there"
+    a = features(False, True, echo="Once ")
+    texts = [
+        e["choices"][0]["text"] for e in events(a.first() + a.delta(Token("up")) + a.last(RESULT))
+    ]
+    assert texts[:3] == ["Once ", "Once ", "up"]
+    legacy = a.delta(Token("on", logprobs=(dict(LOGPROB, token="on"),)))
+    logprobs = orjson.loads(legacy.removeprefix(b"data: "))["choices"][0]["logprobs"]
+    assert logprobs["text_offset"] == [len("Once up")]  # (from the echoed prompt's start)
