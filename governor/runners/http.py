@@ -235,8 +235,8 @@ class HttpRunner:
     async def _forward(self, spec: JobSpec) -> AsyncGenerator[RunEvent, None]:
         """A forwarded request: its body to the upstream, the upstream's answer back as it
         came. A stream's events are relayed one by one (those with generated text or tool
-        calls as tokens, timed); its 4xx is the request's fault (``upstream_rejected``, the
-        answer passed on, no failure of the backend), a 5xx the upstream's."""
+        calls as tokens, timed); an answer other than 2xx is passed on as it came too
+        (:func:`_refused`)."""
         forward = spec.forward
         assert forward is not None
         assert self._client is not None
@@ -270,13 +270,15 @@ def _relayed(response: httpx.Response, body: bytes) -> Relayed:
 
 
 def _refused(relayed: Relayed) -> RunnerError:
-    """An upstream's answer other than 2xx: the request's fault (4xx: passed on as it came,
-    ``upstream_rejected``), or the upstream's (a failure of the backend: ``upstream_error``)."""
+    """An upstream's answer other than 2xx, passed on as it came: the request's fault (4xx,
+    ``upstream_rejected``), or the upstream's (a failure of the backend, ``upstream_error``,
+    which its breaker counts)."""
     detail = relayed.body[:300].decode(errors="replace")
     message = f"the upstream answered {relayed.status}: {detail}"
-    if 400 <= relayed.status < 500:
-        return RunnerError(message, NeedCode.UPSTREAM_REJECTED, relayed)
-    return RunnerError(message, NeedCode.UPSTREAM_ERROR)
+    rejected = 400 <= relayed.status < 500
+    return RunnerError(
+        message, NeedCode.UPSTREAM_REJECTED if rejected else NeedCode.UPSTREAM_ERROR, relayed
+    )
 
 
 class StreamCounts:
@@ -350,21 +352,30 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[Any]:
 
 
 async def sse_raw(response: httpx.Response) -> AsyncIterator[tuple[bytes, Any]]:
-    """Each event of an OpenAI-style stream up to ``data: [DONE]``: its bytes, to pass on as
-    they came, and its ``data:`` decoded (None for an event with no data, a comment, say;
-    ``orjson.JSONDecodeError`` for data that is not JSON)."""
-    lines: list[str] = []
-    data: list[str] = []
-    async for line in response.aiter_lines():
-        if line:
-            lines.append(line)
-            if line.startswith("data:"):
-                data.append(line[5:].strip())
-            continue
-        if not lines:
-            continue
-        if data == ["[DONE]"]:
-            return
-        raw = ("\n".join(lines) + "\n\n").encode()
-        yield raw, orjson.loads("\n".join(data)) if data else None
-        lines, data = [], []
+    """Each event of an OpenAI-style stream up to ``data: [DONE]``: its bytes as they came (to
+    pass on), and its ``data:`` decoded (None for an event with no data, a comment, say;
+    ``orjson.JSONDecodeError`` for data that is not JSON). Split on the blank line that ends an
+    event, in the stream's bytes: no decoding of lines but the data's."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        while True:
+            end, cut = _event_end(buffer)
+            if end < 0:
+                break
+            raw, buffer = buffer[:cut], buffer[cut:]
+            data = [
+                line[5:].strip() for line in raw[:end].splitlines() if line.startswith(b"data:")
+            ]
+            if data == [b"[DONE]"]:
+                return
+            yield raw, orjson.loads(b"\n".join(data)) if data else None
+
+
+def _event_end(buffer: bytes) -> tuple[int, int]:
+    """Where the first whole event in ``buffer`` ends (its blank line: ``\\n\\n`` or
+    ``\\r\\n\\r\\n``), and where the next begins; (-1, -1): none is whole yet."""
+    lf, crlf = buffer.find(b"\n\n"), buffer.find(b"\r\n\r\n")
+    if crlf >= 0 and (lf < 0 or crlf < lf):
+        return crlf, crlf + 4
+    return (lf, lf + 2) if lf >= 0 else (-1, -1)

@@ -154,10 +154,12 @@ ROWS: dict[str, Callable[[openai.OpenAI], str]] = {
 }
 
 
-def answer(row: str, client: openai.OpenAI) -> str:
-    """The kind of answer ``row`` gets: what it was, or the error (its status and message)."""
+def answer(row: str, url: str) -> str:
+    """The kind of answer ``row`` gets from the server at ``url``: what it was, or the error
+    (its status and message)."""
     try:
-        return ROWS[row](client)
+        with client(url) as sdk:
+            return ROWS[row](sdk)
     except openai.APIStatusError as exc:
         return f"{exc.status_code}: {exc.message}"[:160]
     except (Wrong, jsonschema.ValidationError, orjson.JSONDecodeError) as exc:
@@ -249,23 +251,24 @@ def servers(baseline: str, slots: int, threads: int, binary: Path) -> Iterator[S
         started.stop()
 
 
-def table(found: Servers) -> list[dict[str, Any]]:
-    rows = []
-    for row in ROWS:
+def table(found: Servers, rows: list[str] | None = None) -> list[dict[str, Any]]:
+    """Each row's answers, directly and through the sidecar (``rows``: these only)."""
+    out = []
+    for row in ROWS if rows is None else rows:
         pair = (found.direct, found.sidecar)
         if row == "/v1/embeddings":
             pair = (found.embed_direct, found.embed_sidecar)
-        a, b = (answer(row, client(url)) for url in pair)
-        rows.append({"row": row, "direct": a, "sidecar": b, "same": same_kind(a, b)})
-    return rows
+        a, b = (answer(row, url) for url in pair)
+        out.append({"row": row, "direct": a, "sidecar": b, "same": same_kind(a, b)})
+    return out
 
 
 def streamed_chat_s(url: str, tokens: int) -> float:
-    started = time.perf_counter()
-    stream = _chat(client(url), max_tokens=tokens, stream=True)
-    for _ in stream:
-        pass
-    return time.perf_counter() - started
+    with client(url) as sdk:
+        started = time.perf_counter()
+        for _ in _chat(sdk, max_tokens=tokens, stream=True):
+            pass
+        return time.perf_counter() - started
 
 
 def overhead(found: Servers, rounds: int, tokens: int) -> dict[str, Any]:
