@@ -1,5 +1,8 @@
 """The OpenAI-compatible front door (``http_listen``): ``/v1/completions``,
-``/v1/chat/completions`` (whole, or streamed as server-sent events) and ``/v1/models``.
+``/v1/chat/completions`` (whole, or streamed as server-sent events) and ``/v1/models``; with a
+runner that forwards (the ``http`` runner, a sidecar) also ``/v1/embeddings`` as jobs, and the
+upstream's ``/v1/models``, ``/tokenize`` and ``/detokenize`` answered by it with no slot taken,
+every forwarded answer relayed as the upstream gave it.
 
 It runs on the daemon's event loop, beside the TCP listener, and every job goes through the same
 admission (the ledger, the lanes, the tenants, the ladder, the breakers, the fleet, the drain)

@@ -2,20 +2,22 @@
 job's result to an answer, a refusal to a status and its headers; and the places in line kept
 for a refused request's retry.
 
-:mod:`governor.listeners.http` serves it. The mapping (``docs/PROTOCOL.md`` has the table):
+:mod:`governor.listeners.http` serves it. What each field becomes depends on the runner
+(``docs/PROTOCOL.md`` has the table, per runner):
 
-* ``prompt`` (one string) or ``messages`` (roles ``system``, ``developer`` as system, ``user``,
-  ``assistant``; content a string or text parts) become the spec's ``prompt`` or ``messages``;
-* ``max_completion_tokens`` (else ``max_tokens``) is ``max_new_tokens``; ``temperature``,
-  ``top_p``, ``seed``, ``stop`` and ``stream`` keep their names, with OpenAI's defaults
-  (temperature 1, top_p 1); ``stream_options.include_usage`` adds the usage chunk;
-* the governor's own fields ride along as extra body fields: ``lane`` (or the
-  ``x-governor-lane`` header), ``top_k``, ``min_p``, ``ignore_eos``, ``tool_risk``,
-  ``ttft_slo_ms``, ``tpot_slo_ms``;
-* fields that change nothing here (``model``, ``user``, ``metadata``, ``store``, ...) are
-  accepted, and so are the others at their defaults (``n`` 1, ``logprobs`` false, no
-  ``tools``, penalties 0, ...); any other value is refused (400, ``spec_invalid``, with the
-  field as ``param``) rather than silently not honoured.
+* a runner that generates (the embedded ``llama``, the ``stub``) is given a job spec:
+  ``prompt`` or ``messages`` (roles ``system``, ``developer`` as system, ``user``,
+  ``assistant``, ``tool``; content a string or text parts), ``max_completion_tokens`` (else
+  ``max_tokens``) as ``max_new_tokens``, the sampling fields with OpenAI's defaults, and OpenAI's
+  features (``n``, ``logprobs``, penalties, ``logit_bias``, ``response_format``, ``tools``)
+  as the spec's fields, which checks them; a completion's ``echo`` is this module's; the
+  governor's own fields ride along as extra body fields (``lane``, ``ttft_slo_ms``, ...); fields
+  that change nothing are accepted, a few others only at their defaults, and any other is
+  refused (400, ``spec_invalid``, with the field as ``param``) rather than silently not
+  honoured (:func:`parse_call`);
+* a runner that forwards (the ``http`` runner, a sidecar) is given the request as it came:
+  only what admission needs is read (:func:`parse_forward`), and its answer goes back as the
+  upstream gave it (:mod:`governor.listeners.http` relays it).
 
 Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, its ``code``
 the governor's need code.
