@@ -61,6 +61,11 @@ running sequences' reservations (each its prompt and ``max_new_tokens``, as admi
 them) would exceed ``cells``, the least recently used free slots are cleared, so a step never
 lacks room.
 
+**Forks.** A job's further choices (OpenAI's ``n``) are forked from its first sequence the step
+its prompt is whole in the cache: each shares all the prompt's cells and samples its first
+token from the same logits, so the prompt is computed and held once. Each still counts the
+prompt in its reservation: clearing kept cells errs on the side of room.
+
 A sequence takes a slot when it is submitted, if one is free, else when one frees, most urgent
 first. Admission upstream never sends more sequences than there are slots; waiting is for the
 worker's own probe and for safety.
@@ -185,6 +190,29 @@ class Scheduler:
             if waiting.key == key:
                 return self.waiting.pop(i)
         return None
+
+    def fork(self, source: Sequence, seq: Sequence) -> bool:
+        """Start ``seq``, another sequence of ``source``'s prompt, from ``source``'s cells the
+        step after it fed the whole prompt: ``seq`` shares all of them and samples its first
+        token from the same logits (one job's several choices). False when no slot is free
+        (or ``source`` does not hold the prompt): then it is to be submitted, and feeds the
+        prompt's last token itself."""
+        length = len(seq.prompt)
+        if not self._free or source.slot < 0 or self.held[source.slot][:length] != list(seq.prompt):
+            return False
+        if seq.key in self.running or any(w.key == seq.key for w in self.waiting):
+            raise ValueError(f"sequence {seq.key!r} is already here")
+        slot = min(self._free, key=lambda s: (len(self.held[s]) > 0, self._free[s]))
+        self._clear(slot)
+        self.cache.share(source.slot, slot, length)
+        self.held[slot] = self.held[source.slot][:length]
+        del self._free[slot]
+        seq.order = next(self._order)
+        seq.slot = slot
+        seq.fed = seq.reused = length
+        self.running[seq.key] = seq
+        self._evict()
+        return True
 
     def _assign(self) -> None:
         while self._free and self.waiting:

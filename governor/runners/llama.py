@@ -9,6 +9,18 @@ step). Admission reserves every job's cells in one worker's cache (:class:`~gove
 KvBudget`, from :meth:`LlamaRunner.kv_caches`) and says which in :attr:`Job.kv_cache`, so a
 job never fails in the runner for want of cells.
 
+OpenAI's request features: a job's ``n`` sequences (choices) run in its one slot, in its
+worker, from one copy of the prompt (:mod:`governor.runners.llama_worker`), and so do its
+penalties, logit biases and log probabilities. Before admission, :meth:`LlamaRunner.prepare`
+refuses what the model cannot do: a logit bias on a token it does not have, a schema or a tool
+whose grammar cannot be made. A job's output is held to a grammar (:func:`job_grammar`) when it
+asks for JSON or must call a tool; the grammar is made here, from JSON schemas by
+llama-cpp-python's converter, and parsed by llama.cpp here too, so that no worker is given one
+that does not parse. Tools go into the prompt through the chat template where it lays them out
+itself, else in a system message of their own (:func:`tools_message`); with "none" they are
+left out. Each sequence's output reaches the client as its :class:`Choice` reads it: as text,
+as a function's arguments, or held and read as a call at its end.
+
 Isolation: a worker that dies (segfault, out of memory, kill -9) costs the jobs it was running,
 which abort with ``runner_crashed``; a worker silent for ``job_timeout_s`` while it has jobs is
 hung: it is killed, and its jobs abort with ``runner_timeout``. Either way the worker is started
@@ -24,8 +36,11 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import re
+import secrets
 import sys
-from collections.abc import AsyncGenerator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +80,13 @@ WATCH_S = 1.0  # how often a silent worker is looked at
 AUTO_LONG = 2
 AUTO_SHARE = 4
 PROBE_PRIORITY = 9  # less urgent than any lane's job: the probe measures the path, preempts nothing
+# Structured output: the longest grammar a job may bring (llama.cpp walks it at every token of
+# every sequence that has it), how many a runner keeps made, and the most repetitions a schema
+# may ask for (llama-cpp-python's converter writes each out).
+MAX_GRAMMAR_CHARS = 100_000
+GRAMMARS_KEPT = 64
+MAX_REPEAT = 1000
+MAX_EMBED_INPUTS = 2048  # texts one call may embed (OpenAI's bound)
 
 
 def embedded_model_path() -> Path:
@@ -233,19 +255,7 @@ class WorkerProcess:
             if not line:
                 break
             self._heard = loop.time()
-            step = orjson.loads(line)
-            self.kv_used = step["kv"]
-            self._owed -= step["acks"]
-            for key, fed in step["f"].items():
-                if (job := self.jobs.get(key)) is not None:
-                    job.put_nowait(Fed(fed))
-            counts = step["n"]
-            for key, text in step["out"].items():
-                if (job := self.jobs.get(key)) is not None:
-                    job.put_nowait(Token(text, counts.get(key)))
-            for done in step["done"]:
-                if (job := self.jobs.pop(done["id"], None)) is not None:
-                    job.put_nowait(done)
+            self._hand_out(orjson.loads(line))
         code = await proc.wait()
         self.kv_used = 0
         if error.code == NeedCode.RUNNER_CRASHED:
@@ -254,6 +264,25 @@ class WorkerProcess:
             job.put_nowait(_Ended(error))
         self.jobs.clear()
         self.exited.set()
+
+    def _hand_out(self, event: dict[str, Any]) -> None:
+        """Give the jobs what an event of the worker's holds for them."""
+        if event["ev"] == "embedded":
+            if (job := self.jobs.pop(event["id"], None)) is not None:
+                job.put_nowait(event)
+            return
+        self.kv_used = event["kv"]
+        self._owed -= event["acks"]
+        for key, fed in event["f"].items():
+            if (job := self.jobs.get(key)) is not None:
+                job.put_nowait(Fed(fed))
+        for out in event["out"]:
+            if (job := self.jobs.get(out["id"])) is not None:
+                logprobs = tuple(out.get("lp", ()))
+                job.put_nowait(Token(out["text"], out["n"], out["i"], logprobs))
+        for done in event["done"]:
+            if (job := self.jobs.pop(done["id"], None)) is not None:
+                job.put_nowait(done)
 
     def submit(
         self, request: dict[str, Any]
@@ -323,7 +352,10 @@ class LlamaRunner:
         self._vocab: Any = None
         self._chat: Any = None
         self._add_bos = False
+        self._tool_template = False  # the chat template lays out tools itself
+        self._grammars: OrderedDict[tuple[str | None, str | None, str], str | None] = OrderedDict()
         self._ids = 0
+        self._embeds = 0
 
     @property
     def expected_service_s(self) -> float:
@@ -341,6 +373,8 @@ class LlamaRunner:
         if not self.settings.model.is_file():
             raise RunnerStartError(f"model file {self.settings.model} does not exist")
         self._vocab, self._chat, self._add_bos = await asyncio.to_thread(self._load_vocab)
+        template = self._chat.template if self._chat is not None else ""
+        self._tool_template = re.search(r"\btools\b", template) is not None
         workers = [WorkerProcess(i, self.settings) for i in range(self.settings.workers)]
         results = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -422,19 +456,8 @@ class LlamaRunner:
 
     def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
         spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
-        stop = list(spec.stop)
-        if spec.messages is not None:
-            if self._chat is None:
-                raise SpecInvalid(NeedCode.SPEC_INVALID, "this model has no chat template")
-            messages = [{"role": m.role, "content": m.content} for m in spec.messages]
-            formatted = self._chat(messages=messages)
-            text, special = formatted.prompt, True
-            if isinstance(formatted.stop, str):
-                stop.append(formatted.stop)
-            elif formatted.stop:
-                stop += formatted.stop
-        else:
-            text, special = spec.prompt or "", False
+        self._check_features(spec)
+        text, special, stop = prompt_of(spec, self._chat, self._tool_template)
         tokens = self._vocab.tokenize(text.encode(), add_bos=self._add_bos, special=special)
         if len(tokens) + spec.max_new_tokens > self.settings.n_ctx:
             raise SpecInvalid(
@@ -442,13 +465,100 @@ class LlamaRunner:
                 f"the prompt is {len(tokens)} tokens; with max_new_tokens {spec.max_new_tokens} "
                 f"that is over the context window of {self.settings.n_ctx}",
             )
+        cells = max(cache.cells for cache in self.settings.caches())
+        if spec.n > 1 and len(tokens) + spec.output_tokens > cells:
+            raise refused(
+                f"{spec.n} choices of up to {spec.max_new_tokens} tokens after a prompt of "
+                f"{len(tokens)} need {len(tokens) + spec.output_tokens} KV cells; a worker's "
+                f"cache has {cells}: ask for fewer choices or fewer tokens"
+            )
         return Job(job_id, payload, spec=spec, tokens=tuple(tokens), stop=tuple(stop))
+
+    def _check_features(self, spec: JobSpec) -> None:
+        """Refuse what the model cannot do of the spec: a token it does not have, a schema
+        or tool that cannot be made a grammar."""
+        vocabulary = self._vocab.n_vocab()
+        for token, _ in spec.logit_bias:
+            if token >= vocabulary:
+                raise refused(
+                    f"'logit_bias' names token {token}; this model's tokens are 0 to "
+                    f"{vocabulary - 1}"
+                )
+        if spec.repeat_penalty <= 0:
+            raise refused("'repeat_penalty' must be above 0 (1 is none)")
+        self._grammar(spec)
+
+    def _grammar(self, spec: JobSpec) -> str | None:
+        """The job's grammar (:func:`job_grammar`), parsed by llama.cpp here, so that no
+        worker is given one that does not parse; the last ``GRAMMARS_KEPT`` are kept."""
+        key = (spec.json_schema, spec.tools, spec.tool_choice)
+        if key in self._grammars:
+            self._grammars.move_to_end(key)
+            return self._grammars[key]
+        grammar = job_grammar(spec)
+        if grammar is not None:
+            if len(grammar) > MAX_GRAMMAR_CHARS:
+                raise refused(
+                    f"the grammar for this schema or these tools is {len(grammar)} characters, "
+                    f"over {MAX_GRAMMAR_CHARS}: simplify them"
+                )
+            self._parse_grammar(grammar)
+        self._grammars[key] = grammar
+        if len(self._grammars) > GRAMMARS_KEPT:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def _parse_grammar(self, grammar: str) -> None:
+        import llama_cpp
+
+        sampler = llama_cpp.llama_sampler_init_grammar(self._vocab.vocab, grammar.encode(), b"root")
+        if not sampler:
+            raise refused("llama.cpp cannot parse the grammar made of this schema or these tools")
+        llama_cpp.llama_sampler_free(sampler)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         worker = await self._worker(job.kv_cache if job.kv_cache is not None else 0)
         async with contextlib.aclosing(self._generate(worker, job)) as events:
             async for event in events:
                 yield event
+
+    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        """Each text's embedding, as OpenAI's are (unit length): the model's hidden states,
+        mean-pooled, computed by a worker between two of its steps; and the tokens the texts
+        came to. Raises ``SpecInvalid`` for no text, an empty one or one over ``n_ctx``
+        tokens, :class:`RunnerError` when the worker fails."""
+        tokens = self._embedding_tokens(texts)
+        worker = await self._worker(self._embeds % len(self._workers))
+        self._embeds += 1
+        self._ids += 1
+        key = f"e{self._ids}"
+        events = worker.submit({"op": "embed", "id": key, "texts": tokens})
+        try:
+            event = await events.get()
+        finally:
+            worker.cancel(key)  # (nothing, once it has answered)
+        if isinstance(event, _Ended):
+            raise event.error
+        if not isinstance(event, dict) or "vectors" not in event:
+            error = event.get("error") if isinstance(event, dict) else event
+            raise RunnerError(f"the worker could not embed the texts: {error}")
+        return event["vectors"], sum(map(len, tokens))
+
+    def _embedding_tokens(self, texts: list[str]) -> list[list[int]]:
+        if not 0 < len(texts) <= MAX_EMBED_INPUTS:
+            raise refused(f"give 1 to {MAX_EMBED_INPUTS} texts to embed")
+        tokens = [
+            list(self._vocab.tokenize(t.encode(), add_bos=self._add_bos, special=False))
+            for t in texts
+        ]
+        for i, each in enumerate(tokens):
+            if not 0 < len(each) <= self.settings.n_ctx:
+                raise SpecInvalid(
+                    NeedCode.PROMPT_TOO_LONG if each else NeedCode.SPEC_INVALID,
+                    f"text {i} to embed is {len(each)} tokens; each must be 1 to "
+                    f"{self.settings.n_ctx}",
+                )
+        return tokens
 
     async def probe(self) -> bool:
         """One greedy token on each worker in turn, in a sequence and cells kept for the probe
@@ -503,48 +613,33 @@ class LlamaRunner:
         assert spec is not None
         self._ids += 1
         key = f"{self._ids}"
-        events = worker.submit(
-            {
-                "op": "run",
-                "id": key,
-                "tokens": job.tokens,
-                "max_new_tokens": spec.max_new_tokens,
-                "priority": job.priority,
-                "ttft_ms": job.ttft_ms,
-                "tpot_ms": job.tpot_ms,
-                "stall": job.stall,
-                "temperature": spec.temperature,
-                "top_p": spec.top_p,
-                "top_k": spec.top_k,
-                "min_p": spec.min_p,
-                "seed": spec.seed,
-                "stop": job.stop,
-                "ignore_eos": spec.ignore_eos,
-            }
-        )
+        events = worker.submit(run_request(key, job, spec, self._checked_grammar(spec)))
+        names = frozenset(f["name"] for f in functions_of(spec))
+        choices = [Choice(i, tool_mode(spec), names) for i in range(spec.n)]
         try:
             while True:
                 event = await events.get()
-                if isinstance(event, Token | Fed):
+                if isinstance(event, Fed):
                     yield event
-                    continue
-                if isinstance(event, _Ended):
+                elif isinstance(event, Token):
+                    if (token := choices[event.index].feed(event)) is not None:
+                        yield token
+                elif isinstance(event, _Ended):
                     raise event.error
-                if event["finish_reason"] == "error":
-                    raise RunnerError(f"the worker failed the job: {event.get('error')}")
-                # (ttft_ms and tpot_ms are the governor's, measured from admission.)
-                yield Finished(
-                    {
-                        "text": event["text"],
-                        "prompt_tokens": len(job.tokens),
-                        "completion_tokens": event["completion_tokens"],
-                        "cached_tokens": event["cached_tokens"],
-                        "finish_reason": event["finish_reason"],
-                    }
-                )
-                return
+                elif "error" in event:
+                    raise RunnerError(f"the worker failed the job: {event['error']}")
+                else:
+                    for end in finish(job, spec, event, choices):
+                        yield end
+                    return
         finally:
             worker.cancel(key)  # (nothing, once it has finished)
+
+    def _checked_grammar(self, spec: JobSpec) -> str | None:
+        try:
+            return self._grammar(spec)
+        except SpecInvalid as exc:  # (prepared by another runner, on another model)
+            raise RunnerError(exc.detail, NeedCode.SPEC_INVALID) from None
 
     async def _supervise(self, worker: WorkerProcess) -> None:
         """Once the worker has exited (other than at close), start another in its place."""
@@ -611,6 +706,459 @@ class LlamaRunner:
                 lost=True,
                 error=repr(exc),
             )
+
+
+def prompt_of(spec: JobSpec, chat: Any, tool_template: bool) -> tuple[str, bool, list[str]]:
+    """The prompt's text (with its tools, where the job may call one), whether it holds
+    special tokens, and the stop strings (the spec's and the chat template's): ``chat``, the
+    model's chat template (None: it has none), ``tool_template``, whether it lays out tools."""
+    mode, stop = tool_mode(spec), list(spec.stop)
+    functions = functions_of(spec) if mode != "text" else []
+    if spec.messages is None:
+        prefix = f"{tools_message(functions, mode)}\n\n" if functions else ""
+        return prefix + (spec.prompt or ""), False, stop
+    if chat is None:
+        raise refused("this model has no chat template")
+    messages = [{"role": m.role, "content": m.content} for m in spec.messages]
+    tools: dict[str, Any] = {}
+    if functions and tool_template:
+        tools["tools"] = orjson.loads(spec.tools or "[]")
+    elif functions:
+        messages = with_system(messages, tools_message(functions, mode))
+    try:
+        formatted = chat(messages=messages, **tools)
+    # The template is the model's own Jinja code: it may raise anything for messages it does
+    # not take (a role it does not know, say).
+    except Exception as exc:
+        raise refused(f"the model's chat template does not take these messages: {exc}") from None
+    if isinstance(formatted.stop, str):
+        stop.append(formatted.stop)
+    elif formatted.stop:
+        stop += formatted.stop
+    return formatted.prompt, True, stop
+
+
+def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> dict[str, Any]:
+    """The worker's run request for ``job`` (:mod:`governor.runners.llama_worker`)."""
+    return {
+        "op": "run",
+        "id": key,
+        "tokens": job.tokens,
+        "max_new_tokens": spec.max_new_tokens,
+        "priority": job.priority,
+        "ttft_ms": job.ttft_ms,
+        "tpot_ms": job.tpot_ms,
+        "stall": job.stall,
+        "temperature": spec.temperature,
+        "top_p": spec.top_p,
+        "top_k": spec.top_k,
+        "min_p": spec.min_p,
+        "seed": spec.seed,
+        "stop": job.stop,
+        "ignore_eos": spec.ignore_eos,
+        "n": spec.n,
+        "logprobs": spec.logprobs,
+        "presence_penalty": spec.presence_penalty,
+        "frequency_penalty": spec.frequency_penalty,
+        "repeat_penalty": spec.repeat_penalty,
+        "logit_bias": spec.logit_bias,
+        "grammar": grammar,
+    }
+
+
+# Structured output and tools ---------------------------------------------------------------
+#
+# A job's output is held to a grammar (GBNF, made here from JSON schemas by llama-cpp-python's
+# converter) when it asks for JSON (``json_schema``) or for a call of a tool ("required", or a
+# function's name); :class:`Choice` reads each sequence's output for the job's tool choice.
+
+# The keywords of JSON Schema that constrain a value (annotations, "format" among them, and
+# unknown keywords constrain nothing). The converter reads each schema one way (see
+# :func:`_reading`) and ignores the constraints of any other: a schema with one is refused,
+# since its output could fail it.
+ASSERTIONS = frozenset(
+    {
+        *("type", "enum", "const", "$ref", "allOf", "anyOf", "oneOf", "not"),
+        *("if", "then", "else", "multipleOf", "maximum", "exclusiveMaximum", "minimum"),
+        *("exclusiveMinimum", "maxLength", "minLength", "pattern", "maxItems", "minItems"),
+        *("uniqueItems", "maxContains", "minContains", "contains", "items", "prefixItems"),
+        *("additionalItems", "unevaluatedItems", "maxProperties", "minProperties", "required"),
+        *("properties", "patternProperties", "additionalProperties", "propertyNames"),
+        *("dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties"),
+    }
+)
+OBJECT = frozenset({"type", "properties", "required", "additionalProperties"})
+REPEATS = frozenset({"minItems", "maxItems", "minLength", "maxLength"})
+SUBSCHEMA = frozenset({"items", "additionalProperties", "additionalItems"})
+SUBSCHEMAS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
+NAMED_SUBSCHEMAS = frozenset({"properties", "$defs", "definitions"})
+QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+MODES = ("text", "auto", "required")  # how output is read (:func:`tool_mode`), but a named call
+CALL_OPENERS = ("{", "```", "<tool_call>")  # how a model's call may begin (auto reads it)
+# The converter's rules for a string's characters let a control character through, which JSON
+# does not allow unescaped (llama.cpp's own converter keeps them out as these do), and escapes
+# of UTF-16 surrogates, which strict parsers refuse alone (orjson's) and are no characters; nor
+# may a pattern's "." be a quote or a backslash, which would end or break the string.
+JSON_CHARACTERS = (
+    (
+        re.compile(r"^char ::= .*$", re.MULTILINE),
+        r'char ::= [^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" ([0-9a-cA-Ce-fE-F] [0-9a-fA-F] | [dD] [0-7]) [0-9a-fA-F] [0-9a-fA-F])',
+    ),
+    (re.compile(r"^dot ::= .*$", re.MULTILINE), r'dot ::= [^"\\\x00-\x1F]'),
+)
+FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
+TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def refused(detail: str) -> SpecInvalid:
+    return SpecInvalid(NeedCode.SPEC_INVALID, detail)
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why the converter's grammar for ``schema`` could let out JSON that fails it, or cost
+    too much to make; None when it cannot. (The schema's own nesting is bounded by the spec.)"""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if type(node) is bool:
+            continue
+        if type(node) is not dict:
+            return f"{orjson.dumps(node).decode()[:40]} is not a schema (an object)"
+        problem = _node_problem(node, schema)
+        if problem is not None:
+            return problem
+        for key, value in node.items():
+            stack.extend(_subschemas(key, value))
+    return None
+
+
+def _node_problem(node: dict[str, Any], root: Any) -> str | None:
+    reading, honoured = _reading(node)
+    ignored = sorted((node.keys() & ASSERTIONS) - honoured)
+    if ignored:
+        return f"{ignored[0]!r} is not enforced here (beside {reading}); take it out"
+    for key in REPEATS & node.keys():
+        if type(node[key]) is not int or not 0 <= node[key] <= MAX_REPEAT:
+            return f"{key!r} must be a whole number from 0 to {MAX_REPEAT}"
+    pattern = node.get("pattern")
+    if type(pattern) is str and _repeats(pattern) > MAX_REPEAT:
+        return f"a 'pattern' may repeat at most {MAX_REPEAT} times"
+    required = node.get("required")
+    if reading == "'properties'" and type(required) is list:
+        missing = set(map(str, required)) - set(node.get("properties") or ())
+        if missing:
+            return f"required property {sorted(missing)[0]!r} has no schema in 'properties'"
+    if reading == "'allOf'" and type(node["allOf"]) is list:
+        for part in node["allOf"]:
+            target = _target(root, part["$ref"]) if type(part) is dict and "$ref" in part else part
+            if (
+                type(target) is not dict
+                or "properties" not in target
+                or target.keys() & ASSERTIONS - OBJECT
+            ):
+                return "each of an 'allOf' must be an object's 'properties' (or a '$ref' to one)"
+    return None
+
+
+def _reading(node: dict[str, Any]) -> tuple[str, frozenset[str]]:
+    """How the converter reads ``node`` (the first of these that applies, as it tries them),
+    and the keywords it honours in that reading."""
+    kind = node.get("type")
+    for key in ("$ref", "oneOf", "anyOf"):
+        if key in node:
+            return repr(key), frozenset({key})
+    if type(kind) is list:
+        return "a list of types", frozenset({"type"})
+    for key in ("const", "enum"):
+        if key in node:
+            return repr(key), frozenset({key, "type"})
+    if kind in (None, "object"):
+        if "properties" in node or node.get("additionalProperties", True) is not True:
+            return "'properties'", OBJECT
+        if "allOf" in node:
+            return "'allOf'", frozenset({"type", "allOf"})
+    if kind in (None, "array") and (node.get("items") or "prefixItems" in node):
+        key = "items" if node.get("items") else "prefixItems"
+        counts = {"minItems", "maxItems"} if type(node[key]) is dict else set()
+        return repr(key), frozenset({"type", key, *counts})
+    if kind in (None, "string") and "pattern" in node:
+        return "'pattern'", frozenset({"type", "pattern"})
+    if kind == "string" and ("minLength" in node or "maxLength" in node):
+        return "a string's length", frozenset({"type", "minLength", "maxLength"})
+    return "'type'", frozenset({"type"})
+
+
+def _target(root: Any, ref: Any) -> Any:
+    """What a local ``$ref`` (``#/...``) of ``root`` points at; None if it points nowhere."""
+    if type(ref) is not str or not ref.startswith("#"):
+        return None
+    target = root
+    for step in ref[1:].split("/")[1:]:
+        if type(target) is not dict or step not in target:
+            return None
+        target = target[step]
+    return target
+
+
+def _subschemas(key: str, value: Any) -> list[Any]:
+    if key in SUBSCHEMA:
+        return value if key == "items" and type(value) is list else [value]
+    if key in SUBSCHEMAS and type(value) is list:
+        return list(value)
+    if key in NAMED_SUBSCHEMAS and type(value) is dict:
+        return list(value.values())
+    return []
+
+
+def _repeats(pattern: str) -> int:
+    """The largest count in ``pattern``'s ``{m}`` and ``{m,n}`` quantifiers (0: none)."""
+    return max((int(n or m) for m, n in QUANTIFIER.findall(pattern)), default=0)
+
+
+def _converter(**prop_order: int) -> Any:
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    return SchemaConverter(  # type: ignore[no-untyped-call]  # (llama-cpp-python: untyped)
+        prop_order=prop_order, allow_fetch=False, dotall=False, raw_pattern=False
+    )
+
+
+def schema_grammar(schema: Any, what: str) -> str:
+    """GBNF for JSON valid against ``schema`` (``what`` names it in a refusal); raises
+    :class:`SpecInvalid`."""
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise refused(f"{what} cannot be held to: {problem}")
+    converter = _converter()
+    try:
+        converter.visit(converter.resolve_refs(schema, "schema"), "")
+    # The converter's errors are of every kind (assertions, KeyError, TypeError, ValueError):
+    # any of them means this schema cannot be converted.
+    except Exception as exc:
+        raise refused(f"{what} cannot be made a grammar: {exc}") from None
+    return json_strings(str(converter.format_grammar()))
+
+
+def json_strings(grammar: str) -> str:
+    """The converter's ``grammar`` with strings JSON allows (see :data:`JSON_CHARACTERS`)."""
+    for rule, fixed in JSON_CHARACTERS:
+        if (found := rule.search(grammar)) is not None:
+            grammar = grammar[: found.start()] + fixed + grammar[found.end() :]
+    return grammar
+
+
+def calls_grammar(functions: list[dict[str, Any]]) -> str:
+    """GBNF for a call of any of ``functions``: ``{"name": NAME, "arguments": {...}}``, the
+    arguments valid against that function's parameters (its name first, so that it is known
+    early)."""
+    converter = _converter(name=0, arguments=1)
+    calls = []
+    for i, function in enumerate(functions):
+        name, parameters = function["name"], parameters_of(function)
+        problem = schema_problem(parameters)
+        if problem is not None:
+            raise refused(f"the parameters of {name!r} cannot be held to: {problem}")
+        try:
+            arguments = converter.resolve_refs(parameters, f"tool-{i}")
+            call = {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+            }
+            calls.append(converter.visit(call, f"call-{i}"))
+        except Exception as exc:  # (as in schema_grammar)
+            raise refused(f"the parameters of {name!r} cannot be made a grammar: {exc}") from None
+    return json_strings(f"{converter.format_grammar()}\nroot ::= {' | '.join(calls)}")
+
+
+def parameters_of(function: dict[str, Any]) -> Any:
+    """A function's parameters schema: none (or ``{}``) is no arguments at all, as OpenAI's."""
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_mode(spec: JobSpec) -> str:
+    """How a job's output is read: "text" (no tools, or "none": they are left out), "auto",
+    "required", or the name of the function it calls."""
+    return "text" if spec.tools is None or spec.tool_choice == "none" else spec.tool_choice
+
+
+def job_grammar(spec: JobSpec) -> str | None:
+    """The grammar a job's output is held to, or None; raises :class:`SpecInvalid`. A call
+    it must make ("required", a named function) is held to the call's shape, whatever its
+    ``response_format`` (it answers with no text); else a ``json_schema`` holds (with tools
+    "auto" too: the model may then call one only in the schema's shape)."""
+    mode = tool_mode(spec)
+    if mode not in MODES:
+        (function,) = (f for f in functions_of(spec) if f["name"] == mode)
+        return schema_grammar(parameters_of(function), f"the parameters of {mode!r}")
+    if mode == "required":
+        return calls_grammar(functions_of(spec))
+    if spec.json_schema is not None:
+        return schema_grammar(orjson.loads(spec.json_schema), "the response_format's schema")
+    return None
+
+
+def functions_of(spec: JobSpec) -> list[dict[str, Any]]:
+    """The functions of the job's tools (each ``{"name", "description"?, "parameters"?}``)."""
+    return [tool["function"] for tool in orjson.loads(spec.tools or "[]")]
+
+
+def tools_message(functions: list[dict[str, Any]], mode: str) -> str:
+    """What tells a model with no tool template of its tools, as a system message."""
+    if mode not in MODES:
+        (function,) = (f for f in functions if f["name"] == mode)
+        return (
+            f"Call the function {mode}.\n{_described(function)}\n\n"
+            "Reply with only its arguments: a JSON object."
+        )
+    listed = "\n".join(_described(f) for f in functions)
+    how = (
+        'To call one, reply with only a JSON object: {"name": the function\'s name, '
+        '"arguments": its arguments, a JSON object}.'
+    )
+    if mode == "required":
+        return f"Call one of these functions:\n{listed}\n\n{how}"
+    return f"You can call these functions:\n{listed}\n\n{how} Otherwise, reply as usual."
+
+
+def _described(function: dict[str, Any]) -> str:
+    line = f"- {function['name']}"
+    if function.get("description"):
+        line += f": {function['description']}"
+    parameters = orjson.dumps(parameters_of(function)).decode()
+    return f"{line}\n  Its parameters (a JSON schema): {parameters}"
+
+
+def with_system(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
+    """``messages`` with ``text`` in their system message (one put first where none is)."""
+    if messages and messages[0]["role"] == "system":
+        first = {"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def parse_tool_call(text: str, names: Collection[str]) -> tuple[str, str] | None:
+    """The call ``text`` makes, as (name, arguments as JSON text): one JSON object
+    ``{"name", "arguments"}`` (or ``"parameters"``, as some models write it) naming one of
+    ``names``, alone or in a ```json fence or ``<tool_call>`` tags; None when it is not one."""
+    body = text.strip()
+    for wrapper in (FENCED, TAGGED):
+        if (found := wrapper.fullmatch(body)) is not None:
+            body = found.group(1)
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if type(value) is not dict:
+        return None
+    name = value.get("name")
+    arguments = value.get("arguments", value.get("parameters"))
+    if type(arguments) is str:  # (OpenAI's own form: the arguments as JSON text)
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return None
+    if type(name) is not str or name not in names or type(arguments) is not dict:
+        return None
+    return name, orjson.dumps(arguments).decode()
+
+
+def may_be_call(text: str) -> bool:
+    """Whether ``text`` could be the start of a call (as far as it has come)."""
+    start = text.lstrip()
+    return any(start.startswith(o) or o.startswith(start) for o in CALL_OPENERS)
+
+
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """A call in OpenAI's shape."""
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+class Choice:
+    """One sequence's output as the client gets it, for the job's tool ``mode``
+    (:func:`tool_mode`).
+
+    "text": as it comes. A function's name: as it comes, as that function's arguments (the
+    grammar makes it nothing else). "required": held, and read as a call at the end. "auto":
+    held while it could still begin a call (:func:`may_be_call`); from the first piece that
+    cannot, let out as text as it comes; held to the end, read as a call if it is one, else
+    let out then as text."""
+
+    def __init__(self, index: int, mode: str, names: frozenset[str]) -> None:
+        self.index = index
+        self.mode = mode
+        self.names = names
+        self.flowing = mode not in ("auto", "required")
+        self.calling = mode == "required"  # held to the end, to be read as a call
+        self.held: list[Token] = []
+        self.entries: list[dict[str, Any]] = []  # its log probabilities
+
+    def feed(self, token: Token) -> Token | None:
+        """What to send of a piece of output now (None: nothing yet)."""
+        self.entries += token.logprobs
+        if self.flowing:
+            return token if self.mode in MODES else dataclasses.replace(token, tool=self.mode)
+        self.held.append(token)
+        if self.calling:
+            return None
+        start = "".join(t.text for t in self.held).lstrip()
+        if may_be_call(start):
+            self.calling = len(start) >= max(map(len, CALL_OPENERS))  # (no longer in doubt)
+            return None
+        self.flowing = True
+        return self._release(token.generated)
+
+    def _release(self, generated: int | None) -> Token:
+        held, self.held = self.held, []
+        logprobs = tuple(entry for t in held for entry in t.logprobs)
+        return Token("".join(t.text for t in held), generated, self.index, logprobs)
+
+    def end(self, text: str, finish: str, generated: int) -> tuple[list[Token], dict[str, Any]]:
+        """What to send at the end, and the choice for the result (``text``: all the output)."""
+        choice: dict[str, Any] = {"index": self.index, "text": text, "finish_reason": finish}
+        if self.mode not in MODES:
+            call = tool_call(self.mode, text)
+            finish = "tool_calls" if finish == "stop" else finish
+            return [], {**choice, "text": "", "finish_reason": finish, "tool_calls": [call]}
+        if self.flowing:
+            return [], choice
+        read = parse_tool_call(text, self.names)
+        if read is None:
+            return ([self._release(generated)] if self.held else []), choice
+        name, arguments = read
+        sent = Token(arguments, generated, self.index, tool=name)
+        calls = [tool_call(name, arguments)]
+        return [sent], {**choice, "text": "", "finish_reason": "tool_calls", "tool_calls": calls}
+
+
+def finish(
+    job: Job, spec: JobSpec, done: dict[str, Any], choices: list[Choice]
+) -> Iterator[Token | Finished]:
+    """The end of a job the worker has done: what its choices still have to send, then its
+    result (``choices`` in it with several, log probabilities or tools)."""
+    generated = done["completion_tokens"]
+    results = []
+    for choice, ended in zip(choices, done["choices"], strict=True):
+        tokens, result = choice.end(ended["text"], ended["finish_reason"], generated)
+        yield from tokens
+        if spec.logprobs is not None:
+            result["logprobs"] = choice.entries
+        results.append(result)
+    # (ttft_ms and tpot_ms are the governor's, measured from admission.)
+    result = {
+        "text": results[0]["text"],
+        "prompt_tokens": len(job.tokens),
+        "completion_tokens": generated,
+        "cached_tokens": done["cached_tokens"],
+        "finish_reason": results[0]["finish_reason"],
+    }
+    if spec.n > 1 or spec.logprobs is not None or tool_mode(spec) != "text":
+        result["choices"] = results
+    yield Finished(result)
 
 
 def default_threads(workers: int) -> int:

@@ -8,38 +8,72 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
              "ttft_ms": float, "tpot_ms": float, "stall": float, "temperature": float,
              "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
-             "stop": [str], "ignore_eos": bool}
+             "stop": [str], "ignore_eos": bool, "n": int, "logprobs": int | null,
+             "presence_penalty": float, "frequency_penalty": float, "repeat_penalty": float,
+             "logit_bias": [[int, float]], "grammar": str | null}
             {"op": "cancel", "id": str}
+            {"op": "embed", "id": str, "texts": [[int]]}
     stdout: {"ev": "ready", "cells": int, "slots": int, "n_ctx_train": int}
                                                                 once, after loading and warming up
             {"ev": "refused", "error": str}                     instead, for an ``--n-ctx`` the
                                                                 model was not trained for; exit 2
-            {"ev": "step", "kv": int, "acks": int, "f": {id: int}, "out": {id: text},
-             "n": {id: int}, "done": [{"id": str, "text": str, "completion_tokens": int,
-             "cached_tokens": int, "finish_reason": "stop" | "length" | "error",
-             "error"?: str}]}
+            {"ev": "step", "kv": int, "acks": int, "f": {id: int},
+             "out": [{"id": str, "i": int, "text": str, "n": int, "lp"?: [entry]}],
+             "done": [{"id": str, "choices": [{"text": str, "finish_reason": "stop" | "length"}],
+                       "completion_tokens": int, "cached_tokens": int}
+                      | {"id": str, "error": str}]}
                                                                 after each decode step
+            {"ev": "embedded", "id": str, "vectors": [[float]] | "error": str}
+                                                                the answer to an "embed"
 
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
 of every generating sequence and chunks of pending prompts, cut to fit the generating
 sequences' ``tpot_ms`` and ``stall`` and the first-token deadlines ``ttft_ms`` after each
-job's arrival (the step budget, in that module). ``out`` holds the text each sequence produced
-in the step (left out when empty) and ``n`` how many tokens it has generated so far (for the
-same sequences), ``f`` how many prompt tokens each sequence whose prompt is still being fed has
-in the cache, ``kv`` the cache cells held after it,
-``acks`` how many cancels were handled since the last event; ``cached_tokens`` is how much of
-a job's prompt was already in the cache (a prefix kept from an earlier job, or shared). Requests are read between steps,
-in the order sent: a cancel stops its sequence before the next step and frees its cells at once
-(an event with nothing else in it says so when no step follows), and a run sent after a cancel
-or a finished job always finds their cells free.
+job's arrival (the step budget, in that module). ``out`` holds, for each sequence that let
+out text in the step (or, with log probabilities, tokens), the job, the sequence's index ``i``
+among the job's ``n``, its text, and ``n``, how many tokens the job (all its sequences) has
+generated so far; ``f`` how many prompt tokens each job whose prompt is still being fed has in
+the cache, ``kv`` the cache cells held after it, ``acks`` how many cancels were handled since
+the last event. A job is done when
+all its sequences are, with each one's whole text and finish in ``choices`` (by index),
+``completion_tokens`` over all of them, and ``cached_tokens``, how much of its prompt was
+already in the cache (a prefix kept from an earlier job, or shared); or with an ``error``.
+Requests are read between steps, in the order sent: a cancel stops its job before the next
+step and frees its cells at once (an event with nothing else in it says so when no step
+follows), and a run sent after a cancel or a finished job always finds their cells free.
 
 Every step is timed, from its planning to its event, and the time taught to the scheduler's
 :class:`~.stepcost.StepCosts` (a preempted or failed step teaches nothing). Before "ready", a
 few calibration steps of known shape (prompts and generating sequences side by side) give the
 model its first figures on this model and device.
 
-Tokens are sampled by llama.cpp's own sampler chain, one per sequence (top_k, top_p, min_p,
-temperature, then a seeded draw; greedy at temperature 0).
+Tokens are sampled by llama.cpp's own sampler chain, one per sequence, in the order of
+llama.cpp's common sampler: logit biases, penalties (repeat, frequency and presence, over the
+sequence's generated tokens), the grammar (GBNF text, checked by the daemon before admission),
+then top_k, top_p, min_p, temperature and a seeded draw (``seed + i`` for the job's ``i``-th
+sequence); greedy at temperature 0.
+
+**Several choices.** A job with ``n`` above 1 runs its first sequence alone until its prompt is
+in the cache; the step that samples its first token forks the others from it
+(:meth:`~.batching.Scheduler.fork`): they share the prompt's cells and sample their first
+tokens from the same logits. Each slot has ``MAX_N`` sequence ids for that (as far as
+llama.cpp's ``MAX_SEQUENCES`` allow; a fork that finds none free waits for one, and feeds the
+prompt's last token itself).
+
+**Log probabilities.** With ``logprobs`` (k), each sampled token's log probability and the k
+likeliest tokens' are read from the model's raw logits at its position (a log-softmax over the
+vocabulary: before biases, penalties, grammar and temperature), in OpenAI's chat shape
+(``entry``: ``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}``).
+A token's ``token`` is the text its bytes complete: a character split over tokens belongs to
+the one that completes it (the one before has ""), and a token that a stop string cuts keeps
+what comes before the stop. Its ``bytes`` are its own (cut the same way). So a job's entries'
+tokens add up to its text exactly, and its text is let out at token boundaries only, each
+piece (``lp``) with the entries of the tokens it is made of. An alternative's ``token`` is its
+bytes decoded alone (a broken character shown as U+FFFD).
+
+**Embeddings.** An "embed" request is answered between two steps, in a second context made at
+the first one (:class:`Embedder`); the generating sequences wait for it (a step event, empty,
+after each of its own steps says that the worker is alive).
 
 **Preemption.** A step that feeds the prompt of a less urgent job (a rewrite) can be long; a
 run request for a more urgent one (a chat) that arrives meanwhile aborts it (llama.cpp's abort
@@ -52,25 +86,32 @@ least urgent of all, preempts nothing.)
 from __future__ import annotations
 
 import argparse
+import bisect
 import codecs
 import ctypes
 import io
+import math
 import queue
 import random
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import orjson
+
+from protocol.spec import MAX_N
 
 from .batching import MAX_PASSED, Entry, Scheduler, Sequence
 from .stepcost import StepCosts
 
 PROBE_SLOTS = 1  # a sequence beyond the admitted ones, for the health probe
 PROBE_CELLS = 16  # and the cells its job (a few prompt tokens, one generated) needs
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequence ids one context may have
+EMBED_SEQUENCES = 64  # texts one embedding step takes at most
 # llama.cpp's warning for a context whose cells per sequence exceed the model's training
 # context. With kv_unified every sequence may address the whole cache, so llama.cpp counts all
 # its cells (every slot's, and the probe's) as one sequence's, and warns whenever the cache is
@@ -85,6 +126,10 @@ GGML_LOG_WARN, GGML_LOG_ERROR, GGML_LOG_CONT = 3, 4, 5  # llama.cpp's enum ggml_
 
 class Refused(Exception):
     """The worker cannot serve this configuration; the message is for people."""
+
+
+class EmbedFailed(Exception):
+    """An embedding request failed (no context for it, a decode that failed)."""
 
 
 def context_refusal(n_ctx: int, n_ctx_train: int, model: str) -> str | None:
@@ -106,22 +151,46 @@ def emit(out: BinaryIO, event: dict[str, Any]) -> None:
 
 class Text:
     """A sequence's output: incremental UTF-8 decoding, stop strings, and the end of the text
-    that could still be the start of a stop string, held back until it cannot."""
+    that could still be the start of a stop string, held back until it cannot.
+
+    It keeps each token's bytes, where its text ends (the characters its bytes complete) and
+    a note of the caller's (its log probabilities), for a caller that lets text out in whole
+    tokens (``whole``): :attr:`fresh` is then the tokens each delta is made of."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
         self.sent = 0  # characters of self.text already emitted
+        self.pieces: list[bytes] = []  # each token's bytes
+        self.ends: list[int] = []  # where each token's text ends in self.text
+        self.notes: list[Any] = []
+        self.fresh = range(0)  # the tokens the last delta let out
+        self._let_out = 0  # tokens let out
 
-    def add(self, piece: bytes) -> bool:
+    def add(self, piece: bytes, note: Any = None) -> bool:
         """Append a token's bytes; True when a stop string has appeared (the text ends there)."""
         self.text += self.decoder.decode(piece)
+        self.pieces.append(piece)
+        self.ends.append(len(self.text))
+        self.notes.append(note)
         cuts = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
         if cuts:
-            self.text = self.text[: min(cuts)]
+            self._cut(min(cuts))
             return True
         return False
+
+    def _cut(self, at: int) -> None:
+        """End the text at ``at``: the tokens after it go, the one it falls in keeps what
+        comes before it (its bytes too)."""
+        kept = bisect.bisect_left(self.ends, at) + 1 if at else 0
+        del self.pieces[kept:], self.ends[kept:], self.notes[kept:]
+        if kept:
+            self.ends[-1] = at
+            rest = len(self.text[:at].encode()) - sum(len(p) for p in self.pieces[:-1])
+            self.pieces[-1] = self.pieces[-1][: max(rest, 0)]
+        self.text = self.text[:at]
+        self.decoder.reset()  # (bytes of a character after the stop are not the text's)
 
     def _partial(self) -> int:
         """The length of the longest end of the text that begins a stop string."""
@@ -136,13 +205,32 @@ class Text:
             default=0,
         )
 
-    def delta(self, *, final: bool) -> str:
+    def delta(self, *, final: bool, whole: bool = False) -> str:
+        """The text not yet let out that can be now: all of it when ``final``, else what can
+        no longer begin a stop string, and with ``whole`` only through the last whole token."""
         if final:
-            self.text += self.decoder.decode(b"", final=True)
+            tail = self.decoder.decode(b"", final=True)
+            if tail:  # (a character left broken at the end)
+                self.text += tail
+                self.ends[-1] = len(self.text)
         upto = len(self.text) if final else max(len(self.text) - self._partial(), self.sent)
+        if whole and not final:
+            last = bisect.bisect_right(self.ends, upto)  # (tokens that end by upto)
+            upto = max(self.ends[last - 1] if last else 0, self.sent)
+        # The tokens it completes: those whose text ends by ``upto`` (but one that completes
+        # no character yet, at the end, waits for the token that does).
+        done = len(self.ends) if final else bisect.bisect_left(self.ends, upto)
+        if not final and done < len(self.ends) and self.ends[done] == upto and upto:
+            done += 1
+        self.fresh = range(self._let_out, max(done, self._let_out))
+        self._let_out = self.fresh.stop
         delta = self.text[self.sent : upto]
         self.sent = upto
         return delta
+
+    def token(self, i: int) -> str:
+        """The ``i``-th token's text."""
+        return self.text[self.ends[i - 1] if i else 0 : self.ends[i]]
 
 
 class Model:
@@ -164,12 +252,15 @@ class Model:
         if not self.model:
             raise SystemExit(f"cannot load the model {args.model}")
         self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = ll.llama_model_n_ctx_train(self.model)
         refusal = context_refusal(args.n_ctx, self.n_ctx_train, Path(args.model).name)
         if refusal is not None:
             ll.llama_model_free(self.model)
             raise Refused(refusal)
-        self.slots = args.slots + PROBE_SLOTS
+        # Sequence ids: MAX_N for each admitted job (its choices), and the probe's.
+        self.slots = min(args.slots * MAX_N + PROBE_SLOTS, MAX_SEQUENCES)
+        self.n_ctx, self.threads = args.n_ctx, args.threads  # (for the embedding context)
         self.batch_size = args.step_tokens + self.slots
         cparams = ll.llama_context_default_params()
         cparams.n_ctx = args.cells + PROBE_CELLS
@@ -228,9 +319,16 @@ class Model:
     def share(self, source: int, slot: int, length: int) -> None:
         self.ll.llama_memory_seq_cp(self.memory, source, slot, 0, length)
 
-    def sampler(self, request: dict[str, Any]) -> Any:
+    def sampler(self, request: dict[str, Any], index: int = 0) -> Any:
+        """The sampler chain of the request's ``index``-th sequence; None when its grammar
+        does not parse (the daemon checks it before admission: this is for safety)."""
         ll = self.ll
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        for constraint in self._constraints(request):
+            if not constraint:
+                ll.llama_sampler_free(chain)
+                return None
+            ll.llama_sampler_chain_add(chain, constraint)
         temperature = request["temperature"]
         if temperature <= 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
@@ -242,15 +340,49 @@ class Model:
         if request["min_p"] > 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(request["min_p"], 1))
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(temperature))
-        seed = request["seed"] if request["seed"] is not None else random.randrange(2**31)
+        seed = request["seed"] + index if request["seed"] is not None else random.randrange(2**31)
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
         return chain
+
+    def _constraints(self, request: dict[str, Any]) -> Iterator[Any]:
+        """The samplers that come before any draw: logit biases, penalties, the grammar
+        (each made only when asked for; a grammar that does not parse is a NULL one)."""
+        ll = self.ll
+        if bias := request.get("logit_bias"):
+            entries = (ll.llama_logit_bias * len(bias))(
+                *(ll.llama_logit_bias(t, b) for t, b in bias)
+            )
+            yield ll.llama_sampler_init_logit_bias(self.n_vocab, len(bias), entries)
+        penalties = (
+            request.get("repeat_penalty", 1.0),
+            request.get("frequency_penalty", 0.0),
+            request.get("presence_penalty", 0.0),
+        )
+        if penalties != (1.0, 0.0, 0.0):
+            # Over all the tokens the sequence may generate (OpenAI's penalties count them all).
+            window = request["max_new_tokens"]
+            yield ll.llama_sampler_init_penalties(self.n_vocab, window, *penalties)
+        if grammar := request.get("grammar"):
+            yield ll.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
 
     def sample(self, chain: Any, index: int) -> int:
         return int(self.ll.llama_sampler_sample(chain, self.ctx, index))
 
     def free_sampler(self, chain: Any) -> None:
         self.ll.llama_sampler_free(chain)
+
+    def scores(self, index: int, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+        """The log probability of ``token`` at the batch's ``index``-th logits, and the ``top``
+        likeliest tokens' (id, log probability), likeliest first: a log-softmax of the raw
+        logits over the vocabulary."""
+        logits = np.ctypeslib.as_array(
+            self.ll.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,)
+        )
+        peak = float(logits.max())
+        norm = peak + math.log(float(np.exp(logits - peak).sum(dtype=np.float64)))
+        best = np.argpartition(logits, -top)[-top:] if top else np.zeros(0, dtype=np.intp)
+        best = best[np.argsort(-logits[best], kind="stable")]
+        return float(logits[token]) - norm, [(int(t), float(logits[t]) - norm) for t in best]
 
     def is_eog(self, token: int) -> bool:  # end of generation: EOS, EOT, <|im_end|> ...
         return bool(self.ll.llama_vocab_is_eog(self.vocab, token))
@@ -267,6 +399,69 @@ class Model:
         tokens = (self.ll.llama_token * (len(text) + 8))()
         n = self.ll.llama_tokenize(self.vocab, text, len(text), tokens, len(tokens), True, False)
         return list(tokens[: max(n, 0)])
+
+
+class Embedder:
+    """A second context on the worker's model, for embeddings, made at the first request: each
+    text a sequence of its own, its hidden states mean-pooled by llama.cpp, then scaled to unit
+    length (as OpenAI's are). It costs a KV cache of ``n_ctx`` cells and the buffers of an
+    ``n_ctx``-token step (a text is pooled in one step, so one step must hold the longest)."""
+
+    def __init__(self, model: Model) -> None:
+        ll = model.ll
+        params = ll.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = model.n_ctx
+        params.n_seq_max = EMBED_SEQUENCES
+        params.kv_unified = True
+        params.embeddings = True
+        params.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN
+        params.n_threads = params.n_threads_batch = model.threads
+        params.no_perf = True
+        self.ll, self.size = ll, model.n_ctx
+        self.ctx = ll.llama_init_from_model(model.model, params)
+        if not self.ctx:
+            raise EmbedFailed("cannot create the embedding context (out of memory?)")
+        self.memory = ll.llama_get_memory(self.ctx)
+        self.batch = ll.llama_batch_init(model.n_ctx, 0, 1)
+        self.n_embd = ll.llama_model_n_embd(model.model)
+
+    def embed(self, texts: list[list[int]]) -> Iterator[list[list[float]]]:
+        """The texts' vectors, a step's worth at a time (as many texts as one step holds)."""
+        group: list[list[int]] = []
+        for tokens in texts:
+            if group and (
+                sum(map(len, group)) + len(tokens) > self.size or len(group) == EMBED_SEQUENCES
+            ):
+                yield self._step(group)
+                group = []
+            group.append(tokens)
+        if group:
+            yield self._step(group)
+
+    def _step(self, group: list[list[int]]) -> list[list[float]]:
+        ll, batch, n = self.ll, self.batch, 0
+        for seq, tokens in enumerate(group):
+            for position, token in enumerate(tokens):
+                batch.token[n] = token
+                batch.pos[n] = position
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = seq
+                batch.logits[n] = 1
+                n += 1
+        batch.n_tokens = n
+        try:
+            status = ll.llama_decode(self.ctx, batch)
+            if status != 0:
+                raise EmbedFailed(f"llama_decode returned {status}")
+            vectors = []
+            for seq in range(len(group)):
+                pooled = ll.llama_get_embeddings_seq(self.ctx, seq)
+                vector = np.ctypeslib.as_array(pooled, shape=(self.n_embd,)).astype(np.float64)
+                norm = float(np.linalg.norm(vector))
+                vectors.append((vector / norm if norm else vector).tolist())
+            return vectors
+        finally:
+            ll.llama_memory_clear(self.memory, True)
 
 
 def _without_training_overflow_warning(ll: Any, aborting: Callable[[], bool]) -> Any:
@@ -292,15 +487,19 @@ def _without_training_overflow_warning(ll: Any, aborting: Callable[[], bool]) ->
     return callback
 
 
-class Job:
-    """A running sequence's state beside the scheduler's: its sampler and its text."""
+class Branch:
+    """One of a job's sequences, its ``index``-th choice: its sampler and its text."""
 
-    __slots__ = ("chain", "request", "seq", "text")
+    __slots__ = ("chain", "finish", "index", "job", "seq", "text")
 
-    def __init__(self, model: Model, request: dict[str, Any]) -> None:
-        self.request = request
+    def __init__(self, job: Job, index: int, chain: Any) -> None:
+        request = job.request
+        self.job = job
+        self.index = index
+        self.chain = chain  # None once freed
+        self.finish: str | None = None
         self.seq = Sequence(
-            request["id"],
+            request["id"] if index == 0 else f"{request['id']}/{index}",
             tuple(request["tokens"]),
             request["max_new_tokens"],
             priority=request["priority"],
@@ -310,8 +509,26 @@ class Job:
         )
         if ttft_ms := request.get("ttft_ms", 0.0):
             self.seq.deadline = time.perf_counter() + ttft_ms / 1000
-        self.chain = model.sampler(request)
         self.text = Text(request["stop"])
+
+
+class Job:
+    """A run request: its ``n`` sequences (the first submitted at once, the others forked from
+    it once it has fed the prompt) and the tokens they have generated together."""
+
+    __slots__ = ("branches", "forked", "generated", "key", "logprobs", "request")
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.request = request
+        self.key: str = request["id"]
+        self.logprobs: int | None = request.get("logprobs")
+        self.branches: list[Branch] = []
+        self.forked = request.get("n", 1) == 1
+        self.generated = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(branch.finish is not None for branch in self.branches)
 
 
 class Worker:
@@ -322,7 +539,9 @@ class Worker:
         self.scheduler = scheduler
         self.out = out
         self.jobs: dict[str, Job] = {}
+        self.branches: dict[str, Branch] = {}  # by their sequences' keys
         self.acks = 0  # cancels handled since the last event
+        self.embedder: Embedder | None = None
         # While a step feeds prompts of this priority or less urgent, a run more urgent than
         # it preempts the step (-1: the step in progress cannot be preempted).
         self.preemptible_above = -1
@@ -334,20 +553,59 @@ class Worker:
 
     def handle(self, request: dict[str, Any]) -> None:
         if request["op"] == "run":
-            job = Job(self.model, request)
-            self.jobs[job.seq.key] = job
-            self.scheduler.submit(job.seq)
+            self._start(request)
         elif request["op"] == "cancel":
-            self._end(request["id"])
+            self._drop(request["id"])
             self.acks += 1
+        elif request["op"] == "embed":
+            self._embed(request)
 
-    def _end(self, key: str, *, keep: bool = True) -> Job | None:
+    def _embed(self, request: dict[str, Any]) -> None:
+        """Embed the texts between two steps (an empty step event after each embedding step:
+        the daemon hears from the worker while it embeds)."""
+        vectors: list[list[float]] = []
+        try:
+            if self.embedder is None:
+                self.embedder = Embedder(self.model)
+            for group in self.embedder.embed(request["texts"]):
+                vectors += group
+                self._emit([], [])
+        except EmbedFailed as exc:
+            emit(self.out, {"ev": "embedded", "id": request["id"], "error": str(exc)})
+            return
+        emit(self.out, {"ev": "embedded", "id": request["id"], "vectors": vectors})
+
+    def _start(self, request: dict[str, Any]) -> None:
+        job = Job(request)
+        for index in range(request.get("n", 1)):
+            chain = self.model.sampler(request, index)
+            if chain is None:
+                self._free(job)
+                self._emit([], [{"id": job.key, "error": "its grammar does not parse"}])
+                return
+            job.branches.append(Branch(job, index, chain))
+        self.jobs[job.key] = job
+        for branch in job.branches:
+            self.branches[branch.seq.key] = branch
+        self.scheduler.submit(job.branches[0].seq)
+
+    def _drop(self, key: str, *, keep: bool = True) -> Job | None:
+        """Take a job out, finished or not (its sequences' cells stay unless ``keep`` is
+        False); None when it is not here."""
         job = self.jobs.pop(key, None)
         if job is None:
             return None  # finished already
-        self.scheduler.remove(key, keep=keep)
-        self.model.free_sampler(job.chain)
+        for branch in job.branches:
+            if self.branches.pop(branch.seq.key, None) is not None:
+                self.scheduler.remove(branch.seq.key, keep=keep)
+        self._free(job)
         return job
+
+    def _free(self, job: Job) -> None:
+        for branch in job.branches:
+            if branch.chain is not None:
+                self.model.free_sampler(branch.chain)
+                branch.chain = None
 
     @property
     def busy(self) -> bool:
@@ -359,7 +617,7 @@ class Worker:
         entries = scheduler.plan(started)
         if not entries:
             if self.acks:
-                self._emit({}, {}, [])
+                self._emit([], [])
             return
         prefill = [e.seq for e in entries if e.seq.prefilling]
         preemptible = bool(prefill) and all(
@@ -379,80 +637,120 @@ class Worker:
         tokens = sum(len(e.tokens) for e in entries)
         cells = scheduler.occupied + tokens
         scheduler.advance(entries)
-        out: dict[str, str] = {}
-        counts: dict[str, int] = {}
-        done: list[dict[str, Any]] = []
         if status != 0:
             # Admission reserves every job's cells, so this is a fault, not a full cache.
-            for entry in entries:
-                if (job := self._end(entry.seq.key, keep=False)) is not None:
-                    done.append(self._done(job, "error", f"llama_decode returned {status}"))
-            self._emit(out, counts, done)
+            failed = {self.branches[e.seq.key].job.key for e in entries}
+            for key in failed:
+                self._drop(key, keep=False)
+            self._emit(
+                [], [{"id": key, "error": f"llama_decode returned {status}"} for key in failed]
+            )
             return
         fed = {e.seq.key: e.seq.fed for e in entries if e.seq.prefilling}
+        out: list[dict[str, Any]] = []
+        done: list[dict[str, Any]] = []
         samplers = (e for e in entries if e.sample)
         for entry, index in zip(samplers, sampled, strict=True):
-            self._sample(self.jobs[entry.seq.key], index, out, counts, done)
-        self._emit(out, counts, done, fed)
+            branch = self.branches[entry.seq.key]
+            forks = self._fork(branch) if not branch.job.forked else []
+            for each in (branch, *forks):
+                self._sample(each, index, out, done)
+        self._emit(out, done, fed)
         scheduler.costs.observe(tokens, len(sampled), cells, time.perf_counter() - started)
+
+    def _fork(self, first: Branch) -> list[Branch]:
+        """The job's other sequences, now that ``first`` has fed the prompt: those forked from
+        it (they sample from its logits now); the others wait for a sequence id."""
+        job = first.job
+        job.forked = True
+        forked = []
+        for branch in job.branches[1:]:
+            if self.scheduler.fork(first.seq, branch.seq):
+                forked.append(branch)
+            else:
+                self.scheduler.submit(branch.seq)
+        return forked
 
     def _emit(
         self,
-        out: dict[str, str],
-        counts: dict[str, int],
+        out: list[dict[str, Any]],
         done: list[dict[str, Any]],
         fed: dict[str, int] | None = None,
     ) -> None:
         event = {"ev": "step", "kv": self.scheduler.used, "acks": self.acks, "f": fed or {}}
-        emit(self.out, {**event, "out": out, "n": counts, "done": done})
+        emit(self.out, {**event, "out": out, "done": done})
         self.acks = 0
 
     def _sample(
-        self,
-        job: Job,
-        index: int,
-        out: dict[str, str],
-        counts: dict[str, int],
-        done: list[dict[str, Any]],
+        self, branch: Branch, index: int, out: list[dict[str, Any]], done: list[dict[str, Any]]
     ) -> None:
-        model, seq = self.model, job.seq
-        token = model.sample(job.chain, index)
+        model, seq, job = self.model, branch.seq, branch.job
+        token = model.sample(branch.chain, index)
         finish = None
         if model.is_eog(token) and not job.request["ignore_eos"]:
             finish = "stop"
         else:
             seq.generated += 1
+            job.generated += 1
             if seq.generated == 1:
                 seq.first_at = time.perf_counter()
-            if job.text.add(model.piece(token)):
+            note = model.scores(index, token, job.logprobs) if job.logprobs is not None else None
+            if branch.text.add(model.piece(token), note):
                 finish = "stop"
             elif seq.generated >= seq.max_new_tokens:
                 finish = "length"
             else:
                 seq.pending = token
-        if finish is None:
-            if delta := job.text.delta(final=False):
-                out[seq.key] = delta
-                counts[seq.key] = seq.generated
-            return
-        if delta := job.text.delta(final=True):
-            out[seq.key] = delta
-            counts[seq.key] = seq.generated
-        self._end(seq.key)
-        done.append(self._done(job, finish))
+        self._let_out(branch, out, final=finish is not None)
+        if finish is not None:
+            self._finish(branch, finish, done)
 
-    @staticmethod
-    def _done(job: Job, finish: str, error: str | None = None) -> dict[str, Any]:
-        event = {
-            "id": job.seq.key,
-            "text": job.text.text,
-            "completion_tokens": job.seq.generated,
-            "cached_tokens": job.seq.reused,
-            "finish_reason": finish,
+    def _let_out(self, branch: Branch, out: list[dict[str, Any]], *, final: bool) -> None:
+        """The sequence's text that can go now, with its tokens' log probabilities."""
+        job, text = branch.job, branch.text
+        delta = text.delta(final=final, whole=job.logprobs is not None)
+        record: dict[str, Any] = {"id": job.key, "i": branch.index, "text": delta}
+        if job.logprobs is not None and text.fresh:
+            record["lp"] = [self._entry(text, i) for i in text.fresh]
+        elif not delta:
+            return
+        record["n"] = job.generated
+        out.append(record)
+
+    def _entry(self, text: Text, i: int) -> dict[str, Any]:
+        """The ``i``-th token's log probabilities, in OpenAI's chat shape."""
+        logprob, top = text.notes[i]
+        piece = self.model.piece
+        return {
+            "token": text.token(i),
+            "logprob": logprob,
+            "bytes": list(text.pieces[i]),
+            "top_logprobs": [
+                {"token": piece(t).decode(errors="replace"), "logprob": p, "bytes": list(piece(t))}
+                for t, p in top
+            ],
         }
-        if error is not None:
-            event["error"] = error
-        return event
+
+    def _finish(self, branch: Branch, finish: str, done: list[dict[str, Any]]) -> None:
+        """The sequence is over; its job too once all its sequences are."""
+        branch.finish = finish
+        self.branches.pop(branch.seq.key, None)
+        self.scheduler.remove(branch.seq.key)
+        if branch.chain is not None:
+            self.model.free_sampler(branch.chain)
+            branch.chain = None
+        job = branch.job
+        if not job.finished:
+            return
+        del self.jobs[job.key]
+        done.append(
+            {
+                "id": job.key,
+                "choices": [{"text": b.text.text, "finish_reason": b.finish} for b in job.branches],
+                "completion_tokens": job.generated,
+                "cached_tokens": job.branches[0].seq.reused,
+            }
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]  # ships no type information
 import openai
 import orjson
 
@@ -215,11 +215,15 @@ class Started:
         return url
 
     def governor(self, upstream: str, slots: int) -> str:
+        """A sidecar in front of ``upstream``; its front door's URL."""
+        return self.daemon("--runner", "http", "--upstream", upstream, "--max-inflight", str(slots))
+
+    def daemon(self, *flags: str) -> str:
+        """``governor serve FLAGS`` with its front door; the front door's URL, once ready."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         command = [
-            *(sys.executable, "-m", "governor", "serve", "--runner", "http"),
-            *("--upstream", upstream, "--max-inflight", str(slots), "--log-level", "warning"),
+            *(sys.executable, "-m", "governor", "serve", *flags, "--log-level", "warning"),
             *("--listen", f"127.0.0.1:{free_port()}", "--http-listen", f"127.0.0.1:{port}"),
         ]
         self.server(command, url + "/health", "governor")

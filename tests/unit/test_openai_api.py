@@ -427,7 +427,7 @@ LOGPROB = {
     "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}],
 }
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
-CHOICES = {
+CHOICES: dict[str, Any] = {
     **RESULT,
     "choices": [
         {"index": 0, "text": "Hi", "finish_reason": "stop", "logprobs": [LOGPROB]},
