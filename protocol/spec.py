@@ -32,6 +32,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's bound)
 MAX_TOOLS = 64
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema or a tool's parameters
+MAX_INPUTS = 2048  # texts one embeddings job may ask for
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANY_OBJECT = '{"type":"object"}'  # the schema of JSON mode (response_format json_object)
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
@@ -64,6 +65,7 @@ _FIELDS = frozenset(
         "response_format",
         "tools",
         "tool_choice",
+        "input",
     }
 )
 
@@ -126,6 +128,8 @@ class JobSpec:
     tools: str | None = None  # the functions the model may call (JSON text, OpenAI's list)
     tool_choice: str = "none"  # "none", "auto", "required", or the name of one of the tools
     forward: Forward | None = None  # the request as it came, for a runner that forwards it
+    # Texts to embed, instead of a prompt: a job that generates nothing (max_new_tokens 0).
+    input: tuple[str, ...] | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -137,6 +141,7 @@ class JobSpec:
         if self.forward is not None:
             return -(-self.forward.chars // 4)
         text = self.prompt or "".join(m.content for m in self.messages or ())
+        text += "".join(self.input or ())
         return -(-len(text) // 4)
 
     def to_wire(self) -> dict[str, Any]:
@@ -146,9 +151,11 @@ class JobSpec:
             obj["prompt"] = self.prompt
         if self.messages is not None:
             obj["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
-        obj.update(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p
-        )
+        if self.input is not None:
+            obj["input"] = list(self.input)
+        else:
+            obj["max_new_tokens"] = self.max_new_tokens
+        obj.update(temperature=self.temperature, top_p=self.top_p)
         if self.top_k:
             obj["top_k"] = self.top_k
         if self.min_p:
@@ -248,10 +255,14 @@ def spec_from_object(obj: Any, *, max_new_tokens_ceiling: int) -> JobSpec:
     if unknown:
         raise _invalid(f"unknown job spec field {sorted(unknown)[0]!r}")
 
-    prompt, messages = _prompt_or_messages(obj)
-    max_new = obj.get("max_new_tokens", min(128, max_new_tokens_ceiling))
-    if type(max_new) is not int or not 1 <= max_new <= max_new_tokens_ceiling:
-        raise _max_new_tokens_invalid(max_new_tokens_ceiling)
+    inputs = _inputs(obj)
+    if inputs is not None:
+        prompt, messages, max_new = None, None, 0
+    else:
+        prompt, messages = _prompt_or_messages(obj)
+        max_new = obj.get("max_new_tokens", min(128, max_new_tokens_ceiling))
+        if type(max_new) is not int or not 1 <= max_new <= max_new_tokens_ceiling:
+            raise _max_new_tokens_invalid(max_new_tokens_ceiling)
     seed = obj.get("seed")
     if seed is not None and (type(seed) is not int or not 0 <= seed <= MAX_SEED):
         raise _invalid(f"'seed' must be an integer from 0 to {MAX_SEED}")
@@ -283,8 +294,30 @@ def spec_from_object(obj: Any, *, max_new_tokens_ceiling: int) -> JobSpec:
         tool_risk=_number(obj, "tool_risk", 0.0, 0.0, 1.0),
         ttft_slo_ms=_slo(obj, "ttft_slo_ms"),
         tpot_slo_ms=_slo(obj, "tpot_slo_ms"),
+        input=inputs,
         **_features(obj),
     )
+
+
+def _inputs(obj: dict[str, Any]) -> tuple[str, ...] | None:
+    """An embeddings job's texts (None: a generating job's spec): a string, or a list of 1 to
+    :data:`MAX_INPUTS` non-empty strings, with neither a prompt, messages, nor an output."""
+    texts = obj.get("input")
+    if texts is None:
+        return None
+    if {"prompt", "messages", "max_new_tokens", "stream"} & obj.keys():
+        raise _invalid(
+            "an embeddings job ('input') has no 'prompt', 'messages', 'max_new_tokens' or 'stream'"
+        )
+    if type(texts) is str:
+        texts = [texts]
+    if (
+        type(texts) is not list
+        or not 0 < len(texts) <= MAX_INPUTS
+        or any(type(t) is not str or not t for t in texts)
+    ):
+        raise _invalid(f"'input' must be a non-empty string or a list of 1 to {MAX_INPUTS} of them")
+    return tuple(texts)
 
 
 def _features(obj: dict[str, Any]) -> dict[str, Any]:
@@ -300,12 +333,19 @@ def _features(obj: dict[str, Any]) -> dict[str, Any]:
         "logprobs": _logprobs(obj),
         "presence_penalty": _number(obj, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(obj, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repeat_penalty": _number(obj, "repeat_penalty", 1.0, 0.0, 10.0),
+        "repeat_penalty": _repeat_penalty(obj),
         "logit_bias": _logit_bias(obj.get("logit_bias")),
         "json_schema": _response_format(obj.get("response_format")),
         "tools": tools,
         "tool_choice": tool_choice,
     }
+
+
+def _repeat_penalty(obj: dict[str, Any]) -> float:
+    penalty = _number(obj, "repeat_penalty", 1.0, 0.0, 10.0)
+    if penalty == 0:
+        raise _invalid("'repeat_penalty' must be above 0 (1: none)")
+    return penalty
 
 
 def _logprobs(obj: dict[str, Any]) -> int | None:

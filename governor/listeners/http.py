@@ -79,7 +79,7 @@ from ..core.sources import KEY_TURN_FAR
 from ..core.waitline import Waiter, WaitLine, wait_budget_s, waits
 from ..execution import Ending, Execution
 from ..ops.health import Verdict
-from ..runners import Forwarding, Relay, Relayed, RunnerError, Token
+from ..runners import Embedder, Forwarding, Relay, Relayed, RunnerError, Token
 from ..state import ServerState
 from . import openai_api as api
 from .base import bind, bound_address
@@ -122,6 +122,7 @@ class FrontDoor:
         runner = state.admission.primary.runner
         # A runner that forwards requests as they came (a sidecar's): see openai_api.
         self.forwarder = runner if isinstance(runner, Forwarding) else None
+        self.embeds = self.forwarder is not None or isinstance(runner, Embedder)
         self.created = int(time.time())
         config = state.config
         self.places = api.KeptPlaces(
@@ -455,7 +456,7 @@ class HttpConnection(asyncio.Protocol):
                 exchange.fail(api.not_allowed("GET, HEAD"))
                 return
             exchange.respond(HTTPStatus.OK, api.models(self.door.model, self.door.created))
-        elif kind is None or (kind == api.EMBEDDING and not forwards):
+        elif kind is None or (kind == api.EMBEDDING and not self.door.embeds):
             exchange.fail(api.not_found(path, forwards))
         elif method != "POST":
             exchange.fail(api.not_allowed("POST"))

@@ -25,10 +25,12 @@ the governor's need code.
 
 from __future__ import annotations
 
+import binascii
 import heapq
 import itertools
 import math
 import secrets
+import struct
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -179,6 +181,7 @@ class Call:
     include_usage: bool
     forward: Forward | None = None
     echo: str = ""  # a completion's prompt, before each choice's text (``echo``)
+    base64: bool = False  # embeddings: each vector as base64 of its float32s (the SDK's ask)
 
     @property
     def chat(self) -> bool:
@@ -211,6 +214,8 @@ def parse_call(
         raise bad_request("the body must be a JSON object")
     if forwards:
         return parse_forward(obj, body, kind=kind, path=path, lane_header=lane_header)
+    if kind == EMBEDDING:
+        return parse_embeddings(obj, lane_header)
     _check_supported(obj, kind)
     spec: dict[str, Any] = {}
     echo = ""
@@ -273,6 +278,31 @@ def parse_forward(
         length_field=length_field,
     )
     return Call(kind, {**governor, "n": n}, stream, include_usage, forward)
+
+
+def parse_embeddings(obj: dict[str, Any], lane_header: str | None) -> Call:
+    """An embeddings request, for a runner that embeds: its texts (a string or a list of them:
+    token arrays are refused), the encoding of its vectors, the governor's own fields."""
+    fields: dict[str, Any] = {}
+    for name, value in obj.items():
+        if value is None or name in ("model", "user"):
+            continue
+        if name == "input":
+            if type(value) is list and value and type(value[0]) is not str:
+                raise bad_request("'input' must be text: token arrays are not embedded", name)
+            fields["input"] = value
+        elif name in GOVERNOR_FIELDS:
+            fields[name] = value
+        elif name != "encoding_format":
+            raise bad_request(f"the governor does not support {name!r} for embeddings", name)
+    encoding = obj.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise bad_request("'encoding_format' must be float or base64", "encoding_format")
+    if "input" not in fields:
+        raise bad_request("'input' is missing", "input")
+    if "lane" not in fields and lane_header:
+        fields["lane"] = lane_header
+    return Call(EMBEDDING, fields, False, False, base64=encoding == "base64")
 
 
 def text_chars(values: list[Any]) -> int:
@@ -493,12 +523,30 @@ class Answers:
         return n if isinstance(n, int) else 1
 
     def whole(self, result: Mapping[str, Any]) -> bytes:
+        if self.call.kind == EMBEDDING:
+            return self._embeddings(result)
         rendered = [self._whole_choice(i, c) for i, c in enumerate(choices(result))]
         return orjson.dumps(
             {
                 **self._head("chat.completion" if self.call.chat else "text_completion"),
                 "choices": rendered,
                 "usage": usage(result),
+            }
+        )
+
+    def _embeddings(self, result: Mapping[str, Any]) -> bytes:
+        vectors = result.get("embeddings")
+        data = [
+            {"object": "embedding", "index": i, "embedding": _vector(v, self.call.base64)}
+            for i, v in enumerate(vectors if isinstance(vectors, list) else ())
+        ]
+        tokens = usage(result)["prompt_tokens"]
+        return orjson.dumps(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
         )
 
@@ -592,6 +640,13 @@ class Answers:
         return b"data: " + orjson.dumps({**obj, **fields}) + b"\n\n"
 
 
+def _vector(vector: list[float], base64: bool) -> list[float] | str:
+    """An embedding as OpenAI sends it: a list of floats, or base64 of their float32s."""
+    if not base64:
+        return vector
+    return binascii.b2a_base64(struct.pack(f"<{len(vector)}f", *vector), newline=False).decode()
+
+
 def error_event(status: HTTPStatus, code: str, message: str) -> bytes:
     """A stream's end when the job fails after its first token (the status was sent already):
     an ``error`` event, which the SDKs raise as an ``APIError``."""
@@ -657,7 +712,8 @@ def not_found(path: str, forwards: bool) -> ApiError:
         return ApiError(
             HTTPStatus.NOT_FOUND,
             "not_found",
-            "this runner serves no embeddings: the http runner passes them to its upstream",
+            "this runner serves no embeddings: the llama runner makes them, the http runner "
+            "passes them to its upstream",
         )
     return ApiError(HTTPStatus.NOT_FOUND, "not_found", f"no such path: try {paths}")
 

@@ -1,6 +1,7 @@
 """Runners execute admitted jobs; :mod:`.base` defines the interface."""
 
 from .base import (
+    Embedder,
     Fed,
     Finished,
     Forwarding,
@@ -19,6 +20,7 @@ from .base import (
 from .stub import StubRunner
 
 __all__ = [
+    "Embedder",
     "Fed",
     "Finished",
     "Forwarding",

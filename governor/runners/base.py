@@ -195,6 +195,14 @@ class Forwarding(Protocol):
 
 
 @runtime_checkable
+class Embedder(Protocol):
+    """A runner that embeds texts (the embedded llama runner): a job spec's ``input`` runs
+    as an embeddings job, its result's ``embeddings`` one vector a text."""
+
+    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]: ...
+
+
+@runtime_checkable
 class KvCacheRunner(Protocol):
     """A runner with KV caches of its own (the batched llama runner, one per worker):
     admission reserves each job's cells in one of them, and tells the runner which

@@ -456,6 +456,9 @@ class LlamaRunner:
 
     def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
         spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
+        if spec.input is not None:  # (texts to embed: its tokens are what it costs)
+            tokens = self._embedding_tokens(list(spec.input))
+            return Job(job_id, payload, spec=spec, tokens=tuple(t for each in tokens for t in each))
         self._check_features(spec)
         text, special, stop = prompt_of(spec, self._chat, self._tool_template)
         tokens = self._vocab.tokenize(text.encode(), add_bos=self._add_bos, special=special)
@@ -517,6 +520,10 @@ class LlamaRunner:
         llama_cpp.llama_sampler_free(sampler)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
+        if job.spec is not None and job.spec.input is not None:
+            vectors, tokens = await self.embed(list(job.spec.input))
+            yield Finished({"embeddings": vectors, "prompt_tokens": tokens, "completion_tokens": 0})
+            return
         worker = await self._worker(job.kv_cache if job.kv_cache is not None else 0)
         async with contextlib.aclosing(self._generate(worker, job)) as events:
             async for event in events:

@@ -156,7 +156,9 @@ async def test_a_request_the_front_door_refuses_for_good_is_aborted(
     make_server: ServerFactory,
 ) -> None:
     url = await _front_door(make_server)
-    target = OpenAITarget(url, Shape(chat=True), extra={"best_of": 2}, retry=retry_policy("hint", 10))
+    target = OpenAITarget(
+        url, Shape(chat=True), extra={"best_of": 2}, retry=retry_policy("hint", 10)
+    )
     run = await _drive(target, 1)
 
     (outcome,) = run.outcomes

@@ -154,3 +154,21 @@ def test_echo_and_penalties(sdk: openai.OpenAI) -> None:
         presence_penalty=2.0,
     )
     assert "The sea is" + penalised.choices[0].text != plain.choices[0].text
+
+
+def test_embeddings_are_jobs_of_the_loaded_model(sdk: openai.OpenAI) -> None:
+    """The SDK asks for base64 (and decodes it); a client that asks for floats gets floats:
+    the same unit vectors, one a text, and the texts' tokens in the usage."""
+    answer = sdk.embeddings.create(model="m", input=["a red apple", "a green pear"])
+    vectors = [e.embedding for e in answer.data]
+    assert [len(v) for v in vectors] == [576, 576]
+    assert all(abs(sum(x * x for x in v) - 1.0) < 1e-3 for v in vectors)
+    assert answer.usage.prompt_tokens > 0
+    floats = (
+        sdk.embeddings.create(model="m", input="a red apple", encoding_format="float")
+        .data[0]
+        .embedding
+    )
+    assert max(abs(a - b) for a, b in zip(floats, vectors[0], strict=True)) < 1e-4
+    with pytest.raises(openai.BadRequestError, match="token arrays"):
+        sdk.embeddings.create(model="m", input=[[1, 2, 3]])

@@ -502,3 +502,44 @@ def test_echo_puts_the_prompt_first() -> None:
     legacy = a.delta(Token("on", logprobs=(dict(LOGPROB, token="on"),)))
     logprobs = orjson.loads(legacy.removeprefix(b"data: "))["choices"][0]["logprobs"]
     assert logprobs["text_offset"] == [len("Once up")]  # (from the echoed prompt's start)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": [[1, 2]]}, "input"),
+        ({"model": "m"}, "input"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "x", "dimensions": 64}, "dimensions"),
+    ],
+)
+def test_an_embeddings_request_it_cannot_honour_is_refused(
+    body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(api.ApiError) as caught:
+        api.parse_call(orjson.dumps(body), kind=api.EMBEDDING, lane_header=None)
+    assert caught.value.param == param
+
+
+def test_an_embeddings_request_is_a_job_of_texts() -> None:
+    call = api.parse_call(
+        orjson.dumps({"input": ["a", "b"], "model": "m", "encoding_format": "base64"}),
+        kind=api.EMBEDDING,
+        lane_header="background",
+    )
+    spec = call.spec(64)
+    assert (spec.input, spec.output_tokens, spec.lane, call.base64) == (
+        ("a", "b"),
+        0,
+        "background",
+        True,
+    )
+    with pytest.raises(SpecInvalid):
+        spec_from_object({"input": [""]}, max_new_tokens_ceiling=64)
+    with pytest.raises(SpecInvalid):
+        spec_from_object({"input": "a", "prompt": "b"}, max_new_tokens_ceiling=64)
+    answer = orjson.loads(
+        api.Answers(call, "id", 1, "smol").whole({"embeddings": [[1.0, 0.5]], "prompt_tokens": 2})
+    )
+    assert answer["data"][0]["embedding"] == "AACAPwAAAD8="  # (float32 1.0, 0.5)
+    assert answer["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
