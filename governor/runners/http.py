@@ -348,7 +348,8 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[Any]:
     """The JSON of each ``data:`` event of an OpenAI-style stream, up to ``data: [DONE]``
     (``orjson.JSONDecodeError`` for one that is not JSON)."""
     async for _, event in sse_raw(response):
-        yield event
+        if event is not None:  # (a comment, a keep-alive: no data)
+            yield event
 
 
 async def sse_raw(response: httpx.Response) -> AsyncIterator[tuple[bytes, Any]]:

@@ -36,7 +36,7 @@ from ..support.processes import free_port, stop, wait_http_ready
 
 NAME = "sidecar"
 CHAT = [{"role": "user", "content": "What is the weather like in Oslo today?"}]
-WEATHER = {
+WEATHER: Any = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -53,7 +53,7 @@ PERSON = {
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
     "required": ["name", "age"],
 }
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
+NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
 
 
 class Wrong(Exception):

@@ -606,3 +606,18 @@ async def test_a_bad_body_is_refused_before_the_upstream(
             assert response.status_code == 400, body
             assert response.json()["error"]["param"] == param
     assert upstream.jobs() == []
+
+
+async def test_events_without_data_are_relayed_as_they_came(make_server: ServerFactory) -> None:
+    """A keep-alive comment in the upstream's stream (sse-starlette's ``: ping``, say) reaches
+    the client as it came, whatever its line endings."""
+    events = [b": ping\n\n", *sse(STREAM[:2])[:-1], b": ping\r\n\r\n", *sse(STREAM[3:])]
+    async with recording_upstream() as upstream:
+        upstream.answers["/v1/chat/completions"] = Answer(
+            content_type="text/event-stream", events=events
+        )
+        server = await sidecar(make_server, upstream)
+        body = orjson.dumps({**AGENT_CHAT, "stream": True})
+        response = await post(server, "/v1/chat/completions", body)
+    relayed = [e for e in events if e != b"data: [DONE]\n\n"]
+    assert response.content == b"".join(relayed) + b"data: [DONE]\n\n"

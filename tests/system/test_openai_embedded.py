@@ -13,21 +13,8 @@ import openai
 import orjson
 import pytest
 
-from loadtest.commands.sidecar import Started
+from loadtest.commands.sidecar import NAMED, WEATHER, Started
 
-WEATHER: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city now.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
 OSLO: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
 PERSON: Any = {
     "type": "object",
