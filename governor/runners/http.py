@@ -48,6 +48,8 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
 JSON = "application/json"
 SSE = "text/event-stream"
 JSON_HEADERS = {"content-type": JSON}
+# The most the sidecar holds of an upstream's answer: a whole one, or one event of a stream.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,15 +174,16 @@ class HttpRunner:
     async def relay(self, method: str, path: str, body: bytes) -> Relayed:
         """The upstream's answer to a request that takes no slot, as it came."""
         assert self._client is not None
+        headers = JSON_HEADERS if body else None
         try:
-            response = await self._client.request(
-                method, path, content=body or None, headers=JSON_HEADERS if body else None
-            )
+            async with self._client.stream(
+                method, path, content=body or None, headers=headers
+            ) as response:
+                return _relayed(response, await read_bounded(response))
         except httpx.TimeoutException:
             raise self._timeout() from None
         except httpx.HTTPError as exc:
             raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
-        return _relayed(response, response.content)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         spec = job.spec
@@ -246,7 +249,7 @@ class HttpRunner:
                 "POST", forward.path, content=body, headers=JSON_HEADERS
             ) as response:
                 if response.status_code >= 300 or not forward.stream:
-                    whole = await response.aread()
+                    whole = await read_bounded(response)
                     relayed = _relayed(response, whole)
                     if response.status_code >= 300:
                         raise _refused(relayed)
@@ -263,6 +266,24 @@ class HttpRunner:
             raise self._timeout() from None
         except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
             raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
+
+
+async def read_bounded(response: httpx.Response) -> bytes:
+    """A whole answer of the upstream's, of :data:`MAX_ANSWER_BYTES` at most (RunnerError past
+    that: the governor holds what it relays)."""
+    parts, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise _too_large("answer")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _too_large(what: str) -> RunnerError:
+    return RunnerError(
+        f"the upstream's {what} is over {MAX_ANSWER_BYTES} bytes", NeedCode.UPSTREAM_ERROR
+    )
 
 
 def _relayed(response: httpx.Response, body: bytes) -> Relayed:
@@ -360,6 +381,8 @@ async def sse_raw(response: httpx.Response) -> AsyncIterator[tuple[bytes, Any]]:
     buffer = b""
     async for chunk in response.aiter_bytes():
         buffer += chunk
+        if len(buffer) > MAX_ANSWER_BYTES:  # (no blank line: no end of an event in sight)
+            raise _too_large("stream event")
         while True:
             end, cut = _event_end(buffer)
             if end < 0:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from governor.config import Config
 from governor.listeners import openai_api as api
+from governor.runners import http as http_runner
 from governor.runners.base import PROBE_SPEC
 from governor.runners.http import HttpRunner, HttpSettings
 from governor.server import Server
@@ -621,3 +622,25 @@ async def test_events_without_data_are_relayed_as_they_came(make_server: ServerF
         response = await post(server, "/v1/chat/completions", body)
     relayed = [e for e in events if e != b"data: [DONE]\n\n"]
     assert response.content == b"".join(relayed) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_upstream_answer_over_the_bound_is_a_502(
+    make_server: ServerFactory, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """What the sidecar holds of an upstream's answer is bounded: a whole answer, or an event
+    that never ends, past ``MAX_ANSWER_BYTES``, fails the job; the slot comes back."""
+    monkeypatch.setattr(http_runner, "MAX_ANSWER_BYTES", 4096)
+    endless = [b"data: " + b"x" * 1024 for _ in range(8)]  # (no blank line ever)
+    async with recording_upstream() as upstream:
+        upstream.answers["/v1/chat/completions"] = (
+            Answer(content_type="text/event-stream", events=endless)
+            if stream
+            else Answer(body=b"{" + b" " * 8192 + b"}")
+        )
+        server = await sidecar(make_server, upstream)
+        body = orjson.dumps({**AGENT_CHAT, "stream": stream})
+        response = await post(server, "/v1/chat/completions", body)
+    assert response.status_code == 502
+    assert "over 4096 bytes" in response.json()["error"]["message"]
+    assert server.ledger.inflight == 0
