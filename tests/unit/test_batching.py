@@ -339,9 +339,13 @@ def budgeted(
     return Scheduler(slots, step_tokens, cells, cache, costs=step_costs), cache
 
 
+OWN_TOKENS = itertools.count(1_000_000)
+
+
 def generating(s: Scheduler, cache: FakeCache, key: str, **limits: float) -> Sequence:
     """A sequence already generating (its one-token prompt fed, a token pending)."""
-    q = Sequence(key, (hash(key) % 1000 + 1,), 10_000, **limits)  # type: ignore[arg-type]
+    # (A token of its own, which no other prompt starts with: no cell is shared by chance.)
+    q = Sequence(key, (next(OWN_TOKENS),), 10_000, **limits)  # type: ignore[arg-type]
     s.submit(q)
     entries = [Entry(q, q.prompt, 0, True)]
     cache.decode(entries)
