@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from governor.runners import Finished, Job, Token
 from governor.runners.batching import Scheduler, Sequence
-from governor.runners.llama import (
+from governor.runners.llama_worker import Text
+from governor.runners.structured import (
     MAX_REPEAT,
     Choice,
     calls_grammar,
@@ -28,7 +29,6 @@ from governor.runners.llama import (
     tools_message,
     with_system,
 )
-from governor.runners.llama_worker import Text
 from protocol.spec import JobSpec, SpecInvalid, spec_from_object
 
 # Text and its tokens -----------------------------------------------------------------------
