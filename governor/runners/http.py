@@ -196,8 +196,7 @@ class HttpRunner:
             return
         path, body = self._request(spec)
         parts: list[str] = []
-        usage: dict[str, Any] | None = None
-        finish = None
+        counts = StreamCounts()
         try:
             async with self._client.stream("POST", path, json=body) as response:
                 if response.status_code >= 400:
@@ -207,25 +206,20 @@ class HttpRunner:
                         NeedCode.UPSTREAM_ERROR,
                     )
                 async for event in sse_events(response):
-                    usage = event.get("usage") or usage  # (vLLM sends null until the last)
-                    for choice in event.get("choices") or ():
-                        finish = choice.get("finish_reason") or finish
-                        text = choice.get("text")
-                        if text is None:
-                            text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            parts.append(text)
-                            yield Token(text)
+                    text = counts.add(event)
+                    if text:
+                        parts.append(text)
+                        yield Token(text)
         except httpx.TimeoutException:
             raise self._timeout() from None
-        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError) as exc:
+        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
             raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
         # (ttft_ms and tpot_ms are the governor's, measured from admission.)
         yield Finished(
             {
                 "text": "".join(parts),
-                **token_counts(usage, len(parts)),
-                "finish_reason": FINISH_REASONS.get(finish or "", finish),
+                **token_counts(counts.usage, len(parts)),
+                "finish_reason": FINISH_REASONS.get(counts.finish or "", counts.finish),
             }
         )
 
@@ -312,7 +306,9 @@ class StreamCounts:
         self.finish: str | None = None
 
     def add(self, event: Any) -> str | None:
-        """The event's generated text ("" for tool calls alone), or None: it has none."""
+        """The event's generated text, its choices' together ("" for output that is no text:
+        tool calls, reasoning), or None: it has none. (The usage: vLLM sends null until the
+        last event.)"""
         if type(event) is not dict:
             return None
         self.usage = event.get("usage") or self.usage
@@ -323,8 +319,8 @@ class StreamCounts:
             self.finish = choice.get("finish_reason") or self.finish
             delta = choice.get("delta")
             delta = delta if type(delta) is dict else {}
-            piece = choice.get("text") or delta.get("content") or delta.get("reasoning_content")
-            if piece or delta.get("tool_calls"):
+            piece = choice.get("text") or delta.get("content")
+            if piece or delta.get("tool_calls") or delta.get("reasoning_content"):
                 text = (text or "") + (piece if type(piece) is str else "")
         if text is not None:
             self.generated += 1
