@@ -92,7 +92,7 @@ JSON = "application/json"
 PATHS = {
     "/v1/completions": api.COMPLETION,
     "/v1/chat/completions": api.CHAT,
-    "/v1/embeddings": api.EMBEDDING,  # (served by a forwarding runner's upstream)
+    "/v1/embeddings": api.EMBEDDING,  # (for a runner that embeds, or forwards)
 }
 MODELS = "/v1/models"
 HEALTH = "/health"

@@ -200,7 +200,7 @@ class HttpRunner:
         try:
             async with self._client.stream("POST", path, json=body) as response:
                 if response.status_code >= 400:
-                    detail = (await response.aread())[:300].decode(errors="replace")
+                    detail = (await read_bounded(response))[:300].decode(errors="replace")
                     raise RunnerError(
                         f"the upstream answered {response.status_code}: {detail}",
                         NeedCode.UPSTREAM_ERROR,
