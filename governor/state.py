@@ -140,7 +140,7 @@ class ServerState:
         inflight = cap = executed = yielded = 0
         for pool in self.pools:  # (a loop, not four generators: every reply carries these)
             ledger = pool.ledger
-            inflight += ledger.inflight
+            inflight += ledger.taken  # (slots, against the cap: a job of n sequences holds n)
             cap += ledger.cap
             executed += ledger.executed_total
             yielded += ledger.yielded_total

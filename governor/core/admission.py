@@ -202,7 +202,7 @@ class Ticket:
         self.lease: Lease | None = None  # its claim on the fleet, once the fleet granted it
         self.reservation: Reservation | None = None
         self._released: OverloadController | bool | None = overload  # False once released
-        tenant.inflight += 1
+        tenant.inflight += slot.width
         tenant.running.append(slot)
 
     @property
@@ -227,7 +227,7 @@ class Ticket:
         )
         if isinstance(overload, OverloadController) and outcome not in NEUTRAL_OUTCOMES:
             overload.observe_outcome(failed=outcome != "done")
-        self.tenant.inflight -= 1
+        self.tenant.inflight -= self.slot.width
         self.tenant.running.remove(self.slot)
         if self.reservation is not None:
             self.reservation.release()
@@ -324,7 +324,8 @@ class Admission:
         if refusal is not None:
             return self._refuse(attempt, None, refusal)
         # 5. The tenant's limits.
-        refusal = self._tenant_refusal(attempt.tenant, plan.tokens, now)
+        width = plan.size.width if plan.size is not None else 1
+        refusal = self._tenant_refusal(attempt.tenant, plan.tokens, width, now)
         if refusal is not None:
             return self._refuse(attempt, promise, refusal)
         # 6. Breaker and fallback, then 7. the ledger.
@@ -389,12 +390,13 @@ class Admission:
         spec = job.spec
         if spec is None:
             return _Plan(job, None, None, 0)
-        # (The n sequences of one prompt share it, and each may generate max_new_tokens.)
+        # (The n sequences of one prompt share it, each may generate max_new_tokens, and each
+        # takes a slot of the cap.)
         prompt, output = prompt_tokens(job), spec.output_tokens
-        size = JobSize(prompt, output)
+        size = JobSize(prompt, output, spec.n)
         tokens = prompt + output
         if policy is None:
-            return _Plan(job, None, size, tokens)
+            return self._fits(attempt, _Plan(job, None, size, tokens), None)
         requested = None
         if spec.lane is not None:
             if spec.lane not in LANES:
@@ -411,7 +413,27 @@ class Admission:
                 NeedCode.LANE_NOT_ALLOWED, f"the {decision.lane} lane is not open to this tenant"
             )
         attempt.lane = allowed[0]
-        return _Plan(job, Demand(allowed[0], decision.kv_tokens), size, tokens)
+        return self._fits(
+            attempt, _Plan(job, Demand(allowed[0], decision.kv_tokens), size, tokens), allowed[0]
+        )
+
+    def _fits(self, attempt: Attempt, plan: _Plan, lane: Lane | None) -> _Plan | Rejected:
+        """The plan, unless its sequences need more slots at once than it could ever hold: more
+        than the pool's cap, its lane may take, or its tenant's cap."""
+        width = plan.size.width if plan.size is not None else 1
+        if width == 1:
+            return plan
+        ledger, tenant_cap = self.ledger, attempt.tenant.config.max_inflight
+        most = ledger.lanes.most(lane, ledger.cap)
+        if tenant_cap:
+            most = min(most, tenant_cap)
+        if width > most:
+            return Rejected(
+                NeedCode.SPEC_INVALID,
+                f"n={width} needs {width} slots at once (one per sequence); "
+                f"a job of this {'lane and tenant' if lane else 'tenant'} may hold at most {most}",
+            )
+        return plan
 
     def _ladder(self, plan: _Plan) -> _Plan:
         """The degraded state's step: a lower max_new_tokens for interactive work."""
@@ -423,7 +445,7 @@ class Admission:
             return plan
         cut = (spec.max_new_tokens - cap) * spec.n
         job = dataclasses.replace(plan.job, spec=dataclasses.replace(spec, max_new_tokens=cap))
-        size = None if plan.size is None else JobSize(plan.size.prompt_tokens, cap * spec.n)
+        size = None if plan.size is None else JobSize(plan.size.prompt_tokens, cap * spec.n, spec.n)
         return _Plan(
             job,
             Demand(demand.lane, demand.kv_tokens - cut),
@@ -463,12 +485,16 @@ class Admission:
         )
         return Refusal(NeedCode.LANE_PAUSED, hint_ms, promise)
 
-    def _tenant_refusal(self, tenant: Tenant, tokens: int, now: float) -> Refusal | None:
-        """The tenant's concurrency cap, its weighted share, then its request and token rates."""
+    def _tenant_refusal(
+        self, tenant: Tenant, tokens: int, width: int, now: float
+    ) -> Refusal | None:
+        """The tenant's concurrency cap, its weighted share, then its request and token rates
+        (a job takes ``width`` slots of the first two)."""
         ledger, cap = self.ledger, tenant.config.max_inflight
         share = self.tenants.fair_share(tenant, ledger.cap)
         for limit, code in ((cap, NeedCode.TENANT_BUSY), (share, NeedCode.TENANT_SHARE)):
-            if limit and tenant.inflight >= limit:  # (a share is contention: shared by weight)
+            # (a share is contention, shared by weight: a tenant running nothing is within it)
+            if limit and tenant.inflight and tenant.inflight + width > limit:
                 first_end = min(ledger.slot_end(slot, now) for slot in tenant.running)
                 return Refusal(code, ledger.hint_ms(now, first_end))
         wait = tenant.wait_s(tokens, now)

@@ -46,6 +46,7 @@ class Job(Running, Protocol):
     """A running job as the hints see it (a :class:`~governor.core.ledger.Slot`)."""
 
     demand: Demand | None  # its lane, under a lane policy
+    width: int  # the slots it holds: its release frees as many
 
 
 class RetryHints:
@@ -121,7 +122,9 @@ class RetryHints:
             ahead -= min(counts[0], reserve)
             ahead_s -= seconds[0] * min(counts[0], reserve) / counts[0]
         turn_s = ahead_s / ahead if ahead > 0 else own_s
-        hint_ms = self.hint_ms(now, self.release_time(now, ahead, rank, turn_s))
+        # (a job of n sequences waits for the n-th release after those ahead of it)
+        k = ahead + (size.width - 1 if size is not None else 0)
+        hint_ms = self.hint_ms(now, self.release_time(now, k, rank, turn_s))
         if doublings:
             longest = self.max_hint_ms if until_ms is None else until_ms
             hint_ms = min(max(hint_ms, min(hint_ms << doublings, longest)), self.max_hint_ms)
@@ -155,14 +158,15 @@ class RetryHints:
         """
         end_of = self.estimates.end_of
         reserve = self.lanes.reserve(rank, now)
-        if not reserve:
-            return [end_of(job, now) for job in self._running], self.cap
         ends: list[float] = []
         interactive: list[float] = []
         for job in self._running:
-            end = end_of(job, now)
-            lane = job.demand.lane if job.demand is not None else None
-            (interactive if lane == Lane.INTERACTIVE else ends).append(end)
+            lane = job.demand.lane if reserve and job.demand is not None else None
+            (interactive if lane == Lane.INTERACTIVE else ends).extend(
+                [end_of(job, now)] * job.width
+            )
+        if not reserve:
+            return ends, self.cap
         if len(interactive) > reserve:
             interactive.sort()
             ends += interactive[: len(interactive) - reserve]

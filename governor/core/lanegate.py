@@ -27,7 +27,8 @@ class LaneGate:
     def __init__(self, policy: LanePolicy | None, line: PromiseLine, now: float) -> None:
         self.policy = policy
         self._line = line  # who waits: the reserve is not lent while an interactive client does
-        self.inflight: collections.Counter[Lane] = collections.Counter()  # jobs running, by lane
+        # Slots taken, by lane (a job takes one for each sequence it runs at once).
+        self.inflight: collections.Counter[Lane] = collections.Counter()
         # When an interactive job last asked for a slot; the reserve is kept from the start.
         self._interactive_seen = now
 
@@ -62,8 +63,20 @@ class LaneGate:
         reserve = self.reserve(rank, now)
         return max(reserve - self.inflight[Lane.INTERACTIVE], 0) if reserve else 0
 
-    def quota_full(self, lane: Lane) -> bool:
-        """Whether ``lane`` holds as many slots as its quota allows."""
+    def quota_full(self, lane: Lane, width: int = 1) -> bool:
+        """Whether ``lane`` has fewer than ``width`` slots left under its quota."""
         assert self.policy is not None
         quota = self.policy.lane_slots.get(lane)
-        return quota is not None and self.inflight[lane] >= quota
+        return quota is not None and self.inflight[lane] + width > quota
+
+    def most(self, lane: Lane | None, cap: int) -> int:
+        """The most slots a job of ``lane`` could ever hold at once, of a pool of ``cap``: its
+        lane's quota, and not the interactive reserve's slots unless the policy lends them."""
+        policy = self.policy
+        if policy is None or lane is None:
+            return cap
+        quota = policy.lane_slots.get(lane)
+        most = cap if quota is None else min(cap, quota)
+        if lane != Lane.INTERACTIVE and not policy.reserve_lend_after_s:
+            most = min(most, cap - policy.interactive_reserve)
+        return most

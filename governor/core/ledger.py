@@ -89,6 +89,7 @@ class Slot:
         "pace_s",
         "size",
         "started",
+        "width",
     )
 
     def __init__(
@@ -98,6 +99,7 @@ class Slot:
         self.started = started
         self.demand = demand  # its lane and KV reservation, under a lane policy
         self.size = size  # its prompt and max_new_tokens, when it is an inference job
+        self.width = size.width if size is not None else 1  # the slots of the cap it holds
         # Its own predicted service time (the lane's or the pool's mean where the model cannot
         # size it): every hint that waits on this job's end reads it.
         lane = demand.lane if demand is not None else None
@@ -179,6 +181,7 @@ class SlotLedger:
         self.kv_used = kv_used
         self.clock = clock
         self._running: dict[Slot, None] = {}  # insertion-ordered set
+        self._taken = 0  # the slots the running jobs hold: one each, n for n sequences
         self._freed: list[float] = []  # when each free slot was released, in that order
         self.estimates = ServiceEstimates(expected_service_s, min_hint_ms / 1000)
         self.line = PromiseLine(len(LANES))
@@ -188,7 +191,7 @@ class SlotLedger:
         )
         self.executed_total = 0  # admissions
         self.yielded_total = 0
-        self.peak_inflight = 0
+        self.peak_inflight = 0  # the most slots taken at once
         self.draining = False
 
     # Read through the ledger where it is all a caller holds.
@@ -243,7 +246,13 @@ class SlotLedger:
 
     @property
     def inflight(self) -> int:
+        """Jobs running."""
         return len(self._running)
+
+    @property
+    def taken(self) -> int:
+        """Slots taken: a job holds one for each sequence it runs at once (its width)."""
+        return self._taken
 
     @property
     def kv_reserved(self) -> int:
@@ -261,7 +270,7 @@ class SlotLedger:
 
     @property
     def saturated(self) -> bool:
-        return len(self._running) >= self.cap
+        return self._taken >= self.cap
 
     @property
     def ready(self) -> bool:
@@ -288,19 +297,20 @@ class SlotLedger:
             if promise is not None:
                 self.withdraw(promise)
             return self.refused(Refusal(NeedCode.DRAINING, DRAINING_HINT_MS))
-        free = self.cap - len(self._running)
+        free = self.cap - self._taken
+        width = size.width if size is not None else 1
         self.lanes.asked(rank, now)
         # The free slots this job may take: not those the interactive reserve keeps.
         reserved = self.lanes.unused_reserve(rank, now)
         usable = free - reserved
         # A free slot is not for the taking while clients ahead in line have their time come.
         hold = self.estimates.hold()
-        if usable <= self.line.due_ahead(now, promise, rank, hold, reserved):
+        if usable - width < self.line.due_ahead(now, promise, rank, hold, reserved):
             hint_ms, promise = self.hints.place(now, promise, rank, size)
-            code = NeedCode.LANE_FULL if usable <= 0 < free else NeedCode.SERVER_BUSY
+            code = NeedCode.LANE_FULL if usable < width <= free else NeedCode.SERVER_BUSY
             return self.refused(Refusal(code, hint_ms, promise))
         kv_tokens = kv_demand(demand, size)
-        refusal, kv_cache = self._checks(now, demand, kv_tokens)
+        refusal, kv_cache = self._checks(now, demand, kv_tokens, width)
         if refusal is not None:
             if promise is not None:
                 self.withdraw(promise)
@@ -308,12 +318,12 @@ class SlotLedger:
         return self._take(now, promise, demand, size, kv_cache, kv_tokens)
 
     def _checks(
-        self, now: float, demand: Demand | None, kv_tokens: int
+        self, now: float, demand: Demand | None, kv_tokens: int, width: int
     ) -> tuple[Refusal | None, int | None]:
         """The lane policy's checks, then a cache for the job's ``kv_tokens`` KV cells: a
         refusal, or the cache they are reserved in (None: no KV budget, or no cells)."""
         if demand is not None and self.policy is not None:
-            refusal = self._policy_refusal(now, demand)
+            refusal = self._policy_refusal(now, demand, width)
             if refusal is not None:
                 return refusal, None
         if self.kv is None or not kv_tokens:
@@ -323,13 +333,13 @@ class SlotLedger:
             return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self.hints.next_end(now))), None
         return None, kv_cache
 
-    def _policy_refusal(self, now: float, demand: Demand) -> Refusal | None:
+    def _policy_refusal(self, now: float, demand: Demand, width: int) -> Refusal | None:
         """The lane quota and the KV budget, in that order (the interactive reserve is kept
         by :meth:`admit`, in the line)."""
         policy = self.policy
         assert policy is not None
         lane = demand.lane
-        if self.lanes.quota_full(lane):
+        if self.lanes.quota_full(lane, width):
             return Refusal(
                 NeedCode.LANE_FULL, self.hint_ms(now, self.hints.lane_release(now, lane))
             )
@@ -356,35 +366,39 @@ class SlotLedger:
         kv_tokens: int,
     ) -> Slot:
         """Take a slot for a job :meth:`admit` admitted (its KV cells reserved in ``kv_cache``)."""
-        # The slot taken is taken as the one freed last: a slot freed long before (the
+        # The slots taken are taken as the ones freed last: a slot freed long before (the
         # interactive reserve, idle while no chat comes) was not waiting for this client.
-        freed = self._freed.pop() if self._freed else None
+        slot = Slot(self, now, demand, size)
+        freed = None
+        for _ in range(min(slot.width, len(self._freed))):
+            freed = self._freed.pop()
         if promise is not None:
             self.withdraw(promise)
             # Only a client that came when it was told says how long a slot waits for it.
             if freed is not None and abs(now - promise.at) <= self.estimates.grace():
                 self.estimates.came_back(now - freed)
-        slot = Slot(self, now, demand, size)
         if kv_cache is not None:
             slot.kv_cache, slot.kv_tokens = kv_cache, kv_tokens
         self._running[slot] = None
+        self._taken += slot.width
         if demand is not None:
-            self.lane_inflight[demand.lane] += 1
+            self.lane_inflight[demand.lane] += slot.width
         self.executed_total += 1
-        if len(self._running) > self.peak_inflight:
-            self.peak_inflight = len(self._running)
+        if self._taken > self.peak_inflight:
+            self.peak_inflight = self._taken
         return slot
 
     def _release(self, slot: Slot, done: Completed | None) -> float:
         del self._running[slot]
+        self._taken -= slot.width
         lane = slot.demand.lane if slot.demand is not None else None
         if lane is not None:
-            self.lane_inflight[lane] -= 1
+            self.lane_inflight[lane] -= slot.width
         if slot.kv_cache is not None:
             assert self.kv is not None
             self.kv.release(slot.kv_cache, slot.kv_tokens)
         now = self.clock()
-        self._freed.append(now)
+        self._freed.extend([now] * slot.width)
         held = now - slot.started
         self.estimates.ended(slot, lane, held, done)
         return held

@@ -57,10 +57,13 @@ PRIOR_JOBS = 0.001  # the weight, in jobs, of the prior that the per-job overhea
 
 @dataclass(frozen=True, slots=True)
 class JobSize:
-    """What admission knows of a job's work: its prompt in tokens and its ``max_new_tokens``."""
+    """What admission knows of a job's work: its prompt in tokens, its ``max_new_tokens`` (over
+    all its sequences), and its width: the sequences it runs at once (a request's ``n``), each a
+    slot of the cap."""
 
     prompt_tokens: int
     max_new_tokens: int
+    width: int = 1
 
 
 class ServiceModel:

@@ -51,7 +51,16 @@ def _server_families(server: ServerState, health: Health) -> Iterator[Metric]:
             "The hard cap on executing jobs (max_inflight, and the fallback pool's workers).",
             sum(pool.ledger.cap for pool in pools),
         ),
-        ("governor_inflight_peak", "Highest inflight since start.", ledger.peak_inflight),
+        (
+            "governor_slots_taken",
+            "Slots of the cap taken now, in every pool (a job of n sequences takes n).",
+            sum(pool.ledger.taken for pool in pools),
+        ),
+        (
+            "governor_inflight_peak",
+            "The most slots taken at once since start.",
+            ledger.peak_inflight,
+        ),
         ("governor_health", "1 when a job would be admitted now, else 0.", int(ledger.ready)),
         ("governor_draining", "1 while shutting down.", int(ledger.draining)),
         ("governor_connections", "Open client connections.", len(server.connections)),
@@ -111,14 +120,14 @@ def _slot_families(server: ServerState, health: Health) -> Iterator[Metric]:
     """What holds the slots: tenants, lanes (with lanes on), the KV budget."""
     ledger = server.ledger
     tenants = GaugeMetricFamily(
-        "governor_tenant_inflight", "Jobs executing now, by tenant.", labels=["tenant"]
+        "governor_tenant_inflight", "Slots its jobs hold now, by tenant.", labels=["tenant"]
     )
     for t in server.tenants.all():
         tenants.add_metric([t.name], t.inflight)
     yield tenants
     if ledger.policy is not None:
         lanes = GaugeMetricFamily(
-            "governor_lane_inflight", "Jobs executing now, by lane.", labels=["lane"]
+            "governor_lane_inflight", "Slots its jobs hold now, by lane.", labels=["lane"]
         )
         for lane in LANES:
             lanes.add_metric([lane], ledger.lane_inflight[lane])

@@ -165,7 +165,7 @@ class Health:
             checks["breaker"] = Check(False, "the primary pool's breaker is open")
         if config.unready_when_saturated:
             checks["saturation"] = Check(
-                not ledger.saturated, f"{ledger.inflight} of {ledger.cap} slots taken"
+                not ledger.saturated, f"{ledger.taken} of {ledger.cap} slots taken"
             )
         return Verdict(checks)
 

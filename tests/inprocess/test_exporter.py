@@ -94,6 +94,7 @@ def exposition(server: Server) -> str:
 FAMILIES = {
     "governor_inflight": ("gauge", ()),
     "governor_inflight_cap": ("gauge", ()),
+    "governor_slots_taken": ("gauge", ()),
     "governor_inflight_peak": ("gauge", ()),
     "governor_health": ("gauge", ()),
     "governor_draining": ("gauge", ()),

@@ -316,6 +316,42 @@ async def test_seed_003_one_runs_nineteen_yield_at_once(make_server: ServerFacto
     assert server.ledger.peak_inflight == 1
 
 
+async def test_a_job_of_n_sequences_holds_n_slots(make_server: ServerFactory) -> None:
+    """Over the wire: a job with n 2 on a cap of 3 holds 2 slots while it runs (receipts and
+    metrics say so), a second such job yields, a single one runs beside it; n 4 is refused."""
+    server = await make_server(max_inflight=3, stub_ms=1500)
+    host, port = server.address
+    clients = [await GovernorClient.connect(host, port) for _ in range(4)]
+    try:
+        pair = asyncio.create_task(
+            clients[0].generate(JobSpec(prompt="a", max_new_tokens=8, n=2), retry=NO_RETRY)
+        )
+        await wait_until(lambda: server.ledger.taken == 2)
+        ping = await clients[1].ping()
+        assert ping.receipt("backend.inflight") == 2
+        second = await clients[1].generate(
+            JobSpec(prompt="b", max_new_tokens=8, n=2), retry=NO_RETRY
+        )
+        assert second.status == "yield"
+        assert second.reply.need_code == "server_busy"
+        single = asyncio.create_task(
+            clients[2].generate(JobSpec(prompt="c", max_new_tokens=8), retry=NO_RETRY)
+        )
+        await wait_until(lambda: server.ledger.taken == 3)
+        assert server.ledger.inflight == 2
+        never = await clients[3].generate(
+            JobSpec(prompt="d", max_new_tokens=8, n=4), retry=NO_RETRY
+        )
+        assert never.status == "abort"
+        assert never.reply.need_code == "spec_invalid"
+        assert [str((await t).status) for t in (pair, single)] == ["done", "done"]
+    finally:
+        for c in clients:
+            await c.close()
+    assert server.ledger.taken == 0
+    assert server.ledger.peak_inflight == 3
+
+
 @pytest.mark.parametrize("retry", ["none", "hint"])
 async def test_hundreds_racing_on_a_cap_of_three(make_server: ServerFactory, retry: str) -> None:
     # (300 connections from one address: over the default per-source limit)

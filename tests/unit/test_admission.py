@@ -330,7 +330,11 @@ def test_a_failure_teaches_the_service_estimate_nothing(clock: FakeClock) -> Non
 
 ACTIONS = st.lists(
     st.one_of(
-        st.tuples(st.just("decide"), st.sampled_from([None, "k-noisy"]), st.integers(1, 900)),
+        st.tuples(
+            st.just("decide"),
+            st.sampled_from([None, "k-noisy"]),
+            st.tuples(st.integers(1, 900), st.integers(1, 4)),  # max_new_tokens, n
+        ),
         st.tuples(st.just("release"), st.integers(0, 7), st.sampled_from(["done", "x"])),
         st.tuples(st.just("tick"), st.floats(0.0, 3.0), st.just("")),
         st.tuples(st.just("state"), st.integers(0, 3), st.just("")),
@@ -353,9 +357,13 @@ def test_every_sequence_keeps_the_caps_and_gives_everything_back(
             key = a if a is not None else "k-other"
             tenant = admission.tenants.find(key)  # type: ignore[arg-type]
             assert tenant is not None
-            decision = admission.decide(Attempt(tenant, job(max_new_tokens=b)))  # type: ignore[arg-type]
+            max_new, n = b  # type: ignore[misc]
+            decision = admission.decide(Attempt(tenant, job(max_new_tokens=max_new, n=n)))
             if isinstance(decision, Admitted):
                 tickets.append(decision.ticket)
+            elif isinstance(decision, Rejected):
+                if "slots at once" in decision.detail:  # more than it could ever hold
+                    assert n > (1 if key == "k-noisy" else 2 if lanes else 3)
             else:
                 admission.forget(Attempt(tenant, None, promise=getattr(decision, "promise", None)))
         elif kind == "release" and tickets:
@@ -367,11 +375,15 @@ def test_every_sequence_keeps_the_caps_and_gives_everything_back(
             admission.overload.state = State(int(a))  # type: ignore[call-overload]
         noisy = admission.tenants.find("k-noisy")
         assert noisy is not None
-        assert admission.inflight == len(tickets) <= admission.ledger.cap
-        assert noisy.inflight <= 1
+        # Each sequence holds a slot: the cap bounds them all, the tenant's cap its own.
+        ledger = admission.ledger
+        assert admission.inflight == len(tickets) <= ledger.cap
+        assert ledger.taken == sum(t.slot.width for t in tickets) <= ledger.cap
+        assert sum(ledger.lane_inflight.values()) == (ledger.taken if lanes else 0)
+        assert noisy.inflight == sum(t.slot.width for t in tickets if t.tenant is noisy) <= 1
     for ticket in tickets:
         ticket.release("done")
-    assert admission.inflight == 0
+    assert admission.inflight == admission.ledger.taken == 0
     assert all(t.inflight == 0 and not t.running for t in admission.tenants.all())
     assert admission.ledger.kv_reserved == 0
 
@@ -418,3 +430,56 @@ def test_n_sequences_cost_n_times_the_output(lanes: bool) -> None:
     assert costs[1][1] == 2 * costs[0][1]
     if lanes:
         assert costs[1][2] - prompt == 2 * (costs[0][2] - prompt)
+
+
+def test_n_sequences_hold_n_slots_of_every_cap(clock: FakeClock) -> None:
+    """A job of n sequences runs them at once: it holds n slots of the cap (and of its tenant's)
+    until it ends, waits while fewer are free, and is refused for good beyond what it could
+    ever hold."""
+    wide = TenantConfig(name="wide", key_sha256=key_sha("k-wide"), max_inflight=3)
+    free = TenantConfig(name="free", key_sha256=key_sha("k-free"))
+    admission = make(clock, cap=3, tenants=(NOISY, wide, free))
+    ledger = admission.ledger
+    pair = admitted(admission.decide(attempt(admission, "k-free", n=2)))
+    assert (ledger.inflight, ledger.taken, pair.slot.width) == (1, 2, 1 * 2)
+    busy = admission.decide(attempt(admission, "k-free", n=2))  # one slot free: not enough
+    assert isinstance(busy, Yielded)
+    assert busy.need_code == NeedCode.SERVER_BUSY
+    single = admitted(admission.decide(attempt(admission, "k-free")))  # the one free slot
+    assert ledger.saturated
+    assert ledger.taken == 3
+    pair.release("done")
+    again = admitted(admission.decide(attempt(admission, "k-free", n=2)))
+    assert ledger.taken == 3
+    again.release("done")
+    single.release("done")
+    assert ledger.taken == ledger.inflight == 0
+    # More than the cap, or than the tenant's cap: never.
+    for key, n, most in (("k-free", 4, 3), ("k-noisy", 2, 1)):
+        never = admission.decide(attempt(admission, key, n=n))
+        assert isinstance(never, Rejected)
+        assert never.need_code == NeedCode.SPEC_INVALID
+        assert f"at most {most}" in never.detail
+    # Within the tenant's cap of 3: one running job leaves room for 2 sequences, not 3.
+    first = admitted(admission.decide(attempt(admission, "k-wide")))
+    tenant = admission.decide(attempt(admission, "k-wide", n=3))
+    assert isinstance(tenant, Yielded)
+    assert tenant.need_code == NeedCode.TENANT_BUSY
+    admitted(admission.decide(attempt(admission, "k-wide", n=2))).release("done")
+    first.release("done")
+    assert all(t.inflight == 0 for t in admission.tenants.all())
+
+
+def test_a_lower_lanes_sequences_leave_the_interactive_reserve(clock: FakeClock) -> None:
+    """Under lanes, a heavy job may never hold the reserve's slot, so its n is bounded by the
+    slots below it; an interactive job's n by the cap."""
+    admission = make(clock, cap=3, lanes=True)
+    heavy = admission.decide(attempt(admission, lane="heavy", n=3))
+    assert isinstance(heavy, Rejected)
+    assert "at most 2" in heavy.detail
+    ticket = admitted(admission.decide(attempt(admission, lane="heavy", n=2)))
+    assert admission.ledger.lane_inflight[Lane.HEAVY] == 2
+    chat = admitted(admission.decide(attempt(admission)))  # the reserve's slot
+    ticket.release("done")
+    chat.release("done")
+    admitted(admission.decide(attempt(admission, n=3))).release("done")

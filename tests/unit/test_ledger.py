@@ -406,7 +406,10 @@ def test_cap_must_be_positive() -> None:
 
 # Properties -------------------------------------------------------------------------------
 
-SIZES = st.one_of(st.none(), st.builds(JobSize, st.integers(0, 4000), st.integers(1, 1000)))
+SIZES = st.one_of(
+    st.none(),
+    st.builds(JobSize, st.integers(0, 4000), st.integers(1, 1000), st.integers(1, 3)),
+)
 # admit (with a size), release (done or not, of the i-th slot held), withdraw, or time passing
 OPS = st.lists(
     st.one_of(
@@ -473,6 +476,7 @@ def run_ops(ops: list[tuple[str, object, object]], *, lanes: bool) -> None:
             assert isinstance(a, float)
             clock.now += a
         assert ledger.inflight == len(held) <= ledger.cap
+        assert ledger.taken == sum(slot.width for slot in held) <= ledger.cap
         assert ledger.model.observed == taught
         # waiting(rank): every promise given, less those withdrawn, taken up or lapsed.
         for rank in range(-1, len(LANES)):
@@ -581,3 +585,33 @@ def test_a_long_prompts_end_follows_the_pace_it_is_fed_at(clock: FakeClock) -> N
     clock.now += 1.0
     rewrite.feeding(400, clock.now)  # 10 ms each
     assert rewrite.live_end == pytest.approx(clock.now + 600 * 0.005 + 9 * 0.02)
+
+
+def test_a_job_of_n_sequences_waits_for_n_releases(clock: FakeClock) -> None:
+    """A job of width 2 takes two slots; refused, it is told to come back when the second of
+    the slots it needs frees, not the first."""
+    ledger = SlotLedger(2, expected_service_s=1.0, clock=clock, min_hint_ms=1)
+    first = ledger.admit()
+    clock.now += 0.5
+    second = ledger.admit()
+    assert isinstance(first, Slot)
+    assert isinstance(second, Slot)
+    one = ledger.admit(size=JobSize(10, 10, 1))
+    ledger.withdraw(one.promise)  # type: ignore[union-attr]
+    two = ledger.admit(size=JobSize(10, 10, 2))
+    assert isinstance(one, Refusal)
+    assert isinstance(two, Refusal)
+    # (the first slot frees in 0.5 s, the second 0.5 s later)
+    assert one.retry_hint_ms == pytest.approx(500, abs=2)
+    assert two.retry_hint_ms == pytest.approx(1000, abs=2)
+    ledger.withdraw(two.promise)  # type: ignore[arg-type]
+    first.release()
+    assert isinstance(ledger.admit(size=JobSize(10, 10, 2)), Refusal)  # one slot free
+    second.release()
+    pair = ledger.admit(size=JobSize(10, 10, 2))
+    assert isinstance(pair, Slot)
+    assert (ledger.taken, ledger.inflight) == (2, 1)
+    assert ledger.saturated
+    pair.release()
+    assert ledger.taken == 0
+    assert not ledger.saturated
