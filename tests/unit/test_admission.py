@@ -357,7 +357,8 @@ def test_every_sequence_keeps_the_caps_and_gives_everything_back(
             key = a if a is not None else "k-other"
             tenant = admission.tenants.find(key)  # type: ignore[arg-type]
             assert tenant is not None
-            max_new, n = b  # type: ignore[misc]
+            assert isinstance(b, tuple)
+            max_new, n = b
             decision = admission.decide(Attempt(tenant, job(max_new_tokens=max_new, n=n)))
             if isinstance(decision, Admitted):
                 tickets.append(decision.ticket)

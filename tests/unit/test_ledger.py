@@ -597,14 +597,16 @@ def test_a_job_of_n_sequences_waits_for_n_releases(clock: FakeClock) -> None:
     assert isinstance(first, Slot)
     assert isinstance(second, Slot)
     one = ledger.admit(size=JobSize(10, 10, 1))
-    ledger.withdraw(one.promise)  # type: ignore[union-attr]
-    two = ledger.admit(size=JobSize(10, 10, 2))
     assert isinstance(one, Refusal)
+    assert one.promise is not None
+    ledger.withdraw(one.promise)  # (not ahead of the next one in line)
+    two = ledger.admit(size=JobSize(10, 10, 2))
     assert isinstance(two, Refusal)
+    assert two.promise is not None
     # (the first slot frees in 0.5 s, the second 0.5 s later)
     assert one.retry_hint_ms == pytest.approx(500, abs=2)
     assert two.retry_hint_ms == pytest.approx(1000, abs=2)
-    ledger.withdraw(two.promise)  # type: ignore[arg-type]
+    ledger.withdraw(two.promise)
     first.release()
     assert isinstance(ledger.admit(size=JobSize(10, 10, 2)), Refusal)  # one slot free
     second.release()
