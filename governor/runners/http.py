@@ -4,8 +4,8 @@ Each admitted job is one streamed request to the upstream (``/v1/completions`` f
 ``/v1/chat/completions`` for messages): llama.cpp's llama-server, vLLM, llama-cpp-python's own
 server. Streaming upstream even when the client did not ask for it gives the time to first
 token, and lets a cancelled job close its request at once. The upstream's errors and silences
-become ``upstream_error`` and ``upstream_timeout`` aborts. HTTP is httpx's: connection pooling,
-timeouts and streamed bodies are what it does well.
+become ``upstream_error`` and ``upstream_timeout`` aborts. HTTP is the lean client of
+:mod:`.upstream` (h11, connections kept alive): a sidecar reads once a token.
 
 Token counts come from the upstream's ``usage`` when it sends one in the stream (it is asked
 with ``stream_options: {"include_usage": true}``; llama-server and vLLM send it, in the last
@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
 from protocol.codes import NeedCode
@@ -43,13 +42,16 @@ from .base import (
     probe_job,
     spec_or_prompt,
 )
+from .upstream import Answer, Upstream, UpstreamError, UpstreamTimeout
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
 JSON = "application/json"
 SSE = "text/event-stream"
-JSON_HEADERS = {"content-type": JSON}
 # The most the sidecar holds of an upstream's answer: a whole one, or one event of a stream.
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
+# How long a stream's end may follow its last event (``data: [DONE]``) for its connection to be
+# kept for the next request; the job has ended either way.
+END_WAIT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,7 +68,7 @@ class HttpRunner:
 
     def __init__(self, settings: HttpSettings) -> None:
         self.settings = settings
-        self._client: httpx.AsyncClient | None = None
+        self._upstream: Upstream | None = None
 
     @property
     def expected_service_s(self) -> float:
@@ -74,20 +76,20 @@ class HttpRunner:
 
     async def start(self) -> None:
         s = self.settings
-        self._client = httpx.AsyncClient(
-            base_url=s.upstream.rstrip("/"),
-            timeout=httpx.Timeout(s.timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        )
+        try:
+            self._upstream = upstream = Upstream(s.upstream, timeout_s=s.timeout_s)
+        except ValueError as exc:
+            raise RunnerStartError(f"the upstream: {exc}") from None
         deadline = time.monotonic() + s.start_timeout_s
         while True:  # a sidecar may start before the server it fronts
             try:
-                response = await self._client.get("/v1/models", timeout=5.0)
-                if response.status_code < 500:
+                async with upstream.request("GET", "/v1/models", timeout_s=5.0) as answer:
+                    await read_bounded(answer)
+                if answer.status < 500:
                     return
-                problem = f"answered {response.status_code}"
-            except httpx.HTTPError as exc:
-                problem = f"cannot be reached ({type(exc).__name__})"
+                problem = f"answered {answer.status}"
+            except UpstreamError as exc:
+                problem = f"cannot be reached ({exc})"
             if time.monotonic() > deadline:
                 await self.close()
                 raise RunnerStartError(
@@ -96,8 +98,8 @@ class HttpRunner:
             await asyncio.sleep(0.5)
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        if self._upstream is not None:
+            await self._upstream.close()
 
     async def probe(self) -> bool:
         """One token from the upstream, through :meth:`run`: the path jobs take."""
@@ -173,22 +175,19 @@ class HttpRunner:
 
     async def relay(self, method: str, path: str, body: bytes) -> Relayed:
         """The upstream's answer to a request that takes no slot, as it came."""
-        assert self._client is not None
-        headers = JSON_HEADERS if body else None
+        assert self._upstream is not None
         try:
-            async with self._client.stream(
-                method, path, content=body or None, headers=headers
-            ) as response:
-                return _relayed(response, await read_bounded(response))
-        except httpx.TimeoutException:
+            async with self._upstream.request(method, path, body) as answer:
+                return _relayed(answer, await read_bounded(answer))
+        except UpstreamTimeout:
             raise self._timeout() from None
-        except httpx.HTTPError as exc:
-            raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
+        except UpstreamError as exc:
+            raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         spec = job.spec
         assert spec is not None
-        assert self._client is not None
+        assert self._upstream is not None
         if spec.forward is not None:
             async with contextlib.aclosing(self._forward(spec)) as events:
                 async for event in events:
@@ -198,22 +197,23 @@ class HttpRunner:
         parts: list[str] = []
         counts = StreamCounts()
         try:
-            async with self._client.stream("POST", path, json=body) as response:
-                if response.status_code >= 400:
-                    detail = (await read_bounded(response))[:300].decode(errors="replace")
+            async with self._upstream.request("POST", path, orjson.dumps(body)) as answer:
+                if answer.status >= 400:
+                    detail = (await read_bounded(answer))[:300].decode(errors="replace")
                     raise RunnerError(
-                        f"the upstream answered {response.status_code}: {detail}",
+                        f"the upstream answered {answer.status}: {detail}",
                         NeedCode.UPSTREAM_ERROR,
                     )
-                async for event in sse_events(response):
+                async for event in sse_events(answer.chunks()):
                     text = counts.add(event)
                     if text:
                         parts.append(text)
                         yield Token(text)
-        except httpx.TimeoutException:
+                await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
+        except UpstreamTimeout:
             raise self._timeout() from None
-        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
-            raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
+        except (UpstreamError, orjson.JSONDecodeError) as exc:
+            raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
         # (ttft_ms and tpot_ms are the governor's, measured from admission.)
         yield Finished(
             {
@@ -236,37 +236,36 @@ class HttpRunner:
         (:func:`_refused`)."""
         forward = spec.forward
         assert forward is not None
-        assert self._client is not None
+        assert self._upstream is not None
         body = self.forwarded_body(spec)
         try:
-            async with self._client.stream(
-                "POST", forward.path, content=body, headers=JSON_HEADERS
-            ) as response:
-                if response.status_code >= 300 or not forward.stream:
-                    whole = await read_bounded(response)
-                    relayed = _relayed(response, whole)
-                    if response.status_code >= 300:
+            async with self._upstream.request("POST", forward.path, body) as answer:
+                if answer.status >= 300 or not forward.stream:
+                    whole = await read_bounded(answer)
+                    relayed = _relayed(answer, whole)
+                    if answer.status >= 300:
                         raise _refused(relayed)
                     yield Finished(whole_counts(whole), relayed)
                     return
                 counts = StreamCounts()
-                async for raw, event in sse_raw(response):
+                async for raw, event in sse_raw(answer.chunks()):
                     token = counts.add(event)
                     yield (
                         Token(token, counts.generated, raw=raw) if token is not None else Relay(raw)
                     )
+                await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
                 yield Finished(counts.result(), Relayed(200, SSE, b"data: [DONE]\n\n"))
-        except httpx.TimeoutException:
+        except UpstreamTimeout:
             raise self._timeout() from None
-        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
-            raise RunnerError(f"the upstream failed: {exc!r}", NeedCode.UPSTREAM_ERROR) from None
+        except (UpstreamError, orjson.JSONDecodeError) as exc:
+            raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
 
 
-async def read_bounded(response: httpx.Response) -> bytes:
+async def read_bounded(answer: Answer) -> bytes:
     """A whole answer of the upstream's, of :data:`MAX_ANSWER_BYTES` at most (RunnerError past
     that: the governor holds what it relays)."""
     parts, size = [], 0
-    async for chunk in response.aiter_bytes():
+    async for chunk in answer.chunks():
         size += len(chunk)
         if size > MAX_ANSWER_BYTES:
             raise _too_large("answer")
@@ -280,8 +279,8 @@ def _too_large(what: str) -> RunnerError:
     )
 
 
-def _relayed(response: httpx.Response, body: bytes) -> Relayed:
-    return Relayed(response.status_code, response.headers.get("content-type", JSON), body)
+def _relayed(answer: Answer, body: bytes) -> Relayed:
+    return Relayed(answer.status, answer.content_type or JSON, body)
 
 
 def _refused(relayed: Relayed) -> RunnerError:
@@ -361,21 +360,21 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-async def sse_events(response: httpx.Response) -> AsyncIterator[Any]:
-    """The JSON of each ``data:`` event of an OpenAI-style stream, up to ``data: [DONE]``
-    (``orjson.JSONDecodeError`` for one that is not JSON)."""
-    async for _, event in sse_raw(response):
+async def sse_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[Any]:
+    """The JSON of each ``data:`` event of an OpenAI-style stream (its body's ``chunks``), up
+    to ``data: [DONE]`` (``orjson.JSONDecodeError`` for one that is not JSON)."""
+    async for _, event in sse_raw(chunks):
         if event is not None:  # (a comment, a keep-alive: no data)
             yield event
 
 
-async def sse_raw(response: httpx.Response) -> AsyncIterator[tuple[bytes, Any]]:
+async def sse_raw(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[bytes, Any]]:
     """Each event of an OpenAI-style stream up to ``data: [DONE]``: its bytes as they came (to
     pass on), and its ``data:`` decoded (None for an event with no data, a comment, say;
     ``orjson.JSONDecodeError`` for data that is not JSON). Split on the blank line that ends an
     event, in the stream's bytes: no decoding of lines but the data's."""
     buffer = b""
-    async for chunk in response.aiter_bytes():
+    async for chunk in chunks:
         buffer += chunk
         if len(buffer) > MAX_ANSWER_BYTES:  # (no blank line: no end of an event in sight)
             raise _too_large("stream event")

@@ -496,7 +496,7 @@ class OpenAITarget:
                 body = await response.aread()
                 hint = retry_hint_ms(response.headers)
                 return _Refused(response.status_code, error_code(body), hint_ms=hint)
-            async for chunk in sse_events(response):
+            async for chunk in sse_events(response.aiter_bytes()):
                 error = chunk.get("error")
                 if isinstance(error, dict):
                     code = error.get("code")

@@ -1,0 +1,398 @@
+"""The sidecar's HTTP/1.1 client to its upstream: h11 over the event loop's streams, kept alive.
+
+A sidecar relays one event per generated token, so what its client costs per read is paid
+once a token: httpx's stack (httpcore's pool, anyio's streams, sniffio's look-ups) took most
+of the governor's CPU per relayed event (``docs/BENCHMARKS.md``). This client is what the
+``http`` runner needs and no more: one request at a time per connection, h11 for the framing
+(the same parser as the front door) for the heads and for bodies of a known length, a
+chunked body (every stream) decoded here (:class:`Chunks`: h11 makes an event of each chunk,
+which costs more than the relay's own work), idle connections kept for the next request, a
+bound on the wait for each read and for a connect. The upstream is ``http://`` or ``https://`` (the
+system's certificate store).
+
+A connection goes back to the pool only when its exchange ended cleanly (h11 says both sides
+are done); anything else (a cancelled job, an error, an answer read only in part) closes it.
+A request on a kept connection that the upstream had closed meanwhile (no byte of an answer
+came back) is sent once more on a new one, as browsers and httpx do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import h11
+
+__all__ = ["Answer", "Upstream", "UpstreamError", "UpstreamTimeout"]
+
+READ_BYTES = 64 * 1024  # the most one read takes from the socket
+MAX_LINE = 4096  # the longest line of a chunked body's framing: a chunk's size, a trailer
+HEX = frozenset(b"0123456789abcdefABCDEF")
+KEEP_IDLE = 64  # idle connections kept for the next requests
+USER_AGENT = b"governor"
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached, or broke the protocol or the connection."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream sent nothing for the client's timeout (or did not accept a connection)."""
+
+
+class _Connection:
+    __slots__ = ("reader", "state", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.state = h11.Connection(h11.CLIENT)
+
+    @property
+    def usable(self) -> bool:
+        return not self.writer.is_closing() and not self.reader.at_eof()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Chunks:
+    """A chunked body's decoder (RFC 9112, 7.1): :meth:`feed` it what arrives, it gives the
+    data (each chunk's, as much of it as has come) and says when the body :attr:`done` (its
+    last chunk and trailers read; :attr:`rest` is what came after, nothing from a server that
+    waits for the next request)."""
+
+    __slots__ = ("done", "left", "rest", "stage")
+
+    def __init__(self) -> None:
+        self.stage = 0  # 0: a size line next, 1: data (``left`` bytes), 2: its CRLF, 3: trailers
+        self.left = 0
+        self.rest = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer, at, out = self.rest + data if self.rest else data, 0, []
+        while not self.done:
+            if self.stage == 1:
+                piece = buffer[at : at + self.left]
+                if not piece:
+                    break
+                out.append(piece)
+                at += len(piece)
+                self.left -= len(piece)
+                if self.left:
+                    break
+                self.stage = 2
+                continue
+            end = buffer.find(b"\r\n", at)
+            if end < 0:
+                if len(buffer) - at > MAX_LINE:
+                    raise UpstreamError("the upstream's chunked body has a line too long")
+                break
+            line, at = buffer[at:end], end + 2
+            if self.stage == 2:
+                if line:
+                    raise UpstreamError("the upstream's chunk does not end where its size says")
+                self.stage = 0
+            elif self.stage == 0:
+                size = line.split(b";", 1)[0].strip()
+                if not size or not HEX.issuperset(size) or len(size) > 16:
+                    raise UpstreamError(f"the upstream's chunk size is not one: {line[:40]!r}")
+                self.left = int(size, 16)
+                self.stage = 1 if self.left else 3
+            elif not line:  # the blank line after the trailers
+                self.done = True
+        self.rest = buffer[at:]
+        return out
+
+
+class Silence:
+    """The bound on the upstream's silence while a body is read, kept lazily: a read notes
+    when it began, and one timer, when it fires, cancels the reading task only if the read in
+    progress has waited ``timeout_s``, else sets itself for when it could have. (An
+    ``asyncio.timeout`` around each read cost more than the read: a stream reads once a token.)
+    """
+
+    __slots__ = ("_handle", "_loop", "_since", "_task", "fired", "timeout_s")
+
+    def __init__(self, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.timeout_s = timeout_s
+        self._since: float | None = None  # when the read in progress began (None: none is)
+        self.fired = False
+        self._handle = self._loop.call_later(timeout_s, self._check)
+
+    def _check(self) -> None:
+        since = self._since
+        if since is not None and self._loop.time() - since >= self.timeout_s:
+            self.fired = True
+            self._task.cancel()
+            return
+        start = since if since is not None else self._loop.time()
+        self._handle = self._loop.call_at(start + self.timeout_s, self._check)
+
+    async def read(self, reader: asyncio.StreamReader) -> bytes:
+        self._since = self._loop.time()
+        try:
+            return await reader.read(READ_BYTES)
+        except asyncio.CancelledError:
+            if self.fired and self._task.uncancel() == 0:
+                raise UpstreamTimeout(
+                    f"nothing from the upstream for {self.timeout_s:g} s"
+                ) from None
+            raise
+        except OSError as exc:
+            raise UpstreamError(f"the upstream's connection failed: {exc!r}") from None
+        finally:
+            self._since = None
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+
+class Answer:
+    """The upstream's answer: its status and content type, then its body, read as it comes."""
+
+    __slots__ = ("_chunks", "_connection", "_silence", "_timeout_s", "content_type", "status")
+
+    def __init__(self, connection: _Connection, response: h11.Response, timeout_s: float) -> None:
+        self._connection = connection
+        self._timeout_s = timeout_s
+        self._silence: Silence | None = None  # the bound on a chunked body's reads
+        self.status = response.status_code
+        self.content_type = ""
+        chunked = False
+        for name, value in response.headers:
+            if name == b"content-type":
+                self.content_type = value.decode("latin-1")
+            elif name == b"transfer-encoding":
+                chunked = value.lower() == b"chunked"
+        # A chunked body is decoded here, from what h11 has not read of it yet.
+        self._chunks: Chunks | None = None
+        if chunked and response.status_code not in (204, 304):
+            self._chunks = Chunks()
+            self._chunks.rest = connection.state.trailing_data[0]
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's bytes, as they arrive (each read's, not split further)."""
+        if self._chunks is not None:
+            async for data in self._chunked(self._chunks):
+                yield data
+            return
+        while True:
+            event = _next(self._connection)
+            if event is h11.NEED_DATA:
+                await _receive(self._connection, self._timeout_s)
+                continue
+            if type(event) is not h11.Data:  # its end (EndOfMessage; or a close, for a body
+                return  # that ends with the connection)
+            yield bytes(event.data)
+
+    async def _chunked(self, chunks: Chunks) -> AsyncIterator[bytes]:
+        reader = self._connection.reader
+        if self._silence is None:
+            self._silence = Silence(self._timeout_s)
+        silence = self._silence
+        data = b""  # (the head's read may have brought part of the body: chunks.rest)
+        while True:
+            for piece in chunks.feed(data):
+                yield piece
+            if chunks.done:
+                return
+            data = await silence.read(reader)
+            if not data:
+                raise UpstreamError("the upstream closed the connection within a chunked body")
+
+    async def drain(self, timeout_s: float, limit: int) -> None:
+        """Read what is left of the body, discarded, for ``timeout_s`` and ``limit`` bytes at
+        most: a stream read to its last event ends at once, and its connection is kept; one
+        that does not end is left (and its connection closed)."""
+        size = 0
+        with contextlib.suppress(UpstreamError, TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                async for chunk in self.chunks():
+                    size += len(chunk)
+                    if size > limit:
+                        return
+
+    def close(self) -> None:
+        if self._silence is not None:
+            self._silence.close()
+
+    def reusable(self) -> bool:
+        """The whole exchange is over and the connection may carry another: made ready for
+        it (a chunked body read here leaves h11 where the head ended: a new one takes over)."""
+        connection = self._connection
+        if not connection.usable:
+            return False
+        if self._chunks is not None:
+            if not self._chunks.done or self._chunks.rest:
+                return False
+            connection.state = h11.Connection(h11.CLIENT)
+            return True
+        state = connection.state
+        if state.our_state is h11.DONE and state.their_state is h11.DONE:
+            state.start_next_cycle()
+            return True
+        return False
+
+
+def _next(connection: _Connection) -> h11.Event | type[h11.NEED_DATA]:
+    try:
+        return connection.state.next_event()  # type: ignore[return-value]
+    except h11.RemoteProtocolError as exc:
+        raise UpstreamError(f"the upstream broke HTTP/1.1: {exc}") from None
+
+
+async def _receive(connection: _Connection, timeout_s: float) -> bool:
+    """Give h11 what the next read brings (b"" at the end of the stream); whether it brought
+    anything."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            data = await connection.reader.read(READ_BYTES)
+    except TimeoutError:
+        raise UpstreamTimeout(f"nothing from the upstream for {timeout_s:g} s") from None
+    except OSError as exc:
+        raise UpstreamError(f"the upstream's connection failed: {exc!r}") from None
+    try:
+        connection.state.receive_data(data)
+    except h11.RemoteProtocolError as exc:
+        raise UpstreamError(f"the upstream broke HTTP/1.1: {exc}") from None
+    return bool(data)
+
+
+class Upstream:
+    """Requests to one upstream (``base_url``: scheme, host, port and an optional path prefix)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float, connect_timeout_s: float = 10.0) -> None:
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"not an http:// or https:// URL: {base_url!r}")
+        self.host = url.hostname
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if url.scheme == "https" else None
+        self.prefix = url.path.rstrip("/")
+        self.authority = url.netloc.rpartition("@")[2].encode("ascii")
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: list[_Connection] = []
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+    @contextlib.asynccontextmanager
+    async def request(
+        self, method: str, path: str, body: bytes = b"", *, timeout_s: float | None = None
+    ) -> AsyncIterator[Answer]:
+        """Send a request (``body``: JSON) and give its answer once its head has come; its body
+        is read from :meth:`Answer.chunks` within the block. The connection is kept for the
+        next request if the whole exchange ended in the block, else closed."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        head = self._head(method, path, body)
+        connection, answer = await self._send(head, body, timeout_s)
+        try:
+            yield answer
+        except BaseException:
+            connection.close()
+            raise
+        finally:
+            answer.close()
+        if len(self._idle) < KEEP_IDLE and answer.reusable():
+            self._idle.append(connection)
+        else:
+            connection.close()
+
+    def _head(self, method: str, path: str, body: bytes) -> h11.Request:
+        headers = [(b"host", self.authority), (b"user-agent", USER_AGENT)]
+        if body or method == "POST":
+            headers += [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+            ]
+        return h11.Request(method=method, target=self.prefix + path, headers=headers)
+
+    async def _send(
+        self, head: h11.Request, body: bytes, timeout_s: float
+    ) -> tuple[_Connection, Answer]:
+        """The request on a kept connection (once more on a new one if that one had been
+        closed by the upstream before any answer), else on a new one."""
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.usable:
+                connection.close()
+                continue
+            try:
+                return connection, await self._exchange(connection, head, body, timeout_s)
+            except UpstreamError as exc:
+                connection.close()
+                if not isinstance(exc, _Unanswered):
+                    raise
+        connection = await self._connect()
+        try:
+            return connection, await self._exchange(connection, head, body, timeout_s)
+        except BaseException:
+            connection.close()
+            raise
+
+    async def _connect(self) -> _Connection:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(
+                    self.host, self.port, ssl=self.ssl, limit=READ_BYTES
+                )
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"no connection to {self.host}:{self.port} in {self.connect_timeout_s:g} s"
+            ) from None
+        except OSError as exc:
+            raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from None
+        return _Connection(reader, writer)
+
+    async def _exchange(
+        self, connection: _Connection, head: h11.Request, body: bytes, timeout_s: float
+    ) -> Answer:
+        """Write the request, read up to the answer's head."""
+        state = connection.state
+        data = state.send(head)
+        if body:
+            data += state.send(h11.Data(data=body))
+        data += state.send(h11.EndOfMessage())
+        try:
+            connection.writer.write(data)
+            async with asyncio.timeout(timeout_s):
+                await connection.writer.drain()
+        except TimeoutError:
+            raise UpstreamTimeout(f"the upstream took no request for {timeout_s:g} s") from None
+        except OSError as exc:
+            raise _Unanswered(f"the upstream's connection failed: {exc!r}") from None
+        answered = False  # (a byte of an answer came)
+        while True:
+            try:
+                event = _next(connection)
+                if event is h11.NEED_DATA:
+                    answered = await _receive(connection, timeout_s) or answered
+                    continue
+            except UpstreamTimeout:
+                raise
+            except UpstreamError as exc:
+                raise (exc if answered else _Unanswered(str(exc))) from None
+            if type(event) is h11.Response:
+                return Answer(connection, event, timeout_s)
+            if type(event) is h11.ConnectionClosed:
+                raise (UpstreamError if answered else _Unanswered)(
+                    "the upstream closed the connection without an answer"
+                )
+            if type(event) is not h11.InformationalResponse:  # (100 Continue: skipped)
+                raise UpstreamError(f"the upstream sent {type(event).__name__} for an answer")
+
+
+class _Unanswered(UpstreamError):
+    """The connection failed before any of an answer came: the request may be sent again."""
