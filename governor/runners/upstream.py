@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import typing
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -43,20 +44,89 @@ class UpstreamTimeout(UpstreamError):
     """The upstream sent nothing for the client's timeout (or did not accept a connection)."""
 
 
-class _Connection:
-    __slots__ = ("reader", "state", "writer")
+class _Connection(asyncio.Protocol):
+    """One connection to the upstream: what it has received, waited for by one reader at a
+    time (asyncio's streams do the same with more layers, and a relay reads once a token)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+    def __init__(self) -> None:
         self.state = h11.Connection(h11.CLIENT)
+        self.transport: asyncio.Transport | None = None
+        self._received: list[bytes] = []
+        self._size = 0
+        self._ended = False  # the upstream closed its side, or the connection is lost
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None  # a read waiting for data
+        self._drained: asyncio.Future[None] | None = None  # a write waiting for room
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = typing.cast(asyncio.Transport, transport)  # (uvloop's is none by type)
+
+    def data_received(self, data: bytes) -> None:
+        self._received.append(data)
+        self._size += len(data)
+        if self._size > READ_BYTES and self.transport is not None:
+            self.transport.pause_reading()  # (until a read takes it)
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._ended = True
+        self._wake()
+        return False  # (close the transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended = True
+        self._error = exc
+        self._wake()
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def read(self) -> bytes:
+        """What has come since the last read, waiting for something; b"" once the upstream
+        has closed (OSError for a connection lost to an error)."""
+        if not self._received:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error if isinstance(self._error, OSError) else OSError(self._error)
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+            return await self.read()
+        data = self._received[0] if len(self._received) == 1 else b"".join(self._received)
+        self._received.clear()
+        if self._size > READ_BYTES and self.transport is not None and not self._ended:
+            self.transport.resume_reading()
+        self._size = 0
+        return data
+
+    async def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        if self._ended or self.transport.is_closing():
+            raise ConnectionResetError("the upstream closed the connection")
+        self.transport.write(data)
+        if self._drained is not None:
+            await self._drained
 
     @property
     def usable(self) -> bool:
-        return not self.writer.is_closing() and not self.reader.at_eof()
+        return not self._ended and self.transport is not None and not self.transport.is_closing()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 class Chunks:
@@ -137,10 +207,10 @@ class Silence:
         start = since if since is not None else self._loop.time()
         self._handle = self._loop.call_at(start + self.timeout_s, self._check)
 
-    async def read(self, reader: asyncio.StreamReader) -> bytes:
+    async def read(self, connection: _Connection) -> bytes:
         self._since = self._loop.time()
         try:
-            return await reader.read(READ_BYTES)
+            return await connection.read()
         except asyncio.CancelledError:
             if self.fired and self._task.uncancel() == 0:
                 raise UpstreamTimeout(
@@ -179,12 +249,12 @@ class Answer:
             self._chunks = Chunks()
             self._chunks.rest = connection.state.trailing_data[0]
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes, as they arrive (each read's, not split further)."""
-        if self._chunks is not None:
-            async for data in self._chunked(self._chunks):
-                yield data
-            return
+        return self._chunked(self._chunks) if self._chunks is not None else self._framed()
+
+    async def _framed(self) -> AsyncIterator[bytes]:
+        """A body h11 frames: of a known length, or up to the connection's close."""
         while True:
             event = _next(self._connection)
             if event is h11.NEED_DATA:
@@ -195,7 +265,7 @@ class Answer:
             yield bytes(event.data)
 
     async def _chunked(self, chunks: Chunks) -> AsyncIterator[bytes]:
-        reader = self._connection.reader
+        connection = self._connection
         if self._silence is None:
             self._silence = Silence(self._timeout_s)
         silence = self._silence
@@ -205,7 +275,7 @@ class Answer:
                 yield piece
             if chunks.done:
                 return
-            data = await silence.read(reader)
+            data = await silence.read(connection)
             if not data:
                 raise UpstreamError("the upstream closed the connection within a chunked body")
 
@@ -255,7 +325,7 @@ async def _receive(connection: _Connection, timeout_s: float) -> bool:
     anything."""
     try:
         async with asyncio.timeout(timeout_s):
-            data = await connection.reader.read(READ_BYTES)
+            data = await connection.read()
     except TimeoutError:
         raise UpstreamTimeout(f"nothing from the upstream for {timeout_s:g} s") from None
     except OSError as exc:
@@ -345,8 +415,8 @@ class Upstream:
     async def _connect(self) -> _Connection:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(
-                    self.host, self.port, ssl=self.ssl, limit=READ_BYTES
+                _, connection = await asyncio.get_running_loop().create_connection(
+                    _Connection, self.host, self.port, ssl=self.ssl
                 )
         except TimeoutError:
             raise UpstreamTimeout(
@@ -354,7 +424,7 @@ class Upstream:
             ) from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from None
-        return _Connection(reader, writer)
+        return connection
 
     async def _exchange(
         self, connection: _Connection, head: h11.Request, body: bytes, timeout_s: float
@@ -366,9 +436,8 @@ class Upstream:
             data += state.send(h11.Data(data=body))
         data += state.send(h11.EndOfMessage())
         try:
-            connection.writer.write(data)
             async with asyncio.timeout(timeout_s):
-                await connection.writer.drain()
+                await connection.write(data)
         except TimeoutError:
             raise UpstreamTimeout(f"the upstream took no request for {timeout_s:g} s") from None
         except OSError as exc:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
+import trustme
 
 from governor.runners.upstream import Upstream, UpstreamError, UpstreamTimeout
 
@@ -228,3 +231,30 @@ async def test_no_upstream_is_an_error_and_a_bad_url_is_refused() -> None:
         await read_all(Upstream(f"http://127.0.0.1:{port}", timeout_s=1))
     with pytest.raises(ValueError, match="not an http"):
         Upstream("ftp://example.com", timeout_s=1)
+
+
+async def test_an_https_upstream_is_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An https:// upstream is checked against the system's certificates (here a throwaway CA
+    given as SSL_CERT_FILE, as an operator would): trusted, it answers; not, it is an error."""
+    ca = trustme.CA()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(served)
+    server = Scripted(stream)
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=served)
+    url = f"https://localhost:{listener.sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):
+            await read_all(Upstream(url, timeout_s=2))
+        bundle = tmp_path / "ca.pem"
+        ca.cert_pem.write_to_path(str(bundle))
+        monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+        upstream = Upstream(url, timeout_s=2)
+        assert (await read_all(upstream))[2] == b"data: 1\n\ndata: 2\n\n"
+        await upstream.close()
+    finally:
+        listener.close()
+        for task in server.handlers:
+            task.cancel()
+        await asyncio.gather(*server.handlers, return_exceptions=True)
