@@ -30,7 +30,7 @@ from .core.ledger import Completed, Refusal
 from .core.policy import Lane
 from .core.slo import judge, share
 from .ops.logs import event
-from .runners import Fed, Relay, Relayed, RunnerError, Token
+from .runners import Fed, Finished, Forwarding, Relay, Relayed, RunnerError, Token
 from .state import ServerState
 
 if TYPE_CHECKING:
@@ -104,9 +104,11 @@ class Execution:
         "first_token",
         "job",
         "outcome",
+        "parts",
         "replies",
         "result",
         "state",
+        "streams",
         "task",
         "terminal_sent",
         "ticket",
@@ -135,6 +137,8 @@ class Execution:
         self.waited_s = waited_s  # from its first refusal to its admission
         self.first_token: float | None = None
         self.tpot_s: float | None = None  # once it finished
+        self.streams = False  # its client asked for a stream
+        self.parts: list[str] = []  # its first sequence's text, as it came
         self.result: dict[str, Any] | None = None
         self.terminal_sent = False
         self.outcome = "cancelled"  # "done", a need_code, or "client_gone"
@@ -237,47 +241,55 @@ class Execution:
         return False
 
     async def _execute(self) -> tuple[dict[str, Any], Relayed | None]:
-        ticket, state = self.ticket, self.state
-        job, clock = ticket.job, state.clock
-        stream = job.spec is not None and job.spec.stream
-        parts: list[str] = []
+        job, runner = self.ticket.job, self.ticket.pool.runner
+        self.streams = job.spec is not None and job.spec.stream
+        if job.spec is not None and job.spec.forward is not None:
+            assert isinstance(runner, Forwarding)
+            # Pushed, not pulled: a relayed stream's pieces are handled as they arrive.
+            return self._finished(await runner.push(job, self._piece))
         # aclosing: the runner's clean-up runs now, not whenever the generator is collected.
-        async with contextlib.aclosing(ticket.pool.runner.run(job)) as events:
+        async with contextlib.aclosing(runner.run(job)) as events:
             async for item in events:
-                if isinstance(item, Token):
-                    now = state.last_token_at = clock()
-                    if self.first_token is None:
-                        self.first_token = now
-                        self._first_token(now - ticket.slot.started)
-                    elif item.generated is not None:
-                        ticket.slot.progress(item.generated, self.first_token, now)
-                    if item.index == 0 and item.tool is None:
-                        parts.append(item.text)
-                    if stream and not self.terminal_sent:
-                        self.replies.send_delta(self, item)
-                    continue
-                if isinstance(item, Fed):
-                    ticket.slot.feeding(item.tokens, clock())
-                    continue
-                if isinstance(item, Relay):
-                    if stream and not self.terminal_sent:
-                        self.replies.send_delta(self, item)
-                    continue
-                result = dict(item.result)
-                if parts:
-                    result.setdefault("text", "".join(parts))
-                    ttft_s, self.tpot_s = timings(
-                        ticket.slot.started,
-                        self.first_token,
-                        clock(),
-                        result.get("completion_tokens"),
-                    )
-                    result["ttft_ms"] = _ms(ttft_s)
-                    result["tpot_ms"] = _ms(self.tpot_s)
-                if ticket.degraded:
-                    result["degraded"] = list(ticket.degraded)
-                return result, item.relayed
+                if isinstance(item, Finished):
+                    return self._finished(item)
+                self._piece(item)
         raise RunnerError("the runner ended the job without finishing it")
+
+    def _piece(self, item: Token | Fed | Relay) -> None:
+        """A piece of the job's output, or of its progress: timed, and streamed."""
+        ticket, state = self.ticket, self.state
+        if isinstance(item, Token):
+            now = state.last_token_at = state.clock()
+            if self.first_token is None:
+                self.first_token = now
+                self._first_token(now - ticket.slot.started)
+            elif item.generated is not None:
+                ticket.slot.progress(item.generated, self.first_token, now)
+            if item.index == 0 and item.tool is None:
+                self.parts.append(item.text)
+        elif isinstance(item, Fed):
+            ticket.slot.feeding(item.tokens, state.clock())
+            return
+        if self.streams and not self.terminal_sent:
+            self.replies.send_delta(self, item)
+
+    def _finished(self, item: Finished) -> tuple[dict[str, Any], Relayed | None]:
+        """The job's result, with the governor's own timings and the ladder's steps."""
+        ticket, parts = self.ticket, self.parts
+        result = dict(item.result)
+        if parts:
+            result.setdefault("text", "".join(parts))
+            ttft_s, self.tpot_s = timings(
+                ticket.slot.started,
+                self.first_token,
+                self.state.clock(),
+                result.get("completion_tokens"),
+            )
+            result["ttft_ms"] = _ms(ttft_s)
+            result["tpot_ms"] = _ms(self.tpot_s)
+        if ticket.degraded:
+            result["degraded"] = list(ticket.degraded)
+        return result, item.relayed
 
     def _first_token(self, ttft_s: float) -> None:
         """Interactive time to first token feeds the overload state, against the job's

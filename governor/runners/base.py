@@ -16,7 +16,7 @@ supervision of its workers still stands.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -191,6 +191,12 @@ class Forwarding(Protocol):
     async def relay(self, method: str, path: str, body: bytes) -> Relayed:
         """The upstream's answer to a request that takes no slot (its models, its tokenizer);
         raises :class:`RunnerError` when none comes."""
+        ...
+
+    async def push(self, job: Job, sink: Callable[[Token | Relay], None]) -> Finished:
+        """Run a forwarded job (its spec's ``forward``), giving its stream's pieces to ``sink``
+        as they come, synchronously (what :meth:`Runner.run` would yield, but for the end,
+        returned); raises :class:`RunnerError` as ``run`` does."""
         ...
 
 

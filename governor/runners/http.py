@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,10 +188,12 @@ class HttpRunner:
         spec = job.spec
         assert spec is not None
         assert self._upstream is not None
-        if spec.forward is not None:
-            async with contextlib.aclosing(self._forward(spec)) as events:
-                async for event in events:
-                    yield event
+        if spec.forward is not None:  # (the execution pushes these: :meth:`push`)
+            pushed: list[RunEvent] = []
+            finished = await self.push(job, pushed.append)
+            for event in pushed:
+                yield event
+            yield finished
             return
         path, body = self._request(spec)
         parts: list[str] = []
@@ -229,11 +231,14 @@ class HttpRunner:
             NeedCode.UPSTREAM_TIMEOUT,
         )
 
-    async def _forward(self, spec: JobSpec) -> AsyncGenerator[RunEvent, None]:
+    async def push(self, job: Job, sink: Callable[[Token | Relay], None]) -> Finished:
         """A forwarded request: its body to the upstream, the upstream's answer back as it
-        came. A stream's events are relayed one by one (those with generated text or tool
-        calls as tokens, timed); an answer other than 2xx is passed on as it came too
-        (:func:`_refused`)."""
+        came. A stream's events go to ``sink`` one by one (those with generated text or tool
+        calls as tokens, timed) as they arrive, in the connection's callback (no task wakes
+        for each: a sidecar relays once a token); an answer other than 2xx is passed on as
+        it came too (:func:`_refused`)."""
+        spec = job.spec
+        assert spec is not None
         forward = spec.forward
         assert forward is not None
         assert self._upstream is not None
@@ -245,16 +250,27 @@ class HttpRunner:
                     relayed = _relayed(answer, whole)
                     if answer.status >= 300:
                         raise _refused(relayed)
-                    yield Finished(whole_counts(whole), relayed)
-                    return
-                counts = StreamCounts()
-                async for raw, event in sse_raw(answer.chunks()):
-                    token = counts.add(event)
-                    yield (
-                        Token(token, counts.generated, raw=raw) if token is not None else Relay(raw)
-                    )
-                await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
-                yield Finished(counts.result(), Relayed(200, SSE, b"data: [DONE]\n\n"))
+                    return Finished(whole_counts(whole), relayed)
+                counts, events = StreamCounts(), SseEvents()
+
+                def relay(data: bytes) -> None:
+                    for raw, event in events.feed(data):
+                        token = counts.add(event)
+                        sink(
+                            Token(token, counts.generated, raw=raw)
+                            if token is not None
+                            else Relay(raw)
+                        )
+
+                if answer.chunked:
+                    await answer.pump(relay)
+                else:
+                    async for data in answer.chunks():
+                        relay(data)
+                        if events.done:
+                            break
+                    await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
+                return Finished(counts.result(), Relayed(200, SSE, b"data: [DONE]\n\n"))
         except UpstreamTimeout:
             raise self._timeout() from None
         except (UpstreamError, orjson.JSONDecodeError) as exc:
@@ -369,26 +385,50 @@ async def sse_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[Any]:
 
 
 async def sse_raw(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[bytes, Any]]:
-    """Each event of an OpenAI-style stream up to ``data: [DONE]``: its bytes as they came (to
+    """Each event of an OpenAI-style stream (its body's ``chunks``) up to ``data: [DONE]``, as
+    :class:`SseEvents` gives them."""
+    events = SseEvents()
+    async for chunk in chunks:
+        for event in events.feed(chunk):
+            yield event
+        if events.done:
+            return
+
+
+class SseEvents:
+    """An OpenAI-style stream's events, from its bytes as they come (:meth:`feed`), up to
+    ``data: [DONE]`` (:attr:`done`; what follows is left): each event's bytes as they came (to
     pass on), and its ``data:`` decoded (None for an event with no data, a comment, say;
     ``orjson.JSONDecodeError`` for data that is not JSON). Split on the blank line that ends an
     event, in the stream's bytes: no decoding of lines but the data's."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
+
+    __slots__ = ("_buffer", "done")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> list[tuple[bytes, Any]]:
+        if self.done:
+            return []
+        buffer = self._buffer + data if self._buffer else data
         if len(buffer) > MAX_ANSWER_BYTES:  # (no blank line: no end of an event in sight)
             raise _too_large("stream event")
+        out = []
         while True:
             end, cut = _event_end(buffer)
             if end < 0:
                 break
             raw, buffer = buffer[:cut], buffer[cut:]
-            data = [
+            lines = [
                 line[5:].strip() for line in raw[:end].splitlines() if line.startswith(b"data:")
             ]
-            if data == [b"[DONE]"]:
-                return
-            yield raw, orjson.loads(b"\n".join(data)) if data else None
+            if lines == [b"[DONE]"]:
+                self.done = True
+                break
+            out.append((raw, orjson.loads(b"\n".join(lines)) if lines else None))
+        self._buffer = buffer
+        return out
 
 
 def _event_end(buffer: bytes) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import ssl
 import typing
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import h11
@@ -57,11 +57,17 @@ class _Connection(asyncio.Protocol):
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None  # a read waiting for data
         self._drained: asyncio.Future[None] | None = None  # a write waiting for room
+        # While set, what arrives goes here at once, in this callback (b"": the upstream
+        # closed), not to a read (:meth:`Answer.pump`).
+        self.pump: Callable[[bytes], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = typing.cast(asyncio.Transport, transport)  # (uvloop's is none by type)
 
     def data_received(self, data: bytes) -> None:
+        if self.pump is not None:
+            self.pump(data)
+            return
         self._received.append(data)
         self._size += len(data)
         if self._size > READ_BYTES and self.transport is not None:
@@ -71,12 +77,16 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         self._ended = True
         self._wake()
+        if self.pump is not None:
+            self.pump(b"")
         return False  # (close the transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
         self._error = exc
         self._wake()
+        if self.pump is not None:
+            self.pump(b"")
         drained, self._drained = self._drained, None
         if drained is not None and not drained.done():
             drained.set_result(None)
@@ -94,6 +104,15 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def take(self) -> bytes:
+        """What has come and not been read yet (b"": nothing)."""
+        data = self._received[0] if len(self._received) == 1 else b"".join(self._received)
+        self._received.clear()
+        if self._size > READ_BYTES and self.transport is not None and not self._ended:
+            self.transport.resume_reading()
+        self._size = 0
+        return data
+
     async def read(self) -> bytes:
         """What has come since the last read, waiting for something; b"" once the upstream
         has closed (OSError for a connection lost to an error)."""
@@ -105,12 +124,7 @@ class _Connection(asyncio.Protocol):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
             return await self.read()
-        data = self._received[0] if len(self._received) == 1 else b"".join(self._received)
-        self._received.clear()
-        if self._size > READ_BYTES and self.transport is not None and not self._ended:
-            self.transport.resume_reading()
-        self._size = 0
-        return data
+        return self.take()
 
     async def write(self, data: bytes) -> None:
         assert self.transport is not None
@@ -119,6 +133,11 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
         if self._drained is not None:
             await self._drained
+
+    @property
+    def ended(self) -> bool:
+        """The upstream has closed its side, or the connection is lost."""
+        return self._ended
 
     @property
     def usable(self) -> bool:
@@ -248,6 +267,63 @@ class Answer:
         if chunked and response.status_code not in (204, 304):
             self._chunks = Chunks()
             self._chunks.rest = connection.state.trailing_data[0]
+
+    @property
+    def chunked(self) -> bool:
+        return self._chunks is not None
+
+    async def pump(self, sink: Callable[[bytes], None]) -> None:
+        """A chunked body's data given to ``sink`` as it arrives, in the connection's own
+        callback: no task wakes for each read, for a relay that does its work there. Returns
+        once the body has ended; raises what ``sink`` raised, :class:`UpstreamError` for a
+        broken body, :class:`UpstreamTimeout` for a silence of the client's timeout."""
+        chunks, connection = self._chunks, self._connection
+        assert chunks is not None
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+        heard = loop.time()
+
+        def feed(data: bytes) -> None:
+            nonlocal heard
+            if ended.done():
+                return
+            heard = loop.time()
+            try:
+                for piece in chunks.feed(data):
+                    sink(piece)
+                if not chunks.done and not data and connection.ended:
+                    raise UpstreamError("the upstream closed the connection within a chunked body")
+            except Exception as exc:  # (the sink's, or the body's)
+                connection.pump = None
+                ended.set_exception(exc)
+                return
+            if chunks.done:
+                connection.pump = None
+                ended.set_result(None)
+
+        timer: asyncio.TimerHandle | None = None
+
+        def watch() -> None:
+            nonlocal timer
+            if ended.done():
+                return
+            if loop.time() - heard >= self._timeout_s:
+                connection.pump = None
+                ended.set_exception(
+                    UpstreamTimeout(f"nothing from the upstream for {self._timeout_s:g} s")
+                )
+                return
+            timer = loop.call_at(heard + self._timeout_s, watch)
+
+        timer = loop.call_at(heard + self._timeout_s, watch)
+        connection.pump = feed
+        try:
+            feed(connection.take())  # (what came with the head, and since)
+            await ended
+        finally:
+            connection.pump = None
+            if timer is not None:
+                timer.cancel()
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes, as they arrive (each read's, not split further)."""

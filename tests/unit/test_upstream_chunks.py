@@ -1,11 +1,14 @@
-"""The sidecar's chunked-body decoder: any body, in any chunks, split at any bytes."""
+"""The sidecar's decoders of an upstream's stream: its chunked body, then its events, whatever
+the reads."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from governor.runners.http import SseEvents
 from governor.runners.upstream import MAX_LINE, Chunks, UpstreamError
 
 
@@ -81,3 +84,34 @@ def test_a_framing_line_has_a_bound() -> None:
     assert chunks.feed(b"5" * MAX_LINE) == []  # (a line still within it waits for its end)
     with pytest.raises(UpstreamError, match="too long"):
         chunks.feed(b"5")
+
+
+EVENT = st.builds(
+    lambda payload, comment, crlf: (
+        (b": keep-alive" if comment else b"data: " + orjson.dumps(payload))
+        + (b"\r\n\r\n" if crlf else b"\n\n"),
+        None if comment else payload,
+    ),
+    st.dictionaries(
+        st.sampled_from(["id", "choices", "usage"]), st.integers(-(2**53), 2**53) | st.text()
+    ),
+    st.booleans(),
+    st.booleans(),
+)
+
+
+@given(
+    events=st.lists(EVENT, max_size=10),
+    cuts=st.lists(st.integers(0, 3000), max_size=20),
+    after=st.sampled_from([b"", b"data: {}\n\n"]),
+)
+def test_a_streams_events_in_any_reads_come_out_whole_and_stop_at_done(
+    events: list[tuple[bytes, object]], cuts: list[int], after: bytes
+) -> None:
+    """The relay's splitter (:class:`SseEvents`): each event's bytes as they came and its data
+    decoded, whatever the reads; nothing after ``data: [DONE]``."""
+    wire = b"".join(raw for raw, _ in events) + b"data: [DONE]\n\n" + after
+    splitter = SseEvents()
+    got = [event for read in splits(wire, cuts) for event in splitter.feed(read)]
+    assert got == events
+    assert splitter.done
