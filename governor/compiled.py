@@ -4,7 +4,7 @@ process runs them compiled.
 mypyc turns a typed module into a C extension that Python imports instead of the ``.py`` file
 beside it (an extension comes first in the import order). Only pure modules of the admitted path
 are listed: the codec, the upload, the session and its job table, the intake, the execution, the
-admission and its ledger. Everything works without them: with no C compiler, or after
+admission and its ledger, and the sidecar's decoders of its upstream's stream. Everything works without them: with no C compiler, or after
 ``deploy/compile.py --clean``, the same modules run as Python.
 
 A compiled module is *stale* when its ``.py`` changed after the build (``deploy/compile.py``
@@ -35,6 +35,7 @@ MODULES = (
     "governor.listeners.jobs",
     "governor.listeners.session",
     "governor.listeners.wire",
+    "governor.runners.framing",
     "governor.state",
 )
 ROOT = Path(__file__).resolve().parent.parent

@@ -42,7 +42,8 @@ from .base import (
     probe_job,
     spec_or_prompt,
 )
-from .upstream import Answer, Upstream, UpstreamError, UpstreamTimeout
+from .framing import SseEvents, UpstreamError, UpstreamTimeout
+from .upstream import Answer, Upstream
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
 JSON = "application/json"
@@ -251,7 +252,7 @@ class HttpRunner:
                     if answer.status >= 300:
                         raise _refused(relayed)
                     return Finished(whole_counts(whole), relayed)
-                counts, events = StreamCounts(), SseEvents()
+                counts, events = StreamCounts(), SseEvents(MAX_ANSWER_BYTES)
 
                 def relay(data: bytes) -> None:
                     for raw, event in events.feed(data):
@@ -387,54 +388,9 @@ async def sse_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[Any]:
 async def sse_raw(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[bytes, Any]]:
     """Each event of an OpenAI-style stream (its body's ``chunks``) up to ``data: [DONE]``, as
     :class:`SseEvents` gives them."""
-    events = SseEvents()
+    events = SseEvents(MAX_ANSWER_BYTES)
     async for chunk in chunks:
         for event in events.feed(chunk):
             yield event
         if events.done:
             return
-
-
-class SseEvents:
-    """An OpenAI-style stream's events, from its bytes as they come (:meth:`feed`), up to
-    ``data: [DONE]`` (:attr:`done`; what follows is left): each event's bytes as they came (to
-    pass on), and its ``data:`` decoded (None for an event with no data, a comment, say;
-    ``orjson.JSONDecodeError`` for data that is not JSON). Split on the blank line that ends an
-    event, in the stream's bytes: no decoding of lines but the data's."""
-
-    __slots__ = ("_buffer", "done")
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self.done = False
-
-    def feed(self, data: bytes) -> list[tuple[bytes, Any]]:
-        if self.done:
-            return []
-        buffer = self._buffer + data if self._buffer else data
-        if len(buffer) > MAX_ANSWER_BYTES:  # (no blank line: no end of an event in sight)
-            raise _too_large("stream event")
-        out = []
-        while True:
-            end, cut = _event_end(buffer)
-            if end < 0:
-                break
-            raw, buffer = buffer[:cut], buffer[cut:]
-            lines = [
-                line[5:].strip() for line in raw[:end].splitlines() if line.startswith(b"data:")
-            ]
-            if lines == [b"[DONE]"]:
-                self.done = True
-                break
-            out.append((raw, orjson.loads(b"\n".join(lines)) if lines else None))
-        self._buffer = buffer
-        return out
-
-
-def _event_end(buffer: bytes) -> tuple[int, int]:
-    """Where the first whole event in ``buffer`` ends (its blank line: ``\\n\\n`` or
-    ``\\r\\n\\r\\n``), and where the next begins; (-1, -1): none is whole yet."""
-    lf, crlf = buffer.find(b"\n\n"), buffer.find(b"\r\n\r\n")
-    if crlf >= 0 and (lf < 0 or crlf < lf):
-        return crlf, crlf + 4
-    return (lf, lf + 2) if lf >= 0 else (-1, -1)

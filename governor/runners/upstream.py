@@ -5,8 +5,8 @@ once a token: httpx's stack (httpcore's pool, anyio's streams, sniffio's look-up
 of the governor's CPU per relayed event (``docs/BENCHMARKS.md``). This client is what the
 ``http`` runner needs and no more: one request at a time per connection, h11 for the framing
 (the same parser as the front door) for the heads and for bodies of a known length, a
-chunked body (every stream) decoded here (:class:`Chunks`: h11 makes an event of each chunk,
-which costs more than the relay's own work), idle connections kept for the next request, a
+chunked body (every stream) decoded by :class:`~.framing.Chunks` (h11 makes an event of each
+chunk, which costs more than the relay's own work), idle connections kept for the next request, a
 bound on the wait for each read and for a connect. The upstream is ``http://`` or ``https://`` (the
 system's certificate store).
 
@@ -27,21 +27,13 @@ from urllib.parse import urlsplit
 
 import h11
 
+from .framing import Chunks, UpstreamError, UpstreamTimeout
+
 __all__ = ["Answer", "Upstream", "UpstreamError", "UpstreamTimeout"]
 
 READ_BYTES = 64 * 1024  # the most one read takes from the socket
-MAX_LINE = 4096  # the longest line of a chunked body's framing: a chunk's size, a trailer
-HEX = frozenset(b"0123456789abcdefABCDEF")
 KEEP_IDLE = 64  # idle connections kept for the next requests
 USER_AGENT = b"governor"
-
-
-class UpstreamError(Exception):
-    """The upstream could not be reached, or broke the protocol or the connection."""
-
-
-class UpstreamTimeout(UpstreamError):
-    """The upstream sent nothing for the client's timeout (or did not accept a connection)."""
 
 
 class _Connection(asyncio.Protocol):
@@ -146,56 +138,6 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-
-
-class Chunks:
-    """A chunked body's decoder (RFC 9112, 7.1): :meth:`feed` it what arrives, it gives the
-    data (each chunk's, as much of it as has come) and says when the body :attr:`done` (its
-    last chunk and trailers read; :attr:`rest` is what came after, nothing from a server that
-    waits for the next request)."""
-
-    __slots__ = ("done", "left", "rest", "stage")
-
-    def __init__(self) -> None:
-        self.stage = 0  # 0: a size line next, 1: data (``left`` bytes), 2: its CRLF, 3: trailers
-        self.left = 0
-        self.rest = b""
-        self.done = False
-
-    def feed(self, data: bytes) -> list[bytes]:
-        buffer, at, out = self.rest + data if self.rest else data, 0, []
-        while not self.done:
-            if self.stage == 1:
-                piece = buffer[at : at + self.left]
-                if not piece:
-                    break
-                out.append(piece)
-                at += len(piece)
-                self.left -= len(piece)
-                if self.left:
-                    break
-                self.stage = 2
-                continue
-            end = buffer.find(b"\r\n", at)
-            if end < 0:
-                if len(buffer) - at > MAX_LINE:
-                    raise UpstreamError("the upstream's chunked body has a line too long")
-                break
-            line, at = buffer[at:end], end + 2
-            if self.stage == 2:
-                if line:
-                    raise UpstreamError("the upstream's chunk does not end where its size says")
-                self.stage = 0
-            elif self.stage == 0:
-                size = line.split(b";", 1)[0].strip()
-                if not size or not HEX.issuperset(size) or len(size) > 16:
-                    raise UpstreamError(f"the upstream's chunk size is not one: {line[:40]!r}")
-                self.left = int(size, 16)
-                self.stage = 1 if self.left else 3
-            elif not line:  # the blank line after the trailers
-                self.done = True
-        self.rest = buffer[at:]
-        return out
 
 
 class Silence:

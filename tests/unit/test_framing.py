@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.runners.http import SseEvents
-from governor.runners.upstream import MAX_LINE, Chunks, UpstreamError
+from governor.runners.framing import MAX_LINE, Chunks, SseEvents, UpstreamError
 
 
 def encode(pieces: list[bytes], *, extension: bool, trailers: list[bytes], upper: bool) -> bytes:
@@ -111,7 +110,14 @@ def test_a_streams_events_in_any_reads_come_out_whole_and_stop_at_done(
     """The relay's splitter (:class:`SseEvents`): each event's bytes as they came and its data
     decoded, whatever the reads; nothing after ``data: [DONE]``."""
     wire = b"".join(raw for raw, _ in events) + b"data: [DONE]\n\n" + after
-    splitter = SseEvents()
+    splitter = SseEvents(1 << 20)
     got = [event for read in splits(wire, cuts) for event in splitter.feed(read)]
     assert got == events
     assert splitter.done
+
+
+def test_an_event_that_never_ends_has_a_bound() -> None:
+    splitter = SseEvents(64)
+    assert splitter.feed(b"data: " + b"x" * 58) == []  # (64 bytes held: within it)
+    with pytest.raises(UpstreamError, match="over 64 bytes"):
+        splitter.feed(b"x")
