@@ -1,14 +1,14 @@
-"""The sidecar's HTTP/1.1 client to its upstream: h11 over the event loop's streams, kept alive.
+"""The sidecar's HTTP/1.1 client to its upstream: h11 on a protocol of its own, kept alive.
 
 A sidecar relays one event per generated token, so what its client costs per read is paid
 once a token: httpx's stack (httpcore's pool, anyio's streams, sniffio's look-ups) took most
-of the governor's CPU per relayed event (``docs/BENCHMARKS.md``). This client is what the
-``http`` runner needs and no more: one request at a time per connection, h11 for the framing
-(the same parser as the front door) for the heads and for bodies of a known length, a
-chunked body (every stream) decoded by :class:`~.framing.Chunks` (h11 makes an event of each
-chunk, which costs more than the relay's own work), idle connections kept for the next request, a
-bound on the wait for each read and for a connect. The upstream is ``http://`` or ``https://`` (the
-system's certificate store).
+of the governor's CPU per relayed event, and asyncio's streams a fifth of what was left
+(``docs/BENCHMARKS.md``). This client is what the ``http`` runner needs and no more: one
+request at a time per connection; h11 (the front door's parser) for the heads and for bodies
+of a known length; a chunked body (every stream) decoded by :class:`~.framing.Chunks`, and a
+stream's pieces handed on in the connection's own callback (:meth:`Answer.pump`); idle
+connections kept for the next request; a bound on a connect and on each silence. The
+upstream is ``http://`` or ``https://`` (verified against the system's certificates).
 
 A connection goes back to the pool only when its exchange ended cleanly (h11 says both sides
 are done); anything else (a cancelled job, an error, an answer read only in part) closes it.
