@@ -137,7 +137,8 @@ class Execution:
         self.waited_s = waited_s  # from its first refusal to its admission
         self.first_token: float | None = None
         self.tpot_s: float | None = None  # once it finished
-        self.streams = False  # its client asked for a stream
+        spec = ticket.job.spec
+        self.streams = spec is not None and spec.stream  # its client asked for a stream
         self.parts: list[str] = []  # its first sequence's text, as it came
         self.result: dict[str, Any] | None = None
         self.terminal_sent = False
@@ -242,7 +243,6 @@ class Execution:
 
     async def _execute(self) -> tuple[dict[str, Any], Relayed | None]:
         job, runner = self.ticket.job, self.ticket.pool.runner
-        self.streams = job.spec is not None and job.spec.stream
         if job.spec is not None and job.spec.forward is not None:
             assert isinstance(runner, Forwarding)
             # Pushed, not pulled: a relayed stream's pieces are handled as they arrive.

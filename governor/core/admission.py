@@ -275,6 +275,11 @@ class _Plan:
     tokens: int  # what it costs its tenant's token rate: prompt + max_new_tokens
     degraded: tuple[str, ...] = ()
 
+    @property
+    def width(self) -> int:
+        """The slots it holds: one per sequence it runs at once."""
+        return self.size.width if self.size is not None else 1
+
 
 class Admission:
     """The decision over the pools, the tenants, the overload state and the breakers."""
@@ -324,8 +329,7 @@ class Admission:
         if refusal is not None:
             return self._refuse(attempt, None, refusal)
         # 5. The tenant's limits.
-        width = plan.size.width if plan.size is not None else 1
-        refusal = self._tenant_refusal(attempt.tenant, plan.tokens, width, now)
+        refusal = self._tenant_refusal(attempt.tenant, plan.tokens, plan.width, now)
         if refusal is not None:
             return self._refuse(attempt, promise, refusal)
         # 6. Breaker and fallback, then 7. the ledger.
@@ -420,7 +424,7 @@ class Admission:
     def _fits(self, attempt: Attempt, plan: _Plan, lane: Lane | None) -> _Plan | Rejected:
         """The plan, unless its sequences need more slots at once than it could ever hold: more
         than the pool's cap, its lane may take, or its tenant's cap."""
-        width = plan.size.width if plan.size is not None else 1
+        width = plan.width
         if width == 1:
             return plan
         ledger, tenant_cap = self.ledger, attempt.tenant.config.max_inflight

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,13 +177,9 @@ class HttpRunner:
     async def relay(self, method: str, path: str, body: bytes) -> Relayed:
         """The upstream's answer to a request that takes no slot, as it came."""
         assert self._upstream is not None
-        try:
+        with self._failures():
             async with self._upstream.request(method, path, body) as answer:
                 return _relayed(answer, await read_bounded(answer))
-        except UpstreamTimeout:
-            raise self._timeout() from None
-        except UpstreamError as exc:
-            raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         spec = job.spec
@@ -199,7 +195,7 @@ class HttpRunner:
         path, body = self._request(spec)
         parts: list[str] = []
         counts = StreamCounts()
-        try:
+        with self._failures():
             async with self._upstream.request("POST", path, orjson.dumps(body)) as answer:
                 if answer.status >= 400:
                     detail = (await read_bounded(answer))[:300].decode(errors="replace")
@@ -213,10 +209,6 @@ class HttpRunner:
                         parts.append(text)
                         yield Token(text)
                 await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
-        except UpstreamTimeout:
-            raise self._timeout() from None
-        except (UpstreamError, orjson.JSONDecodeError) as exc:
-            raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
         # (ttft_ms and tpot_ms are the governor's, measured from admission.)
         yield Finished(
             {
@@ -226,11 +218,19 @@ class HttpRunner:
             }
         )
 
-    def _timeout(self) -> RunnerError:
-        return RunnerError(
-            f"the upstream sent nothing for {self.settings.timeout_s:g} s",
-            NeedCode.UPSTREAM_TIMEOUT,
-        )
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        """The upstream's failures as the job's: ``upstream_timeout`` for a silence,
+        ``upstream_error`` for the rest (a broken connection, body or event)."""
+        try:
+            yield
+        except UpstreamTimeout:
+            raise RunnerError(
+                f"the upstream sent nothing for {self.settings.timeout_s:g} s",
+                NeedCode.UPSTREAM_TIMEOUT,
+            ) from None
+        except (UpstreamError, orjson.JSONDecodeError) as exc:
+            raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
 
     async def push(self, job: Job, sink: Callable[[Token | Relay], None]) -> Finished:
         """A forwarded request: its body to the upstream, the upstream's answer back as it
@@ -244,7 +244,7 @@ class HttpRunner:
         assert forward is not None
         assert self._upstream is not None
         body = self.forwarded_body(spec)
-        try:
+        with self._failures():
             async with self._upstream.request("POST", forward.path, body) as answer:
                 if answer.status >= 300 or not forward.stream:
                     whole = await read_bounded(answer)
@@ -272,10 +272,6 @@ class HttpRunner:
                             break
                     await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
                 return Finished(counts.result(), Relayed(200, SSE, b"data: [DONE]\n\n"))
-        except UpstreamTimeout:
-            raise self._timeout() from None
-        except (UpstreamError, orjson.JSONDecodeError) as exc:
-            raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
 
 
 async def read_bounded(answer: Answer) -> bytes:
