@@ -5,10 +5,17 @@
 Pure code with an injectable clock. The server feeds it what it measures (interactive jobs'
 attainment of their objectives: how far each one's time to first token, from its first
 refusal, and its time per output token went into them; admissions and yields, job outcomes,
-KV utilisation) and calls :meth:`update` periodically. Each signal proposes a level: the state
-rises at once to the highest level any signal proposes, and falls one level at a time, only
-once every signal has stayed below the current level's *lower* thresholds (80 % of the rising
-ones) for ``min_dwell_s``.
+KV utilisation) and calls :meth:`update` periodically.
+
+The state moves on distress only: the interactive p95 TTFT and TPOT (each as a share of the
+job's own objective), the backend's error rate (the share of jobs failing in the runner) and
+KV utilisation (none when ``kv_preemptible``: the runner takes memory back from lent work).
+Refusals are demand, not distress: a burst of more jobs than slots on a healthy backend is
+refused and told when to come back, and the state stays ``normal``. The yield rate is
+measured (:meth:`OverloadController.signals`, for metrics and health) but never moves the
+state. Each signal proposes a level: the state rises at once to the highest level any signal
+proposes, and falls one level at a time, only once every signal has stayed below the current
+level's *lower* thresholds (80 % of the rising ones) for ``min_dwell_s``.
 
 The fallback ladder follows the state (each step configurable):
 
@@ -69,8 +76,11 @@ class State(IntEnum):
 class OverloadSettings:
     window_s: float = 30.0  # signals are measured over this sliding window
     min_dwell_s: float = 10.0  # a state lasts at least this long before it falls
-    kv_danger: float = 0.8
-    yield_rate: float = 0.5  # share of admission attempts refused: degraded above it
+    kv_danger: float = 0.8  # KV utilisation: batch_paused above it
+    # The runner takes memory back from lower-lane work by suspending it (the batched llama
+    # runner), so a full cache of lent work is not distress: KV utilisation then proposes no
+    # level.
+    kv_preemptible: bool = False
     error_rate: float = 0.2  # share of jobs failing in the runner: degraded above it
     min_samples: int = 5  # a rate or percentile needs this many samples to speak
     degraded_max_new_tokens: int = 128  # ladder step: 0 disables it
@@ -99,7 +109,8 @@ class OverloadController:
         self._slo: dict[str, collections.deque[tuple[float, float]]] = {
             name: collections.deque() for name in OBJECTIVES
         }
-        self._admissions: collections.deque[tuple[float, bool]] = collections.deque()  # yielded?
+        # Admission attempts (yielded?): reported as the yield rate, never moving the state.
+        self._admissions: collections.deque[tuple[float, bool]] = collections.deque()
         self._outcomes: collections.deque[tuple[float, bool]] = collections.deque()  # failed?
         self.kv_utilisation = 0.0
 
@@ -114,6 +125,8 @@ class OverloadController:
         self._slo["tpot"].append((self.clock(), share))
 
     def observe_admission(self, yielded: bool) -> None:
+        """An admission attempt: for the yield rate, which is reported only (demand, not
+        distress: it moves no state)."""
         self._admissions.append((self.clock(), yielded))
 
     def observe_outcome(self, failed: bool) -> None:
@@ -151,7 +164,8 @@ class OverloadController:
         return sum(flags) / len(flags)
 
     def _level(self, signals: dict[str, float | None], scale: float) -> State:
-        """The state the signals call for, with thresholds scaled by ``scale``."""
+        """The state the signals call for, with thresholds scaled by ``scale``: the interactive
+        objectives' p95s, KV utilisation and the error rate; never the yield rate (demand)."""
         s, level = self.settings, State.NORMAL
         for name in OBJECTIVES:
             p95 = signals[f"{name}_p95"]
@@ -161,14 +175,15 @@ class OverloadController:
                         level = max(level, state)
                         break
         level = max(level, self._kv_level(signals["kv_utilisation"] or 0.0, scale))
-        for name, threshold in (("yield_rate", s.yield_rate), ("error_rate", s.error_rate)):
-            value = signals[name]
-            if value is not None and value >= threshold * scale:
-                level = max(level, State.DEGRADED)
+        errors = signals["error_rate"]
+        if errors is not None and errors >= s.error_rate * scale:
+            level = max(level, State.DEGRADED)
         return level
 
     def _kv_level(self, kv: float, scale: float) -> State:
         s = self.settings
+        if s.kv_preemptible:  # a full cache of lent work is reclaimed, not distress
+            return State.NORMAL
         if kv >= min(0.95, s.kv_danger + 0.15) * scale:
             return State.INTERACTIVE_ONLY
         if kv >= s.kv_danger * scale:

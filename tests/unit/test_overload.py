@@ -82,15 +82,96 @@ def test_kv_utilisation_drives_the_state(clock: FakeClock, kv: float, state: Sta
     assert c.update() == state
 
 
-def test_yield_and_error_rates_degrade(clock: FakeClock) -> None:
-    c = controller(clock)
+@pytest.mark.parametrize("kv", [0.85, 0.96, 1.0])
+def test_kv_utilisation_of_a_preemptible_runner_is_not_distress(
+    clock: FakeClock, kv: float
+) -> None:
+    """The batched llama runner suspends lent work to take its memory back: a full cache
+    proposes no level there, while the default still reacts to it."""
+    c = controller(clock, kv_preemptible=True)
+    c.kv_utilisation = kv
+    assert c.update() == State.NORMAL
+    assert c.signals()["kv_utilisation"] == kv  # still reported
+    d = controller(clock)
+    d.kv_utilisation = kv
+    assert d.update() >= State.BATCH_PAUSED
+
+
+def test_a_preemptible_runner_still_moves_on_missed_objectives_and_errors(
+    clock: FakeClock,
+) -> None:
+    c = controller(clock, kv_preemptible=True)
+    c.kv_utilisation = 1.0
+    feed_ttft(c, clock, 1600, n=20)
+    assert c.update() == State.INTERACTIVE_ONLY
+    d = controller(clock, kv_preemptible=True)
     for i in range(10):
-        c.observe_admission(yielded=i % 2 == 0)
-    assert c.update() == State.DEGRADED
+        d.observe_outcome(failed=i < 3)
+    assert d.update() == State.DEGRADED
+
+
+def test_the_error_rate_degrades(clock: FakeClock) -> None:
     d = controller(clock)
     for i in range(10):
         d.observe_outcome(failed=i < 3)
     assert d.update() == State.DEGRADED
+    clock.now += 10.5  # the failures leave the window; the runner now succeeds
+    for _ in range(10):
+        d.observe_outcome(failed=False)
+    assert d.update() == State.NORMAL
+
+
+def test_a_burst_of_refusals_on_a_healthy_backend_stays_normal(clock: FakeClock) -> None:
+    """The yield rate is demand, not distress: more jobs than slots, 90 % of the attempts
+    refused, with the objectives met and no errors, moves no state (and so caps no chat)."""
+    c = controller(clock)
+    for i in range(100):
+        clock.now += 0.05
+        c.observe_admission(yielded=i % 10 != 0)
+        if i % 10 == 0:
+            c.observe_outcome(failed=False)
+    feed_ttft(c, clock, 300)
+    c.kv_utilisation = 0.5
+    assert c.signals()["yield_rate"] == pytest.approx(0.9)  # still measured and reported
+    assert c.update() == State.NORMAL
+    assert c.max_new_tokens(Lane.INTERACTIVE, 1024) is None
+    assert not c.paused(Lane.BACKGROUND)
+    assert not c.transitions
+
+
+@given(
+    yields=st.lists(st.booleans(), max_size=80),
+    ttft=st.lists(st.floats(0.0, 3000.0), max_size=30),
+    failures=st.lists(st.booleans(), max_size=30),
+    kv=st.floats(0.0, 1.0),
+    preemptible=st.booleans(),
+)
+def test_refusals_never_move_the_state(
+    yields: list[bool],
+    ttft: list[float],
+    failures: list[bool],
+    kv: float,
+    preemptible: bool,
+) -> None:
+    """Whatever the distress signals, the same state with or without any admissions and
+    yields."""
+    states = []
+    for admissions in ([], yields):
+        clock = FakeClock()
+        c = controller(clock, kv_preemptible=preemptible)
+        for ms in ttft:
+            clock.now += 0.1
+            c.observe_ttft(ms / SLO_MS)
+        for failed in failures:
+            clock.now += 0.1
+            c.observe_outcome(failed=failed)
+        for yielded in admissions:
+            c.observe_admission(yielded=yielded)
+        c.kv_utilisation = kv
+        states.append(c.update())
+    assert states[0] == states[1]
+    if preemptible and not ttft and not any(failures):
+        assert states[1] == State.NORMAL
 
 
 def test_the_ladder_follows_the_state(clock: FakeClock) -> None:
