@@ -69,6 +69,18 @@ prompt in its reservation: clearing kept cells errs on the side of room.
 A sequence takes a slot when it is submitted, if one is free, else when one frees, most urgent
 first. Admission upstream never sends more sequences than there are slots; waiting is for the
 worker's own probe and for safety.
+
+**Suspension.** A suspended sequence (admission took its slot back for a chat) is not stepped:
+it keeps its slot and its cells, counted beside the running reservations, for as long as the
+cache has room for them. When it has not (a running sequence's reservation needs them), the
+newest suspended sequence gives up its slot, its cells left behind as a free slot's, which a
+later sequence may clear. Resumed, a sequence that kept its slot goes on at its next token; one
+that gave it up is placed again, as a new prompt made of the tokens it held and the one it
+sampled last (:meth:`Scheduler.resume`): the prefix it finds still cached is reused, the rest
+is computed again as any prompt is (within the running chats' objectives), and the step that
+feeds its last token samples its next one, as the step it missed would have. Either way it
+takes up, before any sequence of its priority submitted after it, where it stopped: no token
+is lost or repeated.
 """
 
 from __future__ import annotations
@@ -121,15 +133,21 @@ class Sequence:
     deadline: float = math.inf  # when its first token is due (the clock of plan's ``now``)
     ttft_s: float = 0.0  # its time-to-first-token objective (0: none)
     first_at: float | None = None  # when its first token was sampled (plan's clock)
+    output_in_prompt: int = 0  # tokens it generated that a resume put in its prompt
 
     @property
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
     @property
+    def recomputing(self) -> bool:
+        """It is feeding again, after a suspension that cost its cells, what it had."""
+        return self.output_in_prompt > 0
+
+    @property
     def reservation(self) -> int:
         """The cells it may come to hold, as admission reserved them."""
-        return len(self.prompt) + self.max_new_tokens
+        return len(self.prompt) - self.output_in_prompt + self.max_new_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +169,8 @@ class Scheduler:
     costs: StepCosts = field(default_factory=StepCosts)
     running: dict[str, Sequence] = field(default_factory=dict)  # those with a slot
     waiting: list[Sequence] = field(default_factory=list)
+    # Not stepped; each with its slot and cells while the cache allows (see the docstring).
+    suspended: dict[str, Sequence] = field(default_factory=dict)
     held: list[list[int]] = field(default_factory=list)  # the tokens each slot's cells hold
     _free: dict[int, int] = field(default_factory=dict)  # free slot: when it was freed
     _order: itertools.count[int] = field(default_factory=itertools.count)
@@ -164,8 +184,13 @@ class Scheduler:
 
     # Sequences in and out ----------------------------------------------------------------
 
+    def _here(self, key: str) -> bool:
+        return (
+            key in self.running or key in self.suspended or any(w.key == key for w in self.waiting)
+        )
+
     def submit(self, seq: Sequence) -> None:
-        if seq.key in self.running or any(w.key == seq.key for w in self.waiting):
+        if self._here(seq.key):
             raise ValueError(f"sequence {seq.key!r} is already here")
         if not seq.prompt:
             raise ValueError("a sequence needs at least one prompt token")
@@ -179,17 +204,61 @@ class Scheduler:
         Its cells stay, for a later prompt with the same beginning, unless ``keep`` is False
         (they may be wrong: a step that failed). Returns it, or None when it is not here.
         """
-        seq = self.running.pop(key, None)
+        seq = self.running.pop(key, None) or self.suspended.pop(key, None)
         if seq is not None:
-            if not keep:
-                self._clear(seq.slot)
-            self._free[seq.slot] = next(self._freed)
+            if seq.slot >= 0:
+                if not keep:
+                    self._clear(seq.slot)
+                self._free[seq.slot] = next(self._freed)
             self._assign()
             return seq
         for i, waiting in enumerate(self.waiting):
             if waiting.key == key:
                 return self.waiting.pop(i)
         return None
+
+    def suspend(self, key: str) -> bool:
+        """Stop stepping a sequence (running or waiting for a slot); False when it is not here
+        or suspended already."""
+        seq = self.running.pop(key, None)
+        if seq is None:
+            for i, waiting in enumerate(self.waiting):
+                if waiting.key == key:
+                    seq = self.waiting.pop(i)
+                    break
+            else:
+                return False
+        self.suspended[key] = seq
+        self._evict()
+        return True
+
+    def resume(self, key: str) -> bool:
+        """Step a suspended sequence again: at once where it kept its slot, else placed again
+        to compute what it held (see the module docstring); False when it is not suspended."""
+        seq = self.suspended.pop(key, None)
+        if seq is None:
+            return False
+        if seq.slot >= 0:
+            self.running[key] = seq
+            self._evict()
+        else:
+            self.waiting.append(seq)
+            self._assign()
+        return True
+
+    def _drop(self, seq: Sequence) -> None:
+        """A suspended sequence gives up its slot (its cells stay as the free slot's) and will
+        compute again what it held, then feed the token it sampled last."""
+        tokens = self.held[seq.slot]
+        if seq.fed >= len(seq.prompt):  # it was generating: its prompt becomes what it had
+            context = tuple(tokens) + ((seq.pending,) if seq.pending >= 0 else ())
+            seq.output_in_prompt += len(context) - len(seq.prompt)
+            seq.prompt = context
+            seq.deadline = math.inf  # (its first token came long ago)
+        seq.pending = -1
+        self._free[seq.slot] = next(self._freed)
+        seq.slot = -1
+        seq.fed = 0
 
     def fork(self, source: Sequence, seq: Sequence) -> bool:
         """Start ``seq``, another sequence of ``source``'s prompt, from ``source``'s cells the
@@ -200,7 +269,7 @@ class Scheduler:
         length = len(seq.prompt)
         if not self._free or source.slot < 0 or self.held[source.slot][:length] != list(seq.prompt):
             return False
-        if seq.key in self.running or any(w.key == seq.key for w in self.waiting):
+        if self._here(seq.key):
             raise ValueError(f"sequence {seq.key!r} is already here")
         slot = min(self._free, key=lambda s: (len(self.held[s]) > 0, self._free[s]))
         self._clear(slot)
@@ -215,6 +284,10 @@ class Scheduler:
         return True
 
     def _assign(self) -> None:
+        # (A suspended sequence's slot is the cells' to keep, not a running one's to deny.)
+        pinned = sorted((q for q in self.suspended.values() if q.slot >= 0), key=_urgency)
+        while self.waiting and len(self._free) < len(self.waiting) and pinned:
+            self._drop(pinned.pop())
         while self._free and self.waiting:
             seq = min(self.waiting, key=_urgency)
             self.waiting.remove(seq)
@@ -245,12 +318,22 @@ class Scheduler:
             self.held[slot] = self.held[source][:shared]
         del self._free[slot]
         seq.slot = slot
-        seq.fed = seq.reused = len(self.held[slot])
+        seq.fed = len(self.held[slot])
+        if not seq.recomputing:  # (what it found cached of the prompt it came with)
+            seq.reused = seq.fed
 
     def _evict(self) -> None:
         """Clear free slots, least recently used first, until every running sequence's
-        reservation fits beside what the free slots keep."""
+        reservation fits beside what the free slots keep and the suspended sequences hold;
+        where clearing them all is not enough, the newest suspended sequences give up their
+        slots (:meth:`_drop`) and their cells are cleared in turn."""
         need = sum(seq.reservation for seq in self.running.values())
+        pinned = sorted(
+            (seq for seq in self.suspended.values() if seq.slot >= 0), key=lambda s: s.order
+        )
+        while pinned and need + sum(len(self.held[s.slot]) for s in pinned) > self.cells:
+            self._drop(pinned.pop())
+        need += sum(len(self.held[s.slot]) for s in pinned)
         kept = sum(len(self.held[slot]) for slot in self._free)
         for slot in sorted(self._free, key=self._free.__getitem__):
             if need + kept <= self.cells:
@@ -270,8 +353,9 @@ class Scheduler:
 
     @property
     def used(self) -> int:
-        """Cells the running sequences hold (a shared prefix counted in each)."""
-        return sum(len(self.held[seq.slot]) for seq in self.running.values())
+        """Cells the running and suspended sequences hold (a shared prefix counted in each)."""
+        held = [*self.running.values(), *self.suspended.values()]
+        return sum(len(self.held[seq.slot]) for seq in held if seq.slot >= 0)
 
     @property
     def kept(self) -> int:

@@ -12,6 +12,8 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
              "presence_penalty": float, "frequency_penalty": float, "repeat_penalty": float,
              "logit_bias": [[int, float]], "grammar": str | null}
             {"op": "cancel", "id": str}
+            {"op": "suspend", "id": str}                        not stepped until resumed
+            {"op": "resume", "id": str}
             {"op": "embed", "id": str, "texts": [[int]]}
     stdout: {"ev": "ready", "cells": int, "slots": int, "n_ctx_train": int}
                                                                 once, after loading and warming up
@@ -70,6 +72,12 @@ what comes before the stop. Its ``bytes`` are its own (cut the same way). So a j
 tokens add up to its text exactly, and its text is let out at token boundaries only, each
 piece (``lp``) with the entries of the tokens it is made of. An alternative's ``token`` is its
 bytes decoded alone (a broken character shown as U+FFFD).
+
+**Suspension.** A suspended job's sequences are not stepped (admission took its slot back for a
+chat); it keeps its cells while the cache has room for them, and otherwise computes them again
+when resumed (:class:`~.batching.Scheduler`). Its samplers and its text wait as they are, so a
+resumed job lets out the tokens it would have, none lost or repeated. A worker whose jobs are
+all suspended is idle.
 
 **Embeddings.** An "embed" request is answered between two steps, in a second context made at
 the first one (:class:`Embedder`); the generating sequences wait for it (a step event, empty,
@@ -516,7 +524,7 @@ class Job:
     """A run request: its ``n`` sequences (the first submitted at once, the others forked from
     it once it has fed the prompt) and the tokens they have generated together."""
 
-    __slots__ = ("branches", "forked", "generated", "key", "logprobs", "request")
+    __slots__ = ("branches", "forked", "generated", "key", "logprobs", "request", "suspended")
 
     def __init__(self, request: dict[str, Any]) -> None:
         self.request = request
@@ -525,6 +533,7 @@ class Job:
         self.branches: list[Branch] = []
         self.forked = request.get("n", 1) == 1
         self.generated = 0
+        self.suspended = False
 
     @property
     def finished(self) -> bool:
@@ -559,6 +568,22 @@ class Worker:
             self.acks += 1
         elif request["op"] == "embed":
             self._embed(request)
+        elif request["op"] in ("suspend", "resume"):
+            self._pause(request["id"], request["op"] == "suspend")
+
+    def _pause(self, key: str, suspend: bool) -> None:
+        """Suspend or resume a job's sequences (those not finished; a job already finished or
+        gone: nothing)."""
+        job = self.jobs.get(key)
+        if job is None or job.suspended == suspend:
+            return
+        job.suspended = suspend
+        for branch in job.branches:
+            if branch.finish is None:
+                if suspend:
+                    self.scheduler.suspend(branch.seq.key)
+                else:
+                    self.scheduler.resume(branch.seq.key)
 
     def _embed(self, request: dict[str, Any]) -> None:
         """Embed the texts between two steps (an empty step event after each embedding step:
@@ -609,7 +634,8 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return bool(self.jobs)
+        """It has a job to step (one not suspended)."""
+        return any(not job.suspended for job in self.jobs.values())
 
     def step(self) -> None:
         started = time.perf_counter()
@@ -646,7 +672,7 @@ class Worker:
                 [], [{"id": key, "error": f"llama_decode returned {status}"} for key in failed]
             )
             return
-        fed = {e.seq.key: e.seq.fed for e in entries if e.seq.prefilling}
+        fed = {e.seq.key: e.seq.fed for e in entries if e.seq.prefilling and not e.seq.recomputing}
         out: list[dict[str, Any]] = []
         done: list[dict[str, Any]] = []
         samplers = (e for e in entries if e.sample)

@@ -189,6 +189,8 @@ class Batching(RuleBasedStateMachine):
         self.s, self.cache = scheduler(self.slots, self.step_tokens, self.cells)
         self.keys = itertools.count()
         self.tokens_fed: dict[str, int] = {}
+        # Each sequence's prompt and the tokens it sampled: what its cells must come to hold.
+        self.history: dict[str, list[int]] = {}
 
     def reserved(self) -> int:
         return sum(q.reservation for q in [*self.s.running.values(), *self.s.waiting])
@@ -209,6 +211,7 @@ class Batching(RuleBasedStateMachine):
         if self.reserved() + new.reservation > self.cells:
             return
         self.s.submit(new)
+        self.history[new.key] = list(prompt)
         if new.slot >= 0:
             # The cells it starts from hold its own prompt's first tokens.
             assert self.cache.tokens[new.slot] == list(new.prompt[: new.reused])
@@ -245,28 +248,74 @@ class Batching(RuleBasedStateMachine):
             q.generated += 1
             if stop or q.generated >= q.max_new_tokens:
                 self.s.remove(q.key)
+                self.history.pop(q.key)
             else:
                 q.pending = token
+                self.history[q.key].append(token)
 
-    @precondition(lambda self: self.s.running or self.s.waiting)
+    @precondition(lambda self: self.s.running or self.s.waiting or self.s.suspended)
     @rule(data=st.data(), keep=st.booleans())
     def cancel(self, data: st.DataObject, keep: bool) -> None:
-        keys = sorted([*self.s.running, *(q.key for q in self.s.waiting)])
+        keys = sorted([*self.s.running, *self.s.suspended, *(q.key for q in self.s.waiting)])
         key = data.draw(st.sampled_from(keys))
         assert self.s.remove(key, keep=keep) is not None
         assert self.s.remove(key) is None
+        self.history.pop(key, None)
+
+    @precondition(lambda self: self.s.running or self.s.waiting)
+    @rule(data=st.data())
+    def suspend(self, data: st.DataObject) -> None:
+        keys = sorted([*self.s.running, *(q.key for q in self.s.waiting)])
+        key = data.draw(st.sampled_from(keys))
+        assert self.s.suspend(key)
+        assert not self.s.suspend(key)
+        assert key in self.s.suspended
+
+    @precondition(lambda self: self.s.suspended)
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        # What admission guarantees a resumed job: a slot and its whole reservation again.
+        key = data.draw(st.sampled_from(sorted(self.s.suspended)))
+        q = self.s.suspended[key]
+        if len(self.s.running) + len(self.s.waiting) >= self.slots:
+            return
+        if self.reserved() + q.reservation > self.cells:
+            return
+        assert self.s.resume(key)
+        assert not self.s.resume(key)
+        assert key in self.s.running or any(w.key == key for w in self.s.waiting)
 
     @invariant()
     def the_cache_model_and_the_scheduler_agree(self) -> None:
         assert [list(t) for t in self.s.held] == self.cache.tokens
         for q in self.s.running.values():
             assert self.cache.tokens[q.slot][: q.fed] == list(q.prompt[: q.fed])
-        slots = [q.slot for q in self.s.running.values()]
+        pinned = [q for q in self.s.suspended.values() if q.slot >= 0]
+        slots = [q.slot for q in [*self.s.running.values(), *pinned]]
         assert len(set(slots)) == len(slots) <= self.slots
-        assert self.s.used == sum(len(self.cache.cells[q.slot]) for q in self.s.running.values())
-        # Kept cells never crowd out what the running sequences may still need.
-        assert self.s.kept + sum(q.reservation for q in self.s.running.values()) <= self.cells
+        assert self.s.used == sum(len(self.cache.cells[slot]) for slot in slots)
+        # Kept cells, and those the suspended sequences keep, never crowd out what the running
+        # sequences may still need.
+        held = sum(len(self.s.held[q.slot]) for q in pinned)
+        reserved = sum(q.reservation for q in self.s.running.values())
+        assert self.s.kept + held + reserved <= self.cells
         assert not self.s.waiting or len(self.s.running) == self.slots
+
+    @invariant()
+    def no_token_is_lost_or_repeated(self) -> None:
+        """Whatever was suspended, dropped and computed again: a sequence's cells hold the
+        beginning of its prompt and sampled tokens, and a generating one all of it but the
+        token it feeds next."""
+        for q in [*self.s.running.values(), *self.s.suspended.values()]:
+            history = self.history[q.key]
+            assert q.reservation == len(history) - q.generated + q.max_new_tokens
+            if q.slot < 0:
+                assert list(q.prompt) == history[: len(q.prompt)]
+                continue
+            held = self.cache.tokens[q.slot]
+            assert held == history[: len(held)]
+            if q.pending >= 0:
+                assert [*held, q.pending] == history
 
 
 TestBatching = Batching.TestCase
@@ -663,3 +712,57 @@ def test_every_stream_keeps_its_tpot_on_average_and_pauses_no_longer_than_its_tt
         assert (t[-1] - t[0]) / (len(t) - 1) <= per * (1 + 1e-9)
         longest = max(b - a for a, b in itertools.pairwise(t))
         assert longest <= max(per, MARGIN * q.ttft_s) * (1 + 1e-9)
+
+
+def test_a_suspended_sequence_is_not_stepped_and_goes_on_where_it_stopped() -> None:
+    s, cache = scheduler(slots=2, cells=100)
+    s.submit(seq("heavy", [1, 2, 3, 4], max_new=10, priority=1))
+    run_step(s, cache, token=5)
+    run_step(s, cache, token=6)
+    assert s.suspend("heavy")
+    s.submit(seq("chat", [9, 9], max_new=3))
+    for _ in range(3):
+        assert all(e.seq.key == "chat" for e in run_step(s, cache))
+    assert s.resume("heavy")
+    (entry,) = s.plan()
+    assert (entry.seq.key, entry.tokens, entry.start, entry.sample) == ("heavy", (6,), 5, True)
+    assert cache.tokens[entry.seq.slot] == [1, 2, 3, 4, 5]
+
+
+def test_a_suspended_sequence_the_cache_cannot_keep_computes_again_what_it_held() -> None:
+    s, cache = scheduler(slots=2, cells=40, step_tokens=64)
+    s.submit(seq("heavy", list(range(10, 30)), max_new=10, priority=1))
+    run_step(s, cache, token=5)  # the prompt, and its first token sampled
+    run_step(s, cache, token=6)
+    heavy = s.running["heavy"]
+    assert s.suspend("heavy")
+    assert heavy.slot >= 0  # (room to keep it)
+    s.submit(seq("chat", list(range(50, 65)), max_new=10))  # 25 reserved + 21 kept > 40
+    assert heavy.slot == -1
+    assert heavy.prompt == (*range(10, 30), 5, 6)
+    assert heavy.reservation == 30  # as admitted: its prompt and max_new_tokens
+    run_step(s, cache)
+    s.remove("chat")
+    assert s.resume("heavy")
+    entries = run_step(s, cache, token=8)
+    (entry,) = entries
+    # Whatever of it the cache still kept is reused; the rest is fed again, and the step that
+    # feeds the token it sampled last samples its next one.
+    assert entry.seq.key == "heavy"
+    assert entry.sample
+    assert entry.tokens[-1] == 6
+    assert cache.tokens[heavy.slot] == [*range(10, 30), 5, 6]
+    assert heavy.generated == 3
+    assert heavy.pending == 8
+    assert not heavy.prefilling
+
+
+def test_a_resumed_sequence_goes_before_newer_ones_of_its_priority() -> None:
+    s, cache = scheduler(slots=1, cells=200)
+    s.submit(seq("old", [1, 2, 3], max_new=5, priority=1))
+    run_step(s, cache)
+    s.suspend("old")
+    s.submit(seq("new", [4, 5, 6], max_new=5, priority=1))  # takes the slot: old's cells go
+    s.resume("old")
+    s.remove("new")
+    assert "old" in s.running
