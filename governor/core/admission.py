@@ -348,6 +348,7 @@ class Admission:
             ttft_ms=objectives.ttft_ms,
             tpot_ms=objectives.tpot_ms,
             stall=self.slo.stall(lane),
+            pause=slot.pause,
         )
         if self.overload is not None:
             self.overload.observe_admission(yielded=False)
@@ -467,9 +468,8 @@ class Admission:
 
         A paused client keeps its place in line (a newcomer takes one at the back), and is
         told to come back when that place comes: when the clients ahead of it, those it was
-        paused for included, are expected to have had their slots. Paused again and again (more
-        higher-lane clients came meanwhile), it is told twice as long each time, but never
-        later than when the pause can end (nor sooner than its place).
+        paused for included, are expected to have had their slots (the predicted releases,
+        however often it was paused: no blind doubling).
         """
         overload, demand = self.overload, plan.demand
         if overload is None or demand is None or not overload.paused(demand.lane):
@@ -481,12 +481,7 @@ class Admission:
             step = "pause_background" if demand.lane == Lane.BACKGROUND else "interactive_only"
             self.ladder[step] += 1
         attempt.pauses += 1
-        until_ms = self.ledger.hint_ms(
-            now, now + overload.pause_hint_s(demand.lane, attempt.refusals + 1)
-        )
-        hint_ms, promise = self.ledger.place(
-            promise, rank, plan.size, doublings=attempt.pauses - 1, until_ms=until_ms
-        )
+        hint_ms, promise = self.ledger.place(promise, rank, plan.size)
         return Refusal(NeedCode.LANE_PAUSED, hint_ms, promise)
 
     def _tenant_refusal(

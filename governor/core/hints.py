@@ -36,6 +36,7 @@ from collections.abc import Collection
 from typing import Protocol
 
 from .estimates import Running, ServiceEstimates
+from .kvbudget import KvBudget
 from .lanegate import LaneGate
 from .policy import Demand, Lane
 from .promises import Promise, PromiseLine
@@ -47,6 +48,8 @@ class Job(Running, Protocol):
 
     demand: Demand | None  # its lane, under a lane policy
     width: int  # the slots it holds: its release frees as many
+    kv_cache: int | None  # the KV cache its cells are reserved in
+    kv_tokens: int  # how many
 
 
 class RetryHints:
@@ -83,6 +86,22 @@ class RetryHints:
         end_of = self.estimates.end_of
         return min((end_of(job, now) for job in self._running), default=now)
 
+    def kv_release(self, now: float, kv: KvBudget, cells: int) -> float:
+        """When one of the caches is expected to have ``cells`` free: the running jobs' ends,
+        in order, each giving its cells back to its cache (the first end where none could:
+        the cells are held by what is not running)."""
+        end_of = self.estimates.end_of
+        free = [kv.free(i)[0] for i in range(len(kv.caches))]
+        for end, cache, tokens in sorted(
+            (end_of(job, now), job.kv_cache, job.kv_tokens)
+            for job in self._running
+            if job.kv_cache is not None
+        ):
+            free[cache] += tokens
+            if max(free) >= cells:
+                return end
+        return self.next_end(now)
+
     def lane_release(self, now: float, lane: Lane) -> float:
         """When the first running job of ``lane`` is expected to end."""
         end_of = self.estimates.end_of
@@ -98,17 +117,13 @@ class RetryHints:
         promise: Promise | None,
         rank: int = 0,
         size: JobSize | None = None,
-        doublings: int = 0,
-        until_ms: int | None = None,
     ) -> tuple[int, Promise | None]:
         """The hint for a refusal, and the promise that goes with it (None: the line is full).
 
         A returning client keeps its place in line and is re-timed to the release of that
         place; a newcomer, in constant time, is promised the release after every promise
         outstanding of its own lane or a higher one. The slots turn over at the pace of the
-        jobs of the clients ahead: the mean of their predicted times. With ``doublings``, the
-        hint is doubled as many times, but no later than ``until_ms`` from now, and never
-        before the place comes.
+        jobs of the clients ahead: the mean of their predicted times.
         """
         own_s = self.estimates.predict_s(size, self.lanes.lane(rank))
         if promise is not None and promise.queued:
@@ -125,9 +140,6 @@ class RetryHints:
         # (a job of n sequences waits for the n-th release after those ahead of it)
         k = ahead + (size.width - 1 if size is not None else 0)
         hint_ms = self.hint_ms(now, self.release_time(now, k, rank, turn_s))
-        if doublings:
-            longest = self.max_hint_ms if until_ms is None else until_ms
-            hint_ms = min(max(hint_ms, min(hint_ms << doublings, longest)), self.max_hint_ms)
         at = now + hint_ms / 1000
         return hint_ms, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
 

@@ -46,6 +46,16 @@ class KvBudget:
             self.reserved += cells
         return best
 
+    def take(self, index: int, cells: int) -> bool:
+        """Reserve ``cells`` and a sequence in cache ``index`` (a job's own: its cells are
+        there); False, nothing reserved, when it has not both."""
+        if self._cells[index] < cells or not self._sequences[index]:
+            return False
+        self._cells[index] -= cells
+        self._sequences[index] -= 1
+        self.reserved += cells
+        return True
+
     def release(self, index: int, cells: int) -> None:
         self._cells[index] += cells
         self._sequences[index] += 1

@@ -2,10 +2,11 @@
 
 Under a lane policy (:mod:`governor.core.policy`) each lane may hold at most its quota of slots
 (``lane_slots``), and ``interactive_reserve`` slots are kept for interactive jobs: a job of a
-lower lane may not take them. A policy may lend the reserve (``reserve_lend_after_s``): once no
-interactive job has asked for a slot for that long and none waits in line, every slot is the
-lower lanes' too, until the next one asks. Without a policy every job is of rank 0 and may take
-any slot.
+lower lane may not take them. The reserve is lent: every slot is the lower lanes' too, while no
+interactive client waits in line, at once where the runner can take a lent slot back for a
+chat by suspending its job (``lend``, the ledger's preemption), else only once no interactive
+job has asked for a slot for ``reserve_lend_after_s`` (0: never), until the next one asks.
+Without a policy every job is of rank 0 and may take any slot.
 
 A lane's *rank* is its place in :data:`~governor.core.policy.LANES`, 0 the highest. Pure: the
 caller passes the time.
@@ -22,10 +23,13 @@ from .promises import PromiseLine
 class LaneGate:
     """A pool's jobs running per lane, and the slots each lane may take."""
 
-    __slots__ = ("_interactive_seen", "_line", "inflight", "policy")
+    __slots__ = ("_interactive_seen", "_line", "inflight", "lend", "policy")
 
-    def __init__(self, policy: LanePolicy | None, line: PromiseLine, now: float) -> None:
+    def __init__(
+        self, policy: LanePolicy | None, line: PromiseLine, now: float, *, lend: bool = False
+    ) -> None:
         self.policy = policy
+        self.lend = lend  # the reserve is lent at once (a chat takes a lent slot back)
         self._line = line  # who waits: the reserve is not lent while an interactive client does
         # Slots taken, by lane (a job takes one for each sequence it runs at once).
         self.inflight: collections.Counter[Lane] = collections.Counter()
@@ -48,12 +52,17 @@ class LaneGate:
     def reserve(self, rank: int, now: float) -> int:
         """The slots a job of the lane ranked ``rank`` may not take: the interactive reserve
         (0 for interactive work, without a lane policy, or while the reserve is lent: no
-        interactive job has come for ``reserve_lend_after_s`` and none waits in line)."""
+        interactive job has come for ``reserve_lend_after_s``, or ``lend``, and none waits in
+        line)."""
         policy = self.policy
         if policy is None or rank == 0:
             return 0
         lend_after = policy.reserve_lend_after_s
-        if lend_after and now - self._interactive_seen >= lend_after and not self._line.of_rank(0):
+        if (
+            (lend_after or self.lend)
+            and now - self._interactive_seen >= lend_after
+            and not self._line.of_rank(0)
+        ):
             return 0
         return policy.interactive_reserve
 
@@ -77,6 +86,6 @@ class LaneGate:
             return cap
         quota = policy.lane_slots.get(lane)
         most = cap if quota is None else min(cap, quota)
-        if lane != Lane.INTERACTIVE and not policy.reserve_lend_after_s:
+        if lane != Lane.INTERACTIVE and not (policy.reserve_lend_after_s or self.lend):
             most = min(most, cap - policy.interactive_reserve)
         return most

@@ -22,6 +22,19 @@ the interactive reserve, its lane is under its quota, and its KV cells fit. In t
   then every job's cells are reserved in one of the runner's caches while it holds its slot
   (``kv_pressure`` when none has room).
 
+**Preemption** (``preemptible``: the runner suspends a job when told, the batched llama runner).
+The interactive reserve is lent at once, and taken back within a step: an interactive job that
+finds no slot while the reserve is owed to chats (fewer interactive slots taken than it) and no
+chat ahead of it is due suspends the newest running jobs of the lowest lanes until it has its
+slots; one that finds no room for its KV cells suspends such jobs until it has. A suspended job
+holds no slot and no reserved cells (its runner keeps its cells while its cache has room, else
+computes them again), stays admitted (one terminal frame, whatever happens), and is resumed,
+oldest first and before any newer job of a lower lane starts, as soon as a slot it may take and
+its cells in its own cache are free again: at a release, at the next decision, or at
+:meth:`SlotLedger.resume` (the server calls it periodically). Lower lanes may then reserve the
+whole KV capacity (the interactive share and the danger line are for runners that cannot
+preempt). A :class:`~governor.runners.base.Pause` on the job tells its runner.
+
 A refused client is told when to come back (:mod:`.hints`: the slot releases to come, from the
 running jobs' expected ends, :mod:`.estimates`) and given its place in line, which it keeps
 when it comes back and finds no slot. A job that completes teaches the estimates what it took.
@@ -38,6 +51,7 @@ from dataclasses import dataclass
 
 from protocol.codes import NeedCode
 
+from ..runners.base import Pause
 from .estimates import Completed, ServiceEstimates
 from .hints import RetryHints
 from .kvbudget import CacheShape, KvBudget
@@ -87,6 +101,7 @@ class Slot:
         "kv_tokens",
         "live_end",
         "pace_s",
+        "pause",
         "size",
         "started",
         "width",
@@ -112,11 +127,18 @@ class Slot:
         self.live_end: float | None = None
         # Its prompt's last report (when, tokens fed) and its fastest pace so far.
         self.fed_from: tuple[float, int, float] | None = None
+        # Its suspension, for a job the ledger may suspend (preemptible, below the interactive
+        # lane): the job's runner reads it.
+        self.pause: Pause | None = None
         self._released = False
 
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def suspended(self) -> bool:
+        return self.pause is not None and self.pause.suspended
 
     def progress(self, generated: int, first_token: float, now: float) -> None:
         """The job has generated ``generated`` tokens, the first at ``first_token``: its end is
@@ -167,6 +189,7 @@ class SlotLedger:
         policy: LanePolicy | None = None,
         kv: KvBudget | None = None,
         kv_used: Callable[[], int] | None = None,
+        preemptible: bool = False,
     ) -> None:
         if cap < 1:
             raise ValueError("cap must be at least 1")
@@ -180,12 +203,17 @@ class SlotLedger:
         # stand in for a runner that reports none).
         self.kv_used = kv_used
         self.clock = clock
-        self._running: dict[Slot, None] = {}  # insertion-ordered set
+        self.preemptible = preemptible
+        self._running: dict[Slot, None] = {}  # insertion-ordered set, suspended jobs not in it
+        self._suspended: list[Slot] = []  # in the order suspended
+        # Suspensions and resumes, by lane.
+        self.suspensions: Counter[str] = Counter()
+        self.resumes: Counter[str] = Counter()
         self._taken = 0  # the slots the running jobs hold: one each, n for n sequences
         self._freed: list[float] = []  # when each free slot was released, in that order
         self.estimates = ServiceEstimates(expected_service_s, min_hint_ms / 1000)
         self.line = PromiseLine(len(LANES))
-        self.lanes = LaneGate(policy, self.line, clock())
+        self.lanes = LaneGate(policy, self.line, clock(), lend=preemptible)
         self.hints = RetryHints(
             cap, min_hint_ms, max_hint_ms, self.estimates, self.line, self.lanes, self._running
         )
@@ -246,8 +274,13 @@ class SlotLedger:
 
     @property
     def inflight(self) -> int:
-        """Jobs running."""
-        return len(self._running)
+        """Jobs admitted and not ended: running, or suspended."""
+        return len(self._running) + len(self._suspended)
+
+    @property
+    def suspended(self) -> int:
+        """Jobs suspended (admitted, holding no slot)."""
+        return len(self._suspended)
 
     @property
     def taken(self) -> int:
@@ -292,6 +325,7 @@ class SlotLedger:
         """
         now = self.clock()
         self.line.lapse(now)
+        self.resume()
         rank = self.lanes.rank(demand)
         if self.draining:
             if promise is not None:
@@ -305,7 +339,11 @@ class SlotLedger:
         usable = free - reserved
         # A free slot is not for the taking while clients ahead in line have their time come.
         hold = self.estimates.hold()
-        if usable - width < self.line.due_ahead(now, promise, rank, hold, reserved):
+        due = self.line.due_ahead(now, promise, rank, hold, reserved)
+        # (a suspended job goes before any newer job of a lower lane)
+        later = rank > 0 and bool(self._suspended)
+        short = usable - width < due and not (due == 0 and self._reclaim(rank, width, usable))
+        if short or later:
             hint_ms, promise = self.hints.place(now, promise, rank, size)
             code = NeedCode.LANE_FULL if usable < width <= free else NeedCode.SERVER_BUSY
             return self.refused(Refusal(code, hint_ms, promise))
@@ -314,6 +352,7 @@ class SlotLedger:
         if refusal is not None:
             if promise is not None:
                 self.withdraw(promise)
+            self.resume()  # (whatever was suspended for it)
             return self.refused(refusal)
         return self._take(now, promise, demand, size, kv_cache, kv_tokens)
 
@@ -329,8 +368,12 @@ class SlotLedger:
         if self.kv is None or not kv_tokens:
             return None, None
         kv_cache = self.kv.place(kv_tokens)
+        rank = self.lanes.rank(demand)
+        while kv_cache is None and self._reclaim(rank, 0, 0):
+            kv_cache = self.kv.place(kv_tokens)
         if kv_cache is None:
-            return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self.hints.next_end(now))), None
+            at = self.hints.kv_release(now, self.kv, kv_tokens)
+            return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, at)), None
         return None, kv_cache
 
     def _policy_refusal(self, now: float, demand: Demand, width: int) -> Refusal | None:
@@ -344,10 +387,11 @@ class SlotLedger:
                 NeedCode.LANE_FULL, self.hint_ms(now, self.hints.lane_release(now, lane))
             )
         # Below the interactive lane: what is reserved must leave the interactive share free,
-        # and what the caches really hold must stay under the danger line. (Every lane's job
-        # must fit in a cache: :meth:`admit` reserves its cells after this.)
+        # and what the caches really hold must stay under the danger line, unless a chat can
+        # take the memory back (preemptible). (Every lane's job must fit in a cache:
+        # :meth:`admit` reserves its cells after this.)
         capacity = self.kv.capacity if self.kv is not None else 0
-        if capacity and lane != Lane.INTERACTIVE:
+        if capacity and lane != Lane.INTERACTIVE and not self.preemptible:
             reserved = self.kv_reserved + demand.kv_tokens
             if (
                 reserved > (1.0 - policy.kv_interactive_share) * capacity
@@ -379,6 +423,8 @@ class SlotLedger:
                 self.estimates.came_back(now - freed)
         if kv_cache is not None:
             slot.kv_cache, slot.kv_tokens = kv_cache, kv_tokens
+        if self.preemptible and demand is not None and demand.lane != Lane.INTERACTIVE:
+            slot.pause = Pause()
         self._running[slot] = None
         self._taken += slot.width
         if demand is not None:
@@ -389,19 +435,87 @@ class SlotLedger:
         return slot
 
     def _release(self, slot: Slot, done: Completed | None) -> float:
+        lane = slot.demand.lane if slot.demand is not None else None
+        now = self.clock()
+        if slot.suspended:  # (it holds no slot and no cells)
+            self._suspended.remove(slot)
+        else:
+            self._unhold(slot, now)
+        held = now - slot.started
+        self.estimates.ended(slot, lane, held, done)
+        self.resume()
+        return held
+
+    def _unhold(self, slot: Slot, now: float) -> None:
+        """Give back a running job's slots and reserved cells."""
         del self._running[slot]
         self._taken -= slot.width
-        lane = slot.demand.lane if slot.demand is not None else None
-        if lane is not None:
-            self.lane_inflight[lane] -= slot.width
+        if slot.demand is not None:
+            self.lane_inflight[slot.demand.lane] -= slot.width
         if slot.kv_cache is not None:
             assert self.kv is not None
             self.kv.release(slot.kv_cache, slot.kv_tokens)
-        now = self.clock()
         self._freed.extend([now] * slot.width)
-        held = now - slot.started
-        self.estimates.ended(slot, lane, held, done)
-        return held
+
+    # Preemption --------------------------------------------------------------------------
+
+    def _reclaim(self, rank: int, width: int, free: int) -> bool:
+        """For an interactive job of ``width`` slots, ``free`` of them free (``width`` 0: asking
+        for memory, not slots): suspend the newest running jobs of the lowest lanes that hold
+        the slots it lacks (for memory: one job). False, nothing suspended, where preemption may not or cannot: not
+        preemptible, not an interactive job, the reserve not owed to chats (interactive jobs
+        hold ``width`` or fewer slots short of it), too few such jobs."""
+        policy = self.policy
+        if not self.preemptible or policy is None or rank != 0:
+            return False
+        if self.lane_inflight[Lane.INTERACTIVE] + width > policy.interactive_reserve:
+            return False
+        short = max(width - free, 1)
+        victims: list[Slot] = []
+        for slot in sorted(self._running, key=_victim_order):
+            if sum(v.width for v in victims) >= short:
+                break
+            if slot.pause is not None:
+                victims.append(slot)
+        if sum(v.width for v in victims) < short:
+            return False
+        now = self.clock()
+        for slot in victims:
+            assert slot.pause is not None
+            assert slot.demand is not None
+            self._unhold(slot, now)
+            self._suspended.append(slot)
+            self.suspensions[slot.demand.lane.value] += 1
+            slot.pause.set(True)
+        return True
+
+    def resume(self) -> int:
+        """Resume suspended jobs, oldest first, while a slot each may take (as a job of its
+        lane would, but ahead of every client of its lane) and its cells in its cache are
+        free; returns how many."""
+        now, resumed = self.clock(), 0
+        for slot in sorted(self._suspended, key=lambda s: s.started):
+            assert slot.pause is not None
+            assert slot.demand is not None
+            lane, rank = slot.demand.lane, self.lanes.rank(slot.demand)
+            reserved = self.lanes.unused_reserve(rank, now)
+            due = self.line.due_ahead(now, None, rank - 1, self.estimates.hold(), reserved)
+            if self.cap - self._taken - reserved - slot.width < due:
+                break
+            if self.lanes.quota_full(lane, slot.width):
+                break
+            if slot.kv_cache is not None:
+                assert self.kv is not None
+                if not self.kv.take(slot.kv_cache, slot.kv_tokens):
+                    break
+            self._suspended.remove(slot)
+            self._running[slot] = None
+            self._taken += slot.width
+            self.lane_inflight[lane] += slot.width
+            self.resumes[lane.value] += 1
+            slot.pause.set(False)
+            resumed += 1
+        return resumed
 
     def waiting(self, rank: int) -> int:
         """Promises still in the line (withdrawn and lapsed ones are not) of rank <= ``rank``:
@@ -424,18 +538,14 @@ class SlotLedger:
         promise: Promise | None,
         rank: int,
         size: JobSize | None = None,
-        *,
-        doublings: int = 0,
-        until_ms: int | None = None,
     ) -> tuple[int, Promise | None]:
         """A place in line for a client refused before the ledger's own check (a paused lane),
         as :meth:`admit` gives one: ``promise`` is kept and re-timed, a newcomer goes to the
-        back. The hint is when that place comes; with ``doublings``, that doubled as many times
-        but no later than ``until_ms`` from now, and never before the place comes.
+        back. The hint is when that place comes.
         """
         now = self.clock()
         self.line.lapse(now)
-        return self.hints.place(now, promise, rank, size, doublings, until_ms)
+        return self.hints.place(now, promise, rank, size)
 
     def withdraw(self, promise: Promise) -> None:
         """Forget a promise: its client came back, or will not."""
@@ -455,3 +565,9 @@ class SlotLedger:
         """``slot`` was released before its job ran (the fleet refused it): it executed nothing."""
         assert slot.released
         self.executed_total -= 1
+
+
+def _victim_order(slot: Slot) -> tuple[int, float]:
+    """The order jobs are suspended in: the lowest lane first, the newest first within it."""
+    rank = LANES.index(slot.demand.lane) if slot.demand is not None else 0
+    return (-rank, -slot.started)

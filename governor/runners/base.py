@@ -29,6 +29,35 @@ from ..core.kvbudget import CacheShape
 PROBE_SPEC = JobSpec(prompt="Hi", max_new_tokens=1, temperature=0.0)
 
 
+class Pause:
+    """A job's suspension: admission sets it (a chat took the job's slot back, or its slot is
+    free again), the runner running the job carries it out (it stops stepping the job, then
+    goes on where it stopped). Set before the runner listens, it is carried out when it
+    starts to."""
+
+    __slots__ = ("_listener", "suspended", "suspensions")
+
+    def __init__(self) -> None:
+        self.suspended = False
+        self.suspensions = 0  # times suspended
+        self._listener: Callable[[bool], None] | None = None
+
+    def set(self, suspended: bool) -> None:
+        if suspended == self.suspended:
+            return
+        self.suspended = suspended
+        self.suspensions += suspended
+        if self._listener is not None:
+            self._listener(suspended)
+
+    def listen(self, listener: Callable[[bool], None] | None) -> None:
+        """Carry out each change from now on (None: no more); a suspension already set is
+        carried out at once."""
+        self._listener = listener
+        if listener is not None and self.suspended:
+            listener(True)
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """A job, prepared by the runner that will run it."""
@@ -48,6 +77,8 @@ class Job:
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     stall: float = 0.0
+    # Set by admission for a job it may suspend (:class:`Pause`), on a runner that can.
+    pause: Pause | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +243,8 @@ class Embedder(Protocol):
 class KvCacheRunner(Protocol):
     """A runner with KV caches of its own (the batched llama runner, one per worker):
     admission reserves each job's cells in one of them, and tells the runner which
-    (:attr:`Job.kv_cache`)."""
+    (:attr:`Job.kv_cache`). It carries out each job's :attr:`Job.pause` (admission may
+    suspend a job to take its slot back for a chat)."""
 
     def kv_caches(self) -> tuple[CacheShape, ...]:
         """The caches, as configured (each may hold a little more: llama.cpp pads them)."""

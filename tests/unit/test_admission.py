@@ -174,7 +174,7 @@ def test_a_refused_job_is_not_charged_to_its_tenants_rate(clock: FakeClock) -> N
     assert tenant.requests.level == level
 
 
-def test_a_pause_counts_one_activation_per_job_and_its_hint_grows(clock: FakeClock) -> None:
+def test_a_pause_counts_one_activation_per_job_and_its_hint_is_its_place(clock: FakeClock) -> None:
     admission = make(clock, cap=4, lanes=True, overload=True)
     overload = admission.overload
     assert overload is not None
@@ -194,8 +194,8 @@ def test_a_pause_counts_one_activation_per_job_and_its_hint_grows(clock: FakeClo
         assert decision.need_code == "lane_paused"
         hints.append(decision.retry_hint_ms)
     assert admission.ladder["interactive_only"] == 1
-    assert hints == sorted(hints)
-    assert hints[-1] > hints[0]
+    # Told when its place in line comes, however often it was paused: no blind doubling.
+    assert len(set(hints)) == 1
     del running
 
 
