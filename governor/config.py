@@ -297,8 +297,11 @@ class Config:
         "lanes: the highest cost a heavy job may have; costlier jobs are background."
     )
     interactive_reserve: int = _opt(1, min=0)("lanes: slots only interactive jobs may take.")
+    preemption: bool = _opt(True)(
+        "lanes, llama runner: a chat takes a slot lent to heavy or background work back at once, by suspending that job (it resumes where it stopped when a slot frees), so the interactive reserve is lent whenever no chat waits. The http runner cannot suspend its upstream: there it has no effect."
+    )
     reserve_lend_after: float = _opt(0.0, min=0)(
-        "lanes: seconds without an interactive job after which the reserve is lent to heavy and background work (back for the next chat as the lent jobs end); 0: never lent."
+        "lanes: seconds without an interactive job after which the reserve is lent to heavy and background work (without preemption, back for the next chat only as the lent jobs end); 0: at once with preemption, never without it."
     )
     heavy_slots: int = _opt(0, min=0)(
         "lanes: slots heavy jobs may hold at once; 0: no quota but the cap and the reserve."

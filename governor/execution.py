@@ -381,6 +381,7 @@ class Execution:
             outcome=outcome,
             degraded=list(ticket.degraded),
             yields=self.attempt.refusals,
+            suspended=ticket.slot.pause.suspensions if ticket.slot.pause is not None else 0,
             wait_ms=_ms(self.waited_s),
             expected_ms=_ms(ticket.slot.expected_s),
             ttft_ms=_ms(ttft_s),

@@ -142,6 +142,13 @@ def build_fallback(config: Config) -> Runner | None:
     )
 
 
+def preemptible(config: Config, runner: Runner) -> bool:
+    """Whether admission may suspend lent jobs for chats: under lanes, with ``preemption``, on
+    a runner that carries out a job's pause (one with KV caches of its own: the llama
+    runner)."""
+    return config.lanes and config.preemption and isinstance(runner, KvCacheRunner)
+
+
 def kv_budget(runner: Runner) -> tuple[KvBudget | None, Callable[[], int] | None]:
     """The runner's KV caches for admission to reserve in, and what they hold; (None, None)
     for a runner without any."""
@@ -216,6 +223,7 @@ class Server:
             policy=build_policy(config, kv) if config.lanes else None,
             kv=kv,
             kv_used=kv_used,
+            preemptible=preemptible(config, self.runner),
         )
         self.tenants = Tenants(config.tenants, self.ledger.clock)
         self.primary = Pool(
@@ -244,6 +252,7 @@ class Server:
                     degraded_max_new_tokens=config.degraded_max_new_tokens,
                     pause_background=config.pause_background,
                     interactive_only=config.interactive_only,
+                    kv_preemptible=self.ledger.preemptible,
                 ),
                 self.ledger.clock,
             )
@@ -499,6 +508,7 @@ class Server:
         assert overload is not None
         while True:
             await asyncio.sleep(overload.settings.evaluate_s)
+            ledger.resume()  # (a suspended job waiting on a promise that was not kept)
             overload.kv_utilisation = ledger.kv_utilisation
             before = overload.state
             if overload.update() != before:

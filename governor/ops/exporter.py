@@ -132,6 +132,23 @@ def _slot_families(server: ServerState, health: Health) -> Iterator[Metric]:
         for lane in LANES:
             lanes.add_metric([lane], ledger.lane_inflight[lane])
         yield lanes
+        yield GaugeMetricFamily(
+            "governor_suspended",
+            "Jobs suspended now (a chat took their slot back; they resume when a slot frees).",
+            value=ledger.suspended,
+        )
+        yield _counter(
+            "governor_suspensions",
+            "Jobs suspended for a chat's slot or memory, by lane.",
+            ["lane"],
+            (((lane,), ledger.suspensions[lane]) for lane in LANES[1:]),
+        )
+        yield _counter(
+            "governor_resumes",
+            "Suspended jobs resumed, by lane.",
+            ["lane"],
+            (((lane,), ledger.resumes[lane]) for lane in LANES[1:]),
+        )
     yield GaugeMetricFamily(
         "governor_kv_reserved_tokens",
         "KV cache cells reserved by running jobs (prompt + max_new_tokens each).",

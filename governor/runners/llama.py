@@ -26,6 +26,8 @@ which abort with ``runner_crashed``; a worker silent for ``job_timeout_s`` while
 hung: it is killed, and its jobs abort with ``runner_timeout``. Either way the worker is started
 again, with backoff, while the daemon keeps serving. A cancelled job (client gone, ``ttl_ms``,
 cancel frame) is stopped before the worker's next step, and its cells are free for the next job.
+A job admission suspends (its :attr:`Job.pause`: a chat took its slot back) is not stepped until
+it is resumed; a worker whose jobs are all suspended is idle, not hung.
 """
 
 from __future__ import annotations
@@ -164,6 +166,7 @@ class WorkerProcess:
         self.shape = settings.caches()[index]
         self.proc: asyncio.subprocess.Process | None = None
         self.jobs: dict[str, asyncio.Queue[dict[str, Any] | Token | Fed | _Ended]] = {}
+        self.suspended: set[str] = set()  # of its jobs, those suspended (not stepped)
         self.kv_used = 0
         self.n_ctx_train = 0  # what the model was trained for, as the worker read it (0: unsaid)
         self.killed = False
@@ -249,7 +252,7 @@ class WorkerProcess:
                     line = await proc.stdout.readline()
             except TimeoutError:
                 now = loop.time()
-                if self.jobs and now - self._heard >= timeout:
+                if len(self.jobs) > len(self.suspended) and now - self._heard >= timeout:
                     silent = f"sent nothing for {timeout:g} s with jobs in hand"
                 # (With jobs in hand a cancel is confirmed after the step in progress, however
                 # long: the silence above is the measure then.)
@@ -290,6 +293,7 @@ class WorkerProcess:
                 job.put_nowait(Token(out["text"], out["n"], out["i"], logprobs))
         for done in event["done"]:
             if (job := self.jobs.pop(done["id"], None)) is not None:
+                self.suspended.discard(done["id"])
                 job.put_nowait(done)
 
     def submit(
@@ -306,7 +310,20 @@ class WorkerProcess:
             )
         return events
 
+    def pause(self, key: str, suspended: bool) -> None:
+        """Suspend or resume a job it is running."""
+        if key not in self.jobs:
+            return
+        if suspended:
+            self.suspended.add(key)
+        else:
+            if len(self.suspended) == len(self.jobs):  # idle until now: silence counts from now
+                self._heard = asyncio.get_running_loop().time()
+            self.suspended.discard(key)
+        self._send({"op": "suspend" if suspended else "resume", "id": key})
+
     def cancel(self, key: str) -> None:
+        self.suspended.discard(key)
         if self.jobs.pop(key, None) is not None and self._send({"op": "cancel", "id": key}):
             if not self._owed:
                 self._owed_since = asyncio.get_running_loop().time()
@@ -629,6 +646,8 @@ class LlamaRunner:
         self._ids += 1
         key = f"{self._ids}"
         events = worker.submit(run_request(key, job, spec, self._checked_grammar(spec)))
+        if job.pause is not None:
+            job.pause.listen(lambda suspended: worker.pause(key, suspended))
         names = frozenset(f["name"] for f in functions_of(spec))
         choices = [Choice(i, tool_mode(spec), names) for i in range(spec.n)]
         try:
@@ -648,6 +667,8 @@ class LlamaRunner:
                         yield end
                     return
         finally:
+            if job.pause is not None:
+                job.pause.listen(None)
             worker.cancel(key)  # (nothing, once it has finished)
 
     def _checked_grammar(self, spec: JobSpec) -> str | None:

@@ -110,6 +110,9 @@ FAMILIES = {
     "governor_aborts": ("counter", ("reason",)),
     "governor_tenant_inflight": ("gauge", ("tenant",)),
     "governor_lane_inflight": ("gauge", ("lane",)),
+    "governor_suspended": ("gauge", ()),
+    "governor_suspensions": ("counter", ("lane",)),
+    "governor_resumes": ("counter", ("lane",)),
     "governor_kv_reserved_tokens": ("gauge", ()),
     "governor_kv_used_tokens": ("gauge", ()),
     "governor_kv_capacity_tokens": ("gauge", ()),
@@ -222,6 +225,9 @@ def test_without_lanes_overload_fleet_or_front_door_those_families_are_absent() 
     names = {name for name, _, _ in families(exposition(server))}
     absent = {
         "governor_lane_inflight",
+        "governor_suspended",
+        "governor_suspensions",
+        "governor_resumes",
         "governor_overload_state",
         "governor_overload_transitions",
         *(n for n in FAMILIES if n.startswith("governor_fleet_")),

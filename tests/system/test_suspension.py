@@ -1,9 +1,14 @@
-"""A worker process on the real embedded model, told to suspend and resume a job: the job's greedy
-text is the one it says unsuspended, whether its cells were kept meanwhile or the cache needed
-them and the job computed them again from its prompt and its tokens so far."""
+"""Suspension on the real embedded model.
+
+A worker process told to suspend and resume a job: the job's greedy text is the one it says
+unsuspended, whether its cells were kept meanwhile or the cache needed them and the job
+computed them again from its prompt and its tokens so far. Through the daemon: a chat that
+finds every slot lent to heavy work takes one back at once, the lent job resumes when the chat
+ends, and a client that leaves while its job is suspended frees everything."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,9 +17,13 @@ from typing import IO, Any
 import orjson
 import pytest
 
-from governor.runners.llama import embedded_model_path
+from clients import NO_RETRY
+from governor.runners.llama import LlamaRunner, embedded_model_path
+from governor.server import Server
+from protocol.spec import JobSpec
+from tests.conftest import ServerFactory, wait_until
 
-from .test_llama import N_GPU_LAYERS
+from .test_llama import N_GPU_LAYERS, client_for, greedy
 
 LONG = 48  # the suspended job's tokens
 
@@ -156,3 +165,76 @@ def test_a_suspended_job_says_what_it_says_unsuspended(worker: WorkerPipe) -> No
     assert worker.tokens["heavy"] == before  # not stepped while suspended
     worker.send({"op": "resume", "id": "heavy"})
     assert worker.until_done("heavy") == unsuspended
+
+
+# Through the daemon: admission suspends a lent job for a chat ------------------------------
+
+
+async def lent_server(make_server: ServerFactory) -> Server:
+    """Two slots, one of them the interactive reserve, lent (preemption is on by default)."""
+    return await make_server(
+        runner="llama",
+        lanes=True,
+        max_inflight=2,
+        interactive_reserve=1,
+        n_ctx=512,
+        threads=1,
+        n_gpu_layers=N_GPU_LAYERS,
+        probe_interval=600,
+    )
+
+
+def heavy(prompt: str) -> JobSpec:
+    return greedy(prompt, max_new_tokens=160, ignore_eos=True, lane="heavy")
+
+
+async def test_a_chat_takes_a_lent_slot_back_at_once_and_the_lent_job_resumes(
+    make_server: ServerFactory,
+) -> None:
+    server = await lent_server(make_server)
+    ledger = server.ledger
+    async with await client_for(server) as a, await client_for(server) as b:
+        first = asyncio.ensure_future(a.generate(heavy("Once upon a time")))
+        await wait_until(lambda: ledger.taken == 1, timeout=30)
+        lent = asyncio.ensure_future(b.generate(heavy("The history of Rome")))
+        await wait_until(lambda: ledger.taken == 2, timeout=30)  # the reserve, lent
+        async with await client_for(server) as c:
+            chat = await c.generate(greedy("Hello", max_new_tokens=4), retry=NO_RETRY)
+        assert chat.done, chat.reply  # admitted at once: no yield
+        assert ledger.suspensions["heavy"] == 1
+        assert ledger.resumes["heavy"] == 1  # (back as soon as the chat ended)
+        assert not first.done() or not lent.done()  # (the chat did not wait for them)
+        results = await asyncio.gather(first, lent)
+    for result in results:
+        assert result.done, result.reply
+        assert result.reply.result is not None
+        assert result.reply.result["completion_tokens"] == 160
+    assert (ledger.taken, ledger.inflight, ledger.suspended, ledger.kv_reserved) == (0, 0, 0, 0)
+
+
+async def test_a_client_that_leaves_while_its_job_is_suspended_frees_everything(
+    make_server: ServerFactory,
+) -> None:
+    server = await lent_server(make_server)
+    ledger, runner = server.ledger, server.runner
+    assert isinstance(runner, LlamaRunner)
+    async with await client_for(server) as a:
+        first = asyncio.ensure_future(a.generate(heavy("Once upon a time")))
+        await wait_until(lambda: ledger.taken == 1, timeout=30)
+        b = await client_for(server)
+        lent = asyncio.ensure_future(b.generate(heavy("The history of Rome")))
+        await wait_until(lambda: ledger.taken == 2, timeout=30)
+        async with await client_for(server) as c:
+            chat = asyncio.ensure_future(
+                c.generate(greedy("Hello", max_new_tokens=64, ignore_eos=True), retry=NO_RETRY)
+            )
+            await wait_until(lambda: ledger.suspended == 1, timeout=10)
+            await b.close()  # the suspended job's client leaves
+            await wait_until(lambda: ledger.inflight == 2, timeout=10)
+            assert ledger.suspended == 0
+            assert (await chat).done
+        lent.cancel()
+        assert (await first).done
+    await wait_until(lambda: runner.kv_used() == 0, timeout=10)
+    assert (ledger.taken, ledger.inflight, ledger.suspended, ledger.kv_reserved) == (0, 0, 0, 0)
+    assert ledger.resumes["heavy"] == 0
