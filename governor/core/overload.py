@@ -24,30 +24,8 @@ The fallback ladder follows the state (each step configurable):
     batch_paused      ... and background jobs refused: yield ``lane_paused``
     interactive_only  ... and heavy jobs refused too: only interactive work is admitted
 
-When a pause can end
---------------------
-A paused job is told to come back when the pause on its lane can end
-(:meth:`OverloadController.pause_hint_s`), not merely when the state may next change: once the
-dwell has passed the state often stays, because the signals still hold it, and a hint of
-"now" would have every paused client retry in a loop. The pause on a lane ends when the state
-has fallen below the level that pauses it, ``n`` levels from here; so, at the earliest:
-
-* the first fall, at the first re-evaluation (every ``evaluate_s``) after both the dwell
-  (``changed_at + min_dwell_s``) and the moment the signals allow it. While the interactive
-  p95 TTFT or TPOT (as a share of each job's objective) is above the falling threshold of the
-  pausing level, that is when enough of the slow samples have left the window for the p95 to
-  drop below it, were every sample from now on fast, at the same rate (the ``m``-th newest slow
-  sample's time plus ``window_s``, with ``m - 1`` the slow samples a p95 allows); KV
-  utilisation, which has no history, says nothing of when it will fall;
-* then one more level every ``min_dwell_s`` (and re-evaluation) after the other.
-
-That is never less than ``floor``: ``max(evaluate_s, window_s / 20)``. The signals are
-percentiles and rates over ``window_s``, and move only as a share of it turns over; a
-twentieth keeps the first retry close (1.5 s at the defaults) where nothing better is known.
-A job refused again and again was told too early (the overload outlived the estimate), so its
-hint doubles with each refusal, up to ``window_s`` (the time a whole window of signals takes
-to turn over) or the estimate itself if that is longer: ``min(max(earliest, floor) *
-2 ** (attempt - 1), max(window_s, earliest))``.
+A paused lane is not left idle: its job still takes a slot no client of a higher lane waits
+for, and a paused client is told when its place in line comes (:mod:`governor.core.admission`).
 """
 
 from __future__ import annotations
@@ -90,8 +68,6 @@ class OverloadSettings:
 
 
 HYSTERESIS = 0.8  # falling thresholds, as a share of the rising ones
-PAUSE_FLOOR_SHARE = 0.05  # the shortest pause hint, as a share of the window
-MAX_DOUBLINGS = 32  # (2 ** 32 windows: far past any cap, and no float overflow)
 # The interactive p95 TTFT or TPOT, as a multiple of each job's objective, at which each level
 # is proposed: at 1.0, a twentieth of the chats miss it.
 SLO_LEVELS = ((State.INTERACTIVE_ONLY, 1.5), (State.BATCH_PAUSED, 1.0), (State.DEGRADED, 0.8))
@@ -222,47 +198,6 @@ class OverloadController:
     def paused(self, lane: Lane) -> bool:
         level = self.pause_level(lane)
         return level is not None and self.state >= level
-
-    def pause_hint_s(self, lane: Lane, attempt: int) -> float:
-        """Seconds until the pause on ``lane`` can end, for a job refused ``attempt`` times
-        (1: its first refusal): see "When a pause can end" above. 0.0 when it is not paused.
-        """
-        level = self.pause_level(lane)
-        if level is None or self.state < level:
-            return 0.0
-        s, now = self.settings, self.clock()
-        signals = self.signals()
-        fall_at = self.changed_at
-        for state in range(self.state, level - 1, -1):  # each fall, down to below ``level``
-            allowed = self._signals_allow_fall(signals, State(state), now)
-            fall_at = max(fall_at + s.min_dwell_s, allowed, now) + s.evaluate_s
-        earliest = fall_at - now
-        floor = max(s.evaluate_s, PAUSE_FLOOR_SHARE * s.window_s)
-        doublings = min(max(attempt, 1) - 1, MAX_DOUBLINGS)
-        return min(max(earliest, floor) * 2.0**doublings, max(s.window_s, earliest))
-
-    def _signals_allow_fall(
-        self, signals: dict[str, float | None], level: State, now: float
-    ) -> float:
-        """The earliest time the signals could let the state fall below ``level``: now, if
-        they already do; else when the slow TTFT and TPOT samples holding it leave the window,
-        were every later sample fast (KV utilisation holding it: unknown, so now)."""
-        if self._level(signals, HYSTERESIS) < level:
-            return now
-        s = self.settings
-        share = next(share for proposed, share in SLO_LEVELS if proposed <= level)
-        slow_share = share * HYSTERESIS
-        allowed = now
-        for samples in self._slo.values():
-            n = len(samples)
-            if n < s.min_samples:
-                continue
-            over = n - math.ceil(0.95 * n)  # the slow samples a p95 below slow_share allows
-            slow = [t for t, v in samples if v >= slow_share]
-            if len(slow) > over:
-                # Held up until the (over + 1)-th newest slow sample leaves the window.
-                allowed = max(allowed, slow[-over - 1] + s.window_s)
-        return allowed
 
     def max_new_tokens(self, lane: Lane, asked: int) -> int | None:
         """A lowered max_new_tokens for this job, or None to leave it as asked."""
