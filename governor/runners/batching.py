@@ -6,7 +6,10 @@ operations of :class:`Cache`. One model context holds ``slots`` sequences over o
 ``cells`` cells, and each step is one batch:
 
 1. **Every generating sequence's next token** (the one it sampled last step, fed back), so a
-   running stream advances at every step whatever else arrives (stall-free batching).
+   running stream advances at every step whatever else arrives (stall-free batching); but in a
+   step that feeds an interactive prompt, a less urgent stream ahead of its TPOT objective by
+   more than a token's share gives up its place (its token comes a step later), so a chat
+   that arrives beside heavy streams gets its first token about as soon as on an idle worker.
 2. **Prompt tokens of sequences still being prefilled** (chunked prefill). Only the most urgent
    priority with a prompt pending gets prefill in a step (interactive prompts go before heavy
    ones: a chat's prompt never shares its step with a rewrite's), oldest first within it. A
@@ -382,6 +385,8 @@ class Scheduler:
         pending = sorted((s for s in self.running.values() if s.prefilling), key=_overdue_first)
         if not pending:
             return entries
+        if any(s.priority == 0 for s in pending):
+            entries = [e for e in entries if not _deferrable(e.seq, now)]
         full = max(self.step_tokens - len(entries), MIN_PREFILL)
         objective, stall = self.bounds(entries, now)
         if objective is None and stall is None:
@@ -487,6 +492,15 @@ def _banked(seq: Sequence, now: float) -> float:
         return per
     due = seq.first_at + per * seq.generated - now
     return min(max(per, due), max(per, MARGIN * seq.ttft_s))
+
+
+def _deferrable(seq: Sequence, now: float) -> bool:
+    """Whether a generating sequence may skip a step that feeds an interactive prompt: a less
+    urgent one with a TPOT objective, more than a token's share ahead of it."""
+    if seq.priority == 0 or seq.tpot_s <= 0 or seq.first_at is None:
+        return False
+    per = MARGIN * seq.tpot_s
+    return seq.first_at + per * seq.generated - now > per
 
 
 def _whole(prefill: list[Entry]) -> int:

@@ -766,3 +766,20 @@ def test_a_resumed_sequence_goes_before_newer_ones_of_its_priority() -> None:
     s.resume("old")
     s.remove("new")
     assert "old" in s.running
+
+
+def test_a_heavy_stream_ahead_of_its_objective_gives_its_place_to_a_chats_prompt() -> None:
+    s, cache = scheduler(slots=4, cells=1000)
+    ahead = generating(s, cache, "ahead", tpot_s=1.0)
+    ahead.priority, ahead.first_at, ahead.generated = 1, 0.0, 10  # its 11th token due at 9 s
+    behind = generating(s, cache, "behind", tpot_s=1.0)
+    behind.priority, behind.first_at, behind.generated = 1, -7.5, 10  # due at 1.5 s
+    chat = generating(s, cache, "chat", tpot_s=0.1)
+    chat.first_at, chat.generated = 0.0, 10
+    s.submit(seq("new", [5, 6, 7]))
+    # At 1 s, "ahead" has 8 s in hand and skips the step; "behind" has less than a token's share
+    # (0.9 s) and the chat has its objective: they stay.
+    assert {e.seq.key for e in s.plan(1.0)} == {"behind", "chat", "new"}
+    # Without an interactive prompt pending, every stream is in the step.
+    s.remove("new")
+    assert {e.seq.key for e in s.plan(1.0)} == {"ahead", "behind", "chat"}
