@@ -32,6 +32,7 @@ from .commands import (
     mix,
     overhead,
     peer,
+    preemption,
     rate,
     replay,
     sdk_bench,
@@ -76,6 +77,7 @@ REGISTERED: tuple[Command, ...] = (
     sidecar,
     guidellm_bench,
     door_refusal,
+    preemption,
 )
 COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}
 

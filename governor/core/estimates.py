@@ -88,6 +88,11 @@ class Running(Protocol):
     live_end: float | None
     fed_from: tuple[float, int, float] | None
 
+    @property
+    def paused_s(self) -> float:
+        """Of its time since it started, the seconds it was suspended (its suspensions past)."""
+        ...
+
 
 class ServiceEstimates:
     """One pool's estimates of how long its jobs hold their slots: see the module docstring."""
@@ -169,7 +174,7 @@ class ServiceEstimates:
         expected length, else from its own predicted service time."""
         end = job.live_end
         if end is None or end <= now:
-            return self.expected_end(job.started, now, job.expected_s)
+            return self.expected_end(job.started + job.paused_s, now, job.expected_s)
         return max(end, now + self.floor_s)
 
     def feeding(self, job: Running, fed: int, now: float) -> None:

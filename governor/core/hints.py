@@ -106,9 +106,12 @@ class RetryHints:
         """When the first running job of ``lane`` is expected to end."""
         end_of = self.estimates.end_of
         return min(
-            end_of(job, now)
-            for job in self._running
-            if job.demand is not None and job.demand.lane == lane
+            (
+                end_of(job, now)
+                for job in self._running
+                if job.demand is not None and job.demand.lane == lane
+            ),
+            default=self.next_end(now),
         )
 
     def place(
@@ -117,13 +120,15 @@ class RetryHints:
         promise: Promise | None,
         rank: int = 0,
         size: JobSize | None = None,
+        later: int = 0,
     ) -> tuple[int, Promise | None]:
         """The hint for a refusal, and the promise that goes with it (None: the line is full).
 
         A returning client keeps its place in line and is re-timed to the release of that
         place; a newcomer, in constant time, is promised the release after every promise
         outstanding of its own lane or a higher one. The slots turn over at the pace of the
-        jobs of the clients ahead: the mean of their predicted times.
+        jobs of the clients ahead: the mean of their predicted times. ``later``: releases that go
+        to others first, whatever the line (suspended jobs' slots, taken back first).
         """
         own_s = self.estimates.predict_s(size, self.lanes.lane(rank))
         if promise is not None and promise.queued:
@@ -138,7 +143,7 @@ class RetryHints:
             ahead_s -= seconds[0] * min(counts[0], reserve) / counts[0]
         turn_s = ahead_s / ahead if ahead > 0 else own_s
         # (a job of n sequences waits for the n-th release after those ahead of it)
-        k = ahead + (size.width - 1 if size is not None else 0)
+        k = ahead + later + (size.width - 1 if size is not None else 0)
         hint_ms = self.hint_ms(now, self.release_time(now, k, rank, turn_s))
         at = now + hint_ms / 1000
         return hint_ms, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)

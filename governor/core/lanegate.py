@@ -72,6 +72,17 @@ class LaneGate:
         reserve = self.reserve(rank, now)
         return max(reserve - self.inflight[Lane.INTERACTIVE], 0) if reserve else 0
 
+    def owes(self, width: int) -> bool:
+        """Whether the reserve is owed to an interactive job of ``width`` slots, which may then
+        take a lent slot back (``lend``): interactive jobs, it included, would hold no more
+        than the reserve."""
+        policy = self.policy
+        return (
+            self.lend
+            and policy is not None
+            and self.inflight[Lane.INTERACTIVE] + width <= policy.interactive_reserve
+        )
+
     def quota_full(self, lane: Lane, width: int = 1) -> bool:
         """Whether ``lane`` has fewer than ``width`` slots left under its quota."""
         assert self.policy is not None

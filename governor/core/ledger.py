@@ -57,6 +57,7 @@ from .hints import RetryHints
 from .kvbudget import CacheShape, KvBudget
 from .lanegate import LaneGate
 from .policy import LANES, Demand, Lane, LanePolicy
+from .preemption import cell_victims, slot_victims
 from .promises import Promise, PromiseLine
 from .service import JobSize, ServiceModel
 
@@ -102,8 +103,10 @@ class Slot:
         "live_end",
         "pace_s",
         "pause",
+        "pauses",
         "size",
         "started",
+        "suspended_at",
         "width",
     )
 
@@ -130,6 +133,8 @@ class Slot:
         # Its suspension, for a job the ledger may suspend (preemptible, below the interactive
         # lane): the job's runner reads it.
         self.pause: Pause | None = None
+        self.suspended_at: float | None = None  # since when, while suspended
+        self.pauses: list[tuple[float, float]] = []  # (from, to) of each suspension past
         self._released = False
 
     @property
@@ -140,12 +145,21 @@ class Slot:
     def suspended(self) -> bool:
         return self.pause is not None and self.pause.suspended
 
+    @property
+    def paused_s(self) -> float:
+        """Seconds it was suspended, its suspensions past (it runs again, or has ended)."""
+        return sum(end - start for start, end in self.pauses)
+
     def progress(self, generated: int, first_token: float, now: float) -> None:
         """The job has generated ``generated`` tokens, the first at ``first_token``: its end is
         predicted again from its own pace (:meth:`ServiceEstimates.progress`)."""
         if self._released:
             return
-        self._ledger.estimates.progress(self, generated, first_token, now)
+        # (its pace is its own: the time suspended since its first token does not count)
+        paused = sum(
+            end - max(start, first_token) for start, end in self.pauses if end > first_token
+        )
+        self._ledger.estimates.progress(self, generated, first_token + paused, now)
 
     def feeding(self, fed: int, now: float) -> None:
         """``fed`` of the job's prompt tokens are in the cache: its end is predicted again from
@@ -340,27 +354,33 @@ class SlotLedger:
         # A free slot is not for the taking while clients ahead in line have their time come.
         hold = self.estimates.hold()
         due = self.line.due_ahead(now, promise, rank, hold, reserved)
-        # (a suspended job goes before any newer job of a lower lane)
-        later = rank > 0 and bool(self._suspended)
-        short = usable - width < due and not (due == 0 and self._reclaim(rank, width, usable))
-        if short or later:
-            hint_ms, promise = self.hints.place(now, promise, rank, size)
+        # A suspended job goes before any newer job of a lower lane: such a job waits for the
+        # slots the suspended jobs will take back, too.
+        later = sum(slot.width for slot in self._suspended) if rank > 0 else 0
+        victims: list[Slot] = []
+        if usable - width < due and due == 0 and rank == 0:
+            victims = slot_victims(self._running, width - usable) if self.lanes.owes(width) else []
+            self._suspend(victims, now)
+        if (usable - width < due and not victims) or later:
+            hint_ms, promise = self.hints.place(now, promise, rank, size, later)
             code = NeedCode.LANE_FULL if usable < width <= free else NeedCode.SERVER_BUSY
             return self.refused(Refusal(code, hint_ms, promise))
         kv_tokens = kv_demand(demand, size)
-        refusal, kv_cache = self._checks(now, demand, kv_tokens, width)
+        refusal, kv_cache = self._checks(now, demand, kv_tokens, width, victims)
         if refusal is not None:
             if promise is not None:
                 self.withdraw(promise)
-            self.resume()  # (whatever was suspended for it)
+            for slot in victims:  # (what was suspended for it: back as it was)
+                self._resume(slot)
             return self.refused(refusal)
         return self._take(now, promise, demand, size, kv_cache, kv_tokens)
 
     def _checks(
-        self, now: float, demand: Demand | None, kv_tokens: int, width: int
+        self, now: float, demand: Demand | None, kv_tokens: int, width: int, victims: list[Slot]
     ) -> tuple[Refusal | None, int | None]:
         """The lane policy's checks, then a cache for the job's ``kv_tokens`` KV cells: a
-        refusal, or the cache they are reserved in (None: no KV budget, or no cells)."""
+        refusal, or the cache they are reserved in (None: no KV budget, or no cells). An
+        interactive job may suspend jobs for its cells (added to ``victims``)."""
         if demand is not None and self.policy is not None:
             refusal = self._policy_refusal(now, demand, width)
             if refusal is not None:
@@ -368,9 +388,12 @@ class SlotLedger:
         if self.kv is None or not kv_tokens:
             return None, None
         kv_cache = self.kv.place(kv_tokens)
-        rank = self.lanes.rank(demand)
-        while kv_cache is None and self._reclaim(rank, 0, 0):
-            kv_cache = self.kv.place(kv_tokens)
+        if kv_cache is None and self.lanes.rank(demand) == 0 and self.lanes.owes(width):
+            more = cell_victims(self._running, self.kv, kv_tokens)
+            if more:
+                self._suspend(more, now)
+                victims += more
+                kv_cache = self.kv.place(kv_tokens)
         if kv_cache is None:
             at = self.hints.kv_release(now, self.kv, kv_tokens)
             return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, at)), None
@@ -442,7 +465,7 @@ class SlotLedger:
         else:
             self._unhold(slot, now)
         held = now - slot.started
-        self.estimates.ended(slot, lane, held, done)
+        self.estimates.ended(slot, lane, held - slot.paused_s, done)
         self.resume()
         return held
 
@@ -459,63 +482,58 @@ class SlotLedger:
 
     # Preemption --------------------------------------------------------------------------
 
-    def _reclaim(self, rank: int, width: int, free: int) -> bool:
-        """For an interactive job of ``width`` slots, ``free`` of them free (``width`` 0: asking
-        for memory, not slots): suspend the newest running jobs of the lowest lanes that hold
-        the slots it lacks (for memory: one job). False, nothing suspended, where preemption may not or cannot: not
-        preemptible, not an interactive job, the reserve not owed to chats (interactive jobs
-        hold ``width`` or fewer slots short of it), too few such jobs."""
-        policy = self.policy
-        if not self.preemptible or policy is None or rank != 0:
-            return False
-        if self.lane_inflight[Lane.INTERACTIVE] + width > policy.interactive_reserve:
-            return False
-        short = max(width - free, 1)
-        victims: list[Slot] = []
-        for slot in sorted(self._running, key=_victim_order):
-            if sum(v.width for v in victims) >= short:
-                break
-            if slot.pause is not None:
-                victims.append(slot)
-        if sum(v.width for v in victims) < short:
-            return False
-        now = self.clock()
+    def _suspend(self, victims: list[Slot], now: float) -> None:
         for slot in victims:
             assert slot.pause is not None
             assert slot.demand is not None
             self._unhold(slot, now)
             self._suspended.append(slot)
+            slot.suspended_at = now
             self.suspensions[slot.demand.lane.value] += 1
             slot.pause.set(True)
-        return True
 
     def resume(self) -> int:
         """Resume suspended jobs, oldest first, while a slot each may take (as a job of its
-        lane would, but ahead of every client of its lane) and its cells in its cache are
-        free; returns how many."""
+        lane would, ahead of every client of the lower lanes: only interactive clients due
+        keep theirs) and its cells in its cache are free; returns how many."""
         now, resumed = self.clock(), 0
+        self.line.lapse(now)
         for slot in sorted(self._suspended, key=lambda s: s.started):
-            assert slot.pause is not None
             assert slot.demand is not None
-            lane, rank = slot.demand.lane, self.lanes.rank(slot.demand)
+            rank = self.lanes.rank(slot.demand)
             reserved = self.lanes.unused_reserve(rank, now)
-            due = self.line.due_ahead(now, None, rank - 1, self.estimates.hold(), reserved)
+            due = self.line.due_ahead(now, None, 0, self.estimates.hold(), reserved)
             if self.cap - self._taken - reserved - slot.width < due:
                 break
-            if self.lanes.quota_full(lane, slot.width):
+            if self.lanes.quota_full(slot.demand.lane, slot.width):
                 break
             if slot.kv_cache is not None:
                 assert self.kv is not None
                 if not self.kv.take(slot.kv_cache, slot.kv_tokens):
                     break
-            self._suspended.remove(slot)
-            self._running[slot] = None
-            self._taken += slot.width
-            self.lane_inflight[lane] += slot.width
-            self.resumes[lane.value] += 1
-            slot.pause.set(False)
+            self._resume(slot, reserved=True)
             resumed += 1
         return resumed
+
+    def _resume(self, slot: Slot, *, reserved: bool = False) -> None:
+        """Give a suspended job its slots back, and its cells unless ``reserved`` already."""
+        assert slot.pause is not None
+        assert slot.demand is not None
+        if slot.kv_cache is not None and not reserved:
+            assert self.kv is not None
+            taken = self.kv.take(slot.kv_cache, slot.kv_tokens)
+            assert taken
+        now = self.clock()
+        if slot.suspended_at is not None:
+            slot.pauses.append((slot.suspended_at, now))
+            slot.suspended_at = None
+        self._suspended.remove(slot)
+        self._running[slot] = None
+        self._taken += slot.width
+        self.peak_inflight = max(self.peak_inflight, self._taken)
+        self.lane_inflight[slot.demand.lane] += slot.width
+        self.resumes[slot.demand.lane.value] += 1
+        slot.pause.set(False)
 
     def waiting(self, rank: int) -> int:
         """Promises still in the line (withdrawn and lapsed ones are not) of rank <= ``rank``:
@@ -565,9 +583,3 @@ class SlotLedger:
         """``slot`` was released before its job ran (the fleet refused it): it executed nothing."""
         assert slot.released
         self.executed_total -= 1
-
-
-def _victim_order(slot: Slot) -> tuple[int, float]:
-    """The order jobs are suspended in: the lowest lane first, the newest first within it."""
-    rank = LANES.index(slot.demand.lane) if slot.demand is not None else 0
-    return (-rank, -slot.started)

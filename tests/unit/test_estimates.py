@@ -23,6 +23,7 @@ class Job:
     pace_s: float | None = None
     live_end: float | None = None
     fed_from: tuple[float, int, float] | None = None
+    paused_s: float = 0.0
 
 
 def test_the_hold_is_two_turnarounds_at_most_the_grace() -> None:

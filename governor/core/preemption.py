@@ -1,0 +1,68 @@
+"""Which running jobs a chat suspends, when preemption takes a lent slot or lent memory back.
+
+Pure: over the running jobs the ledger passes (:class:`~governor.core.ledger.Slot`), nothing
+changed here; the ledger suspends the jobs chosen (see its "Preemption" paragraph). A job may
+be suspended when it has a :class:`~governor.runners.base.Pause` (the ledger gives one to
+every job below the interactive lane on a runner that suspends jobs). The newest job of the
+lowest lane goes first: it has done the least work, and its lane's objectives are the loosest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+from ..runners.base import Pause
+from .kvbudget import KvBudget
+from .policy import LANES, Demand
+
+
+class Suspendable(Protocol):
+    """A running job as preemption sees it."""
+
+    started: float
+    demand: Demand | None
+    width: int
+    pause: Pause | None
+    kv_cache: int | None
+    kv_tokens: int
+
+
+J = TypeVar("J", bound=Suspendable)
+
+
+def victim_order(job: Suspendable) -> tuple[int, float]:
+    """The lowest lane first, the newest first within it."""
+    rank = LANES.index(job.demand.lane) if job.demand is not None else 0
+    return (-rank, -job.started)
+
+
+def slot_victims(running: Iterable[J], short: int) -> list[J]:
+    """The jobs to suspend for ``short`` slots: the first that hold that many, in
+    :func:`victim_order`; none where all of them hold fewer."""
+    victims: list[J] = []
+    held = 0
+    for job in sorted(running, key=victim_order):
+        if held >= short:
+            break
+        if job.pause is not None:
+            victims.append(job)
+            held += job.width
+    return victims if held >= short else []
+
+
+def cell_victims(running: Iterable[J], kv: KvBudget, cells: int) -> list[J]:
+    """The jobs to suspend for room for ``cells`` KV cells (and a sequence) in one cache: the
+    first, in :func:`victim_order`, whose reservations give one cache that room; none where
+    all of them do not."""
+    free = [kv.free(i) for i in range(len(kv.caches))]
+    victims: list[J] = []
+    for job in sorted(running, key=victim_order):
+        if job.pause is None or job.kv_cache is None:
+            continue
+        victims.append(job)
+        room, sequences = free[job.kv_cache]
+        free[job.kv_cache] = (room + job.kv_tokens, sequences + 1)
+        if any(room >= cells and sequences for room, sequences in free):
+            return victims
+    return []
