@@ -6,10 +6,11 @@ operations of :class:`Cache`. One model context holds ``slots`` sequences over o
 ``cells`` cells, and each step is one batch:
 
 1. **Every generating sequence's next token** (the one it sampled last step, fed back), so a
-   running stream advances at every step whatever else arrives (stall-free batching); but in a
-   step that feeds an interactive prompt, a less urgent stream ahead of its TPOT objective by
-   more than a token's share gives up its place (its token comes a step later), so a chat
-   that arrives beside heavy streams gets its first token about as soon as on an idle worker.
+   running stream advances at every step whatever else arrives (stall-free batching); but in the
+   step that ends an interactive prompt (samples a chat's first token), a less urgent stream
+   ahead of its TPOT objective by more than a token's share gives up its place (its token
+   comes a step later), so a chat that arrives beside heavy streams gets its first token about
+   as soon as on an idle worker, and each heavy stream loses at most a step per chat.
 2. **Prompt tokens of sequences still being prefilled** (chunked prefill). Only the most urgent
    priority with a prompt pending gets prefill in a step (interactive prompts go before heavy
    ones: a chat's prompt never shares its step with a rewrite's), oldest first within it. A
@@ -385,8 +386,6 @@ class Scheduler:
         pending = sorted((s for s in self.running.values() if s.prefilling), key=_overdue_first)
         if not pending:
             return entries
-        if any(s.priority == 0 for s in pending):
-            entries = [e for e in entries if not _deferrable(e.seq, now)]
         full = max(self.step_tokens - len(entries), MIN_PREFILL)
         objective, stall = self.bounds(entries, now)
         if objective is None and stall is None:
@@ -399,7 +398,10 @@ class Scheduler:
                 whole = full if objective is None else self._fit(entries, pending, full, objective)
                 take = max(take, _whole(self._prefill(pending, whole, commit=False)))
             take = max(take, self._due(entries, pending, full, take, objective, now))
-        return entries + self._prefill(pending, take, commit=True)
+        prefill = self._prefill(pending, take, commit=True)
+        if any(e.sample and e.seq.priority == 0 for e in prefill):
+            entries = [e for e in entries if not _deferrable(e.seq, now)]
+        return entries + prefill
 
     def bounds(self, decodes: list[Entry], now: float = 0.0) -> tuple[float | None, float | None]:
         """The objective bound and the stall bound on the next step planned at ``now``, in

@@ -777,9 +777,13 @@ def test_a_heavy_stream_ahead_of_its_objective_gives_its_place_to_a_chats_prompt
     chat = generating(s, cache, "chat", tpot_s=0.1)
     chat.first_at, chat.generated = 0.0, 10
     s.submit(seq("new", [5, 6, 7]))
-    # At 1 s, "ahead" has 8 s in hand and skips the step; "behind" has less than a token's share
-    # (0.9 s) and the chat has its objective: they stay.
+    # At 1 s, "ahead" has 8 s in hand and skips the step that gives the chat its first token;
+    # "behind" has less than a token's share (0.9 s) and the chat has its objective: they stay.
     assert {e.seq.key for e in s.plan(1.0)} == {"behind", "chat", "new"}
-    # Without an interactive prompt pending, every stream is in the step.
+    # Nor in a step that feeds only part of a chat's prompt, nor without one, is any left out.
     s.remove("new")
+    s.submit(seq("long", list(range(100, 400))))
+    s.step_tokens = 8
+    assert {e.seq.key for e in s.plan(1.0)} == {"ahead", "behind", "chat", "long"}
+    s.remove("long")
     assert {e.seq.key for e in s.plan(1.0)} == {"ahead", "behind", "chat"}
