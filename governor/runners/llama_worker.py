@@ -803,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = Scheduler(model.slots, args.step_tokens, model.size, model)
     worker = Worker(model, scheduler, io.BytesIO())
     # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
-    worker.handle(_private("warm-up", model.tokenize(b"Hello"), 2))
+    worker.handle(greedy_request("warm-up", model.tokenize(b"Hello"), 2))
     while worker.busy:
         worker.step()
     calibrate(worker)
@@ -839,8 +839,8 @@ def main(argv: list[str] | None = None) -> int:
         worker.step()
 
 
-def _private(key: str, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
-    """A greedy run request of the worker's own (warm-up, calibration)."""
+def greedy_request(key: str, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """A greedy run request (the worker's own: warm-up, calibration)."""
     return {
         "op": "run",
         "id": key,
@@ -867,9 +867,9 @@ def calibrate(worker: Worker) -> None:
     text = b"The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 8
     first = model.tokenize(text)[: max(min(48, size // 3), 2)]
     second = model.tokenize(text[::-1])[: max(min(16, size // 8), 1)]
-    worker.handle(_private("calibration-1", first, 6))
+    worker.handle(greedy_request("calibration-1", first, 6))
     worker.step()
-    worker.handle(_private("calibration-2", second, 4))
+    worker.handle(greedy_request("calibration-2", second, 4))
     while worker.busy:
         worker.step()
 

@@ -19,6 +19,7 @@ import pytest
 
 from clients import NO_RETRY
 from governor.runners.llama import LlamaRunner, embedded_model_path
+from governor.runners.llama_worker import greedy_request
 from governor.server import Server
 from protocol.spec import JobSpec
 from tests.conftest import ServerFactory, wait_until
@@ -77,22 +78,7 @@ class WorkerPipe:
 
     def run(self, key: str, tokens: list[int], max_new_tokens: int, priority: int) -> None:
         self.texts[key] = ""
-        self.send(
-            {
-                "op": "run",
-                "id": key,
-                "tokens": tokens,
-                "max_new_tokens": max_new_tokens,
-                "priority": priority,
-                "temperature": 0.0,
-                "top_p": 1.0,
-                "top_k": 0,
-                "min_p": 0.0,
-                "seed": 0,
-                "stop": [],
-                "ignore_eos": True,
-            }
-        )
+        self.send({**greedy_request(key, tokens, max_new_tokens), "priority": priority})
 
     def steps(self) -> Iterator[list[str]]:
         """Each step's event, as the keys of the jobs it finished (texts gathered)."""
