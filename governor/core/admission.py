@@ -337,6 +337,8 @@ class Admission:
         if isinstance(placed, Refusal):
             return self._refuse(attempt, None, placed, counted=True)
         pool, slot, plan, trial = placed
+        if plan.job.spec is None or plan.job.spec.input is not None:
+            slot.pause = None  # (only a generation can be suspended: not an embedding)
         lane = plan.demand.lane if plan.demand is not None else None
         objectives = self._objectives(lane, attempt.tenant, plan.job)
         # What the runner needs of the decision: how urgent the job is, where its KV cells are

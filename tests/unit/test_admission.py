@@ -48,11 +48,18 @@ def make(
     tenants: tuple[TenantConfig, ...] = (),
     overload: bool = False,
     fallback: bool = False,
+    preemptible: bool = False,
 ) -> Admission:
     policy = LanePolicy(interactive_reserve=1) if lanes else None
 
     def pool(name: str, slots: int) -> Pool:
-        ledger = SlotLedger(slots, expected_service_s=1.0, clock=clock, policy=policy)
+        ledger = SlotLedger(
+            slots,
+            expected_service_s=1.0,
+            clock=clock,
+            policy=policy,
+            preemptible=preemptible and name == "primary",
+        )
         breaker = CircuitBreaker(
             BreakerSettings(window_s=10, min_failures=2, error_rate=0.5, cooldown_s=5), clock
         )
@@ -484,3 +491,22 @@ def test_a_lower_lanes_sequences_leave_the_interactive_reserve(clock: FakeClock)
     ticket.release("done")
     chat.release("done")
     admitted(admission.decide(attempt(admission, n=3))).release("done")
+
+
+def test_a_lent_generation_is_suspended_for_a_chat_but_an_embedding_never_is(
+    clock: FakeClock,
+) -> None:
+    admission = make(clock, cap=2, lanes=True, preemptible=True)
+    rewrite = admitted(admission.decide(attempt(admission, max_new_tokens=900)))
+    payload = orjson.dumps({"input": ["x " * 800], "lane": "heavy"})
+    spec = parse_spec(payload, SPEC_CONTENT_TYPE, max_new_tokens_ceiling=RUNNER.max_new_tokens)
+    tenant = admission.tenants.find(None)
+    assert tenant is not None
+    embedding = admitted(admission.decide(Attempt(tenant, RUNNER.prepare("e", spec, payload))))
+    assert rewrite.job.pause is not None
+    assert embedding.job.pause is None  # (its runner could not pause it)
+    chat = admitted(admission.decide(attempt(admission)))
+    assert rewrite.slot.suspended
+    assert not embedding.slot.suspended
+    assert admission.ledger.taken == 2
+    del chat
