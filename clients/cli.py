@@ -39,6 +39,7 @@ from .helptext import HelpParser
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 DEFAULT_ADDR = "127.0.0.1:7777"
 WAIT_PAUSE_S = 0.25  # between two pings of ping --wait
+TIMEOUT_S, GENERATE_TIMEOUT_S = 20.0, 120.0  # --timeout's defaults: a call, a generation
 SPEC = JobSpec(prompt="")  # its defaults are the options'
 RETRY = RetryPolicy()
 
@@ -53,7 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated), or a name that resolves to several addresses, are replicas: jobs "
         "go to the less loaded and move on a yield",
     )
-    parser.add_argument("--timeout", type=float, default=20.0, help="seconds for the whole call")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds for the whole call (default: 120 for generate, a generation on a busy CPU; "
+        "20 otherwise)",
+    )
     apikey.add_arguments(parser)
     tls.add_arguments(parser.add_argument_group("TLS (default: plain TCP)"))
     commands = parser.add_subparsers(dest="command", required=True, parser_class=HelpParser)
@@ -298,6 +304,8 @@ def summary(result: Mapping[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.timeout is None:
+        args.timeout = GENERATE_TIMEOUT_S if args.command == "generate" else TIMEOUT_S
     command = {"ping": _ping, "upload": _upload, "generate": _generate}[args.command]
     try:
         return asyncio.run(command(args))
