@@ -289,7 +289,7 @@ class Scheduler:
 
     def _assign(self) -> None:
         # (A suspended sequence's slot is the cells' to keep, not a running one's to deny.)
-        pinned = sorted((q for q in self.suspended.values() if q.slot >= 0), key=_urgency)
+        pinned = self._pinned()
         while self.waiting and len(self._free) < len(self.waiting) and pinned:
             self._drop(pinned.pop())
         while self._free and self.waiting:
@@ -332,9 +332,7 @@ class Scheduler:
         where clearing them all is not enough, the newest suspended sequences give up their
         slots (:meth:`_drop`) and their cells are cleared in turn."""
         need = sum(seq.reservation for seq in self.running.values())
-        pinned = sorted(
-            (seq for seq in self.suspended.values() if seq.slot >= 0), key=lambda s: s.order
-        )
+        pinned = self._pinned()
         while pinned and need + sum(len(self.held[s.slot]) for s in pinned) > self.cells:
             self._drop(pinned.pop())
         need += sum(len(self.held[s.slot]) for s in pinned)
@@ -344,6 +342,10 @@ class Scheduler:
                 return
             kept -= len(self.held[slot])
             self._clear(slot)
+
+    def _pinned(self) -> list[Sequence]:
+        """The suspended sequences that hold slots, the first to give theirs up last."""
+        return sorted((seq for seq in self.suspended.values() if seq.slot >= 0), key=_urgency)
 
     def _clear(self, slot: int) -> None:
         self._truncate(slot, 0)
@@ -497,8 +499,8 @@ def _banked(seq: Sequence, now: float) -> float:
 
 
 def _deferrable(seq: Sequence, now: float) -> bool:
-    """Whether a generating sequence may skip a step that feeds an interactive prompt: a less
-    urgent one with a TPOT objective, more than a token's share ahead of it."""
+    """Whether a generating sequence may skip the step that samples a chat's first token: a
+    less urgent one with a TPOT objective, more than a token's share ahead of it."""
     if seq.priority == 0 or seq.tpot_s <= 0 or seq.first_at is None:
         return False
     per = MARGIN * seq.tpot_s
