@@ -51,7 +51,7 @@ from protocol.spec import JobSpec
 from ..support.connections import run_loop
 from ..support.options import positive_float, positive_int, print_json
 from ..support.processes import REPO, free_port, stop, wait_http_ready, wait_listening
-from ..support.replicas import Sample, by_label, http_get, parse_metrics, total
+from ..support.replicas import Replica, Sample, by_label, total
 from ..support.stats import percentile, ratio
 
 NAME = "preemption"
@@ -265,25 +265,16 @@ async def until(done: Callable[[], bool], deadline: float) -> None:
         await asyncio.sleep(POLL_S)
 
 
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[bytes]
-    port: int
-    metrics_port: int
-    log: Path
-
-    async def metrics(self) -> list[Sample]:
-        body = await http_get(HOST, self.metrics_port, "/metrics")
-        return parse_metrics(body.decode(errors="replace"))
-
-    def log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-1500:]
-        return ""
+async def metrics(d: Replica) -> list[Sample]:
+    """Its /metrics, or ``RuntimeError`` when it does not answer."""
+    samples = await d.metrics()
+    if samples is None:
+        raise RuntimeError(f"{d.name} did not answer /metrics: {d.log_tail(1500)}")
+    return samples
 
 
 @contextlib.contextmanager
-def daemon(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[Daemon]:
+def daemon(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[Replica]:
     """``governor serve --lanes true`` on the embedded model, ready; stopped by its PID."""
     port, metrics_port = free_port(), free_port()
     log = folder / f"governor-{port}.log"
@@ -297,7 +288,7 @@ def daemon(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[
         proc = subprocess.Popen(
             command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
         )
-    found = Daemon(proc, port, metrics_port, log)
+    found = Replica("governor", proc, port, metrics_port, log, args.slots)
     try:
         wait_for = min(READY_TIMEOUT_S, left(deadline))
         try:
@@ -305,7 +296,7 @@ def daemon(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[
             ready = f"http://{HOST}:{metrics_port}/healthz/ready"
             wait_http_ready(proc, ready, "governor", min(wait_for, left(deadline)))
         except RuntimeError as exc:
-            raise RuntimeError(f"{exc}: {found.log_tail()}") from None
+            raise RuntimeError(f"{exc}: {found.log_tail(1500)}") from None
         yield found
     finally:
         stop(proc)
@@ -323,7 +314,7 @@ def in_loop(work: Callable[[], Awaitable[T]], deadline: float) -> T:
     return run_loop(main())
 
 
-async def warm(d: Daemon, deadline: float) -> None:
+async def warm(d: Replica, deadline: float) -> None:
     """One tiny job first: the parts measured do not pay for the worker's first step."""
     report = await Job("warm-up", WARMUP).run(d.port, deadline)
     if "error" in report:
@@ -353,7 +344,7 @@ def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 # The parts ---------------------------------------------------------------------------------
 
 
-async def burst(args: argparse.Namespace, d: Daemon, deadline: float) -> dict[str, Any]:
+async def burst(args: argparse.Namespace, d: Replica, deadline: float) -> dict[str, Any]:
     await warm(d, deadline)
     jobs = [
         Job(
@@ -370,9 +361,8 @@ async def burst(args: argparse.Namespace, d: Daemon, deadline: float) -> dict[st
         nonlocal misses
         while True:
             at = time.monotonic()
-            try:
-                m = await d.metrics()
-            except (OSError, TimeoutError, ValueError):
+            m = await d.metrics()
+            if m is None:
                 misses += 1
             else:
                 unfinished = sum(1 for j in jobs if j.ended is None)
@@ -413,7 +403,7 @@ def heavy_jobs(args: argparse.Namespace) -> list[Job]:
 
 
 async def chats(
-    args: argparse.Namespace, d: Daemon, deadline: float, stop_when: Callable[[], bool]
+    args: argparse.Namespace, d: Replica, deadline: float, stop_when: Callable[[], bool]
 ) -> list[dict[str, Any]]:
     """``--chats`` chats one at a time, ``--chat-gap`` apart, none sent once ``stop_when``."""
     reports = []
@@ -430,34 +420,34 @@ async def chats(
     return reports
 
 
-async def heavy_alone(args: argparse.Namespace, d: Daemon, deadline: float) -> dict[str, Any]:
+async def heavy_alone(args: argparse.Namespace, d: Replica, deadline: float) -> dict[str, Any]:
     """The heavy jobs together, without chats."""
-    before = counters(await d.metrics())
+    before = counters(await metrics(d))
     started = time.monotonic()
     heavy = await asyncio.gather(*(j.run(d.port, deadline) for j in heavy_jobs(args)))
     return {
         "heavy": list(heavy),
         "heavy_seconds": round(time.monotonic() - started, 1),
-        "metrics": since(before, counters(await d.metrics())),
+        "metrics": since(before, counters(await metrics(d))),
     }
 
 
-async def alone(args: argparse.Namespace, d: Daemon, deadline: float) -> dict[str, Any]:
+async def alone(args: argparse.Namespace, d: Replica, deadline: float) -> dict[str, Any]:
     """Chats on the idle daemon, then the heavy jobs without chats."""
     await warm(d, deadline)
     idle = await chats(args, d, deadline, lambda: False)
     return {"chats": idle, **await heavy_alone(args, d, deadline)}
 
 
-async def control(args: argparse.Namespace, d: Daemon, deadline: float) -> dict[str, Any]:
+async def control(args: argparse.Namespace, d: Replica, deadline: float) -> dict[str, Any]:
     await warm(d, deadline)
     return await heavy_alone(args, d, deadline)
 
 
-async def beside(args: argparse.Namespace, d: Daemon, deadline: float) -> dict[str, Any]:
+async def beside(args: argparse.Namespace, d: Replica, deadline: float) -> dict[str, Any]:
     """The heavy jobs; once each has its first token, the chats beside them."""
     await warm(d, deadline)
-    before = counters(await d.metrics())
+    before = counters(await metrics(d))
     jobs = heavy_jobs(args)
     started = time.monotonic()
     running = [asyncio.create_task(j.run(d.port, deadline)) for j in jobs]
@@ -477,7 +467,7 @@ async def beside(args: argparse.Namespace, d: Daemon, deadline: float) -> dict[s
         "chats_from_s": round(waited, 1),
         "heavy": list(heavy),
         "heavy_seconds": round(time.monotonic() - started, 1),
-        "metrics": since(before, counters(await d.metrics())),
+        "metrics": since(before, counters(await metrics(d))),
     }
 
 
@@ -501,7 +491,7 @@ def chat_figures(idle: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Each part on a fresh daemon, in turn; the report."""
     deadline = time.monotonic() + args.timeout
-    parts: list[Callable[[argparse.Namespace, Daemon, float], Awaitable[dict[str, Any]]]]
+    parts: list[Callable[[argparse.Namespace, Replica, float], Awaitable[dict[str, Any]]]]
     parts = [burst, alone, beside, *([control] if args.control else [])]
     found = []
     with tempfile.TemporaryDirectory(prefix="loadtest-preemption-") as logs:
