@@ -325,7 +325,7 @@ class Admission:
         # 3. The ladder's first step (applied only if admitted).
         plan = self._ladder(plan)
         # 4. Pauses (a paused client keeps its place in line).
-        refusal = self._paused(attempt, plan, promise, now)
+        refusal = self._paused(attempt, plan, promise)
         if refusal is not None:
             return self._refuse(attempt, None, refusal)
         # 5. The tenant's limits.
@@ -461,9 +461,7 @@ class Admission:
             ("interactive_max_new_tokens",),
         )
 
-    def _paused(
-        self, attempt: Attempt, plan: _Plan, promise: Promise | None, now: float
-    ) -> Refusal | None:
+    def _paused(self, attempt: Attempt, plan: _Plan, promise: Promise | None) -> Refusal | None:
         """A paused lane yields to the higher lanes' waiting clients, but is not left idle: with
         none of them waiting for a slot it could take (the first interactive clients in line
         are the reserve's), its job goes on to the ledger like any other (work-conserving).

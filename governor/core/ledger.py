@@ -496,6 +496,8 @@ class SlotLedger:
         """Resume suspended jobs, oldest first, while a slot each may take (as a job of its
         lane would, ahead of every client of the lower lanes: only interactive clients due
         keep theirs) and its cells in its cache are free; returns how many."""
+        if not self._suspended:  # (on every decision and release: nothing to do, at once)
+            return 0
         now, resumed = self.clock(), 0
         self.line.lapse(now)
         for slot in sorted(self._suspended, key=lambda s: s.started):
