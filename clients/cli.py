@@ -32,7 +32,14 @@ from protocol.frames import Reply, encode_reply
 from protocol.spec import JobSpec, Message
 
 from . import apikey, tls
-from .client import ClientError, GovernorClient, RetryPolicy, UploadResult, connect
+from .client import (
+    DEFAULT_MAX_WAIT_S,
+    ClientError,
+    GovernorClient,
+    RetryPolicy,
+    UploadResult,
+    connect,
+)
 from .fleet import FleetClient, FleetResult, Replicas, resolve, split_addresses
 from .helptext import HelpParser
 
@@ -132,6 +139,16 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         default=RETRY.max_attempts,
         help="admission attempts in all; 1 never retries",
     )
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=DEFAULT_MAX_WAIT_S,
+        metavar="SECONDS",
+        help="seconds the job may wait on the governor for its turn when every slot is taken "
+        "(within --timeout and the server's max_wait), instead of coming back on a hint; "
+        "0: a yield at once (plain v0, as heptamini's daemon wants); with several replicas "
+        "the job goes to another replica instead of waiting",
+    )
 
 
 async def _connect(args: argparse.Namespace) -> GovernorClient | FleetClient:
@@ -154,6 +171,11 @@ async def _connect(args: argparse.Namespace) -> GovernorClient | FleetClient:
         server_hostname=args.tls_server_name,
         connect_timeout=args.timeout,
     )
+
+
+def _max_wait(client: GovernorClient | FleetClient, args: argparse.Namespace) -> float | None:
+    """The wait a job asks for on one governor (a fleet's client goes elsewhere instead)."""
+    return args.max_wait if isinstance(client, GovernorClient) and args.max_wait > 0 else None
 
 
 def _health_exit(reply: Reply) -> int:
@@ -226,6 +248,7 @@ async def _upload(args: argparse.Namespace) -> int:
             ttl_ms=args.ttl_ms,
             retry=retry,
             timeout=args.timeout,
+            max_wait=_max_wait(client, args),
         )
     sys.stdout.buffer.write(encode_reply(result.reply))
     if result.yields:
@@ -267,6 +290,7 @@ async def _generate(args: argparse.Namespace) -> int:
             retry=RetryPolicy(max_attempts=args.max_attempts),
             timeout=args.timeout,
             on_delta=show if args.stream else None,
+            max_wait=_max_wait(client, args),
         )
     reply = result.reply
     _note_replicas(result)

@@ -65,6 +65,18 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 INLINE_MAX_BYTES = 64 * 1024  # well within the server's default max_line_bytes
 
 
+# How long governor-cli and the load tests let a job wait on the server for its turn, by default
+# (the server's max_wait bounds it too). The library's default is no wait: plain v0.
+DEFAULT_MAX_WAIT_S = 30.0
+
+
+def _wait_ms(max_wait: float | None, timeout: float | None) -> int | None:
+    """The ``max_wait_ms`` a job's frames ask for: ``max_wait``, within the call's ``timeout``."""
+    if max_wait is None:
+        return None
+    return round(1000 * (max_wait if timeout is None else min(max_wait, timeout)))
+
+
 class ClientError(Exception):
     """The exchange with the server broke off."""
 
@@ -214,8 +226,15 @@ class GovernorClient:
         on_delta: Callable[[str], None] | None = None,
         inline: bool = False,
         on_yield: Callable[[Reply], bool] | None = None,
+        max_wait: float | None = None,
     ) -> UploadResult:
         """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield.
+
+        ``max_wait``: seconds the job may wait on the server for its turn when every slot is
+        taken (its frames' ``max_wait_ms``, at most ``timeout``; the server's ``max_wait``
+        bounds it too): it runs the moment its turn comes instead of the client coming back on
+        a hint. None (the default) asks for no wait: a busy server yields at once, and the
+        frames are plain v0 (heptamini's daemon ignores the field).
 
         A yield is retried as ``retry`` says, and a ``breaker_open`` one only while the
         client's :attr:`retry_budget` allows; a ``draining`` one is returned at once.
@@ -239,6 +258,7 @@ class GovernorClient:
             ttl_ms=ttl_ms,
             api_key=self.api_key,
             inline=inline,
+            max_wait_ms=_wait_ms(max_wait, timeout),
         )
         choice = RetryChoice(retry, self._budget, self._rng)
         started = time.monotonic()
@@ -282,11 +302,13 @@ class GovernorClient:
         on_attempt: Callable[[float, Reply], None] | None = None,
         on_delta: Callable[[str], None] | None = None,
         on_yield: Callable[[Reply], bool] | None = None,
+        max_wait: float | None = None,
     ) -> UploadResult:
         """Run an inference job; its ``result`` holds the text, token counts and timings.
 
         A spec that fits in a line goes in one frame (one round trip); a larger one is
-        uploaded in chunks. ``on_attempt``, ``on_delta`` and ``on_yield`` are :meth:`upload`'s.
+        uploaded in chunks. ``on_attempt``, ``on_delta``, ``on_yield`` and ``max_wait`` are
+        :meth:`upload`'s.
         """
         payload = spec.encode()
         return await self.upload(
@@ -300,6 +322,7 @@ class GovernorClient:
             on_delta=on_delta,
             inline=len(payload) < INLINE_MAX_BYTES,
             on_yield=on_yield,
+            max_wait=max_wait,
         )
 
     async def cancel(self, job: str) -> None:
@@ -400,10 +423,12 @@ class _Frames:
         ttl_ms: int,
         api_key: str | None,
         inline: bool,
+        max_wait_ms: int | None,
     ) -> None:
         self.job = job
         self.ttl_ms = ttl_ms
         self.api_key = api_key  # sent with the first frame of a whole upload
+        self.max_wait_ms = max_wait_ms  # with the first frame, and a final chunk sent again
         self.prepared = split_payload(payload, chunk_bytes=chunk_bytes, content_type=content_type)
         self.inline = (
             {
@@ -422,18 +447,38 @@ class _Frames:
 
     def attempt(self, whole: bool) -> bytes:
         """The whole upload, pipelined, or only its final chunk again."""
-        job, seq, ttl_ms, key = self.job, self._seq, self.ttl_ms, self.api_key
+        job, seq, ttl_ms, key, wait = (
+            self.job,
+            self._seq,
+            self.ttl_ms,
+            self.api_key,
+            self.max_wait_ms,
+        )
         if self.inline is not None:
             return encode_request(
-                Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, inline=self.inline, api_key=key
+                Verb.SHARE,
+                job,
+                next(seq),
+                ttl_ms=ttl_ms,
+                inline=self.inline,
+                api_key=key,
+                max_wait_ms=wait,
             )
         chunks = self.prepared.chunks
         if not whole:
-            return encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunks[-1])
+            return encode_request(
+                Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunks[-1], max_wait_ms=wait
+            )
         manifest = self.prepared.manifest
         parts = [
             encode_request(
-                Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, manifest=manifest, api_key=key
+                Verb.SHARE,
+                job,
+                next(seq),
+                ttl_ms=ttl_ms,
+                manifest=manifest,
+                api_key=key,
+                max_wait_ms=wait,
             )
         ]
         parts += [

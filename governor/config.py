@@ -30,6 +30,9 @@ KV_TYPES = ("f16", "q8_0")
 # Old keys, refused with what took their place.
 RENAMED = {
     "ttft_slo_ms": "now 'interactive_ttft_slo_ms'",
+    "http_max_wait": "now 'max_wait' (it bounds the TCP door's waits too)",
+    "http_max_waiting": "now 'max_waiting' (both doors' waiting jobs together)",
+    "http_max_waiting_per_tenant": "now 'max_waiting_per_tenant'",
     "auth_backoff": (
         "gone: failed keys now slow their address's key checks (auth_guess_rate, "
         "auth_guess_burst) instead of refusing its connections"
@@ -156,14 +159,14 @@ class Config:
     http_listen: str | None = _opt(None, check=_address)(
         "HOST:PORT for the OpenAI-compatible front door (/v1/completions, /v1/chat/completions, /v1/models) on the same admission; unset: none."
     )
-    http_max_wait: float = _opt(30.0, min=0)(
-        "Front door: seconds a request may wait at the door for its turn when every slot is taken, in its lane's order; a request whose turn is predicted later is answered 429 at once. A request's x-governor-max-wait-ms header asks for less; 0: refuse at once."
+    max_wait: float = _opt(30.0, min=0)(
+        "Seconds a job may wait for its turn when every slot is taken, in its lane's order, in the line both doors share: every front-door request (its x-governor-max-wait-ms header asks for less), a TCP job whose frame asks with max_wait_ms (up to this). A job whose turn is predicted later is refused at once; 0: refuse at once."
     )
-    http_max_waiting: int = _opt(256, min=0)(
-        "Front door: requests that may wait at the door at once; past it, 429 at once."
+    max_waiting: int = _opt(256, min=0)(
+        "Jobs that may wait for their turn at once, both doors together; past it, refused at once."
     )
-    http_max_waiting_per_tenant: int = _opt(64, min=0)(
-        "Front door: requests one declared tenant may have waiting at the door at once; 0: only http_max_waiting bounds them."
+    max_waiting_per_tenant: int = _opt(64, min=0)(
+        "Jobs one declared tenant may have waiting for their turn at once; 0: only max_waiting bounds them."
     )
     max_inflight: int = _opt(4, min=1)(
         "Hard cap on jobs executing at once, across all connections."

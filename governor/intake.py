@@ -15,7 +15,11 @@ are these, the same for every door:
 3. **Start** (:func:`admitted`, :func:`start`): an admitted job's ticket takes its payload's
    reservation and its wait since the first refusal is measured (no IO: a sans-IO session
    hands the result out as an event); then its :class:`~governor.execution.Execution` starts.
-4. **Take back** (:func:`take_back`): the fleet refused a job this replica admitted; its ticket
+4. **Wait** (:class:`Wait`): a busy job that may wait (every HTTP request; a TCP job whose frame
+   asks with ``max_wait_ms``) and whose turn comes within its budget waits in the one line both
+   doors share (:attr:`ServerState.line`), decided again at its hint and whenever a slot may
+   have freed; it leaves the line once, admitted, refused, or because its client left.
+5. **Take back** (:func:`take_back`): the fleet refused a job this replica admitted; its ticket
    is given back and the payload's reservation returned to the listener.
 
 Connection ids come from one counter (:func:`connection_id`), so that ``conn=`` in the logs
@@ -32,13 +36,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.codes import NeedCode
+from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import JobSpec, SpecInvalid, is_json_content_type, parse_spec
 
 from .core.admission import Admitted, Attempt, Decision, Reservation, Ticket, Yielded
 from .core.ledger import Refusal
+from .core.policy import LANES
 from .core.sources import NOW, Turn, source_of
 from .core.tenants import Tenant
+from .core.waitline import Candidate, Waiter, wait_budget_s, waits
 from .execution import Execution, Replies
 from .ops.logs import event
 from .runners import Job, Runner
@@ -225,6 +231,89 @@ def decide(state: ServerState, attempt: Attempt) -> Decision:
     decision = state.admission.decide(attempt)
     state.metrics.decision.observe(attempt.lane, time.perf_counter() - started)
     return decision
+
+
+# Waiting for a turn ------------------------------------------------------------------------
+
+
+class Wait:
+    """One job's wait for its turn in the line both doors share: whether a busy refusal waits,
+    its place while it does, and the wait measured when it leaves. ``decide`` decides the job
+    again (the door's, as the line offers it a slot); the door decides it again at its hint
+    too, on its own clock."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        attempt: Attempt,
+        asked_ms: int | None,
+        decide: Callable[[], str | None],
+    ) -> None:
+        self.state = state
+        self.attempt = attempt
+        self.budget_s = wait_budget_s(state.config.max_wait, asked_ms)
+        self.arrived = state.clock()
+        self.decide = decide
+        self.waiter: Waiter[Candidate] | None = None
+        self.waited_ms: int | None = None  # once it left the line (0: it never joined)
+
+    def joins(self, decision: Yielded) -> bool:
+        """Whether the job waits for the turn ``decision`` hints at: a busy refusal whose turn
+        comes within the job's budget (counted from its arrival), while the line has room."""
+        state, attempt = self.state, self.attempt
+        if decision.error_code != ErrorCode.BUSY:
+            return False
+        if not waits(self.budget_s, state.clock() - self.arrived, decision.retry_hint_ms):
+            if self.waiter is None:
+                state.metrics.not_waited["beyond_budget"] += 1
+            return False
+        if self.waiter is None:
+            self.waiter = state.line.join(
+                self,
+                rank=LANES.index(attempt.lane) if attempt.lane in LANES else 0,
+                tenant=attempt.tenant.name,
+                since=state.clock(),
+                bounded=not state.tenants.open,
+            )
+            if self.waiter is None:
+                state.metrics.not_waited["line_full"] += 1
+                return False
+            attempt.tenant.waiting += 1
+        return True
+
+    def leave(self, decision: Decision | None) -> None:
+        """Out of the line (if in it) with the decision that ended its wait (None: its client
+        left), the wait measured."""
+        waiter, state, attempt = self.waiter, self.state, self.attempt
+        if waiter is None:
+            self.waited_ms = 0
+            return
+        self.waiter = None
+        state.line.leave(waiter)
+        attempt.tenant.waiting -= 1
+        waited_s = state.clock() - waiter.since
+        self.waited_ms = round(waited_s * 1000)
+        state.metrics.door_wait.observe(attempt.lane, waited_s)
+        state.metrics.door_waits[(attempt.lane, _wait_outcome(decision))] += 1
+
+    def give_up(self) -> None:
+        """Its client left, or cancelled, while it waited: its place in the line and in
+        admission's line are given up, and a slot held for it is offered to the others."""
+        if self.waiter is not None:
+            self.leave(None)
+            self.state.admission.forget(self.attempt)
+            self.state.offer()
+
+
+def _wait_outcome(decision: Decision | None) -> str:
+    """How a wait in line ended, for ``governor_waits_total``."""
+    if decision is None:
+        return "left"
+    if isinstance(decision, Admitted):
+        return "admitted"
+    if isinstance(decision, Yielded):
+        return "refused" if decision.error_code == ErrorCode.BUSY else "unavailable"
+    return "rejected"
 
 
 @dataclass(frozen=True, slots=True)

@@ -434,8 +434,7 @@ class Server:
         self._drain_deadline = asyncio.get_running_loop().time() + grace
         for pool in self.pools:
             pool.ledger.draining = True
-        if self.state.slots_changed is not None:
-            self.state.slots_changed()
+        self.state.offer()
         event(
             log,
             logging.INFO,

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Sized
 from typing import TYPE_CHECKING, Protocol
 
 from protocol.codes import ErrorCode, NeedCode, Receipt
 
 from .config import Config
 from .core.admission import Admission, Budget
+from .core.policy import LANES
 from .core.slo import Attainment
 from .core.sources import Displaced, Refused, Sources, parse_networks
 from .core.tenants import Tenant
+from .core.waitline import Candidate, WaitLine
 from .ops.metrics import JobMetrics
 
 if TYPE_CHECKING:  # (imported by the server only with redis_url: no Redis client otherwise)
@@ -81,10 +82,10 @@ class ServerState:
         self.jobs_done = asyncio.Event()
         self.jobs_done.set()
         self.fleet: Fleet | None = None  # with redis_url: the fleet's step of every admission
-        # With the front door: the requests waiting at it, and what to call when a slot may
-        # have freed for them (a job ended, a drain began).
-        self.door_line: Sized | None = None
-        self.slots_changed: Callable[[], None] | None = None
+        # The jobs waiting for their turn, from both doors (governor.intake.Wait).
+        self.line: WaitLine[Candidate] = WaitLine(
+            len(LANES), limit=config.max_waiting, per_tenant=config.max_waiting_per_tenant
+        )
 
     @property
     def inflight(self) -> int:
@@ -132,8 +133,16 @@ class ServerState:
         self.jobs.discard(task)
         if not self.jobs:
             self.jobs_done.set()
-        if self.slots_changed is not None:
-            self.slots_changed()
+        self.offer()
+
+    def offer(self) -> None:
+        """A slot may have freed (a job ended, a waiter left) or a drain began: the jobs waiting
+        for their turn are decided again, in the line's order."""
+        if self.line:
+            self.line.offer(self._room)
+
+    def _room(self) -> bool:
+        return self.ledger.draining or not all(p.ledger.saturated for p in self.pools)
 
     def receipts(self) -> tuple[tuple[str, int], ...]:
         """The receipts every reply carries but ``cdr.bytes_in``, over both pools."""

@@ -9,7 +9,7 @@ with :func:`decode_reply`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from .errors import BadLine, EnvelopeInvalid, RemoteProtocolError, ReplyInvalid
 
 U64_MAX = 2**64 - 1
 MAX_ID_CHARS = 256  # job and payload ids are echoed in every reply, so they are bounded
+MAX_WAIT_MS = 86_400_000  # a day: the server's own bound (max_wait) is far below it
 
 _REQUEST_FIELDS = frozenset(
     {
@@ -40,6 +41,7 @@ _REQUEST_FIELDS = frozenset(
         "payload_chunk",
         "payload_inline",
         "api_key",
+        "max_wait_ms",
     }
 )
 _PAYLOADS = _MANIFEST, _CHUNK, _INLINE = ("payload_manifest", "payload_chunk", "payload_inline")
@@ -69,6 +71,7 @@ class Request:
     chunk: JSONObject | None = None  # checked by protocol.upload
     inline: JSONObject | None = None  # extension: a whole payload in one frame
     api_key: str | None = None  # extension: the tenant's key
+    max_wait_ms: int | None = None  # extension: a share may wait this long for its turn
 
 
 def decode_request(line: bytes) -> Request:
@@ -124,10 +127,26 @@ def _check_envelope(obj: dict[str, Any]) -> Request:
         if type(value) is not dict:
             name = _MANIFEST if manifest is not None else _CHUNK if chunk is not None else _INLINE
             raise invalid(f"{name!r} must be an object")
+    api_key, max_wait_ms = _extensions(obj, verb, invalid)
+    return Request(
+        _VERBS[verb], ctx_job, ctx_seq, ttl_ms, manifest, chunk, inline, api_key, max_wait_ms
+    )
+
+
+def _extensions(
+    obj: dict[str, Any], verb: str, invalid: Callable[[str], EnvelopeInvalid]
+) -> tuple[str | None, int | None]:
+    """The governor's own fields of a frame: its key, and a share's wait for its turn."""
     api_key = obj.get("api_key")
     if api_key is not None and not is_id(api_key):
         raise invalid(f"'api_key' must be a non-empty string of at most {MAX_ID_CHARS} characters")
-    return Request(_VERBS[verb], ctx_job, ctx_seq, ttl_ms, manifest, chunk, inline, api_key)
+    max_wait_ms = obj.get("max_wait_ms")
+    if max_wait_ms is not None:
+        if verb != Verb.SHARE:
+            raise invalid(f"a {verb} carries no 'max_wait_ms'")
+        if not is_uint(max_wait_ms, MAX_WAIT_MS):
+            raise invalid(f"'max_wait_ms' must be an integer from 0 to {MAX_WAIT_MS}")
+    return api_key, max_wait_ms
 
 
 _HTTP_METHODS = tuple(
@@ -288,12 +307,15 @@ def encode_request(
     chunk: JSONObject | None = None,
     inline: JSONObject | None = None,
     api_key: str | None = None,
+    max_wait_ms: int | None = None,
 ) -> bytes:
     """A client frame, newline included. Does not validate: servers do."""
     frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "verb": verb, "job": job, "seq": seq}
     frame["ttl_ms"] = ttl_ms
     if api_key is not None:
         frame["api_key"] = api_key
+    if max_wait_ms is not None:
+        frame["max_wait_ms"] = max_wait_ms
     for name, value in zip(_PAYLOADS, (manifest, chunk, inline), strict=True):
         if value is not None:
             frame[name] = value

@@ -212,8 +212,11 @@ class FleetClient:
         on_attempt: Callable[[float, Reply], None] | None = None,
         on_delta: Callable[[str], None] | None = None,
         inline: bool = False,
+        max_wait: float | None = None,
     ) -> FleetResult:
-        """:meth:`GovernorClient.upload` over the replicas (module docstring)."""
+        """:meth:`GovernorClient.upload` over the replicas (module docstring). ``max_wait``
+        lets the job wait for its turn on the replica it was sent to (None, the default: a
+        refused job goes to another replica at once)."""
 
         def send(
             client: GovernorClient,
@@ -233,6 +236,7 @@ class FleetClient:
                 on_delta=delta,
                 inline=inline,
                 on_yield=elsewhere,
+                max_wait=max_wait,
             )
 
         job_id = job or self._job_id()
@@ -250,6 +254,7 @@ class FleetClient:
         timeout: float | None = None,
         on_attempt: Callable[[float, Reply], None] | None = None,
         on_delta: Callable[[str], None] | None = None,
+        max_wait: float | None = None,
     ) -> FleetResult:
         """:meth:`GovernorClient.generate` over the replicas."""
         payload = spec.encode()
@@ -263,6 +268,7 @@ class FleetClient:
             on_attempt=on_attempt,
             on_delta=on_delta,
             inline=len(payload) < INLINE_MAX_BYTES,
+            max_wait=max_wait,
         )
 
     # Plumbing --------------------------------------------------------------------------

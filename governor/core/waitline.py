@@ -1,27 +1,40 @@
-"""The front door's waiting line: requests held at the door until their turn. Pure, no clock.
+"""The waiting line both doors share: jobs held until their turn. Pure, no clock.
 
-Most HTTP clients never retry a 429 (load tools, scripts, frameworks at their defaults), so a
-front door that only refuses fails them where a queueing server would have served them. A
-request that finds no slot free therefore waits at the door when admission's hint says its turn
-comes within its wait budget (:func:`waits`: the server's ``http_max_wait``, or less if the
-request asks for less); when its turn would come later, it is answered 429 at once, so that no
-client waits only to be refused.
+Most HTTP clients never retry a 429 (load tools, scripts, frameworks at their defaults), and a
+TCP client that comes back late on its hint leaves the slot it was promised empty meanwhile. A
+job that finds no slot free therefore waits for its turn when it may (an HTTP request always,
+within the server's ``max_wait``; a TCP job when its frame asks with ``max_wait_ms``) and
+admission's hint says its turn comes within its wait budget (:func:`waits`: the server's
+``max_wait``, or less if the job asks for less); when its turn would come later, it is refused
+at once, so that no client waits only to be refused.
 
-:class:`WaitLine` holds who waits, in the order a slot is offered when one may have freed: by
-lane (interactive first), then by arrival. It is bounded in total (``limit``) and per declared
-tenant (``per_tenant``); past a bound a request is answered 429 at once. The line decides
-nothing else: each waiter is decided again by admission (the cap, the tenants' limits and
-shares, the promise line and the pauses hold as for any request), in this order, and leaves the
-line exactly once, admitted, refused, or because its client left.
+:class:`WaitLine` holds who waits, in the order a slot is offered when one may have freed
+(:meth:`WaitLine.offer`): by lane (interactive first), then by arrival. It is bounded in total
+(``limit``) and per declared tenant (``per_tenant``); past a bound a job is refused at once. The
+line decides nothing else: each waiter is decided again by admission (the cap, the tenants'
+limits and shares, the promise line and the pauses hold as for any job), in this order, and
+leaves the line exactly once, admitted, refused, or because its client left.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-T = TypeVar("T")
+from protocol.codes import NeedCode
+
+
+class Candidate(Protocol):
+    """A waiting job, as the line offers it a slot."""
+
+    def decide(self) -> str | None:
+        """Decide it again: the need code of a refusal (it may go on waiting), None: admitted."""
+        ...
+
+
+T = TypeVar("T", bound=Candidate)
 
 
 @dataclass(eq=False, slots=True)
@@ -37,7 +50,7 @@ class Waiter(Generic[T]):
 class WaitLine(Generic[T]):
     """The requests waiting at the door, by rank then arrival, within the bounds."""
 
-    __slots__ = ("_ranks", "_tenants", "limit", "per_tenant")
+    __slots__ = ("_again", "_offering", "_ranks", "_tenants", "limit", "per_tenant")
 
     def __init__(self, ranks: int, *, limit: int, per_tenant: int) -> None:
         self.limit = limit
@@ -45,6 +58,8 @@ class WaitLine(Generic[T]):
         # One insertion-ordered dict per rank: arrival order, and removal in constant time.
         self._ranks: list[dict[Waiter[T], None]] = [{} for _ in range(ranks)]
         self._tenants: collections.Counter[str] = collections.Counter()
+        self._offering = False  # in offer (a call from within it asks for one more round)
+        self._again = False
 
     def __len__(self) -> int:
         return sum(len(rank) for rank in self._ranks)
@@ -82,6 +97,29 @@ class WaitLine(Generic[T]):
         """The waiters, in the order a freed slot is offered to them (a copy: the caller may
         take them out as it goes)."""
         return [waiter for line in self._ranks for waiter in line]
+
+    def offer(self, room: Callable[[], bool]) -> None:
+        """A slot may have freed (a job ended, a waiter left) or a drain began: the waiters are
+        decided again, in the line's order, while ``room()`` says a slot may be free; a waiter
+        refused ``server_busy`` ends the round (those behind it would be too). A call from
+        within a decision (a job ended meanwhile) makes one more round after this one."""
+        if self._offering:
+            self._again = True
+            return
+        self._offering = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                for waiter in self.in_order():
+                    if not room():
+                        break
+                    if waiter not in self._ranks[waiter.rank]:  # (gone in an earlier decision)
+                        continue
+                    if waiter.item.decide() == NeedCode.SERVER_BUSY:
+                        break
+        finally:
+            self._offering = False
 
 
 def wait_budget_s(server_s: float, asked_ms: int | None) -> float:

@@ -16,12 +16,11 @@ keep-alive and pipelining.
   connection. A key the connection shows for the first time is checked at once while its
   source's budget of failures lasts, else at its turn (the request waits meanwhile;
   :meth:`~governor.core.sources.Sources.key_turn`).
-- A request that finds every slot taken waits at the door for its turn, in its lane's order,
-  when admission's hint says the turn comes within its wait budget (``http_max_wait``, or the
-  ``x-governor-max-wait-ms`` it asks for): :mod:`governor.core.waitline`. It is decided again
-  at its hint, and whenever a slot may have freed (:meth:`FrontDoor.offer`: a job ended, a
-  waiter left, a drain began), in the line's order; ``x-governor-waited-ms`` says how long it
-  waited.
+- A request that finds every slot taken waits for its turn, in its lane's order, in the line
+  both doors share, when admission's hint says the turn comes within its wait budget
+  (``max_wait``, or the ``x-governor-max-wait-ms`` it asks for): :class:`governor.intake.Wait`.
+  It is decided again at its hint, and whenever a slot may have freed (a job ended, a waiter
+  left, a drain began), in the line's order; ``x-governor-waited-ms`` says how long it waited.
 - A yield it does not wait for is 429 (503 for ``draining``, ``breaker_open``,
   ``fleet_unavailable``) with ``retry-after-ms``, ``Retry-After`` (whole seconds, rounded up)
   and an OpenAI error body whose ``code`` is the need code; a busy yield's place in line is
@@ -40,7 +39,8 @@ is displaced, 503 ``displaced``); a request head of :data:`MAX_HEAD_BYTES` and
 :data:`MAX_HEADERS` fields (431); a body of ``max_payload_bytes`` (413, told by Content-Length
 before it is read, or counted as it arrives), counted against the server's payload buffers while
 it waits or its job runs (``buffers_full``, 429); requests waiting at the door
-(``http_max_waiting``, and ``http_max_waiting_per_tenant`` of a declared tenant; 429 past them);
+(``max_waiting``, and ``max_waiting_per_tenant`` of a declared tenant, both doors together; 429
+past them);
 a whole request within ``upload_timeout`` of its first byte (408), however steadily it trickles; a connection idle between requests for ``idle_timeout``
 (closed); pipelined requests read ahead by :data:`MAX_READ_AHEAD` bytes at most; and, on the way
 out, ``write_buffer_bytes`` or ``write_timeout`` of answers unread (cut off, the job cancelled).
@@ -74,9 +74,7 @@ from ..core.admission import (
     Yielded,
 )
 from ..core.ledger import Refusal
-from ..core.policy import LANES
 from ..core.sources import KEY_TURN_FAR
-from ..core.waitline import Waiter, WaitLine, wait_budget_s, waits
 from ..execution import Ending, Execution
 from ..ops.health import Verdict
 from ..runners import Embedder, Forwarding, Relay, Relayed, RunnerError, Token
@@ -131,15 +129,6 @@ class FrontDoor:
             grace_s=config.upload_timeout,
             limit=config.max_connections * config.held_payloads_per_conn,
         )
-        self.line: WaitLine[Exchange] = WaitLine(
-            len(LANES),
-            limit=config.http_max_waiting,
-            per_tenant=config.http_max_waiting_per_tenant,
-        )
-        state.door_line = self.line
-        state.slots_changed = self.offer
-        self._offering = False  # in offer (a call from within it asks for one more round)
-        self._again = False
         self.buffers = state.buffers
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
@@ -178,33 +167,6 @@ class FrontDoor:
             self._sock.close()
         if self._sweep is not None:
             self._sweep.cancel()
-
-    def offer(self) -> None:
-        """A slot may have freed (a job ended, a waiter left) or a drain began: the waiters are
-        decided again, in the line's order, while a slot is free (or, draining, all of them);
-        a waiter refused ``server_busy`` ends the round (those behind it would be too)."""
-        if not self.line:
-            return
-        if self._offering:  # (a job ended while a waiter was decided: once more after)
-            self._again = True
-            return
-        self._offering = True
-        try:
-            self._again = True
-            while self._again:
-                self._again = False
-                for waiter in self.line.in_order():
-                    if not self._room():
-                        break
-                    exchange = waiter.item
-                    if exchange.waiter is waiter and exchange.decide() == NeedCode.SERVER_BUSY:
-                        break
-        finally:
-            self._offering = False
-
-    def _room(self) -> bool:
-        state = self.state
-        return state.ledger.draining or not all(p.ledger.saturated for p in state.pools)
 
     def kept(self) -> None:
         """A place was kept: make sure one will be forgotten when its time is up."""
@@ -587,10 +549,7 @@ class Exchange:
         self.key: api.Key = ("", b"")
         self.attempt: Attempt | None = None
         self.first_refusal: float | None = None  # when first refused (a retry: its first try)
-        self.budget_s = 0.0  # how long it may wait at the door (from ``arrived``)
-        self.arrived = 0.0
-        self.waiter: Waiter[Exchange] | None = None  # its place in the door's line
-        self.waited_ms: int | None = None  # (a job's answers say how long it waited)
+        self.wait: intake.Wait | None = None  # its wait for its turn (a job's)
         self.door_timer: asyncio.TimerHandle | None = None  # decided again at its hint
         self.key_timer: asyncio.TimerHandle | None = None  # the key waits for its turn
         self.proxied: asyncio.Task[Relayed] | None = None  # the upstream answers it
@@ -651,8 +610,8 @@ class Exchange:
             ("x-governor-inflight", str(inflight)),
             ("x-governor-cap", str(sum(p.ledger.cap for p in conn.state.pools))),
         ]
-        if self.waited_ms is not None:
-            fields.append(("x-governor-waited-ms", str(self.waited_ms)))
+        if self.wait is not None and self.wait.waited_ms is not None:
+            fields.append(("x-governor-waited-ms", str(self.wait.waited_ms)))
         fields += headers
         if length is not None:
             fields.append(("content-length", str(length)))
@@ -730,8 +689,7 @@ class Exchange:
         else:
             self.attempt = Attempt(tenant, None)
         intake.prepare_fields(conn.state, self.attempt, job_id, call.spec, body)
-        self.arrived = conn.state.clock()
-        self.budget_s = wait_budget_s(conn.config.http_max_wait, asked_ms)
+        self.wait = intake.Wait(conn.state, self.attempt, asked_ms, self.decide)
         self.decide()
 
     def proxy(self, request: h11.Request, body: bytes) -> None:
@@ -760,15 +718,17 @@ class Exchange:
 
     @property
     def at_door(self) -> bool:
-        """Waiting at the door for its turn."""
-        return self.waiter is not None
+        """Waiting in line for its turn."""
+        return self.wait is not None and self.wait.waiter is not None
 
     def decide(self) -> str | None:
-        """Admission's answer: the job runs, is refused for good (400), waits at the door for
-        its turn (:meth:`_waits`), or yields: 429 (503). Returns the need code of a refusal
-        (None: admitted)."""
-        conn, attempt = self.conn, self.attempt
+        """Admission's answer: the job runs, is refused for good (400), waits in line for its
+        turn (:meth:`governor.intake.Wait.joins`: decided again at its hint, or when a slot may
+        have freed before), or yields: 429 (503). Returns the need code of a refusal (None:
+        admitted)."""
+        conn, attempt, wait = self.conn, self.attempt, self.wait
         assert attempt is not None
+        assert wait is not None
         state = conn.state
         if self.door_timer is not None:  # (decided before its hint: a slot may have freed)
             self.door_timer.cancel()
@@ -777,9 +737,12 @@ class Exchange:
         if isinstance(decision, Yielded):
             if self.first_refusal is None:
                 self.first_refusal = state.clock()
-            if self._waits(decision):
+            if wait.joins(decision):
+                self.door_timer = asyncio.get_running_loop().call_later(
+                    decision.retry_hint_ms / 1000, self.decide
+                )
                 return decision.need_code
-        self._leave_line(decision)
+        wait.leave(decision)
         if isinstance(decision, Admitted):
             self._run(decision)
             return None
@@ -792,55 +755,8 @@ class Exchange:
         self._yielded(decision, self.key, attempt, self.first_refusal)
         return decision.need_code
 
-    def _waits(self, decision: Yielded) -> bool:
-        """Wait at the door for the turn the hint says, to be decided again then (or when a
-        slot may have freed before): a busy yield whose turn comes within the request's budget,
-        while the line has room for it."""
-        state, attempt = self.conn.state, self.attempt
-        assert attempt is not None
-        door = self.conn.door
-        if decision.error_code != ErrorCode.BUSY:
-            return False
-        if not waits(self.budget_s, state.clock() - self.arrived, decision.retry_hint_ms):
-            if self.waiter is None:
-                state.metrics.not_waited["beyond_budget"] += 1
-            return False
-        if self.waiter is None:
-            self.waiter = door.line.join(
-                self,
-                rank=LANES.index(attempt.lane) if attempt.lane in LANES else 0,
-                tenant=attempt.tenant.name,
-                since=state.clock(),
-                bounded=not state.tenants.open,
-            )
-            if self.waiter is None:
-                state.metrics.not_waited["line_full"] += 1
-                return False
-            attempt.tenant.waiting += 1
-        self.door_timer = asyncio.get_running_loop().call_later(
-            decision.retry_hint_ms / 1000, self.decide
-        )
-        return True
-
-    def _leave_line(self, decision: Admitted | Rejected | Yielded | None) -> None:
-        """Out of the line (if in it) with the decision that ended its wait (None: its client
-        left): the wait measured, the answer told how long it was."""
-        waiter, attempt, state = self.waiter, self.attempt, self.conn.state
-        if waiter is None:
-            self.waited_ms = 0
-            return
-        assert attempt is not None
-        self.waiter = None
-        self.conn.door.line.leave(waiter)
-        attempt.tenant.waiting -= 1
-        waited_s = state.clock() - waiter.since
-        self.waited_ms = round(waited_s * 1000)
-        state.metrics.door_wait.observe(attempt.lane, waited_s)
-        state.metrics.door_waits[(attempt.lane, _wait_outcome(decision))] += 1
-
     def left(self) -> None:
-        """The client left while its request waited at the door (its place in the line and
-        in admission's line are given up, and a slot held for it is offered to the others)
+        """The client left while its request waited in line (:meth:`governor.intake.Wait.give_up`)
         or for its key's turn (the turn is given back)."""
         if self.key_timer is not None:
             self.key_timer.cancel()
@@ -851,11 +767,8 @@ class Exchange:
         if self.door_timer is not None:
             self.door_timer.cancel()
             self.door_timer = None
-        if self.waiter is not None:
-            assert self.attempt is not None
-            self._leave_line(None)
-            self.conn.state.admission.forget(self.attempt)
-            self.conn.door.offer()
+        if self.wait is not None:
+            self.wait.give_up()
 
     def _run(self, decision: Admitted) -> None:
         conn, state, call, attempt = self.conn, self.conn.state, self.call, self.attempt
@@ -966,17 +879,6 @@ class Exchange:
         decision, _ = intake.take_back(state, execution, refusal, keep_payload=False)
         error = api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms)
         self._whole(error.status, error.body(), error.headers)
-
-
-def _wait_outcome(decision: Admitted | Rejected | Yielded | None) -> str:
-    """How a wait at the door ended, for ``governor_http_waits_total``."""
-    if decision is None:
-        return "left"
-    if isinstance(decision, Admitted):
-        return "admitted"
-    if isinstance(decision, Rejected):
-        return "rejected"
-    return "refused" if decision.error_code == ErrorCode.BUSY else "unavailable"
 
 
 def _header(request: h11.Request, name: bytes) -> str | None:

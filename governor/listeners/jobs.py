@@ -6,9 +6,18 @@ the frames a running job's execution sends.
 A job id on a connection moves through phases, by this table alone (:data:`TRANSITIONS`)::
 
     (new) ──manifest or inline──▶ UPLOADING ──verified, admitted──▶ RUNNING ──ended──▶ (gone)
-                                      │  ▲                             ▲
-                       yielded, kept  ▼  │ a new manifest or payload   │ its retry admitted
-                                     HELD ─────────────────────────────┘
+                                   │  ▲  │                           ▲  ▲
+                    yielded, kept  ▼  │  ▼ busy, may wait            │  │ its turn came
+                                  HELD ◀── WAITING ──────────────────┘  │
+                                   │  its turn passed its budget        │ its retry admitted
+                                   └────────────────────────────────────┘
+
+A job whose frame asks for a wait (``max_wait_ms``) and is refused for want of a slot waits for
+its turn in the line both doors share (:class:`governor.intake.Wait`), unanswered meanwhile: it
+is decided again at its hint and whenever the line offers it a freed slot
+(:meth:`JobTable.decide_again`), and answered once, when it runs or when its turn passes its
+budget (a yield, its payload kept as for any). A new manifest or payload for it replaces it, as
+for a held one.
 
 A job not running leaves on an error, a cancel or a yield whose payload is not kept; a running
 one leaves only when its execution has ended and given back its ticket.
@@ -20,6 +29,7 @@ frame goes to the session (:meth:`Owner.new_job`: the key is checked there).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -54,12 +64,14 @@ class BuffersFull(Exception):
 class Phase(Enum):
     UPLOADING = "uploading"
     HELD = "held"  # a verified payload kept after a yield, for the client's retry
+    WAITING = "waiting"  # a verified payload waiting in line for its turn, unanswered
     RUNNING = "running"
 
 
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.UPLOADING: frozenset({Phase.UPLOADING, Phase.HELD, Phase.RUNNING}),
-    Phase.HELD: frozenset({Phase.UPLOADING, Phase.RUNNING}),
+    Phase.UPLOADING: frozenset({Phase.UPLOADING, Phase.HELD, Phase.WAITING, Phase.RUNNING}),
+    Phase.HELD: frozenset({Phase.UPLOADING, Phase.WAITING, Phase.RUNNING}),
+    Phase.WAITING: frozenset({Phase.UPLOADING, Phase.HELD, Phase.RUNNING}),
     Phase.RUNNING: frozenset({Phase.HELD}),  # (the fleet refused it: Session.fleet_refused)
 }
 
@@ -76,9 +88,12 @@ class JobState:
     execution: Running | None = None
     # The frame that completed its payload, once admitted: the job's answers answer it.
     final: Request | None = None
-    # Uploading: dropped unless a chunk comes by then; held: unless its client comes back.
+    # Uploading: dropped unless a chunk comes by then; held: unless its client comes back;
+    # waiting: decided again then (its hint).
     deadline: float = float("inf")
     seq: int = 0  # of its last frame
+    max_wait_ms: int | None = None  # the wait its frames asked for (None: a yield at once)
+    wait: intake.Wait | None = None  # its wait for its turn, while it waits
 
     def move(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
@@ -102,6 +117,15 @@ class Owner(Protocol):
         ...
 
     def expect_progress(self, state: JobState, wait_s: float = 0.0) -> None: ...
+
+    def due(self, deadline: float) -> None:
+        """A new deadline (a waiting job's next decision)."""
+        ...
+
+    def offered(self, job: str) -> str | None:
+        """The line offers a waiting job a slot: :meth:`JobTable.decide_again`, and the listener
+        told of what it admitted."""
+        ...
 
     def idle_changed(self) -> None: ...
 
@@ -140,9 +164,11 @@ class JobTable:
             state = self.owner.new_job(req)
             if state is None:
                 return
-        elif state.phase is Phase.HELD:  # a new manifest replaces the payload held for a retry
-            self.unhold(state)
+        else:  # a new manifest replaces the payload held for a retry, or waiting
+            self.replace(state)
         state.seq = req.seq
+        if req.max_wait_ms is not None:
+            state.max_wait_ms = req.max_wait_ms
         try:
             manifest = state.upload.apply_manifest(req.manifest)
             self.reserve(state, manifest.total_bytes)
@@ -165,7 +191,9 @@ class JobTable:
             return
         upload = state.upload
         state.seq = req.seq
-        if state.phase is Phase.HELD and upload.is_final_chunk_again(req.chunk):
+        if req.max_wait_ms is not None:
+            state.max_wait_ms = req.max_wait_ms
+        if state.phase is not Phase.UPLOADING and upload.is_final_chunk_again(req.chunk):
             # A retry after a yield: the payload was kept, so admission is tried again.
             self.complete(req, state, None)
             return
@@ -201,14 +229,16 @@ class JobTable:
         digest = req.inline.get("sha256")
         # The same payload again after a yield is a returning client, like a resent final chunk.
         returning = (
-            state.phase is Phase.HELD
+            state.phase is not Phase.UPLOADING
             and manifest is not None
             and isinstance(digest, str)
             and digest.lower() == manifest.sha256
         )
-        if state.phase is Phase.HELD and not returning:
-            self.unhold(state)
+        if not returning:
+            self.replace(state)
         state.seq = req.seq
+        if req.max_wait_ms is not None:
+            state.max_wait_ms = req.max_wait_ms
         try:  # (a returning payload is checked again: its digest alone proves nothing)
             payload = state.upload.apply_inline(req.inline)
             self.reserve(state, len(payload), held=len(payload))
@@ -225,18 +255,55 @@ class JobTable:
 
     def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
         """A verified payload (None: the one held, back for its retry) to the intake; the
-        decision mapped to a reply, or to the event that starts the job."""
+        decision mapped to a reply, to a wait in line, or to the event that starts the job."""
         if payload is not None:
             manifest = state.upload.manifest
             assert manifest is not None
             intake.prepare(self.state, state.attempt, req.job, payload, manifest.content_type)
+        state.final = req
+        if state.wait is not None:  # (a frame of a job in line: its wait starts again)
+            state.wait.leave(None)
+            state.wait = None
+        if state.max_wait_ms is not None:
+            state.wait = intake.Wait(
+                self.state, state.attempt, state.max_wait_ms, _offer(self.owner, req.job)
+            )
+        self._decided(state, intake.decide(self.state, state.attempt))
+
+    def decide_again(self, job: str) -> str | None:
+        """A waiting job decided again, at its hint or when the line offers it a slot: the need
+        code of a refusal (it may wait on), None if admitted or no longer waiting."""
+        state = self.jobs.get(job)
+        if state is None or state.phase is not Phase.WAITING or self.admitted is not None:
+            return None  # (another job of this connection is being started: its turn comes)
         decision = intake.decide(self.state, state.attempt)
+        self._decided(state, decision)
+        return None if isinstance(decision, Admitted) else decision.need_code
+
+    def _decided(self, state: JobState, decision: Admitted | Rejected | Yielded) -> None:
+        req = state.final
+        assert req is not None
+        wait = state.wait
+        if isinstance(decision, Yielded):
+            if state.first_refusal is None:
+                state.first_refusal = self.state.clock()
+            if wait is not None and wait.joins(decision):
+                if state.phase is Phase.HELD:  # (its place in admission's line stays)
+                    self.unhold(state, Phase.WAITING, forget=False)
+                elif state.phase is Phase.UPLOADING:
+                    state.move(Phase.WAITING)
+                state.deadline = self.state.clock() + decision.retry_hint_ms / 1000
+                self.owner.due(state.deadline)
+                return
+        if wait is not None:
+            wait.leave(decision)
+            state.wait = None
         if isinstance(decision, Admitted):
             if state.phase is Phase.HELD:
-                self.unhold(state)
-            state.move(Phase.RUNNING)
+                self.unhold(state, Phase.RUNNING)
+            else:
+                state.move(Phase.RUNNING)
             state.deadline = float("inf")
-            state.final = req
             reservation, state.reservation = state.reservation, None
             self.admitted = intake.admitted(
                 self.state,
@@ -291,6 +358,29 @@ class JobTable:
             retry_hint_ms=decision.retry_hint_ms,
             held=held,
             detail=yield_detail(decision.need_code, held),
+        )
+
+    def expired(self, job: str, state: JobState) -> None:
+        """An upload that stalled, or a held payload whose client did not come back: dropped."""
+        held = state.phase is Phase.HELD
+        self.forget(job)
+        self.wire.send(
+            Reply(
+                Verb.CONFIRM,
+                job,
+                state.seq + 1,
+                Status.ABORT,
+                ttl_ms=0,
+                need_code=NeedCode.UPLOAD_TIMEOUT,
+                error_code=ErrorCode.TIMEOUT,
+                detail=(
+                    "the client did not come back for its held payload"
+                    if held
+                    else f"no chunk for {self.config.upload_timeout:g} s"
+                )
+                + "; the payload was dropped",
+                receipts=self.wire.receipts(),
+            )
         )
 
     # Replies for executions (execution.Replies) ------------------------------------------
@@ -393,18 +483,38 @@ class JobTable:
         state.attempt.tenant.waiting += 1
         return True
 
-    def unhold(self, state: JobState) -> None:
-        state.move(Phase.UPLOADING)
+    def unhold(self, state: JobState, to: Phase = Phase.UPLOADING, *, forget: bool = True) -> None:
+        """A held payload is no longer held; with ``forget`` its place in admission's line is
+        given up too."""
+        state.move(to)
         self.held -= 1
         state.attempt.tenant.waiting -= 1
-        self.state.admission.forget(state.attempt)
+        if forget:
+            self.state.admission.forget(state.attempt)
+
+    def replace(self, state: JobState) -> None:
+        """A new payload for a job held or waiting: it gives up its hold or its wait."""
+        if state.phase is Phase.HELD:
+            self.unhold(state)
+        elif state.phase is Phase.WAITING:
+            self._give_up(state)
+            state.move(Phase.UPLOADING)
+
+    def _give_up(self, state: JobState) -> None:
+        if state.wait is not None:
+            state.wait.give_up()
+            state.wait = None
 
     def forget(self, job: str) -> None:
-        """Drop a job that is not running: its hold, its place in line, its buffers."""
+        """Drop a job that is not running: its hold or its wait, its place in admission's line,
+        its buffers."""
         state = self.jobs.pop(job)
         assert state.execution is None
         if state.phase is Phase.HELD:
-            self.unhold(state)  # (and its place in line: only a held job has one)
+            self.unhold(state)
+        else:
+            self._give_up(state)
+            self.state.admission.forget(state.attempt)  # (a promise its yield left)
         if state.reservation is not None:
             state.reservation.release()
         self.owner.idle_changed()
@@ -414,3 +524,8 @@ class JobTable:
         """Whether the next chunk would complete the upload."""
         manifest = state.upload.manifest
         return manifest is not None and state.upload.chunks_received + 1 >= manifest.chunks
+
+
+def _offer(owner: Owner, job: str) -> Callable[[], str | None]:
+    """What the line calls to offer ``job`` a freed slot."""
+    return lambda: owner.offered(job)

@@ -113,7 +113,7 @@ CHAT_ONLY = frozenset({"tools", "tool_choice", "top_logprobs"})
 # A forwarded request's fields that may carry its text (their strings make its size).
 TEXT_FIELDS = ("messages", "prompt", "input", "tools", "functions", "suffix")
 # A request's own wait budget at the door, in whole milliseconds (0: refuse it at once); the
-# server's http_max_wait bounds it.
+# server's max_wait bounds it.
 MAX_WAIT_HEADER = "x-governor-max-wait-ms"
 # Ends of a job that the runner (or the upstream) caused and a retry may get past: 502, or 504
 # for those that ran out of time.

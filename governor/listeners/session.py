@@ -6,7 +6,9 @@ callables it was given. Each line is decoded, its upload advanced (:mod:`.jobs`)
 a payload is complete, submitted to the intake (:mod:`governor.intake`) before the next line is
 looked at. A job admitted comes out of :meth:`Session.next_event` as a
 :class:`~governor.intake.JobAdmitted`, and no line is handled until the listener has started it
-(:meth:`Session.started`), so that a frame behind it (a cancel, say) finds it running.
+(:meth:`Session.started`), so that a frame behind it (a cancel, say) finds it running. A job
+waiting in line (its frame asked with ``max_wait_ms``) may be admitted between reads, when the
+line offers it a freed slot: the session then calls ``wake`` (the listener takes the event).
 
 Sequence numbers: an answer to a frame has the frame's ``seq`` + 1, but every answer to a
 frame that completes a payload (its yield, its stream, its terminal frame) has the final
@@ -27,12 +29,15 @@ from .. import intake
 from ..core.sources import KEY_TURN_FAR
 from ..execution import Running
 from ..state import ServerState
-from .jobs import JobState, JobTable, Phase
+from .jobs import JobState, JobTable, Phase, final_seq
 from .wire import Wire
 
 # Lines one connection has handled before the others get a turn: a client pipelining thousands
 # of frames delays another's ping by one turn of each busy connection, not by all its frames.
 LINES_PER_TURN = 64
+
+
+_BUSY = frozenset({Phase.RUNNING, Phase.WAITING})
 
 
 def _no_bytes(job: str) -> int:
@@ -61,6 +66,7 @@ class Session:
         write: Callable[[bytes], None],
         close: Callable[[], None],
         conn_id: int,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.state = state
         self.config = config = state.config
@@ -68,6 +74,8 @@ class Session:
         self.id = conn_id  # names the connection in logs
         self.credentials = intake.Credentials(state, conn_id)
         self._close = close
+        self._wake = wake
+        self._handling = False  # in receive_data or expire: an event admitted is seen there
         self.wire = Wire(state, write, _no_bytes)
         self.table = JobTable(self, state, conn_id)
         self.wire.bytes_in = self.table.bytes_in  # (the table needs the wire first)
@@ -104,7 +112,8 @@ class Session:
 
     @property
     def running(self) -> int:
-        return sum(1 for s in self.jobs.values() if s.phase is Phase.RUNNING)
+        """Jobs running or waiting in line for their turn (the connection is not idle)."""
+        return sum(1 for s in self.jobs.values() if s.phase in _BUSY)
 
     @property
     def is_idle(self) -> bool:
@@ -131,6 +140,7 @@ class Session:
         lines = self.lines
         if not self._cut_short:
             self._turn_ends = lines + LINES_PER_TURN
+        self._handling = True
         try:
             while (
                 self.lines < self._turn_ends
@@ -142,6 +152,8 @@ class Session:
                     self._handle_line(line)
         except LineTooLong as exc:
             self.fatal(exc.need_code, exc.error_code, exc.detail)
+        finally:
+            self._handling = False
         self._cut_short = self.table.admitted is not None
         if self.lines != lines:  # a whole line is a live client; a trickle of bytes is not
             self.last_frame_at = self.clock()
@@ -183,11 +195,19 @@ class Session:
         return deadline
 
     def expire(self, now: float) -> bool:
-        """End what has outlived its deadline: the connection, or a job's upload or hold; and
-        handle a frame whose key's turn has come. True when that frame was handled: the lines
-        behind it may be (call :meth:`receive_data` with ``b""``, after :meth:`next_event`)."""
+        """End what has outlived its deadline: the connection, or a job's upload or hold; decide
+        a waiting job again at its hint; and handle a frame whose key's turn has come. True when
+        an event or lines may wait (call :meth:`receive_data` with ``b""``, after
+        :meth:`next_event`)."""
         if self.closed:
             return False
+        self._handling = True
+        try:
+            return self._expire(now)
+        finally:
+            self._handling = False
+
+    def _expire(self, now: float) -> bool:
         config = self.config
         if not self.credentials.authenticated and now >= self.opened_at + config.auth_grace:
             self.fatal(
@@ -208,39 +228,32 @@ class Session:
             self.idle_changed()
             self._handle(deferred)
         for job, state in list(self.jobs.items()):
-            if state.deadline <= now:
-                self._expired(job, state)
-        return deferred is not None and self.deferred is None and not self.closed
+            if state.deadline > now or self.jobs.get(job) is not state:
+                continue
+            if state.phase is Phase.WAITING:
+                self.table.decide_again(job)
+            else:
+                self.table.expired(job, state)
+        went_on = deferred is not None and self.deferred is None
+        return (went_on or self.table.admitted is not None) and not self.closed
 
-    def _expired(self, job: str, state: JobState) -> None:
-        """An upload that stalled, or a held payload whose client did not come back: dropped."""
-        held = state.phase is Phase.HELD
-        self.table.forget(job)
-        self.wire.send(
-            Reply(
-                Verb.CONFIRM,
-                job,
-                state.seq + 1,
-                Status.ABORT,
-                ttl_ms=0,
-                need_code=NeedCode.UPLOAD_TIMEOUT,
-                error_code=ErrorCode.TIMEOUT,
-                detail=(
-                    "the client did not come back for its held payload"
-                    if held
-                    else f"no chunk for {self.config.upload_timeout:g} s"
-                )
-                + "; the payload was dropped",
-                receipts=self.wire.receipts(),
-            )
-        )
+    def offered(self, job: str) -> str | None:
+        """The line offers a waiting job a slot (a job ended elsewhere, say): decided again, and
+        the listener woken to start it if admitted (unless it is handling this session now: it
+        takes the event when that ends)."""
+        if self.closed:
+            return None
+        need_code = self.table.decide_again(job)
+        if not self._handling and (self.table.admitted is not None or self.sooner is not None):
+            self._wake()  # (a job to start, or its next decision's deadline to keep)
+        return need_code
 
     def expect_progress(self, state: JobState, wait_s: float = 0.0) -> None:
         """The job is dropped unless it moves on within ``wait_s`` + ``upload_timeout``."""
         state.deadline = self.clock() + wait_s + self.config.upload_timeout
-        self._due(state.deadline)
+        self.due(state.deadline)
 
-    def _due(self, deadline: float) -> None:
+    def due(self, deadline: float) -> None:
         """A new deadline: the listener moves its timer if it comes before the one it has."""
         if self.sooner is None or deadline < self.sooner:
             self.sooner = deadline
@@ -335,7 +348,7 @@ class Session:
             elif turn.wait > 0:  # the source's failures are spent: this key waits for its turn
                 self.deferred = req
                 self.deferred_at = self.clock() + turn.wait
-                self._due(self.deferred_at)
+                self.due(self.deferred_at)
                 return
         self._handle(req)
 
@@ -376,6 +389,17 @@ class Session:
         elif state.execution is not None:  # its terminal abort is the answer
             state.execution.abort(
                 NeedCode.CANCELLED, ErrorCode.CANCELLED, "cancelled by the client"
+            )
+        elif state.phase is Phase.WAITING:  # as if running: the abort that answers its payload
+            final = state.final
+            assert final is not None
+            self.table.forget(req.job)
+            self.wire.abort(
+                final,
+                NeedCode.CANCELLED,
+                ErrorCode.CANCELLED,
+                "cancelled by the client while it waited for its turn",
+                seq=final_seq(final),
             )
         else:  # uploading, or held after a yield: dropped
             self.table.forget(req.job)

@@ -81,7 +81,7 @@ class GovernorProtocol(asyncio.Protocol):
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.transport: asyncio.Transport | None = None
-        self.session = Session(state, self._write, self.close, intake.connection_id())
+        self.session = Session(state, self._write, self.close, intake.connection_id(), self._woken)
         self._loop = asyncio.get_running_loop()
         self._served = False  # counted in the connections and against its source
         self._timer: asyncio.TimerHandle | None = None
@@ -144,6 +144,13 @@ class GovernorProtocol(asyncio.Protocol):
             session.started(intake.start(self.state, admitted, session.table))
             more = session.receive_data(b"")
         return more
+
+    def _woken(self) -> None:
+        """The session decided a waiting job between reads (the line offered it a slot): start
+        it if admitted, and keep its next deadline."""
+        if not self.session.closed:
+            self._turn_ended(self._receive(b""))
+            self._reading()
 
     def _turn_ended(self, more: bool) -> None:
         """After a turn of handling lines: another one after the other connections' (reading

@@ -6,7 +6,7 @@ Lane ``-`` is a job with lanes off.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -269,32 +269,29 @@ def _front_families(server: ServerState, health: Health) -> Iterator[Metric]:
         ["path", "status"],
         server.http_responses.items(),
     )
-    if server.door_line is not None:
-        yield from _door_families(server, server.door_line)
+    yield from _line_families(server)
 
 
-def _door_families(server: ServerState, line: Sized) -> Iterator[Metric]:
-    """The wait at the front door, with ``http_listen`` only."""
+def _line_families(server: ServerState) -> Iterator[Metric]:
+    """The line both doors' jobs wait in for their turn."""
     metrics = server.metrics
     yield GaugeMetricFamily(
-        "governor_http_waiting",
-        "Requests waiting at the front door for their turn now.",
-        value=len(line),
+        "governor_waiting", "Jobs waiting in line for their turn now.", value=len(server.line)
     )
     yield metrics.door_wait.family()
     yield _counter(
-        "governor_http_waits",
-        "Waits at the front door, by lane and how they ended (admitted; refused: 429 once "
-        "the turn moved past the request's budget; unavailable: 503, a drain; rejected: 400; "
-        "left: the client went).",
+        "governor_waits",
+        "Waits in line, by lane and how they ended (admitted; refused: a yield, 429 on HTTP, "
+        "once the turn moved past the job's budget; unavailable: a drain's, 503 on HTTP; "
+        "rejected: 400; left: the client went).",
         ["lane", "outcome"],
         metrics.door_waits.items(),
     )
     yield _counter(
-        "governor_http_not_waited",
-        "Busy requests the front door answered 429 at once, by why they did not wait "
-        "(beyond_budget: their turn later than their wait budget; line_full: "
-        "http_max_waiting or the tenant's bound).",
+        "governor_not_waited",
+        "Busy jobs that could have waited and were refused at once, by why they did not wait "
+        "(beyond_budget: their turn later than their wait budget; line_full: max_waiting or "
+        "the tenant's bound).",
         ["reason"],
         _by_one(metrics.not_waited),
     )

@@ -104,14 +104,14 @@ class JobMetrics:
             WAIT_BUCKETS,
         )
         self.door_wait = LaneHistograms(
-            "governor_http_wait_seconds",
-            "How long requests waited at the front door for their turn, whatever ended the wait.",
+            "governor_wait_seconds",
+            "How long jobs waited in line for their turn (both doors), whatever ended the wait.",
             WAIT_BUCKETS,
         )
-        # Waits at the front door, by lane and how they ended (admitted, refused: 429,
-        # unavailable: 503, rejected: 400, left: the client went).
+        # Waits in line, by lane and how they ended (admitted, refused: a yield or 429,
+        # unavailable: a drain's, 503 on HTTP; rejected: 400; left: the client went).
         self.door_waits: collections.Counter[tuple[str, str]] = collections.Counter()
-        # Busy requests the front door answered at once, by why they did not wait
+        # Busy jobs that could have waited and were refused at once, by why they did not wait
         # (beyond_budget: their turn later than their wait budget; line_full).
         self.not_waited: collections.Counter[str] = collections.Counter()
         self.prompt_tokens = LaneHistograms(

@@ -548,7 +548,7 @@ def add_parser(commands: Any) -> None:
         "--extra-governor-args",
         metavar="ARGS",
         help="more arguments for governor serve, one string split as the shell would, e.g. "
-        "--extra-governor-args='--http-max-wait 30'",
+        "--extra-governor-args='--max-wait 30'",
     )
     parser.add_argument(
         "--extra-llama-server-args",

@@ -4,7 +4,7 @@ Keep-alive, pipelined requests; answers parsed by ``h11``: chats and completions
 streamed, of two tenants, with bodies drawn from a small set (identical requests are one
 another's retries: a refused request's place is kept for them), bad keys and bad bodies among
 them, some that ask not to wait at the door; requests that wait there for their turn (within
-``http_max_wait``), and retries of refused requests at once (back early for their place), from
+``max_wait``), and retries of refused requests at once (back early for their place), from
 the same connection or another; clients that close, reset or half-close at any moment
 (while their job runs, which is HTTP's only cancel; while they wait at the door; in the middle
 of a pipeline); time that passes. Besides what every door holds, it checks that the payload
@@ -49,7 +49,7 @@ CAP = 2
 TENANTS = tenants(CAP)
 PIPELINE = 3
 GRACE_S = 0.3  # upload_timeout: how long past its hint a refused request's place is kept
-WAIT_S = 1.0  # http_max_wait: how long a request may wait at the door for its turn
+WAIT_S = 1.0  # max_wait: how long a request may wait at the door for its turn
 PLACES_S = 3.0  # a place kept is gone this long past the longest hint told (and its grace)
 MAX_NEW_TOKENS = 64
 TOKEN = "tok "  # the one token each job yields before it waits for the test's word
@@ -326,7 +326,7 @@ class HttpDoor:
             "max_inflight": CAP,
             "tenants": TENANTS,
             "upload_timeout": GRACE_S,
-            "http_max_wait": WAIT_S,
+            "max_wait": WAIT_S,
             "max_auth_failures": 2,  # a connection's second bad key closes it
             "max_connections": 2 * self.MAX_CLIENTS,
             "held_payloads_per_conn": 1,  # so at most 8 places are kept
@@ -632,7 +632,7 @@ class HttpDoor:
                 door[exchange.attempt.tenant.name] += 1
                 promise = exchange.attempt.promise
                 promised += promise is not None and promise.queued
-        door_line = self.m.the_server.state.door_line
+        door_line = self.m.the_server.state.line
         assert door_line is not None
         assert len(door_line) == sum(door.values()), f"{len(door_line)} in line, {door} at door"
         for tenant in self.m.the_server.tenants.all():

@@ -7,8 +7,10 @@ clients that close or reset, maybe right after a ping and a job in one write. Ev
 asks for an answer gets one, never two: a job's payload frame its yield, refusal or terminal
 frame (for a running job, later), a manifest and a cancel theirs, a ping its pong; a connection
 the server closes says why (its own fatal frame, or a running job's abort that answers for it).
-After a drain no payload is admitted. Each tenant's ``waiting`` is its payloads held for a
-retry, as the clients were told.
+After a drain no payload is admitted. Some jobs ask to wait for their turn (``max_wait_ms``):
+such a job owes no answer while it waits in the server's line, and gets one answer in the end
+(its terminal frame once it runs, or a yield once its turn passes its budget). Each tenant's
+``waiting`` is its payloads held for a retry, as the clients were told, and its jobs in line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import orjson
 from hypothesis import strategies as st
 
+from governor.listeners.jobs import Phase
 from protocol.upload import split_payload
 from tests.conftest import receipt
 
@@ -47,10 +50,12 @@ CLOSING = "the connection is closing"
 LONG_LINE = b"x" * (LINE_LIMIT + 1) + b"\n"
 
 Kind = Literal["inline", "upload"]
+WAIT_MS = 300  # what a job that asks to wait for its turn asks for
 JOBS = st.tuples(
     st.sampled_from(["inline", "upload"]),
     st.sampled_from(sorted(KEYS)),  # tenant
     st.booleans(),  # with its cancel in the same write
+    st.booleans(),  # it asks to wait for its turn
 )
 
 
@@ -233,7 +238,7 @@ class TcpDoor:
 
     MAX_CLIENTS: ClassVar[int] = 4
     LEAVINGS: ClassVar[tuple[str, ...]] = ("close", "reset")
-    LAST_JOBS_S: ClassVar[float] = 0.0
+    LAST_JOBS_S: ClassVar[float] = WAIT_MS / 1000
     DRAIN_AFTER: ClassVar[int] = 0  # (connections stay open after it: what runs is still seen)
     CANCELS: ClassVar[bool] = True
 
@@ -277,8 +282,8 @@ class TcpDoor:
         """The server still owes ``asked`` its answer (on a connection both sides keep open)."""
         if asked.answers or not asked.sent or asked.what == "ping":
             return False
-        if asked.what == "payload":  # unless it runs: then its terminal frame is owed later
-            return asked.job not in self.m.runner.running()
+        if asked.what == "payload":  # unless it runs or waits: its answer is owed later
+            return asked.job not in self.m.runner.running() and asked.job not in self.waiting()
         if asked.what == "cancel":  # a running job's terminal frame answers its cancel
             target = asked.target
             return target is not None and bool(target.answers) and not target.admitted
@@ -299,12 +304,21 @@ class TcpDoor:
         pass
 
     def pending(self) -> list[Any]:
-        return []  # (a job refused here is never admitted without its client's retry)
+        return sorted(self.waiting())  # (jobs in line: admitted or refused later)
+
+    def waiting(self) -> set[str]:
+        """The jobs waiting in the server's line for their turn."""
+        return {
+            job
+            for conn in self.m.the_server.connections
+            for job, state in conn.session.jobs.items()  # type: ignore[attr-defined]
+            if state.phase is Phase.WAITING
+        }
 
     # Sending -----------------------------------------------------------------------------
 
     def job_frames(
-        self, client: Client, kind: str, tenant: str, with_cancel: bool
+        self, client: Client, kind: str, tenant: str, with_cancel: bool, waits: bool = False
     ) -> list[dict[str, Any]]:
         self.jobs += 1
         job = f"J_{self.jobs}"
@@ -322,6 +336,8 @@ class TcpDoor:
             client.expect(job, seq, "manifest", (seq + 1,), drained)
             # A final chunk's answer: seq + 2 if it completes the payload, else seq + 1.
             client.expect(job, seq + 1, "payload", (seq + 2, seq + 3), drained)
+        if waits:  # (on its first frame: the job's)
+            frames[0]["max_wait_ms"] = WAIT_MS
         client.finals[job] = frames[-1]
         if with_cancel:
             frames.append(self.cancel_frame(client, job))
@@ -420,7 +436,7 @@ class TcpDoor:
 
     @move(data=st.data(), job=st.none() | JOBS, coalesced=st.booleans())
     def send_an_over_long_line(
-        self, data: st.DataObject, job: tuple[Kind, str, bool] | None, coalesced: bool
+        self, data: st.DataObject, job: tuple[Kind, str, bool, bool] | None, coalesced: bool
     ) -> None:
         """A line over max_line_bytes (fatal), maybe after a job's frames."""
         client = self.m.a_client(data)
@@ -483,13 +499,17 @@ class TcpDoor:
 
     def check_accounts(self) -> None:
         """Each tenant's ``waiting`` is its payloads held for a retry (the TCP door's places
-        kept: see the HTTP door's)."""
+        kept: see the HTTP door's) and its jobs in line; the line holds those jobs."""
         held = self.held_for_retry()
+        waiting = self.waiting()
+        in_line = collections.Counter(self.tenant[job] for job in waiting)
         for tenant in self.m.the_server.tenants.all():
-            assert tenant.waiting == held[tenant.name], (
+            assert tenant.waiting == held[tenant.name] + in_line[tenant.name], (
                 f"tenant {tenant.name}: waiting {tenant.waiting}, {held[tenant.name]} payload(s) "
-                "held for a retry"
+                f"held for a retry, {in_line[tenant.name]} in line"
             )
+        line = self.m.the_server.state.line
+        assert len(line) == len(waiting), f"{len(line)} in line, {sorted(waiting)} waiting"
 
     # The answers -------------------------------------------------------------------------
 

@@ -13,9 +13,15 @@ from governor.config import Config
 from governor.core.breaker import BreakerState
 from governor.core.slo import Verdict
 from governor.core.tenants import TenantConfig
-from governor.core.waitline import WaitLine
 from governor.ops.exporter import registry_for
 from governor.server import Server
+
+
+class Waiting:
+    """A job in line, as the exporter sees it (it is never offered a slot here)."""
+
+    def decide(self) -> str | None:
+        raise AssertionError("not offered")
 
 
 def populated_server() -> Server:
@@ -56,9 +62,7 @@ def populated_server() -> Server:
     jobs.wait.observe("interactive", 0.0)
     jobs.prompt_tokens.observe("interactive", 40)
     jobs.output_tokens.observe("interactive", 8)
-    line: WaitLine[str] = WaitLine(3, limit=4, per_tenant=0)  # (as a front door's)
-    line.join("a request", rank=0, tenant="alpha", since=0.0)
-    state.door_line = line
+    state.line.join(Waiting(), rank=0, tenant="alpha", since=0.0)
     jobs.door_wait.observe("interactive", 0.5)
     jobs.door_waits[("interactive", "admitted")] += 2
     jobs.not_waited["line_full"] += 1
@@ -139,10 +143,10 @@ FAMILIES = {
     "governor_bad_frames": ("counter", ("code",)),
     "governor_connections_refused": ("counter", ("reason",)),
     "governor_http_responses": ("counter", ("path", "status")),
-    "governor_http_waiting": ("gauge", ()),
-    "governor_http_wait_seconds": ("histogram", ("lane",)),
-    "governor_http_waits": ("counter", ("lane", "outcome")),
-    "governor_http_not_waited": ("counter", ("reason",)),
+    "governor_waiting": ("gauge", ()),
+    "governor_wait_seconds": ("histogram", ("lane",)),
+    "governor_waits": ("counter", ("lane", "outcome")),
+    "governor_not_waited": ("counter", ("reason",)),
     "governor_fleet_store_state": ("gauge", ()),
     "governor_fleet_replicas": ("gauge", ()),
     "governor_fleet_inflight": ("gauge", ()),
@@ -220,7 +224,7 @@ def test_the_values_are_the_state_s(text: str) -> None:
     assert m["governor_ready"] == 0  # never started
 
 
-def test_without_lanes_overload_fleet_or_front_door_those_families_are_absent() -> None:
+def test_without_lanes_overload_or_fleet_those_families_are_absent() -> None:
     server = Server(Config(listen="127.0.0.1:0", runner="stub"))
     names = {name for name, _, _ in families(exposition(server))}
     absent = {
@@ -231,6 +235,5 @@ def test_without_lanes_overload_fleet_or_front_door_those_families_are_absent() 
         "governor_overload_state",
         "governor_overload_transitions",
         *(n for n in FAMILIES if n.startswith("governor_fleet_")),
-        *(n for n in FAMILIES if n.startswith("governor_http_wait") or "not_waited" in n),
     }
     assert names == set(FAMILIES) - absent

@@ -129,7 +129,7 @@ async def test_a_yield_is_a_rate_limit_error_carrying_retry_after_ms(
 async def test_the_sdk_own_retries_finish_every_job(make_server: ServerFactory, sdk: Sdk) -> None:
     """Six clients on two slots, the SDK's default two retries, no code of ours, no wait at
     the door: every job finishes, the refused ones at the hint they were given."""
-    server = await front(make_server, max_inflight=2, stub_ms=200, http_max_wait=0)
+    server = await front(make_server, max_inflight=2, stub_ms=200, max_wait=0)
     client = sdk(server)  # max_retries: the SDK's default, 2
     answers = await asyncio.gather(
         *(
@@ -149,7 +149,7 @@ async def test_a_retry_keeps_its_place_in_line(
     """A refused request sent again (same key, same body) is its own promise: it takes the slot
     held for it, while a newcomer arriving at the same moment is refused (with no wait at the
     door: each decision is the one the test makes)."""
-    server = await front(make_server, max_inflight=1, stub_ms=400, http_max_wait=0)
+    server = await front(make_server, max_inflight=1, stub_ms=400, max_wait=0)
     running = await hold_slot(server, sdk)
     async with httpx.AsyncClient(base_url=url(server)) as http:
 
@@ -193,7 +193,7 @@ async def test_a_request_back_for_its_place_waits_at_the_door_rather_than_spend_
         assert server.ledger.yielded_total >= 2  # refused again, inside, at least once
         assert server.state.http_responses[("/v1/chat/completions", "429")] == 1
         # A turn further off than the door's budget: told so, not held at the door.
-        long = await front(make_server, max_inflight=1, stub_ms=3000, http_max_wait=1.0)
+        long = await front(make_server, max_inflight=1, stub_ms=3000, max_wait=1.0)
         async with httpx.AsyncClient(base_url=url(long)) as other:
             slow = asyncio.create_task(other.post("/v1/chat/completions", json=body | {"seed": 1}))
             await wait_until(lambda: long.inflight == 1)
@@ -289,7 +289,7 @@ def sha(key: str) -> str:
 
 async def test_the_bearer_key_is_the_tenant(make_server: ServerFactory, sdk: Sdk) -> None:
     tenants = (TenantConfig(name="alpha", key_sha256=sha("alpha-key"), max_inflight=1),)
-    server = await front(make_server, tenants=tenants, max_inflight=4, stub_ms=300, http_max_wait=0)
+    server = await front(make_server, tenants=tenants, max_inflight=4, stub_ms=300, max_wait=0)
     with pytest.raises(openai.AuthenticationError) as caught:
         await sdk(server, "wrong-key").chat.completions.create(model="m", messages=CHAT)
     assert caught.value.code == "unauthorized"

@@ -41,7 +41,7 @@ def url(server: Server) -> str:
 
 def line(server: Server) -> int:
     """The requests waiting at the server's front door."""
-    door = server.state.door_line
+    door = server.state.line
     assert door is not None
     return len(door)
 
@@ -230,8 +230,8 @@ async def test_the_line_is_bounded_in_all_and_per_tenant(
         tenants=tenants,
         max_inflight=1,
         stub_ms=1500,
-        http_max_waiting=3,
-        http_max_waiting_per_tenant=2,
+        max_waiting=3,
+        max_waiting_per_tenant=2,
     )
 
     def post(n: int, key: str) -> asyncio.Task[httpx.Response]:

@@ -40,7 +40,7 @@ async def _front_door(make_server: ServerFactory) -> str:
     """A governor with one slot, its jobs STUB_MS long, no wait at its front door (a request
     that finds the slot taken is answered 429 at once); its front door's base URL."""
     server = await make_server(
-        http_listen="127.0.0.1:0", max_inflight=1, stub_ms=STUB_MS, http_max_wait=0
+        http_listen="127.0.0.1:0", max_inflight=1, stub_ms=STUB_MS, max_wait=0
     )
     assert server.http_address is not None
     host, port = server.http_address
@@ -252,7 +252,7 @@ def test_sdk_bench_on_the_stub_absorbs_429s(tmp_path: Path) -> None:
             "4",
             "--run-timeout",
             "30",
-            "--governor-arg=--http-max-wait=0",
+            "--governor-arg=--max-wait=0",
             "--json",
             "--out",
             str(tmp_path),

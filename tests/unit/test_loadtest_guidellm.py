@@ -242,7 +242,7 @@ def test_the_defaults_are_the_issues_run() -> None:
 
 
 def test_the_governor_gets_its_slots_lanes_and_front_door() -> None:
-    args = parse("--extra-governor-args=--http-max-wait 30 --log-format json")
+    args = parse("--extra-governor-args=--max-wait 30 --log-format json")
     argv = guidellm_bench.governor_command(args, MODEL, 7001)
     assert argv[1:4] == ["-m", "governor", "serve"]
     assert flag(argv, "--runner") == "llama"
@@ -254,7 +254,7 @@ def test_the_governor_gets_its_slots_lanes_and_front_door() -> None:
     assert (flag(argv, "--kv-capacity"), flag(argv, "--n-ctx")) == ("2048", "512")
     assert flag(argv, "--http-listen") == "127.0.0.1:7001"
     assert flag(argv, "--listen") == "127.0.0.1:0"
-    assert argv[-4:] == ["--http-max-wait", "30", "--log-format", "json"]
+    assert argv[-4:] == ["--max-wait", "30", "--log-format", "json"]
 
 
 def test_llama_server_gets_the_same_slots_and_room_for_each_request() -> None:

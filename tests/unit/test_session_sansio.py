@@ -5,6 +5,7 @@ and events out, on a fake clock; no event loop, no socket, no task. An admitted 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +18,15 @@ from governor.core.ledger import DRAINING_HINT_MS, SlotLedger
 from governor.core.tenants import Tenants
 from governor.execution import Ending
 from governor.intake import JobAdmitted
+from governor.listeners.jobs import Phase
 from governor.listeners.session import Session
 from governor.listeners.wire import yield_detail
 from governor.runners import StubRunner, Token
 from governor.server import build_breaker
 from governor.state import ServerState
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
-from protocol.frames import Reply, decode_reply, encode_request
+from protocol.errors import EnvelopeInvalid
+from protocol.frames import Reply, decode_reply, decode_request, encode_request
 from protocol.upload import split_payload
 
 from .test_ledger import FakeClock
@@ -62,7 +65,11 @@ class Client:
     def __init__(self, state: ServerState) -> None:
         self.out = bytearray()
         self.closed = False
-        self.session = Session(state, self.out.extend, self._close, conn_id=1)
+        self.woken = 0  # times the session woke its listener between reads
+        self.session = Session(state, self.out.extend, self._close, conn_id=1, wake=self._wake)
+
+    def _wake(self) -> None:
+        self.woken += 1
 
     def _close(self) -> None:
         self.closed = True
@@ -333,3 +340,180 @@ def decode_chunk(frame: bytes) -> dict[str, Any]:
     chunk = orjson.loads(frame)["payload_chunk"]
     assert isinstance(chunk, dict)
     return chunk
+
+
+# A job that asks to wait for its turn (max_wait_ms) ---------------------------------------------
+
+
+def waiting_job(job: str, max_wait_ms: int | None, data: str = "hello") -> bytes:
+    digest = hashlib.sha256(data.encode()).hexdigest()
+    inline = {"sha256": digest, "data": data}
+    return encode_request(Verb.SHARE, job, 1, ttl_ms=0, inline=inline, max_wait_ms=max_wait_ms)
+
+
+def running(state: ServerState) -> tuple[Client, Started, JobAdmitted]:
+    """A client whose job holds the one slot."""
+    client = Client(state)
+    client.send(waiting_job("J_run", None))
+    admitted = client.session.next_event()
+    assert admitted is not None
+    return client, client.start(admitted), admitted
+
+
+def end(client: Client, started: Started, admitted: JobAdmitted, state: ServerState) -> None:
+    """The running job ends: its ticket back, and the line offered the slot (as job_ended)."""
+    admitted.ticket.release("done")
+    client.session.table.job_ended(started)
+    state.offer()
+
+
+def test_a_job_that_asks_to_wait_runs_when_the_slot_frees_unanswered_meanwhile(
+    clock: FakeClock,
+) -> None:
+    state = make_state(clock, cap=1)
+    first, started, admitted = running(state)
+    second = Client(state)
+    assert second.send(waiting_job("J_2", 5000)) == []  # no yield: it waits
+    assert second.session.jobs["J_2"].phase is Phase.WAITING
+    assert len(state.line) == 1
+    assert second.session.next_event() is None
+    assert state.buffers.used == 2 * len("hello")  # (its payload stays counted)
+
+    clock.now += 0.25
+    end(first, started, admitted, state)
+    assert second.woken == 1  # the listener is told: it takes the event and starts the job
+    event = second.session.next_event()
+    assert event is not None
+    assert (event.job, event.waited_s) == ("J_2", pytest.approx(0.25))
+    done = second.start(event)
+    second.session.table.send_terminal(done, Ending(result={"ok": 1}))
+    (answer,) = second.replies()
+    assert (answer.status, answer.seq) == (Status.DONE, 2)  # the one answer to its frame
+    assert len(state.line) == 0
+    assert state.metrics.door_waits[("-", "admitted")] == 1
+    assert sum(state.metrics.door_wait.by_lane["-"].counts) == 1
+
+
+def test_a_waiting_job_is_decided_again_at_its_hint_and_yields_once_its_turn_passes_its_budget(
+    clock: FakeClock,
+) -> None:
+    state = make_state(clock, cap=1)
+    running(state)  # (never ends)
+    client = Client(state)
+    arrived = clock.now
+    client.send(waiting_job("J_2", 1500))
+    answers: list[Reply] = []
+    for _ in range(100):  # decided again at each deadline, until the budget is passed
+        assert client.session.jobs["J_2"].phase is Phase.WAITING
+        clock.now = client.session.next_deadline(clock.now)
+        client.session.expire(clock.now)
+        answers = client.replies()
+        if answers:
+            break
+    (refused,) = answers
+    assert (refused.status, refused.need_code) == (Status.YIELD, NeedCode.SERVER_BUSY)
+    assert refused.retry_hint_ms is not None
+    assert clock.now - arrived <= 1.5  # it waited within its budget, never past it
+    assert clock.now - arrived + refused.retry_hint_ms / 1000 > 1.5  # and yielded then
+    assert receipts(refused)[Receipt.PAYLOAD_HELD] == 1  # kept for the retry, as any yield's
+    assert client.session.jobs["J_2"].phase is Phase.HELD
+    assert len(state.line) == 0
+    assert state.metrics.door_waits[("-", "refused")] == 1
+    assert not client.closed
+
+
+def test_without_the_field_or_with_no_budget_a_busy_job_yields_at_once(clock: FakeClock) -> None:
+    state = make_state(clock, cap=1)
+    running(state)
+    client = Client(state)
+    (plain,) = client.send(waiting_job("J_2", None))
+    (no_budget,) = client.send(waiting_job("J_3", 0))
+    for refused in (plain, no_budget):
+        assert (refused.status, refused.need_code) == (Status.YIELD, NeedCode.SERVER_BUSY)
+    assert len(state.line) == 0
+    assert state.metrics.not_waited["beyond_budget"] == 1  # (only the one that asked)
+
+
+def test_a_turn_predicted_past_the_budget_is_refused_at_once(clock: FakeClock) -> None:
+    state = make_state(clock, cap=1)
+    running(state)
+    client = Client(state)
+    (refused,) = client.send(waiting_job("J_2", 10))  # its turn is about a second away
+    assert refused.status == Status.YIELD
+    assert len(state.line) == 0
+    assert state.metrics.not_waited["beyond_budget"] == 1
+
+
+@pytest.mark.parametrize("how", ["cancel", "leave", "new payload"])
+def test_a_waiting_job_whose_client_cancels_leaves_or_replaces_it_gives_its_place_up(
+    clock: FakeClock, how: str
+) -> None:
+    state = make_state(clock, cap=1)
+    first, started, admitted = running(state)
+    client, behind = Client(state), Client(state)
+    client.send(waiting_job("J_2", 5000))
+    behind.send(waiting_job("J_3", 5000))
+    assert len(state.line) == 2
+    if how == "cancel":
+        (answer,) = client.send(encode_request(Verb.CANCEL, "J_2", 2))
+        assert (answer.status, answer.need_code) == (Status.ABORT, NeedCode.CANCELLED)
+        assert answer.seq == 2  # it answers the job's frame, as a running job's abort would
+        assert "J_2" not in client.session.jobs
+    elif how == "leave":
+        client.session.connection_lost()
+    else:  # a new manifest for the same job id: the waiting payload is dropped for it
+        manifest, _ = upload("J_2", PAYLOAD, seq=2)
+        (ok,) = client.send(manifest)
+        assert ok.status == Status.OK
+        assert client.session.jobs["J_2"].phase is Phase.UPLOADING
+    assert len(state.line) == 1
+    assert state.metrics.door_waits[("-", "left")] == 1
+    end(first, started, admitted, state)  # the slot goes to the one still waiting
+    event = behind.session.next_event()
+    assert event is not None
+    assert event.job == "J_3"
+    assert client.session.next_event() is None
+    assert sum(t.waiting for t in state.tenants.all()) == 0
+
+
+def test_a_drain_answers_the_waiting_jobs_at_once_and_keeps_nothing(clock: FakeClock) -> None:
+    state = make_state(clock, cap=1)
+    running(state)
+    client = Client(state)
+    client.send(waiting_job("J_2", 5000))
+    state.ledger.draining = True
+    state.offer()  # (what a drain's start does)
+    (refused,) = client.replies()
+    assert (refused.status, refused.need_code) == (Status.YIELD, NeedCode.DRAINING)
+    assert receipts(refused)[Receipt.PAYLOAD_HELD] == 0
+    assert client.session.jobs == {}
+    assert len(state.line) == 0
+    assert state.metrics.door_waits[("-", "unavailable")] == 1
+
+
+def test_a_connection_whose_job_waits_is_not_idle(clock: FakeClock) -> None:
+    state = make_state(clock, cap=1, idle_timeout=0.5)
+    running(state)
+    client = Client(state)
+    client.send(waiting_job("J_2", 5000))
+    clock.now += 0.6  # past the idle timeout, before the job's next decision
+    client.session.expire(clock.now)
+    assert not client.closed
+    assert client.replies() == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"max_wait_ms": -1}, "'max_wait_ms' must be an integer"),
+        ({"max_wait_ms": True}, "'max_wait_ms' must be an integer"),
+        ({"max_wait_ms": 86_400_001}, "'max_wait_ms' must be an integer"),
+        ({"verb": "ping", "max_wait_ms": 5}, "a ping carries no 'max_wait_ms'"),
+    ],
+)
+def test_a_bad_max_wait_ms_is_a_bad_envelope(extra: dict[str, Any], why: str) -> None:
+    frame = orjson.loads(waiting_job("J_1", 5)) | extra
+    if frame["verb"] == "ping":
+        del frame["payload_inline"]
+    with pytest.raises(EnvelopeInvalid, match=why):
+        decode_request(orjson.dumps(frame))
