@@ -22,6 +22,7 @@ from .commands import (
     ceiling,
     compare,
     door_refusal,
+    doors,
     fleet_bench,
     fleet_faults,
     generation,
@@ -77,6 +78,7 @@ REGISTERED: tuple[Command, ...] = (
     sidecar,
     guidellm_bench,
     door_refusal,
+    doors,
     preemption,
 )
 COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}

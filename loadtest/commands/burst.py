@@ -80,7 +80,7 @@ def add_parser(commands: Any) -> None:
     traffic.add_payload_arguments(parser)
     # none by default: a plain run sends each request once, so that the reference case above
     # (19 of 20 yielded) is what it reproduces.
-    traffic.add_arguments(parser, default_retry="none")
+    traffic.add_arguments(parser, default_retry="none", default_max_wait=0.0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,8 +36,9 @@ during the measures. Measures (``--measures``):
   - ``over``: 2 rewrites, and ``--burst-delay`` seconds later S chats (two more than there
     are slots: two chats wait for a slot).
 
-  Chat TTFT counts from each chat's first send, yields and retries included (the client
-  honours ``retry_hint_ms``); TPOT is over the tokens after the first. Reported per round: chat
+  Chat TTFT counts from each chat's first send, yields and retries included (the governor's
+  client asks to wait for its turn, as governor-cli does, and honours ``retry_hint_ms`` past
+  it); TPOT is over the tokens after the first. Reported per round: chat
   TTFT and TPOT p50 and p99, e2e p99, yields, each rewrite's end from the round's start, and
   lost requests (no terminal answer: timed out, broken, retries spent); and the ratios the
   targets are set on: ``beside`` over ``alone`` (TTFT p99, TPOT p99), ``over``'s TPOT p99 over
@@ -68,7 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.client import ClientError, RetryPolicy
+from clients.client import DEFAULT_MAX_WAIT_S, ClientError, RetryPolicy
 from clients.helptext import RawDescriptionDefaultsHelpFormatter
 
 from ..support import baseline_server, llama_server
@@ -600,6 +601,7 @@ async def measure_throughput(
                 temperature=0.0,
                 ignore_eos=True,
                 prompts=tuple(story(first + i) for i in range(n)),
+                max_wait=DEFAULT_MAX_WAIT_S,
             )
             first += n
             await _quiet(args, inst)
@@ -657,7 +659,9 @@ async def measure_burst(
             delay = args.burst_delay if heavy else 0.0
             requests = _requests("rewrite", heavy, args.max_new_tokens)
             requests += _requests("chat", chats, args.chat_tokens, delay)
-            shape = Shape(temperature=0.0, chat=True, prompts=tuple(prompts))
+            shape = Shape(
+                temperature=0.0, chat=True, prompts=tuple(prompts), max_wait=DEFAULT_MAX_WAIT_S
+            )
             run = await open_loop(
                 inst.target(shape, cold=True),
                 requests,

@@ -103,6 +103,7 @@ class Shape:
     ignore_eos: bool = False  # governor: generate max_new_tokens whatever the model says
     # Fixed prompts, request i taking prompts[i % len(prompts)]; empty: synthetic ones.
     prompts: tuple[str, ...] = ()
+    max_wait: float | None = None  # governor: seconds a job may wait for its turn (max_wait_ms)
 
     def prompt(self, request: Request, index: int) -> str:
         if self.prompts:
@@ -278,6 +279,7 @@ async def exchange(
             chunk_bytes=shape.chunk_bytes,
             retry=retry,
             on_attempt=on_attempt,
+            max_wait=shape.max_wait,
         )
     else:
         text = shape.prompt(req, index)
@@ -292,7 +294,12 @@ async def exchange(
             lane=req.cls if shape.send_lane and req.cls in LANES else None,
         )
         result = await client.generate(
-            spec, job=job, retry=retry, on_attempt=on_attempt, on_delta=on_delta
+            spec,
+            job=job,
+            retry=retry,
+            on_attempt=on_attempt,
+            on_delta=on_delta,
+            max_wait=shape.max_wait,
         )
     outcome.end_s = _since(t0)
     outcome.first_retry_admitted = result.attempts == 2 and result.admitted_at is not None

@@ -52,10 +52,12 @@ UNAUTHORIZED = ("unauthorized", "http_401")
 Steps = Callable[[Target, Slo], Coroutine[Any, Any, list[dict[str, Any]]]]
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, *, default_retry: str, default_max_wait: float = 30.0
+) -> None:
     """The options every traffic command takes, with the same names and meanings."""
     _add_target_arguments(parser)
-    _add_client_arguments(parser, default_retry=default_retry)
+    _add_client_arguments(parser, default_retry=default_retry, default_max_wait=default_max_wait)
     _add_objective_arguments(parser)
     _add_limit_arguments(parser)
 
@@ -88,8 +90,19 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
 
 
-def _add_client_arguments(parser: argparse.ArgumentParser, *, default_retry: str) -> None:
+def _add_client_arguments(
+    parser: argparse.ArgumentParser, *, default_retry: str, default_max_wait: float
+) -> None:
     client = parser.add_argument_group("client behaviour")
+    client.add_argument(
+        "--max-wait",
+        type=float,
+        default=default_max_wait,
+        metavar="SECONDS",
+        help="governor (TCP): seconds each job may wait on the server for its turn when every "
+        "slot is taken (max_wait_ms), instead of an immediate yield; 0: plain v0, a yield at "
+        "once (what heptamini's daemon does). The front door's requests wait anyway.",
+    )
     client.add_argument(
         "--retry",
         choices=RETRY_MODES,
@@ -232,6 +245,7 @@ def target_from(
         chunk_bytes=getattr(args, "chunk_bytes", 8192),
         temperature=args.temperature,
         send_lane=not args.no_lanes,
+        max_wait=args.max_wait or None,
     )
     retry = retry_policy(args.retry, args.max_attempts, args.fixed_ms)
     if args.openai:
