@@ -28,10 +28,10 @@ from protocol.frames import MAX_ID_CHARS
 from . import __version__
 from .config import CLI_FIELDS, Config, ConfigError, default_text, parse_address
 from .core.tenants import key_sha256
-from .ops import logs, memory
 from .runners import RunnerConfigError, RunnerStartError
 from .runners.llama import embedded_model_path
 from .server import Server
+from .telemetry import logs, memory
 
 log = logging.getLogger("governor")
 

@@ -29,9 +29,9 @@ from .core.admission import BACKEND_FAILURES, Attempt, Ticket
 from .core.ledger import Completed, Refusal
 from .core.policy import Lane
 from .core.slo import judge, share
-from .ops.logs import event
 from .runners import Fed, Finished, Forwarding, Relay, Relayed, RunnerError, Token
 from .state import ServerState
+from .telemetry.logs import event
 
 if TYPE_CHECKING:
     from .core.overload import OverloadController
@@ -147,7 +147,7 @@ class Execution:
         # between them, so no cancel can come before the callback is there.
         self.task = asyncio.get_running_loop().create_task(self._run())
         self.task.add_done_callback(self._ended)
-        state.job_started(self.task)
+        state.jobs.started(self.task)
 
     # Ending it ---------------------------------------------------------------------------
 
@@ -259,7 +259,7 @@ class Execution:
         """A piece of the job's output, or of its progress: timed, and streamed."""
         ticket, state = self.ticket, self.state
         if isinstance(item, Token):
-            now = state.last_token_at = state.clock()
+            now = state.jobs.last_token_at = state.clock()
             if self.first_token is None:
                 self.first_token = now
                 self._first_token(now - ticket.slot.started)
@@ -324,7 +324,7 @@ class Execution:
             fleet.release(ticket.lease)
         if self.outcome == "revoked":  # (the session gave the ticket back and sent a yield)
             self.replies.job_ended(self)
-            self.state.job_ended(task)
+            self.state.jobs.ended(task)
             return
         prompt = completion = None
         if result is not None:
@@ -337,7 +337,7 @@ class Execution:
         )
         held_s = ticket.release(self.outcome, done)
         self.replies.job_ended(self)
-        self.state.job_ended(task)
+        self.state.jobs.ended(task)
         self._record(held_s, ttft_s, prompt, completion)
 
     def _record(

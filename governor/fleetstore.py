@@ -31,8 +31,8 @@ from .core.breaker import BreakerState
 from .core.fleetgate import Answer, Ask, FleetGate, Lease
 from .core.ledger import Refusal
 from .core.tenants import TenantConfig
-from .ops.logs import event
-from .ops.metrics import Histogram
+from .telemetry.logs import event
+from .telemetry.metrics import Histogram
 
 log = logging.getLogger("governor.core.fleetgate")
 

@@ -46,9 +46,9 @@ from .core.sources import NOW, Turn, source_of
 from .core.tenants import Tenant
 from .core.waitline import Candidate, Waiter, wait_budget_s, waits
 from .execution import Execution, Replies
-from .ops.logs import event
 from .runners import Job, Runner
 from .state import ServerState
+from .telemetry.logs import event
 
 log = logging.getLogger("governor.intake")
 
@@ -68,14 +68,16 @@ def cut_off(
 ) -> None:
     """Drop a connection whose client does not read (``reason`` ``slow_reader`` or
     ``write_timeout``) now, with what it left unread: counted and logged alike on every door."""
-    state.refused[reason] += 1
+    state.connections.refused[reason] += 1
     unread = transport.get_write_buffer_size()
     why = (
         f"read no reply for {state.config.write_timeout:g} s"
         if reason == "write_timeout"
         else "left more replies unread than write_buffer_bytes"
     )
-    line = state.sources.line(f"cut off connection {conn_id} from {source}: its client {why}")
+    line = state.connections.sources.line(
+        f"cut off connection {conn_id} from {source}: its client {why}"
+    )
     if line is not None:
         event(log, logging.WARNING, line, event="cut", reason=reason, source=source, unread=unread)
     transport.abort()
@@ -101,7 +103,7 @@ class Credentials:
     def connected(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         self.source = source_of(str(peer[0])) if peer else ""
-        self.cert_tenant = self.state.certificate_tenant(transport)
+        self.cert_tenant = self.state.connections.certificate_tenant(transport)
         self.authenticated = self.authenticated or self.cert_tenant is not None
 
     def turn_for(self, key: str) -> Turn | None:
@@ -112,7 +114,7 @@ class Credentials:
         :meth:`check_at_turn` (or :meth:`turn_unused` if its client leaves first). None: that
         turn is more than ``auth_grace`` away; refused for now, unchecked."""
         state = self.state
-        sources = state.sources
+        sources = state.connections.sources
         if state.tenants.open or key in self.keys or sources.failed_before(self.source, key):
             return NOW
         turn = sources.key_turn(self.source, state.config.auth_grace)
@@ -129,12 +131,12 @@ class Credentials:
     def turn_unused(self) -> None:
         """The request waiting for its key's turn is gone: the turn is given back."""
         if self.turn is not NOW:
-            self.state.sources.turn_unused(self.source, self.turn)
+            self.state.connections.sources.turn_unused(self.source, self.turn)
             self.turn = NOW
 
     def _check(self, key: str, turn: Turn) -> None:
         tenant = self.state.tenants.find(key)
-        self.state.sources.key_checked(self.source, key, tenant is not None, turn)
+        self.state.connections.sources.key_checked(self.source, key, tenant is not None, turn)
         if tenant is not None:
             self.keys[key] = tenant
             self.authenticated = True
@@ -159,7 +161,7 @@ class Credentials:
         return self.failures >= self.state.config.max_auth_failures
 
     def _log_closing(self) -> None:
-        line = self.state.sources.line(
+        line = self.state.connections.sources.line(
             f"closing connection {self.conn_id} from {self.source} after {self.failures} "
             "failed keys"
         )

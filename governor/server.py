@@ -43,11 +43,11 @@ from .listeners.admin import AdminListener
 from .listeners.base import Listener
 from .listeners.http import FrontDoor
 from .listeners.tcp import TcpListener
-from .ops import memory
 from .ops.health import Health
-from .ops.logs import event
 from .runners import KvCacheRunner, Runner, StubRunner
 from .state import ServerState
+from .telemetry import memory
+from .telemetry.logs import event
 
 if TYPE_CHECKING:
     from .fleetstore import Fleet
@@ -313,7 +313,7 @@ class Server:
             await self._close_listeners()
             raise
         await self._serve(early=False)
-        self.state.started = True
+        self.state.connections.started = True
         if self.fleet is not None:
             self._background.append(loop.create_task(self.fleet.run()))
         self._background.append(loop.create_task(self.health.probe_loop()))
@@ -406,11 +406,11 @@ class Server:
     @property
     def live_jobs(self) -> int:
         """Jobs whose execution has not ended (equal to :attr:`inflight`: no slot leaks)."""
-        return self.state.live_jobs
+        return self.state.jobs.live
 
     @property
     def buffered_bytes(self) -> int:
-        return self.state.buffers.used
+        return self.state.connections.buffers.used
 
     @property
     def draining(self) -> bool:
@@ -468,7 +468,7 @@ class Server:
         """Wait at most ``timeout`` seconds for running jobs to end (a second signal cuts the
         wait short); returns how many still run."""
         if self.inflight and timeout > 0:
-            events = (self.state.jobs_done, self._force)
+            events = (self.state.jobs.done, self._force)
             waits = [asyncio.ensure_future(e.wait()) for e in events]
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
@@ -490,7 +490,7 @@ class Server:
         await self._close_listeners()
         for conn in list(self.connections):
             conn.close()
-        jobs = list(self.state.jobs)
+        jobs = list(self.state.jobs.tasks)
         for task in jobs:
             task.cancel()
         if jobs:

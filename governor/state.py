@@ -1,8 +1,10 @@
 """What connections, the probes, the exporter and the operator's listener see of the server.
 
 :class:`ServerState` is the daemon's shared state without its lifecycle (uvicorn's
-``ServerState``): the configuration, the admission (pools, tenants, overload state), the
-measurements, the open connections, the job tasks and the payload buffers' budget.
+``ServerState``), in eight parts: the configuration, the admission (pools, tenants, overload
+state), the measurements and the objectives' attainment, the open connections and what they
+share (:class:`Connections`: the limits by source, the payload buffers' budget), the job tasks
+(:class:`Jobs`), the line of jobs waiting for their turn, and the fleet.
 :class:`~governor.server.Server` builds it, starts and stops everything around it, and is the
 only module that imports the others' classes; they import this one, so nothing inside
 ``governor/`` imports in a circle.
@@ -12,18 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from protocol.codes import ErrorCode, NeedCode, Receipt
 
 from .config import Config
-from .core.admission import Admission, Budget
+from .core.admission import Admission, Budget, Pool
+from .core.ledger import SlotLedger
+from .core.overload import OverloadController
 from .core.policy import LANES
 from .core.slo import Attainment
 from .core.sources import Displaced, Refused, Sources, parse_networks
-from .core.tenants import Tenant
+from .core.tenants import Tenant, Tenants
 from .core.waitline import Candidate, WaitLine
-from .ops.metrics import JobMetrics
+from .telemetry.metrics import JobMetrics
 
 if TYPE_CHECKING:  # (imported by the server only with redis_url: no Redis client otherwise)
     from .fleetstore import Fleet
@@ -46,56 +51,40 @@ class Displaceable(Protocol):
     def __hash__(self) -> int: ...
 
 
-class ServerState:
-    def __init__(self, config: Config, admission: Admission) -> None:
-        self.config = config
-        self.admission = admission
-        self.pools = admission.pools
-        self.primary = admission.primary
-        self.fallback = admission.fallback
-        self.ledger = admission.ledger
-        self.clock = self.ledger.clock
-        self.tenants = admission.tenants
-        self.overload = admission.overload
-        self.metrics = JobMetrics()
-        self.slo = Attainment(config.overload_window, self.clock)  # objectives met, by lane
-        self.bad_frames: collections.Counter[str] = collections.Counter()  # by need code
-        # Connections ended by the server before they were served, or cut without a frame.
-        self.refused: collections.Counter[str] = collections.Counter()  # by reason
-        # The front door's answers, by path (a known one, else "other") and status.
-        self.http_responses: collections.Counter[tuple[str, str]] = collections.Counter()
+class Connections:
+    """Both listeners' open connections and what they share: the limits and pacing by source
+    (:class:`~governor.core.sources.Sources`), the server's payload buffers' budget, and the
+    connections refused or displaced."""
+
+    def __init__(self, config: Config, tenants: Tenants, clock: Callable[[], float]) -> None:
         self.sources: Sources[Displaceable] = Sources(
             max_connections=config.max_connections,
             max_per_source=config.max_connections_per_source,
             trusted=parse_networks(config.trusted_sources),
             guess_rate=config.auth_guess_rate,
             guess_burst=config.auth_guess_burst,
-            clock=admission.ledger.clock,
+            clock=clock,
         )
-        self.displaced = 0  # connections closed to make way for new ones
-        self.connections: set[Connection] = set()
-        self.jobs: set[asyncio.Task[None]] = set()  # every admitted job's execution
+        self.tenants = tenants
+        self.open: set[Connection] = set()
         self.buffers = Budget(config.max_buffer_bytes)  # payload bytes held, server-wide
-        self.last_token_at: float | None = None  # a client's job generated a token
+        # Ended by the server before they were served, or cut without a frame, by reason.
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.displaced = 0  # closed to make way for new ones
+        self.listener: asyncio.Server | None = None  # the protocol's, once it serves
         self.started = False  # the runners are ready and the listener accepts
-        self.listener: asyncio.Server | None = None
-        self.jobs_done = asyncio.Event()
-        self.jobs_done.set()
-        self.fleet: Fleet | None = None  # with redis_url: the fleet's step of every admission
-        # The jobs waiting for their turn, from both doors (governor.intake.Wait).
-        self.line: WaitLine[Candidate] = WaitLine(
-            len(LANES), limit=config.max_waiting, per_tenant=config.max_waiting_per_tenant
-        )
 
-    @property
-    def inflight(self) -> int:
-        """Jobs holding a slot, in the primary pool and the fallback pool."""
-        return self.admission.inflight
+    def __len__(self) -> int:
+        return len(self.open)
 
-    @property
-    def live_jobs(self) -> int:
-        """Jobs whose execution has not ended: equal to :attr:`inflight` unless a slot leaked."""
-        return sum(1 for task in self.jobs if not task.done())
+    def __iter__(self) -> Iterator[Connection]:
+        return iter(list(self.open))  # (a copy: closing one takes it out)
+
+    def add(self, conn: Connection) -> None:
+        self.open.add(conn)
+
+    def discard(self, conn: Connection) -> None:
+        self.open.discard(conn)
 
     @property
     def listening(self) -> bool:
@@ -104,7 +93,7 @@ class ServerState:
             return not self.started
         return self.listener.is_serving()
 
-    def open_connection(self, conn: Displaceable, source: str, *, idle: bool) -> Refused | None:
+    def accept(self, conn: Displaceable, source: str, *, idle: bool) -> Refused | None:
         """A new connection, on either listener: counted (in place of an idle one, told why, at
         a limit), or refused (at ``max_connections`` or its source's limit with no idle
         connection to displace), the refusal counted."""
@@ -124,16 +113,74 @@ class ServerState:
         cert = transport.get_extra_info("peercert")
         return self.tenants.find_cert(cert) if cert else None
 
-    def job_started(self, task: asyncio.Task[None]) -> None:
-        self.jobs.add(task)
-        self.jobs_done.clear()
 
-    def job_ended(self, task: asyncio.Task[None]) -> None:
+class Jobs:
+    """Every admitted job's execution task, until it has given back its ticket."""
+
+    def __init__(self, ended: Callable[[], None]) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.done = asyncio.Event()  # set while none runs
+        self.done.set()
+        self.last_token_at: float | None = None  # a client's job generated a token
+        self._ended = ended  # (a slot may have freed)
+
+    @property
+    def live(self) -> int:
+        """Jobs whose execution has not ended: the slots held unless a slot leaked."""
+        return sum(1 for task in self.tasks if not task.done())
+
+    def started(self, task: asyncio.Task[None]) -> None:
+        self.tasks.add(task)
+        self.done.clear()
+
+    def ended(self, task: asyncio.Task[None]) -> None:
         """Called once a job has given back its ticket."""
-        self.jobs.discard(task)
-        if not self.jobs:
-            self.jobs_done.set()
-        self.offer()
+        self.tasks.discard(task)
+        if not self.tasks:
+            self.done.set()
+        self._ended()
+
+
+class ServerState:
+    def __init__(self, config: Config, admission: Admission) -> None:
+        self.config = config
+        self.admission = admission
+        self.metrics = JobMetrics()
+        self.slo = Attainment(config.overload_window, admission.clock)  # objectives met, by lane
+        self.connections = Connections(config, admission.tenants, admission.clock)
+        self.jobs = Jobs(self.offer)
+        # The jobs waiting for their turn, from both doors (governor.intake.Wait).
+        self.line: WaitLine[Candidate] = WaitLine(
+            len(LANES), limit=config.max_waiting, per_tenant=config.max_waiting_per_tenant
+        )
+        self.fleet: Fleet | None = None  # with redis_url: the fleet's step of every admission
+
+    # The admission's parts, read often (it owns them) ------------------------------------
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.admission.clock
+
+    @property
+    def ledger(self) -> SlotLedger:
+        return self.admission.ledger
+
+    @property
+    def pools(self) -> tuple[Pool, ...]:
+        return self.admission.pools
+
+    @property
+    def tenants(self) -> Tenants:
+        return self.admission.tenants
+
+    @property
+    def overload(self) -> OverloadController | None:
+        return self.admission.overload
+
+    @property
+    def inflight(self) -> int:
+        """Jobs holding a slot, in the primary pool and the fallback pool."""
+        return self.admission.inflight
 
     def offer(self) -> None:
         """A slot may have freed (a job ended, a waiter left) or a drain began: the jobs waiting

@@ -12,15 +12,8 @@ danger line is drawn on those.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class CacheShape:
-    """One worker's KV cache."""
-
-    cells: int
-    sequences: int
+from ..runners.base import CacheShape
 
 
 class KvBudget:

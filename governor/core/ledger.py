@@ -51,10 +51,10 @@ from dataclasses import dataclass
 
 from protocol.codes import NeedCode
 
-from ..runners.base import Pause
+from ..runners.base import CacheShape, Pause
 from .estimates import Completed, ServiceEstimates
 from .hints import RetryHints
-from .kvbudget import CacheShape, KvBudget
+from .kvbudget import KvBudget
 from .lanegate import LaneGate
 from .policy import LANES, Demand, Lane, LanePolicy
 from .preemption import cell_victims, slot_victims

@@ -73,7 +73,7 @@ from ..core.admission import (
     Reservation,
     Yielded,
 )
-from ..core.ledger import Refusal
+from ..core.ledger import DRAINING_HINT_MS, Refusal
 from ..core.sources import KEY_TURN_FAR
 from ..execution import Ending, Execution
 from ..ops.health import Verdict
@@ -98,6 +98,8 @@ HEALTH = "/health"
 # models, and llama-server's tokenizer (cheap, bounded as any request is).
 PROXIED = {MODELS: ("GET", "HEAD"), "/tokenize": ("POST",), "/detokenize": ("POST",)}
 PROXY = "proxy"  # (the kind of request that is one of these)
+# Answers by hand that tell the client to come back (a yield on TCP), not that it failed.
+YIELDS = frozenset({NeedCode.BUFFERS_FULL, NeedCode.DRAINING})
 
 
 class FrontDoor:
@@ -129,7 +131,7 @@ class FrontDoor:
             grace_s=config.upload_timeout,
             limit=config.max_connections * config.held_payloads_per_conn,
         )
-        self.buffers = state.buffers
+        self.buffers = state.connections.buffers
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
         self._sweep: asyncio.TimerHandle | None = None
@@ -218,7 +220,7 @@ class HttpConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         state = self.state
         self.credentials.connected(transport)
-        refused = state.open_connection(self, self.source, idle=self.is_idle)
+        refused = state.connections.accept(self, self.source, idle=self.is_idle)
         if refused is not None:  # (a connection limit: another may free within a second)
             self._raw(
                 HTTPStatus.SERVICE_UNAVAILABLE,
@@ -251,7 +253,7 @@ class HttpConnection(asyncio.Protocol):
         if self.exchange is None and not self.arriving:  # the request's deadline, from its
             self.arriving = True  # first byte: set once
             self._deadline(self.config.upload_timeout, HTTPStatus.REQUEST_TIMEOUT)
-            self.state.sources.idle(self, False)
+            self.state.connections.sources.idle(self, False)
         self.http.receive_data(data)
         if self.exchange is None:
             self._advance()
@@ -286,7 +288,7 @@ class HttpConnection(asyncio.Protocol):
         if self.served:
             self.served = False
             self.state.connections.discard(self)
-            self.state.sources.close(self)
+            self.state.connections.sources.close(self)
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -375,6 +377,10 @@ class HttpConnection(asyncio.Protocol):
         assert self.reservation is not None
         if not self.reservation.hold(len(self.body)):
             self._release_body()
+            if self.state.ledger.draining:  # (as on TCP: no retry here would be admitted)
+                refusal = api.refusal(NeedCode.DRAINING, ErrorCode.UNAVAILABLE, DRAINING_HINT_MS)
+                self._raw(refusal.status, NeedCode.DRAINING, refusal.message, refusal.headers)
+                return
             self._raw(
                 HTTPStatus.TOO_MANY_REQUESTS,
                 NeedCode.BUFFERS_FULL,
@@ -446,7 +452,7 @@ class HttpConnection(asyncio.Protocol):
                 self._deadline(self.config.upload_timeout, HTTPStatus.REQUEST_TIMEOUT)
             else:
                 self._deadline(self.config.idle_timeout, None)
-                self.state.sources.idle(self, self.is_idle)
+                self.state.connections.sources.idle(self, self.is_idle)
             self._advance()
             self._read_ahead()
         else:
@@ -503,7 +509,9 @@ class HttpConnection(asyncio.Protocol):
         self.closed = True
         if transport is None or transport.is_closing():
             return
-        self.state.http_responses[(self.path, str(status.value))] += 1
+        self.state.metrics.http_responses[(self.path, str(status.value))] += 1
+        if code not in YIELDS:  # (counted as TCP counts its abort frames)
+            self.state.metrics.aborts[code] += 1
         body = api.error_body(status, code, message)
         lines = [
             f"HTTP/1.1 {status.value} {status.phrase}",
@@ -617,7 +625,7 @@ class Exchange:
             fields.append(("content-length", str(length)))
         if conn.closing():
             fields.append(("connection", "close"))
-        conn.state.http_responses[(conn.path, str(status.value))] += 1
+        conn.state.metrics.http_responses[(conn.path, str(status.value))] += 1
         self._send(
             h11.Response(status_code=int(status), headers=fields, reason=status.phrase.encode())
         )

@@ -447,9 +447,11 @@ class JobTable:
                 f"this connection already buffers {self.buffers.used} payload bytes; "
                 f"its limit is {self.buffers.limit}"
             )
-        if not self.state.buffers.fits(declared):
+        if not self.state.connections.buffers.fits(declared):
             raise BuffersFull
-        reservation = state.reservation = Reservation(self.buffers, self.state.buffers, declared)
+        reservation = state.reservation = Reservation(
+            self.buffers, self.state.connections.buffers, declared
+        )
         reservation.hold(held)
 
     def buffers_full(self, req: Request, seq: int) -> None:

@@ -124,7 +124,7 @@ class Session:
         idle = self.is_idle
         if idle != self.idle:
             self.idle = idle
-            self.state.sources.idle(self, idle)
+            self.state.connections.sources.idle(self, idle)
 
     # Events from the connection ----------------------------------------------------------
 
@@ -327,7 +327,7 @@ class Session:
         try:
             req = decode_request(line)
         except RemoteProtocolError as exc:
-            self.state.bad_frames[exc.need_code] += 1
+            self.state.metrics.bad_frames[exc.need_code] += 1
             job, seq = self.last_job, self.last_seq
             if isinstance(exc, EnvelopeInvalid):  # it may name its own job and seq
                 job = exc.job or job

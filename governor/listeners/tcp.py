@@ -59,7 +59,9 @@ class TcpListener:
 
     async def serve(self) -> None:
         assert self._sock is not None
-        self._server = self.state.listener = await asyncio.get_running_loop().create_server(
+        self._server = (
+            self.state.connections.listener
+        ) = await asyncio.get_running_loop().create_server(
             lambda: GovernorProtocol(self.state),
             sock=self._sock,
             backlog=intake.BACKLOG,
@@ -97,7 +99,7 @@ class GovernorProtocol(asyncio.Protocol):
         state, session = self.state, self.session
         session.credentials.connected(transport)
         session.idle = session.is_idle
-        refused = state.open_connection(session, session.source, idle=session.is_idle)
+        refused = state.connections.accept(session, session.source, idle=session.is_idle)
         if refused is not None:
             session.fatal(refused.need_code, refused.error_code, refused.detail)
             return
@@ -113,7 +115,7 @@ class GovernorProtocol(asyncio.Protocol):
         if self._served:
             self._served = False
             self.state.connections.discard(self)
-            self.state.sources.close(self.session)
+            self.state.connections.sources.close(self.session)
 
     def pause_writing(self) -> None:
         # The client is not reading its replies: stop reading and handling its requests.

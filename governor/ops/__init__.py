@@ -1,2 +1,2 @@
-"""What operators see: health and readiness (:mod:`.health`), metrics (:mod:`.metrics`,
-:mod:`.exporter`), structured logs (:mod:`.logs`) and the process's memory (:mod:`.memory`)."""
+"""What operators see: health and readiness (:mod:`.health`) and the Prometheus exporter
+(:mod:`.exporter`), read from the server's state and :mod:`governor.telemetry`."""

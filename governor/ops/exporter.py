@@ -21,8 +21,8 @@ from prometheus_client.registry import Collector
 from ..core.policy import LANES
 from ..core.slo import OBJECTIVES, Attainment
 from ..state import ServerState
+from ..telemetry.logs import dropped_records
 from .health import Health
-from .logs import dropped_records
 
 if TYPE_CHECKING:
     from ..fleetstore import Fleet
@@ -67,7 +67,7 @@ def _server_families(server: ServerState, health: Health) -> Iterator[Metric]:
         (
             "governor_buffered_payload_bytes",
             "Payload bytes reserved by uploads in progress and payloads held after a yield.",
-            server.buffers.used,
+            server.connections.buffers.used,
         ),
         (
             "governor_expected_service_seconds",
@@ -253,21 +253,21 @@ def _front_families(server: ServerState, health: Health) -> Iterator[Metric]:
         "governor_bad_frames",
         "Lines refused before any upload, by need code.",
         ["code"],
-        _by_one(server.bad_frames),
+        _by_one(server.metrics.bad_frames),
     )
     yield _counter(
         "governor_connections_refused",
         "Connections refused at once (too_many_connections) or cut off without a frame "
         "(slow_reader, write_timeout), by reason.",
         ["reason"],
-        _by_one(server.refused),
+        _by_one(server.connections.refused),
     )
     yield _counter(
         "governor_http_responses",
         "The OpenAI-compatible front door's answers, by path (other: any other, and "
         "answers before a request was read) and HTTP status.",
         ["path", "status"],
-        server.http_responses.items(),
+        server.metrics.http_responses.items(),
     )
     yield from _line_families(server)
 
@@ -309,13 +309,13 @@ def _source_families(server: ServerState, health: Health) -> Iterator[Metric]:
         "governor_connections_displaced",
         "Idle connections (nothing in flight, no key shown) closed to make way for a new "
         "one at max_connections or max_connections_per_source.",
-        value=server.displaced,
+        value=server.connections.displaced,
     )
     yield GaugeMetricFamily(
         "governor_sources_waiting",
         "Source addresses whose new keys wait for a turn: their auth_guess_burst of failed "
         "keys is spent.",
-        value=server.sources.waiting,
+        value=server.connections.sources.waiting,
     )
 
 

@@ -39,7 +39,7 @@ import orjson
 from ..core.breaker import BreakerState
 from ..runners import RunnerError, RunnerHealth
 from ..state import ServerState
-from .logs import event
+from ..telemetry.logs import event
 
 log = logging.getLogger("governor.ops.health")
 
@@ -135,9 +135,9 @@ class Health:
         server, config = self.server, self.config
         now = self.clock()
         checks: dict[str, Check] = {}
-        if not server.started:
+        if not server.connections.started:
             checks["started"] = Check(False, "starting: the runner is loading")
-        runner = server.primary.runner.health()
+        runner = server.admission.primary.runner.health()
         if runner.workers:
             checks["workers"] = Check(
                 runner.workers_live > 0,
@@ -155,8 +155,8 @@ class Health:
                 share < policy.kv_danger,
                 f"KV cache {share:.0%} in use (danger line {policy.kv_danger:.0%})",
             )
-        breaker = server.primary.breaker
-        fallback = server.fallback
+        breaker = server.admission.primary.breaker
+        fallback = server.admission.fallback
         if breaker.state != BreakerState.OPEN:
             checks["breaker"] = Check(True, f"the primary pool's breaker is {breaker.state.label}")
         elif fallback is not None and fallback.breaker.state != BreakerState.OPEN:
@@ -173,7 +173,7 @@ class Health:
         max_age = self.config.probe_max_age
         last_failure = self.last_failure
         # A probe that succeeded, or a client's job that generated a token: the path works.
-        tokens = [t for t in (self.last_ok, self.server.last_token_at) if t is not None]
+        tokens = [t for t in (self.last_ok, self.server.jobs.last_token_at) if t is not None]
         last_ok = max(tokens) if tokens else None
         if last_ok is None:
             return Check(False, self.failure_detail or "no probe has succeeded yet")
@@ -205,9 +205,9 @@ class Health:
     def _beat(self) -> None:
         server = self.server
         self.beat = self.clock()
-        self.listening = server.listening
-        self.supervisor = server.primary.runner.health()
-        self.orphans = server.inflight - server.live_jobs
+        self.listening = server.connections.listening
+        self.supervisor = server.admission.primary.runner.health()
+        self.orphans = server.inflight - server.jobs.live
         if self.orphans <= 0:
             self.orphaned_since = None
         elif self.orphaned_since is None:
@@ -238,7 +238,7 @@ class Health:
 
     async def probe(self) -> None:
         """One readiness probe on the primary pool; in half-open, it is the breaker's trial."""
-        pool, metrics = self.server.primary, self.server.metrics
+        pool, metrics = self.server.admission.primary, self.server.metrics
         if pool.ledger.draining or pool.ledger.saturated:
             metrics.probes["skipped"] += 1  # busy: its jobs' tokens are the evidence
             return

@@ -23,10 +23,16 @@ from typing import Any, Protocol, runtime_checkable
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, SpecInvalid, check_ceiling, parse_spec
 
-from ..core.kvbudget import CacheShape
-
 # The health probe's job, the smallest real one: one greedy token (see :meth:`Runner.probe`).
 PROBE_SPEC = JobSpec(prompt="Hi", max_new_tokens=1, temperature=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """One worker's KV cache, as a runner reports it (admission's KV budget is made of these)."""
+
+    cells: int
+    sequences: int
 
 
 class Pause:

@@ -51,9 +51,9 @@ import orjson
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, SpecInvalid
 
-from ..core.kvbudget import CacheShape
-from ..ops.logs import event
+from ..telemetry.logs import event
 from .base import (
+    CacheShape,
     Fed,
     Finished,
     Job,

@@ -55,9 +55,9 @@ STEPS: tuple[tuple[str, str], ...] = (
     ("governor/core/", "admission: decision, ledger, tenants"),
     ("governor/execution.py", "execution: task, terminal frame, record"),
     ("governor/runners/", "runner (stub)"),
-    ("governor/ops/logs.py", "the job's log line"),
+    ("governor/telemetry/logs.py", "the job's log line"),
     ("/logging/", "the job's log line"),
-    ("governor/ops/metrics.py", "metrics"),
+    ("governor/telemetry/metrics.py", "metrics"),
     ("prometheus_client/", "metrics"),
     ("governor/state.py", "server state"),
 )

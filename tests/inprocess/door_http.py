@@ -727,7 +727,7 @@ class HttpDoor:
     def check_final(self) -> None:
         """The server counts every answer it sends (``http_responses``): those the clients
         received, and at most one for each request of a client that left unanswered."""
-        counted = collections.Counter(self.m.the_server.state.http_responses)
+        counted = collections.Counter(self.m.the_server.state.metrics.http_responses)
         received = collections.Counter(
             (s.spec.counted_path, str(s.head.status))
             for c in self.clients

@@ -73,13 +73,13 @@ def populated_server() -> Server:
     state.overload.transitions[("normal", "degraded")] += 1
     for pool in state.pools:
         pool.breaker.transitions[(BreakerState.CLOSED.label, BreakerState.OPEN.label)] += 1
-    state.bad_frames["bad_json"] += 2
-    state.refused["too_many_connections"] += 1
-    state.refused["slow_reader"] += 3
-    state.http_responses[("/v1/completions", "200")] += 6
-    state.http_responses[("other", "404")] += 1
-    state.displaced = 2
-    state.buffers.used = 1234
+    state.metrics.bad_frames["bad_json"] += 2
+    state.connections.refused["too_many_connections"] += 1
+    state.connections.refused["slow_reader"] += 3
+    state.metrics.http_responses[("/v1/completions", "200")] += 6
+    state.metrics.http_responses[("other", "404")] += 1
+    state.connections.displaced = 2
+    state.connections.buffers.used = 1234
     assert state.fleet is not None
     gate = state.fleet.gate
     gate.answers["allowed"] += 7

@@ -119,7 +119,7 @@ async def test_a_yield_is_a_rate_limit_error_carrying_retry_after_ms(
     assert response.headers["x-governor-inflight"] == "1"
     await running
     assert server.ledger.yielded_total == 1
-    answers = server.state.http_responses
+    answers = server.state.metrics.http_responses
     assert (answers[("/v1/chat/completions", "429")], answers[("/v1/chat/completions", "200")]) == (
         1,
         1,
@@ -191,7 +191,7 @@ async def test_a_request_back_for_its_place_waits_at_the_door_rather_than_spend_
         assert int(back.headers["x-governor-waited-ms"]) > 0
         assert (await running).status_code == 200
         assert server.ledger.yielded_total >= 2  # refused again, inside, at least once
-        assert server.state.http_responses[("/v1/chat/completions", "429")] == 1
+        assert server.state.metrics.http_responses[("/v1/chat/completions", "429")] == 1
         # A turn further off than the door's budget: told so, not held at the door.
         long = await front(make_server, max_inflight=1, stub_ms=3000, max_wait=1.0)
         async with httpx.AsyncClient(base_url=url(long)) as other:
@@ -355,7 +355,7 @@ async def test_paths_and_methods(make_server: ServerFactory) -> None:
     assert wrong.json()["error"]["code"] == "method_not_allowed"
     assert (missing.status_code, missing.json()["error"]["type"]) == (404, "invalid_request_error")
     assert (head.status_code, head.content) == (200, b"")
-    assert server.state.http_responses[("other", "404")] == 1
+    assert server.state.metrics.http_responses[("other", "404")] == 1
 
 
 class Failing(StubRunner):

@@ -357,6 +357,7 @@ async def test_a_head_flood_is_431_and_a_close(
     answer = await answering
     assert (answer.status, answer.headers["connection"]) == (431, "close")
     assert answer.code == "spec_invalid"
+    assert server.state.metrics.aborts["spec_invalid"] == 1  # (as TCP counts its aborts)
     await client.closed()
     if how == "trickled":  # refused once the bound was passed, not at the head's end
         assert sent <= min(len(head), MAX_HEAD_BYTES + 16 * 1024), sent
@@ -398,6 +399,7 @@ async def test_a_huge_content_length_is_413_before_any_body_is_sent(
     answer = await client.answer()  # no body byte was sent
     assert (answer.status, answer.headers["connection"]) == (413, "close")
     assert answer.code == "payload_too_large"
+    assert server.state.metrics.aborts["payload_too_large"] == 1
     await client.closed()
     assert server.buffered_bytes == 0
     await assert_healthy(server)
@@ -494,6 +496,14 @@ async def test_bodies_count_against_the_servers_buffers(
         assert int(answer.headers["retry-after"]) >= 1
         await late.closed()
     assert server.buffered_bytes == len(holder_body)  # the refused held nothing
+    assert server.state.metrics.aborts["buffers_full"] == 0  # (a yield: come back)
+    server.ledger.draining = True  # a drain: no retry here would be admitted, as on TCP
+    late = await dial(server)
+    late.send(post(late_body))
+    answer = await late.answer()
+    assert (answer.status, answer.code) == (503, "draining")
+    assert answer.headers["connection"] == "close"
+    server.ledger.draining = False
     assert (await holder.answer()).status == 200
     await wait_until(lambda: server.buffered_bytes == 0)
     retry = await dial(server)
@@ -533,6 +543,7 @@ async def test_a_trickled_request_gets_408_at_its_deadline_however_steadily_it_c
     took = time.monotonic() - started
     assert (answer.status, answer.headers["connection"]) == (408, "close")
     assert answer.code == "upload_timeout"
+    assert server.state.metrics.aborts["upload_timeout"] == 1
     assert upload_timeout * 0.8 <= took < upload_timeout + 3, took
     assert upload_timeout / 0.02 / 2 < sent < len(data)  # it was still coming, all along
     await client.closed()
@@ -818,10 +829,10 @@ async def test_a_stream_nobody_reads_is_cut_off_and_gives_its_slot_back(
     sock = unread_socket(server)
     try:
         sock.sendall(post(chat_body(stream=True, max_tokens=1024)))
-        await wait_until(lambda: server.state.refused[reason] == 1, timeout=5)
+        await wait_until(lambda: server.state.connections.refused[reason] == 1, timeout=5)
         await wait_until(lambda: idle(server) and not http_connections(server), timeout=2)
         assert outcomes(server)["client_gone"] == 1
-        assert sum(server.state.refused.values()) == 1
+        assert sum(server.state.connections.refused.values()) == 1
     finally:
         sock.close()
     address = server.http_address
@@ -858,7 +869,7 @@ async def test_connections_over_the_limit_get_503_and_are_closed(
     answer = await assert_refused(third, 503, "too_many_connections")
     assert answer.headers["retry-after"] == "1"
     assert answer.headers["retry-after-ms"] == "1000"
-    assert server.state.refused["too_many_connections"] == 1
+    assert server.state.connections.refused["too_many_connections"] == 1
     held[0].send(post()[20:])  # the held ones are served meanwhile
     assert (await held[0].answer()).status == 200
     for client in held:
@@ -917,7 +928,7 @@ async def test_one_source_at_its_limit_leaves_room_for_others(
     for client in [*held, other]:
         client.abort()
     await wait_until(lambda: not http_connections(server))
-    assert server.state.sources.open_by_source == {}
+    assert server.state.connections.sources.open_by_source == {}
     assert idle(server)
 
 
@@ -965,7 +976,7 @@ async def test_a_key_past_the_burst_waits_for_its_turn_and_is_served(
     guesser = await dial(server)
     guesser.send(b"".join(post(BODY, f"Authorization: Bearer guess-{i}") for i in range(2)))
     assert [(await guesser.answer()).status for _ in range(2)] == [401, 401]
-    sources = server.state.sources
+    sources = server.state.connections.sources
     spent = sources._paid_at["127.0.0.1"]
     leaving = await dial(server)
     leaving.send(post(BODY, "Authorization: Bearer another-guess"))  # its turn: about 2 s away
@@ -997,7 +1008,7 @@ async def test_pipelined_guesses_get_max_auth_failures_answers_then_a_close(
     assert [a.status for a in answers] == [401] * 3
     assert [a.headers.get("connection") for a in answers] == [None, None, "close"]
     await client.closed()
-    assert server.state.sources.waiting == 1
+    assert server.state.connections.sources.waiting == 1
     assert server.inflight == 0
 
 

@@ -74,7 +74,7 @@ async def test_more_requests_than_slots_all_finish_without_a_retry(
     metrics = server.state.metrics
     assert metrics.door_waits[("-", "admitted")] == 8
     assert sum(metrics.door_wait.by_lane["-"].counts) == 8
-    assert server.state.http_responses[(PATH, "429")] == 0
+    assert server.state.metrics.http_responses[(PATH, "429")] == 0
     assert line(server) == 0
     assert [t.waiting for t in server.tenants.all()] == [0]
     assert server.ledger.waiting(0) == 0  # (no promise left in admission's line)
@@ -284,4 +284,4 @@ async def test_health_on_the_api_port_is_readiness(
         unready = await other.get(url(server) + "/health")
     assert unready.status_code == 503
     assert unready.json()["status"] == "fail"
-    assert server.state.http_responses[("/health", "503")] == 1
+    assert server.state.metrics.http_responses[("/health", "503")] == 1

@@ -239,7 +239,7 @@ async def test_a_slow_readers_pipelined_pings_wait_and_it_is_cut_off(
         assert 0 < session.lines < 20_000  # type: ignore[attr-defined]
         # Cut off write_timeout after it stopped reading, long before the idle timeout.
         await wait_until(lambda: not server.connections, timeout=5)
-        assert server.state.refused["write_timeout"] == 1
+        assert server.state.connections.refused["write_timeout"] == 1
     finally:
         sock.close()
 
@@ -252,7 +252,7 @@ async def test_a_stream_nobody_reads_is_cut_at_the_write_budget_and_gives_its_sl
     try:
         sock.setblocking(True)
         sock.sendall(orjson.dumps(inline("J_f", 1, "go")) + b"\n")
-        await wait_until(lambda: server.state.refused["slow_reader"] == 1, timeout=10)
+        await wait_until(lambda: server.state.connections.refused["slow_reader"] == 1, timeout=10)
         await wait_until(lambda: not server.connections)
         await wait_until(lambda: server.inflight == 0 and server.live_jobs == 0)
     finally:
@@ -286,7 +286,7 @@ async def test_one_source_at_its_limit_leaves_room_for_others(make_server: Serve
         for conn in [*held, extra]:
             await conn.close()
     await wait_until(lambda: not server.connections)
-    assert server.state.sources.open_by_source == {}
+    assert server.state.connections.sources.open_by_source == {}
 
 
 async def test_without_a_valid_key_within_the_grace_a_connection_is_closed(

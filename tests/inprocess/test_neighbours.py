@@ -76,7 +76,9 @@ async def test_four_wrong_keys_from_one_client_cost_its_neighbours_nothing(
             conn.send(inline(f"J_n{i}", api_key=key) if key else ping())
         replies = [await conn.recv(timeout=2) for conn in neighbours]
         assert [r["status"] for r in replies] == ["done", "done", "ok"]
-        assert server.state.sources.waiting == 0  # the burst is not spent: nothing waited
+        assert (
+            server.state.connections.sources.waiting == 0
+        )  # the burst is not spent: nothing waited
     finally:
         for conn in neighbours:
             await conn.close()
@@ -99,7 +101,7 @@ async def test_a_client_retrying_its_wrong_key_spends_nothing_of_its_neighbours(
         http.send(post(BODY, "Authorization: Bearer k-typo"))
         assert (await http.answer()).status == 401
         http.abort()
-    assert server.state.sources.waiting == 0
+    assert server.state.connections.sources.waiting == 0
     neighbour = await RawConn.open(server)
     neighbour.send(inline("J_n", api_key=KEY))
     assert (await neighbour.recv())["status"] == "done"
@@ -130,7 +132,7 @@ async def test_a_reconnecting_guesser_leaves_a_valid_key_beside_it_served(
 
     guesser = asyncio.create_task(guess())
     try:
-        await wait_until(lambda: server.state.sources.waiting == 1)
+        await wait_until(lambda: server.state.connections.sources.waiting == 1)
         keyed = await RawConn.open(server)
         keyed.send(inline("J_ok", api_key=KEY))
         assert (await keyed.recv())["status"] == "done"
@@ -198,9 +200,9 @@ async def test_a_flood_of_pinging_connections_cannot_keep_a_keyed_client_out(
         await asyncio.gather(*tasks)
     assert displaced  # (a client writing as it is displaced may read a reset instead)
     assert {(d["need_code"], d["error_code"]) for d in displaced} == {("displaced", "quota")}
-    assert server.state.displaced >= len(displaced)
+    assert server.state.connections.displaced >= len(displaced)
     await wait_until(lambda: not server.connections)
-    assert server.state.sources.open_by_source == {}
+    assert server.state.connections.sources.open_by_source == {}
 
 
 async def test_work_in_flight_and_a_shown_key_are_never_displaced(
@@ -281,7 +283,7 @@ async def test_a_burst_from_loopback_is_not_held_to_the_per_source_limit(
     assert [(await conn.recv())["status"] for conn in burst] == ["ok"] * 40
     others = [await RawConn.open(server, source="127.0.0.2") for _ in range(17)]
     assert (await others[0].recv())["need_code"] == "displaced"
-    assert server.state.sources.open_by_source["127.0.0.2"] == 16
+    assert server.state.connections.sources.open_by_source["127.0.0.2"] == 16
     for conn in [*burst, *others]:
         await conn.close()
     await wait_until(lambda: not server.connections)
@@ -488,7 +490,7 @@ async def test_on_the_defaults_a_burst_from_loopback_passes_the_per_source_limit
         conn.send(ping())
     assert [(await conn.recv())["status"] for conn in burst] == ["ok"] * 300
     assert len(server.connections) == 300
-    assert server.state.displaced == 0
+    assert server.state.connections.displaced == 0
     for conn in burst:
         await conn.close()
     await wait_until(lambda: not server.connections)
@@ -503,7 +505,7 @@ async def test_a_frame_waiting_for_its_turn_stops_the_reading(
     failer = await RawConn.open(server)
     failer.send(inline("J_f", api_key="k-typo"))
     assert (await failer.recv())["need_code"] == "unauthorized"
-    sources = server.state.sources
+    sources = server.state.connections.sources
     spent = sources._paid_at["127.0.0.1"]
     waiter = await RawConn.open(server)
     waiter.send(inline("J_w", api_key=KEY))
@@ -535,7 +537,7 @@ async def test_an_sdk_whose_kept_alive_connection_was_displaced_is_served_on_a_n
     async with httpx.AsyncClient(base_url=f"http://{address[0]}:{address[1]}") as sdk:
         assert (await sdk.post("/v1/chat/completions", json=body)).status_code == 200
         others = [await dial(server), await dial(server)]  # the second displaces the SDK's
-        await wait_until(lambda: server.state.displaced == 1)
+        await wait_until(lambda: server.state.connections.displaced == 1)
         others[0].send(post()[:10])  # a request arriving: not idle
         others[1].send(post()[:10])
         await wait_until(lambda: sum(c.arriving for c in http_connections(server)) == 2)

@@ -24,9 +24,9 @@ import pytest
 from clients import NO_RETRY, GovernorClient, connect
 from governor.core.slo import OBJECTIVES
 from governor.listeners.admin import _is_loopback
-from governor.ops import logs
 from governor.runners import StubRunner
 from governor.server import Server
+from governor.telemetry import logs
 from protocol.spec import JobSpec
 from tests.conftest import Daemon, ServerFactory, wait_until
 from tests.system.test_daemon import _scrape

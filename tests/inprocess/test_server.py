@@ -89,7 +89,7 @@ async def test_bad_line_gets_a_coded_need_and_the_connection_stays_open(
     conn.send_raw(line + b"\r\n")
     again = await conn.recv()
     assert (again["job"], again["seq"], again["need_code"]) == ("J_ok", 8, need_code)
-    assert server.state.bad_frames[need_code] == 2
+    assert server.state.metrics.bad_frames[need_code] == 2
 
 
 @pytest.mark.parametrize(
@@ -231,7 +231,7 @@ async def test_connection_limit(make_server: ServerFactory, raw: Opener) -> None
         "quota",
     )
     await fourth.recv_eof()
-    assert server.state.displaced == 1
+    assert server.state.connections.displaced == 1
 
 
 async def test_upload_problems_get_their_need_codes(

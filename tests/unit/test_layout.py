@@ -3,9 +3,12 @@ imports another that imports it back. ``TYPE_CHECKING`` imports count too (a cir
 crossed there is a design smell, not only a runtime one).
 
 The layers, from the bottom: ``protocol/`` (the wire codec, ours alone), ``clients/`` (on the
-codec only), ``governor.core`` (pure decisions: no IO, no asyncio, no listener; the runners'
-seam ``governor.runners.base`` is the one thing outside it that it knows), the runners, the ops
-code and the listeners, and the composition root (``governor.server``, ``governor.cli``)."""
+codec only), ``governor.telemetry`` (logs and measurements: nothing of the governor's),
+``governor.core`` (pure decisions: no IO, no asyncio, no listener; the runners' seam
+``governor.runners.base`` is the one thing outside it that it knows), the runners, the ops code
+and the listeners, and the composition root (``governor.server``, ``governor.cli``). No two
+parts of ``governor/`` (its packages and top-level modules) import each other, even through
+others."""
 
 from __future__ import annotations
 
@@ -90,13 +93,35 @@ def test_no_import_circle_inside_governor() -> None:
     assert cycle(graph) is None
 
 
+def parts(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph of ``governor``'s parts: a package (``governor.core``) or a top-level module
+    (``governor.state``) imports another when one of its modules does."""
+
+    def part(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    found: dict[str, set[str]] = {part(name): set() for name in graph}
+    for name, deps in graph.items():
+        found[part(name)].update(part(d) for d in deps if part(d) != part(name))
+    return found
+
+
+def test_no_two_parts_of_governor_import_each_other() -> None:
+    graph = parts(imports("governor"))
+    assert {"governor.core", "governor.runners", "governor.ops", "governor.telemetry"} <= set(graph)
+    assert cycle(graph) is None
+    # (the check sees a circle through two packages' modules)
+    crossed = {"governor.a.x": {"governor.b.y"}, "governor.b.y": {"governor.a.z"}}
+    assert cycle(parts({**crossed, "governor.a.z": set()})) is not None
+
+
 OURS = ("protocol", "clients", "governor", "loadtest", "tests")
 # What the pure core may not touch: IO, the event loop, and every layer above it.
 NOT_IN_CORE = (
     "asyncio", "socket", "ssl", "selectors", "subprocess", "threading", "uvloop", "h11",
     "redis", "prometheus_client", "llama_cpp", "governor.listeners", "governor.ops",
     "governor.server", "governor.cli", "governor.state", "governor.execution",
-    "governor.fleetstore", "governor.config",
+    "governor.fleetstore", "governor.config", "governor.telemetry",
 )  # fmt: skip
 
 
@@ -134,6 +159,17 @@ def test_the_core_decides_without_io_or_listeners() -> None:
 
     assert crossings("governor", allowed) == []
     assert len([n for n in all_imports("governor") if within(n, "governor.core")]) >= 10
+
+
+def test_telemetry_knows_nothing_of_the_governor() -> None:
+    def allowed(name: str, dep: str) -> bool:
+        return (
+            not within(name, "governor.telemetry")
+            or not within(dep, "governor", *OURS[1:])
+            or within(dep, "governor.telemetry")
+        )
+
+    assert crossings("governor", allowed) == []
 
 
 def test_runners_and_ops_know_no_listener() -> None:
@@ -189,7 +225,7 @@ def test_governor_shows_its_layers_at_first_look() -> None:
     top = sorted(p.name for p in (ROOT / "governor").glob("*.py"))
     assert len(top) <= MAX_TOP_MODULES, top
     layers = {p.name for p in (ROOT / "governor").iterdir() if (p / "__init__.py").exists()}
-    assert {"core", "listeners", "ops", "runners"} <= layers
+    assert {"core", "listeners", "ops", "runners", "telemetry"} <= layers
 
 
 # What a pure test may not touch: the tiers above it start servers, processes and Redis.

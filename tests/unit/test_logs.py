@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.ops import logs
+from governor.telemetry import logs
 
 
 class Recording(io.StringIO):

@@ -22,10 +22,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from governor.core.kvbudget import CacheShape, KvBudget
+from governor.core.kvbudget import KvBudget
 from governor.core.ledger import Completed, Promise, Refusal, Slot, SlotLedger
 from governor.core.policy import LANES, Demand, Lane, LanePolicy
 from governor.core.service import JobSize
+from governor.runners.base import CacheShape
 from protocol.codes import NeedCode
 
 from .test_ledger import FakeClock

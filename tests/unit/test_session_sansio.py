@@ -147,7 +147,11 @@ def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_start
     admitted.ticket.release("done")
     client.session.table.job_ended(started)
     assert client.session.jobs == {}
-    assert (state.inflight, client.session.buffers.used, state.buffers.used) == (0, 0, 0)
+    assert (state.inflight, client.session.buffers.used, state.connections.buffers.used) == (
+        0,
+        0,
+        0,
+    )
 
 
 def test_a_job_yields_when_every_slot_is_taken_and_its_held_payload_is_admitted_later(
@@ -234,7 +238,7 @@ def test_a_chunk_the_full_buffers_cannot_take_is_told_draining_during_a_drain(
     else:
         assert (refused.need_code, refused.error_code) == (NeedCode.BUFFERS_FULL, ErrorCode.BUSY)
     assert "J_3" not in third.session.jobs  # dropped either way: its bytes given back
-    assert state.buffers.used == 2 * len(PAYLOAD)
+    assert state.connections.buffers.used == 2 * len(PAYLOAD)
 
 
 def test_a_cancel_read_with_the_final_chunk_finds_the_job_running(clock: FakeClock) -> None:
@@ -257,11 +261,15 @@ def test_a_job_admitted_and_never_started_is_given_back_when_its_client_leaves(
     manifest, chunk = upload("J_1", PAYLOAD)
     client.send(manifest + chunk)
     assert client.session.next_event() is not None
-    assert (state.inflight, state.buffers.used) == (1, len(PAYLOAD))
+    assert (state.inflight, state.connections.buffers.used) == (1, len(PAYLOAD))
     client.session.connection_lost()
     assert client.session.next_event() is None
     assert client.session.jobs == {}
-    assert (state.inflight, state.buffers.used, client.session.buffers.used) == (0, 0, 0)
+    assert (state.inflight, state.connections.buffers.used, client.session.buffers.used) == (
+        0,
+        0,
+        0,
+    )
 
 
 def test_a_bad_line_is_answered_with_its_code_and_the_connection_goes_on(
@@ -274,7 +282,7 @@ def test_a_bad_line_is_answered_with_its_code_and_the_connection_goes_on(
     assert (bad.verb, bad.status) == (Verb.CLARIFY, Status.NEED)
     assert bad.need_code == NeedCode.HTTP_REQUEST
     assert (bad.job, bad.seq) == ("P_1", 4)  # the last valid frame's job and seq + 1
-    assert state.bad_frames[NeedCode.HTTP_REQUEST] == 1
+    assert state.metrics.bad_frames[NeedCode.HTTP_REQUEST] == 1
     (pong,) = client.send(encode_request(Verb.PING, "P_2", 5))
     assert pong.status == Status.OK
     assert not client.closed
@@ -318,7 +326,7 @@ def test_a_stalled_upload_is_dropped_at_its_deadline_on_the_fake_clock(
     client.send(manifest)
     deadline = clock.now + state.config.upload_timeout
     assert client.session.next_deadline(clock.now) == deadline
-    assert state.buffers.used == 0
+    assert state.connections.buffers.used == 0
     assert client.session.buffers.used == len(PAYLOAD)
 
     clock.now = deadline - 0.001
@@ -377,14 +385,15 @@ def test_a_job_that_asks_to_wait_runs_when_the_slot_frees_unanswered_meanwhile(
     assert second.session.jobs["J_2"].phase is Phase.WAITING
     assert len(state.line) == 1
     assert second.session.next_event() is None
-    assert state.buffers.used == 2 * len("hello")  # (its payload stays counted)
+    assert state.connections.buffers.used == 2 * len("hello")  # (its payload stays counted)
 
     clock.now += 0.25
     end(first, started, admitted, state)
     assert second.woken == 1  # the listener is told: it takes the event and starts the job
     event = second.session.next_event()
     assert event is not None
-    assert (event.job, event.waited_s) == ("J_2", pytest.approx(0.25))
+    assert event.job == "J_2"
+    assert event.waited_s == pytest.approx(0.25)
     done = second.start(event)
     second.session.table.send_terminal(done, Ending(result={"ok": 1}))
     (answer,) = second.replies()

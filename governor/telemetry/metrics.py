@@ -77,6 +77,10 @@ class JobMetrics:
     """What the daemon measures of each job and admission attempt."""
 
     def __init__(self) -> None:
+        # Lines refused for their envelope or shape, by need code.
+        self.bad_frames: collections.Counter[str] = collections.Counter()
+        # The front door's answers, by path (a known one, else "other") and status.
+        self.http_responses: collections.Counter[tuple[str, str]] = collections.Counter()
         self.ttft = LaneHistograms(
             "governor_time_to_first_token_seconds",
             "From admission to the job's first generated text.",
