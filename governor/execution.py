@@ -259,7 +259,7 @@ class Execution:
         """A piece of the job's output, or of its progress: timed, and streamed."""
         ticket, state = self.ticket, self.state
         if isinstance(item, Token):
-            now = state.jobs.last_token_at = state.clock()
+            now = state.jobs.last_token_at = state.now()
             if self.first_token is None:
                 self.first_token = now
                 self._first_token(now - ticket.slot.started)
@@ -268,7 +268,7 @@ class Execution:
             if item.index == 0 and item.tool is None:
                 self.parts.append(item.text)
         elif isinstance(item, Fed):
-            ticket.slot.feeding(item.tokens, state.clock())
+            ticket.slot.feeding(item.tokens, state.now())
             return
         if self.streams and not self.terminal_sent:
             self.replies.send_delta(self, item)
@@ -282,7 +282,7 @@ class Execution:
             ttft_s, self.tpot_s = timings(
                 ticket.slot.started,
                 self.first_token,
-                self.state.clock(),
+                self.state.now(),
                 result.get("completion_tokens"),
             )
             result["ttft_ms"] = _ms(ttft_s)

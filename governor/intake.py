@@ -254,7 +254,7 @@ class Wait:
         self.state = state
         self.attempt = attempt
         self.budget_s = wait_budget_s(state.config.max_wait, asked_ms)
-        self.arrived = state.clock()
+        self.arrived = state.now()
         self.decide = decide
         self.waiter: Waiter[Candidate] | None = None
         self.waited_ms: int | None = None  # once it left the line (0: it never joined)
@@ -265,7 +265,7 @@ class Wait:
         state, attempt = self.state, self.attempt
         if decision.error_code != ErrorCode.BUSY:
             return False
-        if not waits(self.budget_s, state.clock() - self.arrived, decision.retry_hint_ms):
+        if not waits(self.budget_s, state.now() - self.arrived, decision.retry_hint_ms):
             if self.waiter is None:
                 state.metrics.not_waited["beyond_budget"] += 1
             return False
@@ -274,7 +274,7 @@ class Wait:
                 self,
                 rank=LANES.index(attempt.lane) if attempt.lane in LANES else 0,
                 tenant=attempt.tenant.name,
-                since=state.clock(),
+                since=state.now(),
                 bounded=not state.tenants.open,
             )
             if self.waiter is None:
@@ -293,7 +293,7 @@ class Wait:
         self.waiter = None
         state.line.leave(waiter)
         attempt.tenant.waiting -= 1
-        waited_s = state.clock() - waiter.since
+        waited_s = state.now() - waiter.since
         self.waited_ms = round(waited_s * 1000)
         state.metrics.door_wait.observe(attempt.lane, waited_s)
         state.metrics.door_waits[(attempt.lane, _wait_outcome(decision))] += 1

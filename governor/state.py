@@ -157,9 +157,9 @@ class ServerState:
 
     # The admission's parts, read often (it owns them) ------------------------------------
 
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.admission.clock
+    def now(self) -> float:
+        """The time on the admission's clock (the ledger's: injected in tests)."""
+        return self.admission.clock()
 
     @property
     def ledger(self) -> SlotLedger:

@@ -126,7 +126,7 @@ class FrontDoor:
         self.created = int(time.time())
         config = state.config
         self.places = api.KeptPlaces(
-            state.clock,
+            state.admission.clock,
             state.admission.forget,
             grace_s=config.upload_timeout,
             limit=config.max_connections * config.held_payloads_per_conn,
@@ -179,11 +179,11 @@ class FrontDoor:
         self._sweep = None
         at = self.places.next_expiry()
         if at is not None:
-            delay = max(at - self.state.clock(), 0.0) + 0.01
+            delay = max(at - self.state.now(), 0.0) + 0.01
             self._sweep = asyncio.get_running_loop().call_later(delay, self._on_sweep)
 
     def _on_sweep(self) -> None:
-        self.places.expire(self.state.clock())
+        self.places.expire(self.state.now())
         self._next_sweep()
 
 
@@ -744,7 +744,7 @@ class Exchange:
         decision = intake.decide(state, attempt)
         if isinstance(decision, Yielded):
             if self.first_refusal is None:
-                self.first_refusal = state.clock()
+                self.first_refusal = state.now()
             if wait.joins(decision):
                 self.door_timer = asyncio.get_running_loop().call_later(
                     decision.retry_hint_ms / 1000, self.decide

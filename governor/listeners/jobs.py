@@ -286,13 +286,13 @@ class JobTable:
         wait = state.wait
         if isinstance(decision, Yielded):
             if state.first_refusal is None:
-                state.first_refusal = self.state.clock()
+                state.first_refusal = self.state.now()
             if wait is not None and wait.joins(decision):
                 if state.phase is Phase.HELD:  # (its place in admission's line stays)
                     self.unhold(state, Phase.WAITING, forget=False)
                 elif state.phase is Phase.UPLOADING:
                     state.move(Phase.WAITING)
-                state.deadline = self.state.clock() + decision.retry_hint_ms / 1000
+                state.deadline = self.state.now() + decision.retry_hint_ms / 1000
                 self.owner.due(state.deadline)
                 return
         if wait is not None:
@@ -341,7 +341,7 @@ class JobTable:
     def _yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
         """Answer ``yield``, keeping the payload for the retry if the connection may."""
         if state.first_refusal is None:
-            state.first_refusal = self.state.clock()
+            state.first_refusal = self.state.now()
         # A draining governor admits nothing again: its refused payloads are not kept, so that
         # their bytes do not turn the drain's later answers into buffers_full.
         draining = decision.need_code == NeedCode.DRAINING
@@ -410,7 +410,7 @@ class JobTable:
     def send_terminal(self, execution: Running, ending: Ending) -> None:
         req = self.jobs[execution.job].final
         assert req is not None
-        held_ms = round((self.state.clock() - execution.ticket.slot.started) * 1000)
+        held_ms = round((self.state.now() - execution.ticket.slot.started) * 1000)
         self.wire.send(
             self.wire.reply(
                 req,

@@ -1,14 +1,15 @@
 """One connection's protocol session, with no IO: bytes in, frames out, admitted jobs as events.
 
 As in h11's ``Connection``, nothing here touches a socket or the event loop:
-:meth:`Session.receive_data` takes bytes and answers through the ``write`` and ``close``
-callables it was given. Each line is decoded, its upload advanced (:mod:`.jobs`) and, when
+:meth:`Session.receive_data` takes bytes and answers through the :class:`Connection` it was
+given (its ``write`` and ``close``). Each line is decoded, its upload advanced (:mod:`.jobs`) and, when
 a payload is complete, submitted to the intake (:mod:`governor.intake`) before the next line is
 looked at. A job admitted comes out of :meth:`Session.next_event` as a
 :class:`~governor.intake.JobAdmitted`, and no line is handled until the listener has started it
 (:meth:`Session.started`), so that a frame behind it (a cancel, say) finds it running. A job
 waiting in line (its frame asked with ``max_wait_ms``) may be admitted between reads, when the
-line offers it a freed slot: the session then calls ``wake`` (the listener takes the event).
+line offers it a freed slot: the session then calls its connection's ``wake`` (the listener
+takes the event).
 
 Sequence numbers: an answer to a frame has the frame's ``seq`` + 1, but every answer to a
 frame that completes a payload (its yield, its stream, its terminal frame) has the final
@@ -18,7 +19,7 @@ valid frame's job and ``seq`` + 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from protocol.codes import UNKNOWN_JOB, ErrorCode, NeedCode, Status, Verb
 from protocol.errors import EnvelopeInvalid, LineTooLong, RemoteProtocolError
@@ -40,8 +41,18 @@ LINES_PER_TURN = 64
 _BUSY = frozenset({Phase.RUNNING, Phase.WAITING})
 
 
-def _no_bytes(job: str) -> int:
-    return 0
+class Connection(Protocol):
+    """What a session asks of its connection (the listener's protocol, or a test's)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None:
+        """Close after the replies written so far."""
+        ...
+
+    def wake(self) -> None:
+        """An event came between reads (a waiting job admitted): take it, keep the deadline."""
+        ...
 
 
 class Session:
@@ -63,22 +74,19 @@ class Session:
     def __init__(
         self,
         state: ServerState,
-        write: Callable[[bytes], None],
-        close: Callable[[], None],
+        conn: Connection,
         conn_id: int,
-        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.state = state
         self.config = config = state.config
-        self.clock = state.clock
+        self.clock = state.admission.clock
         self.id = conn_id  # names the connection in logs
         self.credentials = intake.Credentials(state, conn_id)
-        self._close = close
-        self._wake = wake
+        self._conn = conn
         self._handling = False  # in receive_data or expire: an event admitted is seen there
-        self.wire = Wire(state, write, _no_bytes)
+        self.wire = Wire(state, conn)
         self.table = JobTable(self, state, conn_id)
-        self.wire.bytes_in = self.table.bytes_in  # (the table needs the wire first)
+        self.wire.uploads = self.table  # (the table needs the wire first)
         self.jobs = self.table.jobs
         self.buffers = self.table.buffers  # payload bytes on this connection
         self.reader = LineReader(config.max_line_bytes)
@@ -245,7 +253,7 @@ class Session:
             return None
         need_code = self.table.decide_again(job)
         if not self._handling and (self.table.admitted is not None or self.sooner is not None):
-            self._wake()  # (a job to start, or its next decision's deadline to keep)
+            self._conn.wake()  # (a job to start, or its next decision's deadline to keep)
         return need_code
 
     def expect_progress(self, state: JobState, wait_s: float = 0.0) -> None:
@@ -319,7 +327,7 @@ class Session:
             )
         self.abort_running(need_code, error_code, "the connection is closing: " + detail)
         self.closed = True
-        self._close()
+        self._conn.close()
 
     # Frames ------------------------------------------------------------------------------
 

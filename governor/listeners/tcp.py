@@ -30,7 +30,7 @@ from protocol.codes import ErrorCode, NeedCode
 from .. import intake
 from ..state import ServerState
 from . import tls as tls_module
-from .base import bind, bound_address
+from .base import Deadlines, bind, bound_address
 from .session import Session
 
 
@@ -47,6 +47,7 @@ class TcpListener:
         self.tls = tls
         self._sock = sock
         self._server: asyncio.Server | None = None
+        self.deadlines = Deadlines(state.admission.clock)  # every connection's, on one timer
 
     @property
     def address(self) -> tuple[str, int]:
@@ -62,7 +63,7 @@ class TcpListener:
         self._server = (
             self.state.connections.listener
         ) = await asyncio.get_running_loop().create_server(
-            lambda: GovernorProtocol(self.state),
+            lambda: GovernorProtocol(self.state, self.deadlines),
             sock=self._sock,
             backlog=intake.BACKLOG,
             ssl=self.tls,
@@ -74,20 +75,22 @@ class TcpListener:
             self._server.close()
         elif self._sock is not None:
             self._sock.close()
+        self.deadlines.close()
 
     def describe(self) -> str | None:
         return None  # (the server's own line says where it listens, with its cap and runner)
 
 
 class GovernorProtocol(asyncio.Protocol):
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, deadlines: Deadlines) -> None:
         self.state = state
         self.transport: asyncio.Transport | None = None
-        self.session = Session(state, self._write, self.close, intake.connection_id(), self._woken)
+        self.session = Session(state, self, intake.connection_id())
         self._loop = asyncio.get_running_loop()
         self._served = False  # counted in the connections and against its source
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = float("inf")  # when _timer fires, on the session's clock
+        self._deadlines = deadlines
+        self.due_at: int | None = None  # (its place in the deadlines)
+        self._deadline = float("inf")  # the session's next, on its clock
         self._write_timer: asyncio.TimerHandle | None = None
         self._next_turn = False  # lines wait for another turn, after the other connections'
 
@@ -108,9 +111,9 @@ class GovernorProtocol(asyncio.Protocol):
         self._schedule()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._timer, self._write_timer):
-            if timer is not None:
-                timer.cancel()
+        self._deadlines.remove(self)
+        if self._write_timer is not None:
+            self._write_timer.cancel()
         self.session.connection_lost()
         if self._served:
             self._served = False
@@ -147,7 +150,20 @@ class GovernorProtocol(asyncio.Protocol):
             more = session.receive_data(b"")
         return more
 
-    def _woken(self) -> None:
+    # For the session (sans-IO: what it asks of its connection) -----------------------------
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+            # (past the high-water mark, below write_buffer_bytes, writing has been paused)
+            if (
+                self.session.paused
+                and transport.get_write_buffer_size() > self.state.config.write_buffer_bytes
+            ):
+                self._cut("slow_reader")
+
+    def wake(self) -> None:
         """The session decided a waiting job between reads (the line offered it a slot): start
         it if admitted, and keep its next deadline."""
         if not self.session.closed:
@@ -167,7 +183,7 @@ class GovernorProtocol(asyncio.Protocol):
         sooner = session.sooner
         if sooner is not None:
             session.sooner = None
-            if sooner < self._timer_at:
+            if sooner < self._deadline:
                 self._schedule()
 
     def _take_turn(self) -> None:
@@ -214,17 +230,6 @@ class GovernorProtocol(asyncio.Protocol):
 
     # IO ----------------------------------------------------------------------------------
 
-    def _write(self, data: bytes) -> None:
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(data)
-            # (past the high-water mark, below write_buffer_bytes, writing has been paused)
-            if (
-                self.session.paused
-                and transport.get_write_buffer_size() > self.state.config.write_buffer_bytes
-            ):
-                self._cut("slow_reader")
-
     def _start_write_deadline(self) -> None:
         if self._write_timer is None:
             self._write_timer = self._loop.call_later(
@@ -240,17 +245,12 @@ class GovernorProtocol(asyncio.Protocol):
         intake.cut_off(self.state, transport, session.id, session.source, reason)
 
     def _schedule(self) -> None:
-        """Set the timer for the session's next deadline."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        """Keep the session's next deadline (on the listener's one timer)."""
         session = self.session
-        now = session.clock()
-        self._timer_at = deadline = session.next_deadline(now)
-        self._timer = self._loop.call_later(max(deadline - now, 0.0), self._on_timer)
+        self._deadline = session.next_deadline(session.clock())
+        self._deadlines.put(self, self._deadline)
 
-    def _on_timer(self) -> None:
-        self._timer = None
+    def on_deadline(self) -> None:
         session = self.session
         if session.expire(session.clock()):  # a frame that waited for its key's turn went on
             self._turn_ended(self._receive(b""))

@@ -7,8 +7,7 @@ received so far); every ``confirm abort`` with a need code is counted here, once
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.errors import RemoteProtocolError
@@ -17,18 +16,39 @@ from protocol.frames import Reply, Request, encode_reply, error_reply
 from ..state import ServerState
 
 
+class Writer(Protocol):
+    """Where the replies go: the connection (the listener's, or a test's)."""
+
+    def write(self, data: bytes) -> None: ...
+
+
+class Uploads(Protocol):
+    """What the replies say of a job's upload: its payload bytes received so far."""
+
+    def bytes_in(self, job: str) -> int: ...
+
+
+class _NoUploads:
+    def bytes_in(self, job: str) -> int:
+        return 0
+
+
+NO_UPLOADS = _NoUploads()
+
+
 class Wire:
-    def __init__(
-        self, state: ServerState, write: Callable[[bytes], None], bytes_in: Callable[[str], int]
-    ) -> None:
+    def __init__(self, state: ServerState, out: Writer) -> None:
         self.state = state
-        self._write = write
-        self.bytes_in = bytes_in  # a job's payload bytes received so far
+        self.out = out
+        self.uploads: Uploads = NO_UPLOADS  # (the session's job table, once it has one)
+
+    def bytes_in(self, job: str) -> int:
+        return self.uploads.bytes_in(job)
 
     def send(self, reply: Reply) -> None:
         if reply.status == Status.ABORT and reply.need_code is not None:
             self.state.metrics.aborts[reply.need_code] += 1
-        self._write(encode_reply(reply))
+        self.out.write(encode_reply(reply))
 
     def receipts(self, bytes_in: int = 0) -> tuple[tuple[str, int], ...]:
         return (*self.state.receipts(), (Receipt.BYTES_IN, bytes_in))

@@ -756,7 +756,7 @@ class HttpDoor:
         ]
         longest_s = max(told, default=0) / 1000 + GRACE_S + PLACES_S
         places = self.places
-        now = server.state.clock()
+        now = server.state.now()
         outliving = sorted(
             round(k.until - now, 1)
             for line in places._by_key.values()

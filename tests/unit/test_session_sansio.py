@@ -66,13 +66,18 @@ class Client:
         self.out = bytearray()
         self.closed = False
         self.woken = 0  # times the session woke its listener between reads
-        self.session = Session(state, self.out.extend, self._close, conn_id=1, wake=self._wake)
+        self.session = Session(state, self, conn_id=1)
 
-    def _wake(self) -> None:
-        self.woken += 1
+    # The session's connection (session.Connection)
 
-    def _close(self) -> None:
+    def write(self, data: bytes) -> None:
+        self.out.extend(data)
+
+    def close(self) -> None:
         self.closed = True
+
+    def wake(self) -> None:
+        self.woken += 1
 
     def send(self, data: bytes) -> list[Reply]:
         self.session.receive_data(data)
