@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import secrets
 import socket
 import ssl
@@ -80,7 +81,7 @@ from ..ops.health import Verdict
 from ..runners import Embedder, Forwarding, Relay, Relayed, RunnerError, Token
 from ..state import ServerState
 from . import openai_api as api
-from .base import bind, bound_address
+from .base import Deadlines, bind, bound_address
 from .tls import HANDSHAKE_TIMEOUT_S
 
 MAX_HEAD_BYTES = 16 * 1024
@@ -135,6 +136,7 @@ class FrontDoor:
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
         self._sweep: asyncio.TimerHandle | None = None
+        self.deadlines = Deadlines(state.admission.clock)  # every connection's, on one timer
 
     def bind(self) -> None:
         address = self.state.config.http_address
@@ -169,6 +171,7 @@ class FrontDoor:
             self._sock.close()
         if self._sweep is not None:
             self._sweep.cancel()
+        self.deadlines.close()
 
     def kept(self) -> None:
         """A place was kept: make sure one will be forgotten when its time is up."""
@@ -210,7 +213,11 @@ class HttpConnection(asyncio.Protocol):
         self.exchange: Exchange | None = None  # the request being answered
         self.advancing = False  # in _advance (an answer given there must not re-enter it)
         self.arriving = False  # a request has begun: its deadline runs
-        self.timer: asyncio.TimerHandle | None = None
+        # Its deadline (the request's, or the idle connection's) on the door's one timer, with
+        # its exchange's: answered with ``expiry`` (None: closed quietly) when it passes.
+        self.due_at: int | None = None
+        self.expires_at = math.inf
+        self.expiry: HTTPStatus | None = None
         self.write_timer: asyncio.TimerHandle | None = None
         self.writing_paused = False
 
@@ -276,9 +283,9 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        for timer in (self.timer, self.write_timer):
-            if timer is not None:
-                timer.cancel()
+        self.door.deadlines.remove(self)
+        if self.write_timer is not None:
+            self.write_timer.cancel()
         self._release_body()
         exchange = self.exchange
         if exchange is not None:
@@ -477,16 +484,33 @@ class HttpConnection(asyncio.Protocol):
     # Deadlines and answers out of turn ---------------------------------------------------
 
     def _deadline(self, seconds: float | None, status: HTTPStatus | None) -> None:
-        """One timer: the idle connection's (``status`` None: closed quietly) or the request's
-        (answered ``status``, then closed); ``seconds`` None: none."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if seconds is not None:
-            self.timer = asyncio.get_running_loop().call_later(seconds, self._expired, status)
+        """The connection's deadline: the idle connection's (``status`` None: closed quietly)
+        or the request's (answered ``status``, then closed); ``seconds`` None: none."""
+        self.expires_at = math.inf if seconds is None else self.state.now() + seconds
+        self.expiry = status
+        self.schedule()
+
+    def schedule(self) -> None:
+        """Keep its next deadline, its exchange's included, on the door's one timer."""
+        exchange = self.exchange
+        deadline = self.expires_at
+        if exchange is not None:
+            deadline = min(deadline, exchange.decide_at, exchange.key_at)
+        self.door.deadlines.put(self, deadline)
+
+    def on_deadline(self) -> None:
+        """What is due now: its exchange's key turn or its next decision, or the deadline."""
+        now = self.state.now()
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.on_deadline(now)
+        if not self.closed and self.expires_at <= now:
+            self.expires_at = math.inf
+            self._expired(self.expiry)
+        if not self.closed:
+            self.schedule()
 
     def _expired(self, status: HTTPStatus | None) -> None:
-        self.timer = None
         if status is None:
             self.close()
         else:
@@ -558,8 +582,9 @@ class Exchange:
         self.attempt: Attempt | None = None
         self.first_refusal: float | None = None  # when first refused (a retry: its first try)
         self.wait: intake.Wait | None = None  # its wait for its turn (a job's)
-        self.door_timer: asyncio.TimerHandle | None = None  # decided again at its hint
-        self.key_timer: asyncio.TimerHandle | None = None  # the key waits for its turn
+        self.decide_at = math.inf  # waiting: decided again then, at its hint
+        self.key_at = math.inf  # its key waits for its turn until then
+        self.key_turn: tuple[h11.Request, bytes, str, str] | None = None  # (what then goes on)
         self.proxied: asyncio.Task[Relayed] | None = None  # the upstream answers it
         self.streaming = False  # the 200 and the stream's head are out
 
@@ -649,16 +674,21 @@ class Exchange:
                 self._abort(HTTPStatus.UNAUTHORIZED, NeedCode.UNAUTHORIZED, KEY_TURN_FAR)
                 return
             if turn.wait > 0:
-                self.key_timer = asyncio.get_running_loop().call_later(
-                    turn.wait, self._key_turn, request, body, kind, key
-                )
+                self.key_turn = (request, body, kind, key)
+                self.key_at = self.conn.state.now() + turn.wait
+                self.conn.schedule()
                 return
         self._job(request, body, kind, key)
 
-    def _key_turn(self, request: h11.Request, body: bytes, kind: str, key: str) -> None:
-        self.key_timer = None
-        self.conn.credentials.check_at_turn(key)
-        self._job(request, body, kind, key)
+    def on_deadline(self, now: float) -> None:
+        """Time passed: its key's turn came, or its next decision at its hint."""
+        if self.key_turn is not None and self.key_at <= now:
+            (request, body, kind, key), self.key_turn = self.key_turn, None
+            self.key_at = math.inf
+            self.conn.credentials.check_at_turn(key)
+            self._job(request, body, kind, key)
+        elif self.decide_at <= now:
+            self.decide()
 
     def _job(self, request: h11.Request, body: bytes, kind: str, key: str | None) -> None:
         conn = self.conn
@@ -738,17 +768,14 @@ class Exchange:
         assert attempt is not None
         assert wait is not None
         state = conn.state
-        if self.door_timer is not None:  # (decided before its hint: a slot may have freed)
-            self.door_timer.cancel()
-            self.door_timer = None
+        self.decide_at = math.inf  # (decided before its hint: a slot may have freed)
         decision = intake.decide(state, attempt)
         if isinstance(decision, Yielded):
             if self.first_refusal is None:
                 self.first_refusal = state.now()
             if wait.joins(decision):
-                self.door_timer = asyncio.get_running_loop().call_later(
-                    decision.retry_hint_ms / 1000, self.decide
-                )
+                self.decide_at = state.now() + decision.retry_hint_ms / 1000
+                conn.schedule()
                 return decision.need_code
         wait.leave(decision)
         if isinstance(decision, Admitted):
@@ -766,15 +793,12 @@ class Exchange:
     def left(self) -> None:
         """The client left while its request waited in line (:meth:`governor.intake.Wait.give_up`)
         or for its key's turn (the turn is given back)."""
-        if self.key_timer is not None:
-            self.key_timer.cancel()
-            self.key_timer = None
+        if self.key_turn is not None:
+            self.key_turn, self.key_at = None, math.inf
             self.conn.credentials.turn_unused()
         if self.proxied is not None:
             self.proxied.cancel()
-        if self.door_timer is not None:
-            self.door_timer.cancel()
-            self.door_timer = None
+        self.decide_at = math.inf
         if self.wait is not None:
             self.wait.give_up()
 

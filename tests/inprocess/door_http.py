@@ -386,7 +386,7 @@ class HttpDoor:
             return None
         n = int(dict(conn.request.headers)[b"x-test-request"])
         exchange = conn.exchange
-        if exchange.door_timer is not None:
+        if exchange.decide_at < math.inf:
             return n, "at the door"
         execution = exchange.execution
         if execution is not None and execution.ticket.job.id in self.m.runner.running():
@@ -595,7 +595,7 @@ class HttpDoor:
             len(conn.body)
             for conn in self.http_connections()
             if conn.exchange is not None
-            and (conn.exchange.execution is not None or conn.exchange.door_timer is not None)
+            and (conn.exchange.execution is not None or conn.exchange.decide_at < math.inf)
         )
 
     def orphans(self) -> set[str]:
@@ -626,7 +626,7 @@ class HttpDoor:
             exchange = conn.exchange
             if exchange is None:
                 continue
-            assert (exchange.door_timer is not None) == exchange.at_door, "at the door?"
+            assert (exchange.decide_at < math.inf) == exchange.at_door, "at the door?"
             if exchange.at_door:
                 assert exchange.attempt is not None
                 door[exchange.attempt.tenant.name] += 1
