@@ -8,6 +8,7 @@ construction (a caller ejects a replica after 5 failures in a row), never timing
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -65,15 +66,34 @@ def rounds(*sums: int, redis: int = 0, cap: int = 4) -> list[Round]:
     ]
 
 
-def test_a_lone_round_over_the_cap_is_a_hand_off_two_running_are_a_breach() -> None:
-    lone = fleet_faults.cap_verdict(rounds(4, 5, 4), 4, {"r1": 8})
-    assert lone["max_replicas_sum"] == 5
-    assert lone["rounds_replicas_sum_over_cap"] == 1
-    assert lone["max_replicas_sum_two_rounds"] == 4
-    assert lone["held"]
-    assert not fleet_faults.cap_verdict(rounds(4, 5, 5), 4, {"r1": 8})["held"]
-    assert not fleet_faults.cap_verdict(rounds(4, redis=5), 4, {"r1": 8})["held"]
-    assert not fleet_faults.cap_verdict(rounds(4, 4), 4, {"r1": 3})["held"]  # over its own slots
+def test_the_cap_is_judged_on_the_store_and_the_jobs_running_not_on_gauges_read_apart() -> None:
+    apart = fleet_faults.cap_verdict(rounds(4, 5, 5, 4), 4, {"r1": 8}, jobs_at_once=4)
+    assert apart["max_replicas_sum"] == 5  # (reported: a hand-off caught between reads)
+    assert apart["rounds_replicas_sum_over_cap"] == 2
+    assert apart["held"]
+    assert not fleet_faults.cap_verdict(rounds(4), 4, {"r1": 8}, jobs_at_once=5)["held"]
+    assert not fleet_faults.cap_verdict(rounds(4, redis=5), 4, {"r1": 8}, jobs_at_once=4)["held"]
+    assert not fleet_faults.cap_verdict(rounds(4, 4), 4, {"r1": 3}, jobs_at_once=4)["held"]
+
+
+def job_line(end: str, e2e_ms: float, event: str = "job") -> str:
+    return json.dumps({"ts": end, "level": "info", "event": event, "e2e_ms": e2e_ms})
+
+
+def test_the_jobs_running_at_once_are_read_from_the_job_log_lines() -> None:
+    lines = [
+        "governor: serving",  # (not a JSON line)
+        job_line("2026-11-27T18:00:01.000+00:00", 1000),  # 0 to 1 s
+        job_line("2026-11-27T18:00:01.500+00:00", 1000),  # 0.5 to 1.5 s
+        job_line("2026-11-27T18:00:01.995+00:00", 1000),  # 0.995 to 1.995: a hand-off, 5 ms
+        job_line("2026-11-27T18:00:03.000+00:00", 100, event="drain"),
+    ]
+    intervals = fleet_faults.job_intervals(lines)
+    assert len(intervals) == 3
+    assert intervals[0][1] - intervals[0][0] == pytest.approx(1.0)
+    assert fleet_faults.most_at_once(intervals, 0.0) == 3  # the hand-off overlaps by 5 ms
+    assert fleet_faults.most_at_once(intervals, 0.01) == 2  # within the log's precision
+    assert fleet_faults.most_at_once([(0.0, 1.0), (0.2, 0.8), (0.3, 0.9)], 0.01) == 3
 
 
 def lease_reads(*reads: tuple[int, int, int]) -> list[Round]:
