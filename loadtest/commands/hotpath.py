@@ -43,7 +43,7 @@ NAME = "hotpath"
 
 # A frame's function or file, and the step of the path it does (the first that matches).
 STEPS: tuple[tuple[str, str], ...] = (
-    ("GovernorProtocol._write (", "socket writes (transport.write)"),
+    ("GovernorProtocol.write (", "socket writes (transport.write)"),
     ("protocol/lines.py", "line reader: bytes to lines"),
     ("protocol/upload.py", "upload: manifest, base64, sha256"),
     ("protocol/", "frames: decode requests, encode replies"),

@@ -17,7 +17,7 @@ from typing import Any
 from clients import GovernorClient, RetryPolicy
 from governor.server import Server
 from protocol.spec import JobSpec
-from tests.conftest import ServerFactory
+from tests.conftest import ServerFactory, wait_until
 
 SPEEDUP = 40
 CALIBRATED = {"stub_prompt_ms": 19.2 / SPEEDUP, "stub_output_ms": 37.7 / SPEEDUP, "stub_ms": 0}
@@ -55,7 +55,7 @@ async def run_mix(server: Server) -> dict[str, Any]:
                     rewrites_done += 1
 
     async def chatter() -> None:
-        await asyncio.sleep(0.3)  # the rewrites are in first
+        await wait_until(lambda: server.state.inflight >= 2)  # the rewrites are in first
         async with await GovernorClient.connect(host, port) as client:
             while time.monotonic() < deadline:
                 ttft = await timed(client, CHAT)

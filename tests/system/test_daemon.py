@@ -64,10 +64,16 @@ def test_cli_ping_exit_codes(daemon: DaemonFactory, tmp_path: Path) -> None:
             if saturated.returncode != 0:
                 break
         assert saturated.returncode == 2, saturated.stdout
-        refused = cli("--addr", d.addr, "upload", str(payload), "--max-attempts", "1")
+        refused = cli(
+            "--addr", d.addr, "upload", str(payload), "--max-attempts", "1", "--max-wait", "0"
+        )
         assert refused.returncode == 1
         assert '"status":"yield"' in refused.stdout
         assert '"need_code":"server_busy"' in refused.stdout
+        # By default it waits on the daemon for its turn: one attempt, done after the holder's.
+        waited = cli("--addr", d.addr, "upload", str(payload), "--max-attempts", "1")
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        assert '"status":"done"' in waited.stdout
     finally:
         out, _ = holder.communicate(timeout=30)
     assert holder.returncode == 0

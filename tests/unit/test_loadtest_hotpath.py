@@ -12,13 +12,13 @@ ROOT = "main (governor/cli.py:313)"
 FRAMES = [
     LOOP_FRAME,
     "GovernorProtocol.data_received (governor/listeners/tcp.py:136)",
-    "GovernorProtocol._write (governor/listeners/tcp.py:211)",
+    "GovernorProtocol.write (governor/listeners/tcp.py:211)",
     "Session._handle_line (governor/listeners/session.py:340)",
     "decode_request (protocol/frames.py:84)",
     "Upload.apply_chunk (protocol/upload.py:230)",
     "Admission.decide (governor/core/admission.py:300)",
     "Execution._record (governor/execution.py:331)",
-    "text_line (governor/ops/logs.py:91)",
+    "text_line (governor/telemetry/logs.py:91)",
     "sha256 (<built-in>:0)",
 ]
 
