@@ -6,21 +6,24 @@ are these, the same for every door:
 
 1. **Authenticate** (:class:`Credentials`): a key a connection shows for the first time is
    checked at once while its source's budget of failures lasts, else at its turn, the request
-   waiting meanwhile (:meth:`Credentials.turn_for`); a job without a valid key or certificate
-   is a failure, counted, and the ``max_auth_failures``-th closes the connection, with one log
-   line at a bounded rate.
-2. **Submit** (:func:`prepare` for a TCP payload, :func:`prepare_fields` for an HTTP body's
-   mapped fields, then :func:`decide`): the job spec is parsed once, here, and the runner
-   prepares the job (a bad spec is refused and never takes a slot); admission decides, timed.
-3. **Start** (:func:`admitted`, :func:`start`): an admitted job's ticket takes its payload's
+   waiting meanwhile (:meth:`Credentials.step`: go, later, or refused for now); a job without a
+   valid key or certificate is a failure, counted, and the ``max_auth_failures``-th closes the
+   connection, with one log line at a bounded rate.
+2. **Ask** (:class:`Ask`, one per job): the job spec is parsed once, here, and the runner
+   prepares the job (:meth:`Ask.prepare` for a TCP payload, :meth:`Ask.prepare_fields` for an
+   HTTP body's mapped fields; a bad spec is refused and never takes a slot); admission decides,
+   timed (:meth:`Ask.decide`), and what follows is decided here too: a busy job that may wait
+   (every HTTP request; a TCP job whose frame asks with ``max_wait_ms``) and whose turn comes
+   within its budget waits in the one line both doors share (:class:`Wait`, in
+   :attr:`ServerState.line`), decided again at its hint and whenever a slot may have freed; it
+   leaves the line once, admitted, refused, or because its client left (:meth:`Ask.give_up`).
+   The door maps the :data:`Outcome` to its wire, and keeps a refused job for its retry its
+   own way (a held payload, a kept place).
+3. **Start** (:meth:`Ask.admitted`, :func:`start`): an admitted job's ticket takes its payload's
    reservation and its wait since the first refusal is measured (no IO: a sans-IO session
    hands the result out as an event); then its :class:`~governor.execution.Execution` starts.
-4. **Wait** (:class:`Wait`): a busy job that may wait (every HTTP request; a TCP job whose frame
-   asks with ``max_wait_ms``) and whose turn comes within its budget waits in the one line both
-   doors share (:attr:`ServerState.line`), decided again at its hint and whenever a slot may
-   have freed; it leaves the line once, admitted, refused, or because its client left.
-5. **Take back** (:func:`take_back`): the fleet refused a job this replica admitted; its ticket
-   is given back and the payload's reservation returned to the listener.
+4. **Take back** (:meth:`Ask.take_back`): the fleet refused a job this replica admitted; its
+   ticket is given back and the payload's reservation returned to the door.
 
 Connection ids come from one counter (:func:`connection_id`), so that ``conn=`` in the logs
 names one connection whichever listener accepted it; a client cut off for not reading its
@@ -32,14 +35,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import JobSpec, SpecInvalid, is_json_content_type, parse_spec
 
-from .core.admission import Admitted, Attempt, Decision, Reservation, Ticket, Yielded
+from .core.admission import Admitted, Attempt, Decision, Rejected, Reservation, Ticket, Yielded
 from .core.ledger import Refusal
 from .core.policy import LANES
 from .core.sources import NOW, Turn, source_of
@@ -86,6 +91,14 @@ def cut_off(
 # Authentication ------------------------------------------------------------------------------
 
 
+class KeyStep(Enum):
+    """What a request's key lets it do now (:meth:`Credentials.step`)."""
+
+    GO = "go"
+    LATER = "later"  # it waits for its key's turn
+    FAR = "far"  # that turn is beyond ``auth_grace``: refused for now, unchecked
+
+
 class Credentials:
     """What one connection has shown of who it is: its source, a client certificate's tenant,
     the keys found valid on it, and its failures."""
@@ -99,12 +112,27 @@ class Credentials:
         self.keys: dict[str, Tenant] = {}  # keys shown valid on this connection
         self.failures = 0  # jobs refused for want of a valid key
         self.turn = NOW  # reserved for a key that waits for it
+        self.key_at = math.inf  # a key waits for its turn until then (see :meth:`step`)
 
     def connected(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         self.source = source_of(str(peer[0])) if peer else ""
         self.cert_tenant = self.state.connections.certificate_tenant(transport)
         self.authenticated = self.authenticated or self.cert_tenant is not None
+
+    def step(self, key: str) -> KeyStep:
+        """Whether a request with ``key`` goes on now: :attr:`KeyStep.GO` (checked, or needing
+        no check), :attr:`KeyStep.LATER` (it waits for its key's turn, at :attr:`key_at`: then
+        :meth:`check_at_turn`, or :meth:`turn_unused` if its client leaves first) or
+        :attr:`KeyStep.FAR` (refused for now, unchecked: ``KEY_TURN_FAR``). The one rule both
+        doors follow (:meth:`turn_for`)."""
+        turn = self.turn_for(key)
+        if turn is None:
+            return KeyStep.FAR
+        if turn.wait > 0:
+            self.key_at = self.state.now() + turn.wait
+            return KeyStep.LATER
+        return KeyStep.GO
 
     def turn_for(self, key: str) -> Turn | None:
         """When ``key`` may be checked. :data:`~governor.core.sources.NOW`: it has been (just
@@ -127,9 +155,11 @@ class Credentials:
     def check_at_turn(self, key: str) -> None:
         self._check(key, self.turn)
         self.turn = NOW
+        self.key_at = math.inf
 
     def turn_unused(self) -> None:
         """The request waiting for its key's turn is gone: the turn is given back."""
+        self.key_at = math.inf
         if self.turn is not NOW:
             self.state.connections.sources.turn_unused(self.source, self.turn)
             self.turn = NOW
@@ -179,55 +209,143 @@ class Credentials:
 # Submission ----------------------------------------------------------------------------------
 
 
-def prepare(
-    state: ServerState, attempt: Attempt, job_id: str, payload: bytes, content_type: str
-) -> None:
-    """A verified TCP payload: a JSON job spec is parsed here, once; any other payload goes to
-    the runner as it is (a runner that generates text takes it as its prompt)."""
+class Ask:
+    """One job's conversation with admission, from its spec to its start, the same on both
+    doors: its attempt, when it was first refused, its wait in line. A door feeds it (a spec to
+    :meth:`prepare`, a decision asked of :meth:`decide` at its time) and maps what comes out
+    (:data:`Outcome`) to its wire; only how a refused job is kept for its retry is the door's
+    own (a held payload, a kept place)."""
 
-    def job(runner: Runner) -> Job:
-        spec = None
-        if is_json_content_type(content_type):
-            spec = parse_spec(payload, content_type, max_new_tokens_ceiling=runner.max_new_tokens)
-        return runner.prepare(job_id, spec, payload)
+    def __init__(
+        self, state: ServerState, attempt: Attempt, first_refusal: float | None = None
+    ) -> None:
+        self.state = state
+        self.attempt = attempt
+        self.first_refusal = first_refusal  # when first refused (a retry: its first try)
+        self.wait: Wait | None = None  # its wait for its turn, if it may wait
+        self.decide_at = math.inf  # waiting in line: decided again then, at its hint
 
-    _prepare(state, attempt, job_id, job)
+    def prepare(self, job_id: str, payload: bytes, content_type: str) -> None:
+        """A verified TCP payload: a JSON job spec is parsed here, once; any other payload goes
+        to the runner as it is (a runner that generates text takes it as its prompt)."""
+
+        def job(runner: Runner) -> Job:
+            spec = None
+            if is_json_content_type(content_type):
+                spec = parse_spec(
+                    payload, content_type, max_new_tokens_ceiling=runner.max_new_tokens
+                )
+            return runner.prepare(job_id, spec, payload)
+
+        self._prepare(job_id, job)
+
+    def prepare_fields(self, job_id: str, spec: Callable[[int], JobSpec], body: bytes) -> None:
+        """An HTTP request's job spec, as its API maps it (from the body it decoded already: no
+        JSON in between), checked here against the runner's ceiling (``spec`` raises
+        ``SpecInvalid``)."""
+
+        def job(runner: Runner) -> Job:
+            return runner.prepare(job_id, spec(runner.max_new_tokens), body)
+
+        self._prepare(job_id, job)
+
+    def _prepare(self, job_id: str, make: Callable[[Runner], Job]) -> None:
+        """The primary pool's runner prepares the job for admission to decide on: a spec
+        refused (by the parse or the runner) is the attempt's ``spec_error``, decided as a
+        rejection before any slot is looked at."""
+        attempt = self.attempt
+        attempt.job, attempt.spec_error = None, None
+        try:
+            attempt.job = make(self.state.admission.primary.runner)
+        except SpecInvalid as exc:
+            attempt.spec_error = exc
+        except Exception:  # a runner bug must cost this job, not the connection
+            log.exception("runner failed to prepare job %r", job_id)
+            attempt.spec_error = SpecInvalid(
+                NeedCode.SPEC_INVALID, "the runner cannot run this job"
+            )
+
+    def line_up(self, asked_ms: int | None, decide: Callable[[], str | None]) -> None:
+        """The job may wait for its turn (:class:`Wait`: ``asked_ms``, else ``max_wait``);
+        ``decide`` is the door's, called when the line offers it a freed slot."""
+        self.leave_line()
+        self.wait = Wait(self.state, self.attempt, asked_ms, decide)
+
+    def leave_line(self) -> None:
+        """A new submission: the wait of the last one, if any, is over."""
+        if self.wait is not None:
+            self.wait.leave(None)
+            self.wait = None
+
+    @property
+    def in_line(self) -> bool:
+        return self.wait is not None and self.wait.waiter is not None
+
+    def decide(self) -> Outcome:
+        """Admission's decision, and what follows from it here: a busy refusal whose turn comes
+        within the job's wait budget waits in line (:class:`Waiting`: the door decides again at
+        its ``until``, or sooner when the line offers a slot); otherwise the job leaves the line
+        with the decision, for the door to answer (an :class:`Admitted` one: :meth:`admitted`)."""
+        state = self.state
+        self.decide_at = math.inf
+        decision = _decision(state, self.attempt)
+        wait = self.wait
+        if isinstance(decision, Yielded):
+            if self.first_refusal is None:
+                self.first_refusal = state.now()
+            if wait is not None and wait.joins(decision):
+                self.decide_at = state.now() + decision.retry_hint_ms / 1000
+                return Waiting(self.decide_at, decision.need_code)
+        if wait is not None:
+            wait.leave(decision)
+        return decision
+
+    def admitted(
+        self, decision: Admitted, *, job: str, ttl_ms: int, reservation: Reservation | None
+    ) -> JobAdmitted:
+        """The ticket takes the payload's reservation (released with it), and the job's wait
+        since its first refusal is measured: the job, for the door to start (:func:`start`)."""
+        ticket = decision.ticket
+        ticket.reservation = reservation
+        waited = None if self.first_refusal is None else ticket.slot.started - self.first_refusal
+        self.state.metrics.wait.observe(ticket.lane, waited or 0.0)
+        return JobAdmitted(job, ttl_ms, ticket, self.attempt, waited)
+
+    def give_up(self) -> None:
+        """Its client left, or cancelled, while it waited: see :meth:`Wait.give_up`."""
+        self.decide_at = math.inf
+        if self.wait is not None:
+            self.wait.give_up()
+
+    def take_back(
+        self, execution: Execution, refusal: Refusal, *, keep_payload: bool
+    ) -> tuple[Yielded, Reservation | None]:
+        """The fleet refused the job this replica admitted: its ticket is given back and the
+        yield to answer returned; with ``keep_payload``, so is its payload's reservation, for
+        the door to hold for the retry (else it is released with the ticket)."""
+        ticket = execution.ticket
+        reservation = None
+        if keep_payload:
+            reservation, ticket.reservation = ticket.reservation, None
+        if self.first_refusal is None:
+            self.first_refusal = self.state.now()
+        return self.state.admission.revoke(self.attempt, ticket, refusal), reservation
 
 
-def prepare_fields(
-    state: ServerState,
-    attempt: Attempt,
-    job_id: str,
-    spec: Callable[[int], JobSpec],
-    body: bytes,
-) -> None:
-    """An HTTP request's job spec, as its API maps it (from the body it decoded already: no
-    JSON in between), checked here against the runner's ceiling (``spec`` raises
-    ``SpecInvalid``)."""
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """The job waits in line for its turn, unanswered: decided again at ``until`` (its hint),
+    or sooner when the line offers it a freed slot. ``need_code``: the busy refusal's (a
+    ``server_busy`` one ends the line's round of offers: those behind it would be refused too)."""
 
-    def job(runner: Runner) -> Job:
-        return runner.prepare(job_id, spec(runner.max_new_tokens), body)
-
-    _prepare(state, attempt, job_id, job)
+    until: float
+    need_code: NeedCode
 
 
-def _prepare(
-    state: ServerState, attempt: Attempt, job_id: str, make: Callable[[Runner], Job]
-) -> None:
-    """The primary pool's runner prepares the job for admission to decide on: a spec refused
-    (by the parse or the runner) is the attempt's ``spec_error``, decided as a rejection before
-    any slot is looked at."""
-    attempt.job, attempt.spec_error = None, None
-    try:
-        attempt.job = make(state.admission.primary.runner)
-    except SpecInvalid as exc:
-        attempt.spec_error = exc
-    except Exception:  # a runner bug must cost this job, not the connection
-        log.exception("runner failed to prepare job %r", job_id)
-        attempt.spec_error = SpecInvalid(NeedCode.SPEC_INVALID, "the runner cannot run this job")
+Outcome = Admitted | Rejected | Yielded | Waiting
 
 
-def decide(state: ServerState, attempt: Attempt) -> Decision:
+def _decision(state: ServerState, attempt: Attempt) -> Decision:
     """Admission's decision on a prepared attempt, its time measured."""
     started = time.perf_counter()
     decision = state.admission.decide(attempt)
@@ -330,40 +448,8 @@ class JobAdmitted:
     waited_s: float | None  # from its first refusal to its admission; None: never refused
 
 
-def admitted(
-    state: ServerState,
-    decision: Admitted,
-    attempt: Attempt,
-    *,
-    job: str,
-    ttl_ms: int,
-    reservation: Reservation | None,
-    first_refusal: float | None,
-) -> JobAdmitted:
-    """The ticket takes the payload's reservation (released with it), and the job's wait in
-    line is measured."""
-    ticket = decision.ticket
-    ticket.reservation = reservation
-    waited = None if first_refusal is None else ticket.slot.started - first_refusal
-    state.metrics.wait.observe(ticket.lane, waited or 0.0)
-    return JobAdmitted(job, ttl_ms, ticket, attempt, waited)
-
-
 def start(state: ServerState, job: JobAdmitted, replies: Replies) -> Execution:
     """Run an admitted job: its task and the done-callback that releases its ticket."""
     return Execution(
         state, job.ticket, job.attempt, replies, job.waited_s, job=job.job, ttl_ms=job.ttl_ms
     )
-
-
-def take_back(
-    state: ServerState, execution: Execution, refusal: Refusal, *, keep_payload: bool
-) -> tuple[Yielded, Reservation | None]:
-    """The fleet refused a job this replica admitted: its ticket is given back, and the yield to
-    answer returned; with ``keep_payload``, so is its payload's reservation, for the listener
-    to hold for the retry (else it is released with the ticket)."""
-    ticket = execution.ticket
-    reservation = None
-    if keep_payload:
-        reservation, ticket.reservation = ticket.reservation, None
-    return state.admission.revoke(execution.attempt, ticket, refusal), reservation

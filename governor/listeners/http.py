@@ -77,6 +77,7 @@ from ..core.admission import (
 from ..core.ledger import DRAINING_HINT_MS, Refusal
 from ..core.sources import KEY_TURN_FAR
 from ..execution import Ending, Execution
+from ..intake import KeyStep, Waiting
 from ..ops.health import Verdict
 from ..runners import Embedder, Forwarding, Relay, Relayed, RunnerError, Token
 from ..state import ServerState
@@ -495,7 +496,7 @@ class HttpConnection(asyncio.Protocol):
         exchange = self.exchange
         deadline = self.expires_at
         if exchange is not None:
-            deadline = min(deadline, exchange.decide_at, exchange.key_at)
+            deadline = min(deadline, exchange.due_at)
         self.door.deadlines.put(self, deadline)
 
     def on_deadline(self) -> None:
@@ -579,11 +580,7 @@ class Exchange:
         self.answers: api.Answers | None = None
         self.call: api.Call | None = None
         self.key: api.Key = ("", b"")
-        self.attempt: Attempt | None = None
-        self.first_refusal: float | None = None  # when first refused (a retry: its first try)
-        self.wait: intake.Wait | None = None  # its wait for its turn (a job's)
-        self.decide_at = math.inf  # waiting: decided again then, at its hint
-        self.key_at = math.inf  # its key waits for its turn until then
+        self.ask: intake.Ask | None = None  # a job's conversation with admission
         self.key_turn: tuple[h11.Request, bytes, str, str] | None = None  # (what then goes on)
         self.proxied: asyncio.Task[Relayed] | None = None  # the upstream answers it
         self.streaming = False  # the 200 and the stream's head are out
@@ -643,8 +640,9 @@ class Exchange:
             ("x-governor-inflight", str(inflight)),
             ("x-governor-cap", str(sum(p.ledger.cap for p in conn.state.pools))),
         ]
-        if self.wait is not None and self.wait.waited_ms is not None:
-            fields.append(("x-governor-waited-ms", str(self.wait.waited_ms)))
+        wait = None if self.ask is None else self.ask.wait
+        if wait is not None and wait.waited_ms is not None:
+            fields.append(("x-governor-waited-ms", str(wait.waited_ms)))
         fields += headers
         if length is not None:
             fields.append(("content-length", str(length)))
@@ -669,25 +667,31 @@ class Exchange:
         prepared and decided."""
         key = _bearer(_header(request, b"authorization"))
         if key is not None:
-            turn = self.conn.credentials.turn_for(key)
-            if turn is None:  # the guessers' turns are many: refused for now, unchecked
+            step = self.conn.credentials.step(key)
+            if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
                 self._abort(HTTPStatus.UNAUTHORIZED, NeedCode.UNAUTHORIZED, KEY_TURN_FAR)
                 return
-            if turn.wait > 0:
+            if step is KeyStep.LATER:
                 self.key_turn = (request, body, kind, key)
-                self.key_at = self.conn.state.now() + turn.wait
                 self.conn.schedule()
                 return
         self._job(request, body, kind, key)
 
+    @property
+    def due_at(self) -> float:
+        """When :meth:`on_deadline` has something to do: its key's turn, or its next decision."""
+        if self.key_turn is not None:
+            return self.conn.credentials.key_at
+        return math.inf if self.ask is None else self.ask.decide_at
+
     def on_deadline(self, now: float) -> None:
         """Time passed: its key's turn came, or its next decision at its hint."""
-        if self.key_turn is not None and self.key_at <= now:
-            (request, body, kind, key), self.key_turn = self.key_turn, None
-            self.key_at = math.inf
-            self.conn.credentials.check_at_turn(key)
-            self._job(request, body, kind, key)
-        elif self.decide_at <= now:
+        if self.key_turn is not None:
+            if self.conn.credentials.key_at <= now:
+                (request, body, kind, key), self.key_turn = self.key_turn, None
+                self.conn.credentials.check_at_turn(key)
+                self._job(request, body, kind, key)
+        elif self.ask is not None and self.ask.decide_at <= now:
             self.decide()
 
     def _job(self, request: h11.Request, body: bytes, kind: str, key: str | None) -> None:
@@ -723,11 +727,12 @@ class Exchange:
         self.key = (tenant.name, hashlib.sha256(body).digest())
         kept = conn.door.places.take(self.key)
         if kept is not None:
-            self.attempt, self.first_refusal = kept.attempt, kept.first_refusal
+            ask = intake.Ask(conn.state, kept.attempt, kept.first_refusal)
         else:
-            self.attempt = Attempt(tenant, None)
-        intake.prepare_fields(conn.state, self.attempt, job_id, call.spec, body)
-        self.wait = intake.Wait(conn.state, self.attempt, asked_ms, self.decide)
+            ask = intake.Ask(conn.state, Attempt(tenant, None))
+        self.ask = ask
+        ask.prepare_fields(job_id, call.spec, body)
+        ask.line_up(asked_ms, self.decide)
         self.decide()
 
     def proxy(self, request: h11.Request, body: bytes) -> None:
@@ -757,63 +762,48 @@ class Exchange:
     @property
     def at_door(self) -> bool:
         """Waiting in line for its turn."""
-        return self.wait is not None and self.wait.waiter is not None
+        return self.ask is not None and self.ask.in_line
 
     def decide(self) -> str | None:
-        """Admission's answer: the job runs, is refused for good (400), waits in line for its
-        turn (:meth:`governor.intake.Wait.joins`: decided again at its hint, or when a slot may
-        have freed before), or yields: 429 (503). Returns the need code of a refusal (None:
-        admitted)."""
-        conn, attempt, wait = self.conn, self.attempt, self.wait
-        assert attempt is not None
-        assert wait is not None
-        state = conn.state
-        self.decide_at = math.inf  # (decided before its hint: a slot may have freed)
-        decision = intake.decide(state, attempt)
-        if isinstance(decision, Yielded):
-            if self.first_refusal is None:
-                self.first_refusal = state.now()
-            if wait.joins(decision):
-                self.decide_at = state.now() + decision.retry_hint_ms / 1000
-                conn.schedule()
-                return decision.need_code
-        wait.leave(decision)
-        if isinstance(decision, Admitted):
-            self._run(decision)
+        """The ask's outcome on this wire: the job waits in line for its turn (unanswered,
+        decided again at its hint or when a slot may have freed before), runs, is refused for
+        good (400), or yields: 429 (503). Returns the need code of a refusal (None: admitted)."""
+        ask = self.ask
+        assert ask is not None
+        outcome = ask.decide()
+        if isinstance(outcome, Waiting):
+            self.conn.schedule()
+            return outcome.need_code
+        if isinstance(outcome, Admitted):
+            self._run(ask, outcome)
             return None
-        if isinstance(decision, Rejected):
-            error = decision.error
-            code = error.need_code if error is not None else decision.need_code
-            self._abort(HTTPStatus.BAD_REQUEST, code, error.detail if error else decision.detail)
+        if isinstance(outcome, Rejected):
+            error = outcome.error
+            code = error.need_code if error is not None else outcome.need_code
+            self._abort(HTTPStatus.BAD_REQUEST, code, error.detail if error else outcome.detail)
             return code
-        assert self.first_refusal is not None
-        self._yielded(decision, self.key, attempt, self.first_refusal)
-        return decision.need_code
+        self._yielded(outcome, ask)
+        return outcome.need_code
 
     def left(self) -> None:
-        """The client left while its request waited in line (:meth:`governor.intake.Wait.give_up`)
+        """The client left while its request waited in line (:meth:`governor.intake.Ask.give_up`)
         or for its key's turn (the turn is given back)."""
         if self.key_turn is not None:
-            self.key_turn, self.key_at = None, math.inf
+            self.key_turn = None
             self.conn.credentials.turn_unused()
         if self.proxied is not None:
             self.proxied.cancel()
-        self.decide_at = math.inf
-        if self.wait is not None:
-            self.wait.give_up()
+        if self.ask is not None:
+            self.ask.give_up()
 
-    def _run(self, decision: Admitted) -> None:
-        conn, state, call, attempt = self.conn, self.conn.state, self.call, self.attempt
+    def _run(self, ask: intake.Ask, decision: Admitted) -> None:
+        conn, state, call = self.conn, self.conn.state, self.call
         assert call is not None
-        assert attempt is not None
-        job = intake.admitted(
-            state,
+        job = ask.admitted(
             decision,
-            attempt,
             job=decision.ticket.job.id,
             ttl_ms=0,  # (an OpenAI request carries no deadline of its own)
             reservation=conn.take_reservation(),
-            first_refusal=self.first_refusal,
         )
         self.answers = api.Answers(
             call,
@@ -823,16 +813,18 @@ class Exchange:
         )
         self.execution = intake.start(state, job, self)
 
-    def _yielded(self, decision: Yielded, key: api.Key, attempt: Attempt, first: float) -> None:
+    def _yielded(self, decision: Yielded, ask: intake.Ask) -> None:
         """429 (503); a place kept for the retry of a ``busy`` yield (an unavailable server's
         retry is for another replica, or after a cooldown: no place in line waits for it)."""
         conn = self.conn
+        first = ask.first_refusal
+        assert first is not None
         if decision.error_code == ErrorCode.BUSY and conn.door.places.keep(
-            key, attempt, first, decision.retry_hint_ms
+            self.key, ask.attempt, first, decision.retry_hint_ms
         ):
             conn.door.kept()
         else:
-            conn.state.admission.forget(attempt)
+            conn.state.admission.forget(ask.attempt)
         self.fail(api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms))
 
     # execution.Replies -------------------------------------------------------------------
@@ -907,8 +899,8 @@ class Exchange:
     def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
         """The fleet refused the job admitted here: 429 now (it keeps no place in line: the
         fleet's hint is not the ledger's); the exchange ends with the job's task."""
-        state = self.conn.state
-        decision, _ = intake.take_back(state, execution, refusal, keep_payload=False)
+        assert self.ask is not None
+        decision, _ = self.ask.take_back(execution, refusal, keep_payload=False)
         error = api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms)
         self._whole(error.status, error.body(), error.headers)
 

@@ -52,6 +52,7 @@ from ..core.admission import (
 from ..core.ledger import DRAINING_HINT_MS, Refusal
 from ..core.tenants import Tenant
 from ..execution import Ending, Execution, Running
+from ..intake import Waiting
 from ..runners import Relay, Token
 from ..state import ServerState
 from .wire import Wire, yield_detail
@@ -81,10 +82,9 @@ class JobState:
     """What a connection holds for one job id."""
 
     upload: Upload
-    attempt: Attempt
+    ask: intake.Ask  # its conversation with admission: its attempt, refusals and wait
     phase: Phase = Phase.UPLOADING
     reservation: Reservation | None = None  # its payload bytes against the buffer budgets
-    first_refusal: float | None = None
     execution: Running | None = None
     # The frame that completed its payload, once admitted: the job's answers answer it.
     final: Request | None = None
@@ -93,7 +93,6 @@ class JobState:
     deadline: float = float("inf")
     seq: int = 0  # of its last frame
     max_wait_ms: int | None = None  # the wait its frames asked for (None: a yield at once)
-    wait: intake.Wait | None = None  # its wait for its turn, while it waits
 
     def move(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
@@ -149,7 +148,7 @@ class JobTable:
     def add(self, job: str, tenant: Tenant) -> JobState:
         upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
         # (its deadline is set by what comes of its first frame: an accepted manifest, a hold)
-        state = self.jobs[job] = JobState(upload, Attempt(tenant, None))
+        state = self.jobs[job] = JobState(upload, intake.Ask(self.state, Attempt(tenant, None)))
         return state
 
     def bytes_in(self, job: str) -> int:
@@ -255,20 +254,18 @@ class JobTable:
 
     def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
         """A verified payload (None: the one held, back for its retry) to the intake; the
-        decision mapped to a reply, to a wait in line, or to the event that starts the job."""
+        outcome mapped to a reply, to a wait in line, or to the event that starts the job."""
+        ask = state.ask
         if payload is not None:
             manifest = state.upload.manifest
             assert manifest is not None
-            intake.prepare(self.state, state.attempt, req.job, payload, manifest.content_type)
+            ask.prepare(req.job, payload, manifest.content_type)
         state.final = req
-        if state.wait is not None:  # (a frame of a job in line: its wait starts again)
-            state.wait.leave(None)
-            state.wait = None
-        if state.max_wait_ms is not None:
-            state.wait = intake.Wait(
-                self.state, state.attempt, state.max_wait_ms, _offer(self.owner, req.job)
-            )
-        self._decided(state, intake.decide(self.state, state.attempt))
+        if state.max_wait_ms is None:
+            ask.leave_line()
+        else:  # (a frame of a job in line: its wait starts again)
+            ask.line_up(state.max_wait_ms, _offer(self.owner, req.job))
+        self._decided(state, ask.decide())
 
     def decide_again(self, job: str) -> str | None:
         """A waiting job decided again, at its hint or when the line offers it a slot: the need
@@ -276,63 +273,51 @@ class JobTable:
         state = self.jobs.get(job)
         if state is None or state.phase is not Phase.WAITING or self.admitted is not None:
             return None  # (another job of this connection is being started: its turn comes)
-        decision = intake.decide(self.state, state.attempt)
-        self._decided(state, decision)
-        return None if isinstance(decision, Admitted) else decision.need_code
+        outcome = state.ask.decide()
+        self._decided(state, outcome)
+        return None if isinstance(outcome, Admitted) else outcome.need_code
 
-    def _decided(self, state: JobState, decision: Admitted | Rejected | Yielded) -> None:
+    def _decided(self, state: JobState, outcome: intake.Outcome) -> None:
+        """The ask's outcome on this wire: the job waits unanswered, starts, is refused for
+        good, or yields."""
         req = state.final
         assert req is not None
-        wait = state.wait
-        if isinstance(decision, Yielded):
-            if state.first_refusal is None:
-                state.first_refusal = self.state.now()
-            if wait is not None and wait.joins(decision):
-                if state.phase is Phase.HELD:  # (its place in admission's line stays)
-                    self.unhold(state, Phase.WAITING, forget=False)
-                elif state.phase is Phase.UPLOADING:
-                    state.move(Phase.WAITING)
-                state.deadline = self.state.now() + decision.retry_hint_ms / 1000
-                self.owner.due(state.deadline)
-                return
-        if wait is not None:
-            wait.leave(decision)
-            state.wait = None
-        if isinstance(decision, Admitted):
+        if isinstance(outcome, Waiting):
+            if state.phase is Phase.HELD:  # (its place in admission's line stays)
+                self.unhold(state, Phase.WAITING, forget=False)
+            elif state.phase is Phase.UPLOADING:
+                state.move(Phase.WAITING)
+            state.deadline = outcome.until
+            self.owner.due(state.deadline)
+        elif isinstance(outcome, Admitted):
             if state.phase is Phase.HELD:
                 self.unhold(state, Phase.RUNNING)
             else:
                 state.move(Phase.RUNNING)
             state.deadline = float("inf")
             reservation, state.reservation = state.reservation, None
-            self.admitted = intake.admitted(
-                self.state,
-                decision,
-                state.attempt,
-                job=req.job,
-                ttl_ms=req.ttl_ms,
-                reservation=reservation,
-                first_refusal=state.first_refusal,
+            self.admitted = state.ask.admitted(
+                outcome, job=req.job, ttl_ms=req.ttl_ms, reservation=reservation
             )
-        elif isinstance(decision, Rejected):
+        elif isinstance(outcome, Rejected):
             self.forget(req.job)
-            if decision.error is not None:
-                self.wire.error(req, decision.error, seq=final_seq(req))
+            if outcome.error is not None:
+                self.wire.error(req, outcome.error, seq=final_seq(req))
             else:
                 self.wire.abort(
-                    req, decision.need_code, ErrorCode.POLICY, decision.detail, seq=final_seq(req)
+                    req, outcome.need_code, ErrorCode.POLICY, outcome.detail, seq=final_seq(req)
                 )
         else:
-            self._yielded(req, state, decision)
+            self._yielded(req, state, outcome)
 
     def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
         """The fleet refused a job this replica admitted: its ticket is given back (the payload's
         buffers return to the job), and its client told to yield, as if refused here."""
         state = self.jobs.get(execution.job)
-        alive = state is not None and state.execution is execution
-        decision, reservation = intake.take_back(self.state, execution, refusal, keep_payload=alive)
-        if state is None or not alive:  # (the connection is gone)
+        if state is None or state.execution is not execution:  # (the connection is gone)
+            self.state.admission.revoke(execution.attempt, execution.ticket, refusal)
             return
+        decision, reservation = state.ask.take_back(execution, refusal, keep_payload=True)
         assert state.final is not None
         state.reservation = reservation
         state.execution = None
@@ -340,8 +325,6 @@ class JobTable:
 
     def _yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
         """Answer ``yield``, keeping the payload for the retry if the connection may."""
-        if state.first_refusal is None:
-            state.first_refusal = self.state.now()
         # A draining governor admits nothing again: its refused payloads are not kept, so that
         # their bytes do not turn the drain's later answers into buffers_full.
         draining = decision.need_code == NeedCode.DRAINING
@@ -482,7 +465,7 @@ class JobTable:
             return False
         state.move(Phase.HELD)
         self.held += 1
-        state.attempt.tenant.waiting += 1
+        state.ask.attempt.tenant.waiting += 1
         return True
 
     def unhold(self, state: JobState, to: Phase = Phase.UPLOADING, *, forget: bool = True) -> None:
@@ -490,22 +473,17 @@ class JobTable:
         given up too."""
         state.move(to)
         self.held -= 1
-        state.attempt.tenant.waiting -= 1
+        state.ask.attempt.tenant.waiting -= 1
         if forget:
-            self.state.admission.forget(state.attempt)
+            self.state.admission.forget(state.ask.attempt)
 
     def replace(self, state: JobState) -> None:
         """A new payload for a job held or waiting: it gives up its hold or its wait."""
         if state.phase is Phase.HELD:
             self.unhold(state)
         elif state.phase is Phase.WAITING:
-            self._give_up(state)
+            state.ask.give_up()
             state.move(Phase.UPLOADING)
-
-    def _give_up(self, state: JobState) -> None:
-        if state.wait is not None:
-            state.wait.give_up()
-            state.wait = None
 
     def forget(self, job: str) -> None:
         """Drop a job that is not running: its hold or its wait, its place in admission's line,
@@ -515,8 +493,8 @@ class JobTable:
         if state.phase is Phase.HELD:
             self.unhold(state)
         else:
-            self._give_up(state)
-            self.state.admission.forget(state.attempt)  # (a promise its yield left)
+            state.ask.give_up()
+            self.state.admission.forget(state.ask.attempt)  # (a promise its yield left)
         if state.reservation is not None:
             state.reservation.release()
         self.owner.idle_changed()

@@ -29,6 +29,7 @@ from protocol.lines import LineReader
 from .. import intake
 from ..core.sources import KEY_TURN_FAR
 from ..execution import Running
+from ..intake import KeyStep
 from ..state import ServerState
 from .jobs import JobState, JobTable, Phase, final_seq
 from .wire import Wire
@@ -103,9 +104,9 @@ class Session:
         now = self.clock()
         self.last_frame_at = now
         self.opened_at = now
-        # A frame whose key waits for its turn until ``deferred_at``; no line is handled meanwhile.
+        # A frame whose key waits for its turn (until ``credentials.key_at``); no line is
+        # handled meanwhile.
         self.deferred: Request | None = None
-        self.deferred_at = 0.0
         self.idle = True  # as last told to the sources
         # The earliest deadline set since the connection last asked (None: none earlier).
         self.sooner: float | None = None
@@ -197,7 +198,7 @@ class Session:
         if not self.credentials.authenticated:
             deadline = min(deadline, self.opened_at + config.auth_grace)
         if self.deferred is not None:
-            deadline = min(deadline, self.deferred_at)
+            deadline = min(deadline, self.credentials.key_at)
         for state in self.jobs.values():
             deadline = min(deadline, state.deadline)
         return deadline
@@ -229,7 +230,7 @@ class Session:
             self.fatal(NeedCode.IDLE_TIMEOUT, ErrorCode.TIMEOUT, f"no frame for {timeout:g} s")
             return False
         deferred = self.deferred
-        if deferred is not None and now >= self.deferred_at:
+        if deferred is not None and now >= self.credentials.key_at:
             self.deferred = None
             assert deferred.api_key is not None
             self.credentials.check_at_turn(deferred.api_key)
@@ -345,18 +346,17 @@ class Session:
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
         key = req.api_key
         if key is not None and self._looks_up(req):
-            turn = self.credentials.turn_for(key)
+            step = self.credentials.step(key)
             self.idle_changed()
-            if turn is None:  # the guessers' turns are many: refused for now, unchecked
+            if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
                 if req.verb != Verb.PING:
                     self.wire.abort(
                         req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, KEY_TURN_FAR
                     )
                     return
-            elif turn.wait > 0:  # the source's failures are spent: this key waits for its turn
+            elif step is KeyStep.LATER:  # the source's failures are spent: it waits its turn
                 self.deferred = req
-                self.deferred_at = self.clock() + turn.wait
-                self.due(self.deferred_at)
+                self.due(self.credentials.key_at)
                 return
         self._handle(req)
 

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from governor.core.ledger import DRAINING_HINT_MS
 from governor.core.policy import LANES
 from governor.listeners import openai_api as api
-from governor.listeners.http import HttpConnection
+from governor.listeners.http import Exchange, HttpConnection
 from governor.listeners.openai_api import KeptPlaces
 from governor.runners import Job, RunEvent, Token
 from protocol.spec import JobSpec
@@ -386,7 +386,7 @@ class HttpDoor:
             return None
         n = int(dict(conn.request.headers)[b"x-test-request"])
         exchange = conn.exchange
-        if exchange.decide_at < math.inf:
+        if _decided_later(exchange):
             return n, "at the door"
         execution = exchange.execution
         if execution is not None and execution.ticket.job.id in self.m.runner.running():
@@ -595,7 +595,7 @@ class HttpDoor:
             len(conn.body)
             for conn in self.http_connections()
             if conn.exchange is not None
-            and (conn.exchange.execution is not None or conn.exchange.decide_at < math.inf)
+            and (conn.exchange.execution is not None or _decided_later(conn.exchange))
         )
 
     def orphans(self) -> set[str]:
@@ -626,11 +626,11 @@ class HttpDoor:
             exchange = conn.exchange
             if exchange is None:
                 continue
-            assert (exchange.decide_at < math.inf) == exchange.at_door, "at the door?"
+            assert _decided_later(exchange) == exchange.at_door, "at the door?"
             if exchange.at_door:
-                assert exchange.attempt is not None
-                door[exchange.attempt.tenant.name] += 1
-                promise = exchange.attempt.promise
+                assert exchange.ask is not None
+                door[exchange.ask.attempt.tenant.name] += 1
+                promise = exchange.ask.attempt.promise
                 promised += promise is not None and promise.queued
         door_line = self.m.the_server.state.line
         assert door_line is not None
@@ -840,3 +840,8 @@ def check_success(spec: Spec, body: bytes, where: str) -> bool:
     assert text == TOKEN, f"{where}: {body!r}"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop", where
     return False
+
+
+def _decided_later(exchange: Exchange) -> bool:
+    """The request waits in line, to be decided again at its hint."""
+    return exchange.ask is not None and exchange.ask.decide_at < math.inf
