@@ -25,17 +25,25 @@ from typing import IO, Any
 import orjson
 import pytest
 import uvloop
+from hypothesis import HealthCheck, settings
 
 from governor import compiled
 from governor.config import Config
 from governor.runners import Runner
 from governor.server import Server
 from loadtest.support.redisserver import RedisServer
+from tests.clock import FakeClock
 
 LISTEN_LINE = re.compile(rb"listening on (\S+):(\d+)")
 
 # The invariants' state machine and its doors assert outside test modules: their failures
 # should show the values as the tests' own do.
+# Every property runs on a machine that may be busy (CI, or both cores loaded on purpose):
+# hypothesis's timing checks (a 200 ms deadline per example, a health check on slow data
+# generation) would fail a test for the machine's load, not for the code's behaviour.
+settings.register_profile("governor", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("governor")
+
 pytest.register_assert_rewrite(
     "tests.inprocess.interleavings", "tests.inprocess.door_tcp", "tests.inprocess.door_http"
 )
@@ -290,3 +298,9 @@ def redis_server() -> Iterator[RedisServer]:
     PID before the test's event loop closes (uvloop's close waits for live children)."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """The test clock, at 1000 s (:class:`tests.clock.FakeClock`)."""
+    return FakeClock()

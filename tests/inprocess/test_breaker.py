@@ -11,15 +11,10 @@ import pytest
 from clients import GovernorClient, RetryBudget, RetryPolicy
 from governor.core.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from governor.runners import StubRunner
+from tests.clock import FakeClock
 from tests.conftest import ServerFactory, wait_until
-from tests.unit.test_ledger import FakeClock
 
 SETTINGS = BreakerSettings(window_s=10.0, min_failures=3, error_rate=0.5, cooldown_s=5.0)
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 def breaker(clock: FakeClock, **settings: Any) -> CircuitBreaker:

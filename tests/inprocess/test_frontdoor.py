@@ -29,6 +29,7 @@ from governor.server import Server
 from loadtest.support.redisserver import RedisServer
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, Message
+from tests.clock import FakeClock
 from tests.conftest import ServerFactory, wait_until
 
 
@@ -67,22 +68,12 @@ async def front(make_server: ServerFactory, instance: Any = None, **config: Any)
     return await make_server(instance, http_listen="127.0.0.1:0", **config)
 
 
-class StoppedClock:
-    """A server's clock that moves only when the test moves it (``now``)."""
-
-    def __init__(self) -> None:
-        self.now = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def stopped_clock(monkeypatch: pytest.MonkeyPatch) -> StoppedClock:
+def stopped_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     """The clock of the servers made after it: their ledger's, which every part of a server
     reads. Requests that real sockets deliver some milliseconds apart (more on a loaded
     machine) then reach admission at the moment the test says."""
-    clock = StoppedClock()
+    clock = FakeClock(time.monotonic())
     monkeypatch.setattr(governor.server, "SlotLedger", functools.partial(SlotLedger, clock=clock))
     return clock
 
@@ -144,7 +135,7 @@ async def test_the_sdk_own_retries_finish_every_job(make_server: ServerFactory, 
 
 
 async def test_a_retry_keeps_its_place_in_line(
-    make_server: ServerFactory, sdk: Sdk, stopped_clock: StoppedClock
+    make_server: ServerFactory, sdk: Sdk, stopped_clock: FakeClock
 ) -> None:
     """A refused request sent again (same key, same body) is its own promise: it takes the slot
     held for it, while a newcomer arriving at the same moment is refused (with no wait at the

@@ -33,16 +33,9 @@ from governor.server import Server
 from loadtest.support.redisserver import RedisServer
 from protocol.codes import ErrorCode, NeedCode, Status
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
+from tests.clock import FakeClock
 from tests.conftest import Daemon, ServerFactory, wait_until
 from tests.inprocess.test_invariants import inline
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def tenant(name: str = "t", **limits: Any) -> Any:

@@ -39,19 +39,12 @@ from clients import (
 from clients.fleet import Move, resolve, split_addresses, spread
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.frames import Reply
+from tests.clock import FakeClock
 from tests.conftest import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 DaemonFactory = Callable[..., Daemon]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class InOrder(random.Random):
@@ -115,7 +108,7 @@ BACKEND_ERROR = reply(
 BREAKER_OPEN = busy(2000, NeedCode.BREAKER_OPEN)
 
 
-def fleet(*addresses: Address, clock: Clock, seed: int = 1, **kwargs: Any) -> Replicas:
+def fleet(*addresses: Address, clock: FakeClock, seed: int = 1, **kwargs: Any) -> Replicas:
     return Replicas(addresses, rng=random.Random(seed), clock=clock, **kwargs)
 
 
@@ -123,7 +116,7 @@ def fleet(*addresses: Address, clock: Clock, seed: int = 1, **kwargs: Any) -> Re
 
 
 def test_two_choices_prefers_the_less_loaded() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, C, clock=clock)
     r.observe(A.name, reply(inflight=4, cap=4, health=0))
     r.observe(B.name, reply(inflight=0, cap=4, health=1))
@@ -138,7 +131,7 @@ def test_two_choices_prefers_the_less_loaded() -> None:
 
 
 def test_jobs_sent_count_as_load_until_the_next_receipt() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock)
     first = r.pick()
     assert first is not None
@@ -152,7 +145,7 @@ def test_jobs_sent_count_as_load_until_the_next_receipt() -> None:
 
 
 def test_a_stale_receipt_counts_as_no_load() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock, load_ttl_s=5.0)
     r.observe(A.name, reply(inflight=4, cap=4))
     r.observe(B.name, reply(inflight=1, cap=4))
@@ -162,7 +155,7 @@ def test_a_stale_receipt_counts_as_no_load() -> None:
 
 
 def test_a_busy_replica_is_picked_only_when_every_one_is() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, C, clock=clock)
     r.observe(A.name, busy(500))
     r.observe(B.name, reply(inflight=3, cap=4))
@@ -181,7 +174,7 @@ def test_a_busy_replica_is_picked_only_when_every_one_is() -> None:
 
 
 def test_a_yield_moves_at_once_to_a_replica_not_known_busy() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock)
     r.observe(A.name, busy(800))
     assert r.after_yield(A.name) == Move(B, 0.0)
@@ -189,7 +182,7 @@ def test_a_yield_moves_at_once_to_a_replica_not_known_busy() -> None:
 
 
 def test_a_yield_moves_to_a_shorter_hint_and_stays_for_a_longer_one() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock)
     r.observe(B.name, busy(200))
     r.observe(A.name, busy(800))
@@ -202,7 +195,7 @@ def test_a_yield_moves_to_a_shorter_hint_and_stays_for_a_longer_one() -> None:
 
 
 def test_a_full_replica_is_no_place_to_move_to_at_once() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock)
     r.observe(B.name, reply(inflight=1, cap=1, health=0))
     r.observe(A.name, busy(800))
@@ -210,7 +203,7 @@ def test_a_full_replica_is_no_place_to_move_to_at_once() -> None:
 
 
 def test_fleet_busy_speaks_for_every_replica() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, C, clock=clock)
     r.observe(A.name, busy(300, "fleet_busy"))
     assert r.after_yield(A.name) is None  # the fleet's cap is full wherever the job goes
@@ -218,7 +211,7 @@ def test_fleet_busy_speaks_for_every_replica() -> None:
 
 
 def test_an_unknown_code_is_busy() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock)
     r.observe(A.name, busy(400, "fleet_unavailable"))
     assert r.state(A.name) == ReplicaState.BUSY
@@ -230,7 +223,7 @@ def test_an_unknown_code_is_busy() -> None:
 
 
 def test_a_draining_replica_is_left_until_a_ping_says_it_is_ready() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock, recheck_s=30.0)
     r.observe(A.name, busy(60_000, NeedCode.DRAINING))
     assert r.state(A.name) == ReplicaState.DRAINING
@@ -251,7 +244,7 @@ def test_a_draining_replica_is_left_until_a_ping_says_it_is_ready() -> None:
 
 
 def test_only_a_ping_brings_a_left_replica_back() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock)
     r.observe(A.name, ping(draining=1))
     r.observe(A.name, reply(inflight=0, cap=1, health=1))  # a job's end carries no draining
@@ -260,7 +253,7 @@ def test_only_a_ping_brings_a_left_replica_back() -> None:
 
 
 def test_every_replica_left_picks_none() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock)
     r.leave(A.name)
     r.leave(B.name)
@@ -271,7 +264,7 @@ def test_every_replica_left_picks_none() -> None:
 
 
 def test_consecutive_failures_eject_and_the_replica_returns_after_the_ejection_time() -> None:
-    clock = Clock()
+    clock = FakeClock()
     ejection = Ejection(consecutive_failures=3, base_ejection_s=30.0, max_ejection_percent=50)
     r = fleet(A, B, C, clock=clock, ejection=ejection)
     r.observe(A.name, BACKEND_ERROR)
@@ -308,7 +301,7 @@ def test_the_ejection_time_is_capped() -> None:
 
 
 def test_busy_yields_and_other_ends_are_no_failures() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock, ejection=Ejection(consecutive_failures=1))
     for other in (
         busy(10),
@@ -324,7 +317,7 @@ def test_busy_yields_and_other_ends_are_no_failures() -> None:
 
 
 def test_max_ejection_keeps_one_replica() -> None:
-    clock = Clock()
+    clock = FakeClock()
     everything = Ejection(consecutive_failures=1, max_ejection_percent=100)
     r = fleet(A, B, clock=clock, ejection=everything)
     r.failure(A.name)
@@ -349,7 +342,7 @@ def test_max_ejection_keeps_one_replica() -> None:
 
 
 def test_an_ejected_replica_is_tried_when_nothing_else_is_left() -> None:
-    clock = Clock()
+    clock = FakeClock()
     r = fleet(A, B, clock=clock, ejection=Ejection(consecutive_failures=1))
     r.failure(A.name)
     r.leave(B.name)  # B drains after A was ejected
@@ -394,7 +387,7 @@ EVENTS = st.lists(
 def test_ejection_and_picking_invariants(
     n: int, events: list[tuple[Any, ...]], failures: int, percent: float, seed: int
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     addresses = [Address(f"10.0.0.{i}", 7777) for i in range(n)]
     ejection = Ejection(consecutive_failures=failures, max_ejection_percent=percent)
     r = Replicas(addresses, ejection=ejection, rng=random.Random(seed), clock=clock)

@@ -30,8 +30,7 @@ from governor.core.tenants import TenantConfig, Tenants
 from governor.runners import Job, StubRunner
 from protocol.codes import NeedCode
 from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
-
-from .test_ledger import FakeClock
+from tests.clock import FakeClock
 
 RUNNER = StubRunner(1.0)
 
@@ -89,11 +88,6 @@ def attempt(admission: Admission, key: str | None = None, **spec: object) -> Att
 def admitted(decision: object) -> Ticket:
     assert isinstance(decision, Admitted), decision
     return decision.ticket
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 NOISY = TenantConfig(name="noisy", key_sha256=key_sha("k-noisy"), max_inflight=1)

@@ -13,16 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from governor.listeners.base import Deadlines
+from tests.clock import FakeClock
 
 GRAIN = Deadlines.GRAIN
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Conn:
@@ -50,7 +43,7 @@ def test_a_firing_hands_each_due_connection_its_deadline_once(
     moves: list[tuple[int, float | None]], at: float
 ) -> None:
     async def run() -> None:
-        clock, fired = Clock(), list[int]()
+        clock, fired = FakeClock(100.0), list[int]()
         deadlines = Deadlines(clock)
         conns = [Conn(i, fired) for i in range(8)]
         model: dict[int, float] = {}
@@ -84,7 +77,7 @@ def test_a_connection_put_back_within_its_firing_waits_for_the_next_turn() -> No
     not in a loop within this one."""
 
     async def run() -> None:
-        clock = Clock()
+        clock = FakeClock(100.0)
         deadlines = Deadlines(clock)
         fired: list[int] = []
 

@@ -15,6 +15,7 @@ from clients.fleet import Address, Move, Replicas, ReplicaState
 from clients.fleet.route import JobRoute
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.frames import Reply
+from tests.clock import FakeClock
 
 T = TypeVar("T")
 A, B, C = (Address(f"10.0.0.{i}", 7777) for i in (1, 2, 3))
@@ -28,14 +29,6 @@ class InOrder(random.Random):
         self, population: Sequence[T], k: int, *, counts: Iterable[int] | None = None
     ) -> list[T]:
         return list(population)[:k]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def yielded(code: str = NeedCode.SERVER_BUSY, hint_ms: int = 100, *, held: bool = True) -> Reply:
@@ -67,8 +60,8 @@ def route(
     *addresses: Address,
     retry: RetryPolicy = PACED,
     budget: RetryBudget | None = None,
-) -> tuple[JobRoute, Replicas, Clock]:
-    clock = Clock()
+) -> tuple[JobRoute, Replicas, FakeClock]:
+    clock = FakeClock()
     replicas = Replicas(addresses, rng=InOrder(), clock=clock)
     job = JobRoute(replicas, budget or RetryBudget(), retry, random.Random(1), clock=clock)
     return job, replicas, clock

@@ -21,19 +21,7 @@ from governor.core.policy import LANES, Demand, LanePolicy
 from governor.core.promises import SLACK
 from governor.core.service import JobSize
 from protocol.codes import NeedCode
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+from tests.clock import FakeClock
 
 
 def test_cap_holds_and_counts(clock: FakeClock) -> None:

@@ -8,13 +8,7 @@ from hypothesis import strategies as st
 
 from governor.core.overload import OverloadController, OverloadSettings, State
 from governor.core.policy import Lane
-
-from .test_ledger import FakeClock
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+from tests.clock import FakeClock
 
 
 def controller(clock: FakeClock, **settings: object) -> OverloadController:

@@ -6,13 +6,7 @@ import pytest
 
 from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
 from governor.core.policy import Demand, Lane, LanePolicy, Rejection
-
-from .test_ledger import FakeClock
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+from tests.clock import FakeClock
 
 
 @pytest.mark.parametrize(

@@ -28,16 +28,10 @@ from governor.core.policy import LANES, Demand, Lane, LanePolicy
 from governor.core.service import JobSize
 from governor.runners.base import CacheShape
 from protocol.codes import NeedCode
-
-from .test_ledger import FakeClock
+from tests.clock import FakeClock
 
 CHAT, HEAVY, BACKGROUND = Lane.INTERACTIVE, Lane.HEAVY, Lane.BACKGROUND
 STEP = 0.01  # between admissions, so that "newest" and "oldest" are told apart
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 def make(

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
 from governor.core.policy import Demand, Lane, LanePolicy
 from governor.core.service import JobSize, ServiceModel
-
-from .test_ledger import FakeClock
+from tests.clock import FakeClock
 
 # A small model on a CPU: a fixed overhead per job, then per prompt and per output token.
 BASE_S, PREFILL_S, DECODE_S = 0.05, 0.002, 0.03

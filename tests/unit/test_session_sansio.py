@@ -28,8 +28,7 @@ from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
 from protocol.errors import EnvelopeInvalid
 from protocol.frames import Reply, decode_reply, decode_request, encode_request
 from protocol.upload import split_payload
-
-from .test_ledger import FakeClock
+from tests.clock import FakeClock
 
 PAYLOAD = b"twelve bytes"
 
@@ -108,11 +107,6 @@ def upload(job: str, payload: bytes, *, seq: int = 1, chunk_bytes: int = 8192) -
 
 def receipts(reply: Reply) -> dict[str, int]:
     return dict(reply.receipts)
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_started(

@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 
 from governor.core.policy import LANES, Lane
 from governor.core.slo import DEFAULT_OBJECTIVES, Attainment, Objectives, SloPolicy, Verdict, judge
-
-from .test_ledger import FakeClock
+from tests.clock import FakeClock
 
 ms = st.sampled_from([0.0, 1.0, 50.0, 100.0, 250.0, 1000.0, 15000.0, 600000.0])
 
