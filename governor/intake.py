@@ -318,12 +318,11 @@ class Ask:
             self.wait.give_up()
 
     def take_back(
-        self, execution: Execution, refusal: Refusal, *, keep_payload: bool
+        self, ticket: Ticket, refusal: Refusal, *, keep_payload: bool
     ) -> tuple[Yielded, Reservation | None]:
         """The fleet refused the job this replica admitted: its ticket is given back and the
         yield to answer returned; with ``keep_payload``, so is its payload's reservation, for
         the door to hold for the retry (else it is released with the ticket)."""
-        ticket = execution.ticket
         reservation = None
         if keep_payload:
             reservation, ticket.reservation = ticket.reservation, None

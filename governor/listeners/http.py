@@ -900,7 +900,7 @@ class Exchange:
         """The fleet refused the job admitted here: 429 now (it keeps no place in line: the
         fleet's hint is not the ledger's); the exchange ends with the job's task."""
         assert self.ask is not None
-        decision, _ = self.ask.take_back(execution, refusal, keep_payload=False)
+        decision, _ = self.ask.take_back(execution.ticket, refusal, keep_payload=False)
         error = api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms)
         self._whole(error.status, error.body(), error.headers)
 

@@ -317,7 +317,7 @@ class JobTable:
         if state is None or state.execution is not execution:  # (the connection is gone)
             self.state.admission.revoke(execution.attempt, execution.ticket, refusal)
             return
-        decision, reservation = state.ask.take_back(execution, refusal, keep_payload=True)
+        decision, reservation = state.ask.take_back(execution.ticket, refusal, keep_payload=True)
         assert state.final is not None
         state.reservation = reservation
         state.execution = None
