@@ -304,3 +304,19 @@ def redis_server() -> Iterator[RedisServer]:
 def clock() -> FakeClock:
     """The test clock, at 1000 s (:class:`tests.clock.FakeClock`)."""
     return FakeClock()
+
+
+@pytest.fixture
+def stopped_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The clock of the servers made after it: their ledger's, which every part of a server
+    reads (admission, the lanes, the line, the sessions' deadlines). Requests that real sockets
+    deliver some milliseconds apart (more on a loaded machine) then reach admission at the
+    moment the test says, and time that must pass for a rule passes when the test moves it."""
+    import functools
+
+    import governor.server
+    from governor.core.ledger import SlotLedger
+
+    clock = FakeClock(time.monotonic())
+    monkeypatch.setattr(governor.server, "SlotLedger", functools.partial(SlotLedger, clock=clock))
+    return clock

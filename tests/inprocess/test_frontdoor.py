@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import hashlib
 import math
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -19,9 +17,7 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-import governor.server
 from clients import NO_RETRY, GovernorClient
-from governor.core.ledger import SlotLedger
 from governor.core.tenants import TenantConfig
 from governor.listeners.openai_api import MAX_WAIT_HEADER
 from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, Token
@@ -66,16 +62,6 @@ async def sdk() -> AsyncIterator[Sdk]:
 
 async def front(make_server: ServerFactory, instance: Any = None, **config: Any) -> Server:
     return await make_server(instance, http_listen="127.0.0.1:0", **config)
-
-
-@pytest.fixture
-def stopped_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    """The clock of the servers made after it: their ledger's, which every part of a server
-    reads. Requests that real sockets deliver some milliseconds apart (more on a loaded
-    machine) then reach admission at the moment the test says."""
-    clock = FakeClock(time.monotonic())
-    monkeypatch.setattr(governor.server, "SlotLedger", functools.partial(SlotLedger, clock=clock))
-    return clock
 
 
 async def hold_slot(server: Server, sdk: Sdk) -> asyncio.Task[Any]:

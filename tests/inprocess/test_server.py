@@ -17,6 +17,7 @@ from governor.runners import Finished, Job, RunEvent, RunnerError, StubRunner, T
 from governor.server import Server
 from protocol.spec import JobSpec
 from protocol.upload import PreparedUpload, split_payload
+from tests.clock import FakeClock
 from tests.conftest import RawConn, ServerFactory, outcomes, receipt, wait_until
 
 Opener = Callable[[Server], Awaitable[RawConn]]
@@ -811,7 +812,7 @@ async def test_lanes_keep_a_slot_for_interactive_work(
 
 
 async def test_an_idle_reserve_is_lent_to_heavy_work(
-    make_server: ServerFactory, raw: Opener
+    make_server: ServerFactory, raw: Opener, stopped_clock: FakeClock
 ) -> None:
     """``reserve_lend_after``: no chat for that long, a heavy job refused off the reserve is
     admitted into it when it comes back."""
@@ -820,7 +821,7 @@ async def test_an_idle_reserve_is_lent_to_heavy_work(
     )
     conn = await raw(server)
     await kept_off_the_reserve(server, conn)
-    await asyncio.sleep(0.35)  # no chat since the daemon started: the reserve is lent
+    stopped_clock.now += 0.35  # no chat since the daemon started: the reserve is lent
     conn.send(spec_frame("J_h2", 3, **REWRITE))
     await wait_until(lambda: server.ledger.inflight == 2)
     assert server.ledger.lane_inflight == {"heavy": 2}

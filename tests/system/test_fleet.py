@@ -201,10 +201,12 @@ class SlowStore:
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()
+        self.writing = 0  # writes begun, waiting for the gate
         self.released: list[str] = []
         self.renewals = 0
 
     async def release(self, leases: list[Lease]) -> None:
+        self.writing += 1
         await self.gate.wait()
         self.released += [lease.id for lease in leases]
 
@@ -226,7 +228,7 @@ async def test_releases_that_come_while_a_batch_is_written_are_written_next() ->
         await wait_until(lambda: store.renewals == 1)
         first, second = fleet.gate.lease("t", "-"), fleet.gate.lease("t", "-")
         fleet.release(first)
-        await asyncio.sleep(0.01)  # the writer is in the first batch's write, waiting
+        await wait_until(lambda: store.writing == 1)  # the first batch's write, waiting
         fleet.release(second)
         store.gate.set()
         # Not left for the next renewal, ten seconds away.
