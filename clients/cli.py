@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=round(RETRY.max_sleep_s * 1000),
         help="cap on one retry's sleep",
     )
+    _add_generate(commands)
+    return parser
+
+
+def _add_generate(commands: argparse._SubParsersAction[HelpParser]) -> None:
+    """The ``generate`` command and its options."""
     generate = commands.add_parser(
         "generate", help="run an inference job and print its text (needs the llama runner)"
     )
@@ -122,7 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     generate.add_argument("--stream", action="store_true", help="print the text as it comes")
     _add_job_arguments(generate)
-    return parser
 
 
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:

@@ -230,11 +230,9 @@ class GovernorClient:
     ) -> UploadResult:
         """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield.
 
-        ``max_wait``: seconds the job may wait on the server for its turn when every slot is
-        taken (its frames' ``max_wait_ms``, at most ``timeout``; the server's ``max_wait``
-        bounds it too): it runs the moment its turn comes instead of the client coming back on
-        a hint. None (the default) asks for no wait: a busy server yields at once, and the
-        frames are plain v0 (heptamini's daemon ignores the field).
+        ``max_wait``: seconds the job may wait on a busy server for its turn (``max_wait_ms``,
+        at most ``timeout``; the server's ``max_wait`` bounds it too), running the moment its
+        turn comes. None (the default): a busy server yields at once; the frames are plain v0.
 
         A yield is retried as ``retry`` says, and a ``breaker_open`` one only while the
         client's :attr:`retry_budget` allows; a ``draining`` one is returned at once.
@@ -244,10 +242,9 @@ class GovernorClient:
         output a streaming job sends before its terminal frame. With ``inline`` the payload
         (UTF-8 text) goes in one frame instead of a manifest and chunks.
 
-        ``on_yield(reply)`` is asked about each yield this upload would retry, just before it
-        sleeps: False ends the upload there, with that yield as its reply (the payload stays
-        held on the server: :meth:`withdraw` drops it). A client of several replicas uses it to
-        take the job elsewhere instead of waiting here.
+        ``on_yield(reply)`` is asked about each yield this upload would retry: False ends the
+        upload there, with that yield as its reply (its payload held on the server:
+        :meth:`withdraw` drops it); a client of several replicas takes the job elsewhere.
         """
         job = job or f"J_{next(self._jobs)}"
         frames = _Frames(
@@ -262,25 +259,10 @@ class GovernorClient:
         )
         choice = RetryChoice(retry, self._budget, self._rng)
         started = time.monotonic()
-        admitted_at: float | None = None
-        whole = True
-        unanswered = 0  # frames of the last attempt still to be answered
         async with self._expecting(job) as inbox, asyncio.timeout(timeout):
-            while True:
-                for _ in range(unanswered):  # (a yield before the last chunk: buffers_full)
-                    await self._next(inbox)
-                sent_at = time.monotonic()
-                self._write(frames.attempt(whole))
-                reply, unanswered = await self._answer(inbox, frames.pipelined(whole), on_delta)
-                if on_attempt is not None:
-                    on_attempt(sent_at, reply)
-                if reply.receipt(Receipt.BACKEND_MS) is not None:  # the job ran
-                    admitted_at = sent_at
-                wait_s = choice.after(reply)
-                if wait_s is None or (on_yield is not None and not on_yield(reply)):
-                    break
-                await asyncio.sleep(wait_s)
-                whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
+            reply, admitted_at = await self._attempts(
+                inbox, frames, choice, on_attempt, on_delta, on_yield
+            )
         return UploadResult(
             reply,
             choice.attempts,
@@ -290,6 +272,36 @@ class GovernorClient:
             time.monotonic(),
             choice.budget_exhausted,
         )
+
+    async def _attempts(
+        self,
+        inbox: asyncio.Queue[Reply | ClientError],
+        frames: _Frames,
+        choice: RetryChoice,
+        on_attempt: Callable[[float, Reply], None] | None,
+        on_delta: Callable[[str], None] | None,
+        on_yield: Callable[[Reply], bool] | None,
+    ) -> tuple[Reply, float | None]:
+        """An upload's attempts until its terminal frame, or a yield it does not retry: that
+        reply, and when the attempt that ran the job was sent (None: it never ran)."""
+        admitted_at: float | None = None
+        whole = True
+        unanswered = 0  # frames of the last attempt still to be answered
+        while True:
+            for _ in range(unanswered):  # (a yield before the last chunk: buffers_full)
+                await self._next(inbox)
+            sent_at = time.monotonic()
+            self._write(frames.attempt(whole))
+            reply, unanswered = await self._answer(inbox, frames.pipelined(whole), on_delta)
+            if on_attempt is not None:
+                on_attempt(sent_at, reply)
+            if reply.receipt(Receipt.BACKEND_MS) is not None:  # the job ran
+                admitted_at = sent_at
+            wait_s = choice.after(reply)
+            if wait_s is None or (on_yield is not None and not on_yield(reply)):
+                return reply, admitted_at
+            await asyncio.sleep(wait_s)
+            whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
 
     async def generate(
         self,

@@ -99,6 +99,26 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=f.name.upper(),
             help=_help(f),
         )
+    _add_drain(commands)
+    key_hash = commands.add_parser(
+        "key-hash",
+        help="print a tenant's key_sha256 line for an API key",
+        description=KEY_HASH_DESCRIPTION,
+    )
+    key_hash.add_argument(
+        "--new",
+        action="store_true",
+        help="make a new random key; print it, then its key_sha256 line",
+    )
+    commands.add_parser(
+        "model-path",
+        help="print the embedded model's GGUF file (for another server on the same model)",
+    )
+    return parser
+
+
+def _add_drain(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``drain`` command and its options."""
     drain = commands.add_parser(
         "drain",
         help="drain a running daemon (for a preStop hook)",
@@ -126,21 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a file holding the daemon's drain token (its drain_token_file), sent as "
         "Authorization: Bearer TOKEN",
     )
-    key_hash = commands.add_parser(
-        "key-hash",
-        help="print a tenant's key_sha256 line for an API key",
-        description=KEY_HASH_DESCRIPTION,
-    )
-    key_hash.add_argument(
-        "--new",
-        action="store_true",
-        help="make a new random key; print it, then its key_sha256 line",
-    )
-    commands.add_parser(
-        "model-path",
-        help="print the embedded model's GGUF file (for another server on the same model)",
-    )
-    return parser
 
 
 def model_path() -> int:

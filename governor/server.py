@@ -184,6 +184,37 @@ def build_breaker(config: Config, ledger: SlotLedger, name: str) -> CircuitBreak
     return breaker
 
 
+def build_fallback_pool(config: Config) -> Pool | None:
+    """The fallback pool (``fallback_runner``): its runner, its slots, its breaker."""
+    fallback = build_fallback(config)
+    if fallback is None:
+        return None
+    kv, kv_used = kv_budget(fallback)
+    ledger = SlotLedger(
+        config.fallback_workers,
+        expected_service_s=fallback.expected_service_s,
+        kv=kv,
+        kv_used=kv_used,
+    )
+    return Pool("fallback", fallback, ledger, build_breaker(config, ledger, "fallback"))
+
+
+def build_overload(config: Config, ledger: SlotLedger) -> OverloadController | None:
+    """With lanes: the overload states, on the ledger's clock."""
+    if not config.lanes:
+        return None
+    settings = OverloadSettings(
+        window_s=config.overload_window,
+        min_dwell_s=config.overload_dwell,
+        kv_danger=config.kv_danger,
+        degraded_max_new_tokens=config.degraded_max_new_tokens,
+        pause_background=config.pause_background,
+        interactive_only=config.interactive_only,
+        kv_preemptible=ledger.preemptible,
+    )
+    return OverloadController(settings, ledger.clock)
+
+
 def build_fleet(config: Config, ledger: SlotLedger) -> Fleet | None:
     """With ``redis_url``: the fleet's gate and its store (the Redis client is imported only
     then)."""
@@ -230,35 +261,8 @@ class Server:
             "primary", self.runner, self.ledger, build_breaker(config, self.ledger, "primary")
         )
         # The fallback pool, for the overload ladder and while the primary's breaker is open.
-        self.fallback: Pool | None = None
-        fallback = build_fallback(config)
-        if fallback is not None:
-            kv, kv_used = kv_budget(fallback)
-            ledger = SlotLedger(
-                config.fallback_workers,
-                expected_service_s=fallback.expected_service_s,
-                kv=kv,
-                kv_used=kv_used,
-            )
-            self.fallback = Pool(
-                "fallback", fallback, ledger, build_breaker(config, ledger, "fallback")
-            )
-        self.overload = (
-            OverloadController(
-                OverloadSettings(
-                    window_s=config.overload_window,
-                    min_dwell_s=config.overload_dwell,
-                    kv_danger=config.kv_danger,
-                    degraded_max_new_tokens=config.degraded_max_new_tokens,
-                    pause_background=config.pause_background,
-                    interactive_only=config.interactive_only,
-                    kv_preemptible=self.ledger.preemptible,
-                ),
-                self.ledger.clock,
-            )
-            if config.lanes
-            else None
-        )
+        self.fallback = build_fallback_pool(config)
+        self.overload = build_overload(config, self.ledger)
         self.admission = Admission(
             self.primary,
             self.tenants,

@@ -188,7 +188,7 @@ def test_the_layer_rules_catch_a_crossing() -> None:
     assert not within("governor.runners.baseline", "governor.runners.base")
 
 
-MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_TOP_MODULES = 400, 80, 12
+MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_TOP_MODULES = 400, 60, 12
 
 
 def oversized(tree: ast.AST, where: str) -> list[str]:
@@ -212,7 +212,7 @@ def test_no_class_or_function_past_its_size() -> None:
     # A newcomer reads a class or a function whole: past these, it is split along its steps.
     found = [
         big
-        for package in ("governor", "clients")
+        for package in ("governor", "clients", "protocol")
         for path in sorted((ROOT / package).rglob("*.py"))
         for big in oversized(ast.parse(path.read_text()), str(path.relative_to(ROOT)))
     ]
