@@ -136,8 +136,9 @@ class FrontDoor:
         self.buffers = state.connections.buffers
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
-        self._sweep: asyncio.TimerHandle | None = None
-        self.deadlines = Deadlines(state.admission.clock)  # every connection's, on one timer
+        # Every connection's deadlines on one timer, and the door's own: its places' next expiry.
+        self.deadlines = Deadlines(state.admission.clock)
+        self.due_at: int | None = None  # (its place in the deadlines)
 
     def bind(self) -> None:
         address = self.state.config.http_address
@@ -170,25 +171,16 @@ class FrontDoor:
             self._server.close()
         elif self._sock is not None:
             self._sock.close()
-        if self._sweep is not None:
-            self._sweep.cancel()
         self.deadlines.close()
 
     def kept(self) -> None:
-        """A place was kept: make sure one will be forgotten when its time is up."""
-        if self._sweep is None:
-            self._next_sweep()
-
-    def _next_sweep(self) -> None:
-        self._sweep = None
+        """A place was kept: the next one to expire is forgotten when its time is up."""
         at = self.places.next_expiry()
-        if at is not None:
-            delay = max(at - self.state.now(), 0.0) + 0.01
-            self._sweep = asyncio.get_running_loop().call_later(delay, self._on_sweep)
+        self.deadlines.put(self, math.inf if at is None else at)
 
-    def _on_sweep(self) -> None:
+    def on_deadline(self) -> None:
         self.places.expire(self.state.now())
-        self._next_sweep()
+        self.kept()
 
 
 class HttpConnection(asyncio.Protocol):
@@ -219,7 +211,7 @@ class HttpConnection(asyncio.Protocol):
         self.due_at: int | None = None
         self.expires_at = math.inf
         self.expiry: HTTPStatus | None = None
-        self.write_timer: asyncio.TimerHandle | None = None
+        self.write_due = math.inf  # cut off then unless the client reads its answer again
         self.writing_paused = False
 
     # asyncio.Protocol -------------------------------------------------------------------
@@ -285,8 +277,6 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.door.deadlines.remove(self)
-        if self.write_timer is not None:
-            self.write_timer.cancel()
         self._release_body()
         exchange = self.exchange
         if exchange is not None:
@@ -300,16 +290,15 @@ class HttpConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writing_paused = True
-        if self.write_timer is None:
-            self.write_timer = asyncio.get_running_loop().call_later(
-                self.config.write_timeout, self._cut, "write_timeout"
-            )
+        if self.write_due == math.inf:
+            self.write_due = self.state.now() + self.config.write_timeout
+            self.schedule()
 
     def resume_writing(self) -> None:
         self.writing_paused = False
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
+        self.write_due = math.inf
+        if not self.closed:
+            self.schedule()
 
     # For the server (state.Connection) -------------------------------------------------
 
@@ -492,16 +481,21 @@ class HttpConnection(asyncio.Protocol):
         self.schedule()
 
     def schedule(self) -> None:
-        """Keep its next deadline, its exchange's included, on the door's one timer."""
+        """Keep its next deadline, its exchange's and its write's included, on the door's one
+        timer."""
         exchange = self.exchange
-        deadline = self.expires_at
+        deadline = min(self.expires_at, self.write_due)
         if exchange is not None:
             deadline = min(deadline, exchange.due_at)
         self.door.deadlines.put(self, deadline)
 
     def on_deadline(self) -> None:
-        """What is due now: its exchange's key turn or its next decision, or the deadline."""
+        """What is due now: its answer unread for too long, its exchange's key turn or its next
+        decision, or the deadline."""
         now = self.state.now()
+        if now >= self.write_due:
+            self._cut("write_timeout")
+            return
         exchange = self.exchange
         if exchange is not None:
             exchange.on_deadline(now)

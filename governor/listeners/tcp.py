@@ -90,8 +90,9 @@ class GovernorProtocol(asyncio.Protocol):
         self._served = False  # counted in the connections and against its source
         self._deadlines = deadlines
         self.due_at: int | None = None  # (its place in the deadlines)
-        self._deadline = float("inf")  # the session's next, on its clock
-        self._write_timer: asyncio.TimerHandle | None = None
+        self._deadline = float("inf")  # the next, on the session's clock
+        # Cut off then unless the client reads its replies again (paused, or closing).
+        self._write_due = float("inf")
         self._next_turn = False  # lines wait for another turn, after the other connections'
 
     # asyncio.Protocol -------------------------------------------------------------------
@@ -112,8 +113,6 @@ class GovernorProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadlines.remove(self)
-        if self._write_timer is not None:
-            self._write_timer.cancel()
         self.session.connection_lost()
         if self._served:
             self._served = False
@@ -130,9 +129,8 @@ class GovernorProtocol(asyncio.Protocol):
         session = self.session
         if session.closed:
             return
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
+        self._write_due = float("inf")
+        self._schedule()
         session.resume()
         self._turn_ended(self._receive(b""))  # (the lines that waited may fill the buffer again)
         self._reading()
@@ -231,10 +229,10 @@ class GovernorProtocol(asyncio.Protocol):
     # IO ----------------------------------------------------------------------------------
 
     def _start_write_deadline(self) -> None:
-        if self._write_timer is None:
-            self._write_timer = self._loop.call_later(
-                self.state.config.write_timeout, self._cut, "write_timeout"
-            )
+        """The client must read what was written within ``write_timeout``, or be cut off."""
+        if self._write_due == float("inf"):
+            self._write_due = self.session.clock() + self.state.config.write_timeout
+            self._schedule()
 
     def _cut(self, reason: str) -> None:
         """Drop the connection now, with what it has not read."""
@@ -245,15 +243,20 @@ class GovernorProtocol(asyncio.Protocol):
         intake.cut_off(self.state, transport, session.id, session.source, reason)
 
     def _schedule(self) -> None:
-        """Keep the session's next deadline (on the listener's one timer)."""
+        """Keep the next deadline, the session's or the write's, on the listener's one timer."""
         session = self.session
-        self._deadline = session.next_deadline(session.clock())
-        self._deadlines.put(self, self._deadline)
+        deadline = self._write_due
+        if not session.closed:
+            deadline = min(deadline, session.next_deadline(session.clock()))
+        self._deadline = deadline
+        self._deadlines.put(self, deadline)
 
     def on_deadline(self) -> None:
         session = self.session
+        if session.clock() >= self._write_due:
+            self._cut("write_timeout")
+            return
         if session.expire(session.clock()):  # a frame that waited for its key's turn went on
             self._turn_ended(self._receive(b""))
             self._reading()
-        if not session.closed:
-            self._schedule()
+        self._schedule()  # (closed: only a write still due)
