@@ -234,13 +234,12 @@ class GovernorClient:
         at most ``timeout``; the server's ``max_wait`` bounds it too), running the moment its
         turn comes. None (the default): a busy server yields at once; the frames are plain v0.
 
-        A yield is retried as ``retry`` says, and a ``breaker_open`` one only while the
-        client's :attr:`retry_budget` allows; a ``draining`` one is returned at once.
-        ``on_attempt(sent_at, reply)`` is called as each admission attempt is answered, with
-        the ``time.monotonic()`` at which it was sent: load tests time every yield with it,
-        including those of an upload cut short by ``timeout``. ``on_delta(text)`` gets the
-        output a streaming job sends before its terminal frame. With ``inline`` the payload
-        (UTF-8 text) goes in one frame instead of a manifest and chunks.
+        A yield is retried as ``retry`` says (a ``breaker_open`` one while the client's
+        :attr:`retry_budget` allows; a ``draining`` one is returned at once).
+        ``on_attempt(sent_at, reply)``: each admission attempt's answer, with the
+        ``time.monotonic()`` it was sent at (load tests time every yield with it).
+        ``on_delta(text)``: a streaming job's output before its terminal frame. ``inline``:
+        the payload (UTF-8 text) in one frame instead of a manifest and chunks.
 
         ``on_yield(reply)`` is asked about each yield this upload would retry: False ends the
         upload there, with that yield as its reply (its payload held on the server:
@@ -282,8 +281,7 @@ class GovernorClient:
         on_delta: Callable[[str], None] | None,
         on_yield: Callable[[Reply], bool] | None,
     ) -> tuple[Reply, float | None]:
-        """An upload's attempts until its terminal frame, or a yield it does not retry: that
-        reply, and when the attempt that ran the job was sent (None: it never ran)."""
+        """Attempts until a terminal frame or a yield not retried: it, and the run's sent_at."""
         admitted_at: float | None = None
         whole = True
         unanswered = 0  # frames of the last attempt still to be answered

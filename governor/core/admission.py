@@ -513,9 +513,11 @@ class Admission:
         """
         ledger, breaker = self.ledger, self.primary.breaker
         blocked = breaker.retry_after_s(ledger.service_s)
-        if blocked is not None or self._ladder_falls_back(plan):
+        fallback = self.fallback
+        falls_back = fallback is not None and ladder_falls_back(self.overload, plan.demand)
+        if blocked is not None or falls_back:
             step = "breaker_fallback" if blocked is not None else "fallback_model"
-            placed = self._to_fallback(plan, step)
+            placed = None if fallback is None else fallback_slot(fallback, plan, step)
             if placed is not None:
                 self._withdraw(promise)
                 return placed
@@ -526,35 +528,6 @@ class Admission:
         if isinstance(decision, Refusal):
             return decision
         return self.primary, decision, plan, breaker.started()
-
-    def _ladder_falls_back(self, plan: _Plan) -> bool:
-        """The ladder's step: heavy and background work to the fallback pool while degraded."""
-        overload, demand = self.overload, plan.demand
-        return (
-            self.fallback is not None
-            and overload is not None
-            and demand is not None
-            and overload.state >= State.DEGRADED
-            and demand.lane != Lane.INTERACTIVE
-        )
-
-    def _to_fallback(self, plan: _Plan, step: str) -> tuple[Pool, Slot, _Plan, bool] | None:
-        """The fallback pool's smaller model, if it has a slot and will take the job."""
-        pool = self.fallback
-        if pool is None or pool.ledger.saturated:  # (no need to prepare a job for a full pool)
-            return None
-        if pool.breaker.retry_after_s(pool.ledger.service_s) is not None:
-            return None
-        job = plan.job
-        try:  # the pool's own check: its context may be smaller
-            fallback_job = pool.runner.prepare(job.id, job.spec, job.payload)
-        except SpecInvalid:
-            return None
-        slot = pool.ledger.admit(size=plan.size)
-        if not isinstance(slot, Slot):
-            return None
-        plan = dataclasses.replace(plan, job=fallback_job, degraded=(*plan.degraded, step))
-        return pool, slot, plan, pool.breaker.started()
 
     # Refusals ----------------------------------------------------------------------------
 
@@ -586,3 +559,31 @@ class Admission:
     def inflight(self) -> int:
         """Jobs running, in the primary pool and the fallback pool."""
         return sum(pool.ledger.inflight for pool in self.pools)
+
+
+def ladder_falls_back(overload: OverloadController | None, demand: Demand | None) -> bool:
+    """The ladder's step: heavy and background work to the fallback pool while degraded."""
+    return (
+        overload is not None
+        and demand is not None
+        and overload.state >= State.DEGRADED
+        and demand.lane != Lane.INTERACTIVE
+    )
+
+
+def fallback_slot(pool: Pool, plan: _Plan, step: str) -> tuple[Pool, Slot, _Plan, bool] | None:
+    """The fallback pool's smaller model, if it has a slot and will take the job."""
+    if pool.ledger.saturated:  # (no need to prepare a job for a full pool)
+        return None
+    if pool.breaker.retry_after_s(pool.ledger.service_s) is not None:
+        return None
+    job = plan.job
+    try:  # the pool's own check: its context may be smaller
+        fallback_job = pool.runner.prepare(job.id, job.spec, job.payload)
+    except SpecInvalid:
+        return None
+    slot = pool.ledger.admit(size=plan.size)
+    if not isinstance(slot, Slot):
+        return None
+    plan = dataclasses.replace(plan, job=fallback_job, degraded=(*plan.degraded, step))
+    return pool, slot, plan, pool.breaker.started()

@@ -569,7 +569,7 @@ class Exchange:
     def __init__(self, conn: HttpConnection, head_only: bool = False) -> None:
         self.conn = conn
         self.id = conn.id
-        self.head_only = head_only
+        self.out = Answer(conn, head_only)  # what goes back, on the wire
         self.execution: Execution | None = None
         self.answers: api.Answers | None = None
         self.call: api.Call | None = None
@@ -585,7 +585,7 @@ class Exchange:
         self, status: HTTPStatus, body: bytes, headers: tuple[tuple[str, str], ...] = ()
     ) -> None:
         """A whole answer, then the next request."""
-        self._whole(status, body, headers)
+        self.out.whole(status, body, headers)
         self.conn.exchange_ended()
 
     def fail(self, error: api.ApiError) -> None:
@@ -600,59 +600,14 @@ class Exchange:
         ends with this answer (an admitted job's, with its task)."""
         self.conn.state.metrics.aborts[need_code] += 1
         if self.streaming:  # (the 200 is out: the stream ends with an error event)
-            self._chunk(api.error_event(status, need_code, message))
-            self._send(h11.EndOfMessage())
+            self.out.chunk(api.error_event(status, need_code, message))
+            self.out.send(h11.EndOfMessage())
         else:
             bearer = status == HTTPStatus.UNAUTHORIZED
             headers = (("www-authenticate", "Bearer"),) if bearer else ()
-            self._whole(status, api.error_body(status, need_code, message), headers)
+            self.out.whole(status, api.error_body(status, need_code, message), headers)
         if ends:
             self.conn.exchange_ended()
-
-    def _whole(
-        self,
-        status: HTTPStatus,
-        body: bytes,
-        headers: tuple[tuple[str, str], ...] = (),
-        content_type: str = JSON,
-    ) -> None:
-        self._head(status, headers, content_type, len(body))
-        self._send(None if self.head_only else h11.Data(data=body))
-        self._send(h11.EndOfMessage())
-
-    def _head(
-        self,
-        status: HTTPStatus,
-        headers: tuple[tuple[str, str], ...],
-        content_type: str,
-        length: int | None,
-    ) -> None:
-        conn = self.conn
-        inflight = conn.state.inflight
-        fields = [
-            ("content-type", content_type),
-            ("x-governor-inflight", str(inflight)),
-            ("x-governor-cap", str(sum(p.ledger.cap for p in conn.state.pools))),
-        ]
-        wait = None if self.ask is None else self.ask.wait
-        if wait is not None and wait.waited_ms is not None:
-            fields.append(("x-governor-waited-ms", str(wait.waited_ms)))
-        fields += headers
-        if length is not None:
-            fields.append(("content-length", str(length)))
-        if conn.closing():
-            fields.append(("connection", "close"))
-        conn.state.metrics.http_responses[(conn.path, str(status.value))] += 1
-        self._send(
-            h11.Response(status_code=int(status), headers=fields, reason=status.phrase.encode())
-        )
-
-    def _send(self, ev: h11.Event | None) -> None:
-        if ev is None or self.conn.closed:
-            return
-        data = self.conn.http.send(ev)
-        if data:
-            self.conn.write(data)
 
     # A job -----------------------------------------------------------------------------
 
@@ -768,6 +723,7 @@ class Exchange:
         if isinstance(outcome, Waiting):
             self.conn.schedule()
             return outcome.need_code
+        self.out.waited_ms = None if ask.wait is None else ask.wait.waited_ms
         if isinstance(outcome, Admitted):
             self._run(ask, outcome)
             return None
@@ -830,21 +786,9 @@ class Exchange:
         assert answers is not None
         self._stream()
         if answers.call.forward is not None:
-            self._chunk(piece.raw)
+            self.out.chunk(piece.raw)
         elif isinstance(piece, Token):
-            self._chunk(answers.delta(piece))
-
-    def _chunk(self, data: bytes) -> None:
-        """A piece of a stream's body, framed here: h11's writer for a chunked body keeps no
-        count and no state between chunks, and building its ``Data`` event and its frame costs
-        more than the stream's own work (once a token). An HTTP/1.0 client's body, ended by
-        the connection's close, goes through h11."""
-        if not data or self.conn.closed:
-            return
-        if self.conn.http.their_http_version == b"1.1":
-            self.conn.write(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            self._send(h11.Data(data=data))
+            self.out.chunk(answers.delta(piece))
 
     def _stream(self) -> None:
         """The stream's head (200, no length: chunked) and its first events (a chat's role, a
@@ -853,18 +797,20 @@ class Exchange:
         assert answers is not None
         if not self.streaming:
             self.streaming = True
-            self._head(HTTPStatus.OK, (("cache-control", "no-cache"),), "text/event-stream", None)
-            self._chunk(answers.first() if answers.call.forward is None else b"")
+            self.out.head(
+                HTTPStatus.OK, (("cache-control", "no-cache"),), "text/event-stream", None
+            )
+            self.out.chunk(answers.first() if answers.call.forward is None else b"")
 
     def _relay(self, relayed: Relayed) -> None:
         """A forwarding runner's upstream answer, as it came: after the stream's events, the
         rest of the stream; else the whole answer, its status and content type."""
         if self.streaming:
-            self._chunk(relayed.body)
-            self._send(h11.EndOfMessage())
+            self.out.chunk(relayed.body)
+            self.out.send(h11.EndOfMessage())
             return
         status = _status(relayed.status)
-        self._whole(status, relayed.body, content_type=relayed.content_type)
+        self.out.whole(status, relayed.body, content_type=relayed.content_type)
 
     def send_terminal(self, execution: Execution, ending: Ending) -> None:
         answers = self.answers
@@ -878,10 +824,10 @@ class Exchange:
         if need_code is None:
             if answers.call.stream:
                 self._stream()
-                self._chunk(answers.last(result))
-                self._send(h11.EndOfMessage())
+                self.out.chunk(answers.last(result))
+                self.out.send(h11.EndOfMessage())
             else:
-                self._whole(HTTPStatus.OK, answers.whole(result))
+                self.out.whole(HTTPStatus.OK, answers.whole(result))
             return
         message = ending.detail or need_code
         self._abort(api.abort_status(need_code), need_code, message, ends=False)
@@ -896,7 +842,73 @@ class Exchange:
         assert self.ask is not None
         decision, _ = self.ask.take_back(execution.ticket, refusal, keep_payload=False)
         error = api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms)
-        self._whole(error.status, error.body(), error.headers)
+        self.out.whole(error.status, error.body(), error.headers)
+
+
+class Answer:
+    """How one exchange's answer goes out on its connection: a whole response, or a head and a
+    stream's chunks, with the door's own fields (the slots, the wait); through h11, but for a
+    stream's chunks, framed here."""
+
+    def __init__(self, conn: HttpConnection, head_only: bool) -> None:
+        self.conn = conn
+        self.head_only = head_only  # a HEAD request: the head, no body
+        self.waited_ms: int | None = None  # how long the request waited in line, once it left
+
+    def whole(
+        self,
+        status: HTTPStatus,
+        body: bytes,
+        headers: tuple[tuple[str, str], ...] = (),
+        content_type: str = JSON,
+    ) -> None:
+        self.head(status, headers, content_type, len(body))
+        self.send(None if self.head_only else h11.Data(data=body))
+        self.send(h11.EndOfMessage())
+
+    def head(
+        self,
+        status: HTTPStatus,
+        headers: tuple[tuple[str, str], ...],
+        content_type: str,
+        length: int | None,
+    ) -> None:
+        conn = self.conn
+        fields = [
+            ("content-type", content_type),
+            ("x-governor-inflight", str(conn.state.inflight)),
+            ("x-governor-cap", str(sum(p.ledger.cap for p in conn.state.pools))),
+        ]
+        if self.waited_ms is not None:
+            fields.append(("x-governor-waited-ms", str(self.waited_ms)))
+        fields += headers
+        if length is not None:
+            fields.append(("content-length", str(length)))
+        if conn.closing():
+            fields.append(("connection", "close"))
+        conn.state.metrics.http_responses[(conn.path, str(status.value))] += 1
+        self.send(
+            h11.Response(status_code=int(status), headers=fields, reason=status.phrase.encode())
+        )
+
+    def send(self, ev: h11.Event | None) -> None:
+        if ev is None or self.conn.closed:
+            return
+        data = self.conn.http.send(ev)
+        if data:
+            self.conn.write(data)
+
+    def chunk(self, data: bytes) -> None:
+        """A piece of a stream's body, framed here: h11's writer for a chunked body keeps no
+        count and no state between chunks, and building its ``Data`` event and its frame costs
+        more than the stream's own work (once a token). An HTTP/1.0 client's body, ended by
+        the connection's close, goes through h11."""
+        if not data or self.conn.closed:
+            return
+        if self.conn.http.their_http_version == b"1.1":
+            self.conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            self.send(h11.Data(data=data))
 
 
 def _header(request: h11.Request, name: bytes) -> str | None:

@@ -212,7 +212,7 @@ class Scheduler:
         if seq is not None:
             if seq.slot >= 0:
                 if not keep:
-                    self._clear(seq.slot)
+                    self._truncate(seq.slot, 0)
                 self._free[seq.slot] = next(self._freed)
             self._assign()
             return seq
@@ -276,7 +276,7 @@ class Scheduler:
         if self._here(seq.key):
             raise ValueError(f"sequence {seq.key!r} is already here")
         slot = min(self._free, key=lambda s: (len(self.held[s]) > 0, self._free[s]))
-        self._clear(slot)
+        self._truncate(slot, 0)
         self.cache.share(source.slot, slot, length)
         self.held[slot] = self.held[source.slot][:length]
         del self._free[slot]
@@ -317,7 +317,7 @@ class Scheduler:
             slot = min(
                 self._free, key=lambda s: (_common(self.held[s], seq.prompt) > 0, self._free[s])
             )
-            self._clear(slot)
+            self._truncate(slot, 0)
             self.cache.share(source, slot, shared)
             self.held[slot] = self.held[source][:shared]
         del self._free[slot]
@@ -341,14 +341,11 @@ class Scheduler:
             if need + kept <= self.cells:
                 return
             kept -= len(self.held[slot])
-            self._clear(slot)
+            self._truncate(slot, 0)
 
     def _pinned(self) -> list[Sequence]:
         """The suspended sequences that hold slots, the first to give theirs up last."""
         return sorted((seq for seq in self.suspended.values() if seq.slot >= 0), key=_urgency)
-
-    def _clear(self, slot: int) -> None:
-        self._truncate(slot, 0)
 
     def _truncate(self, slot: int, length: int) -> None:
         if len(self.held[slot]) > length:
@@ -398,9 +395,9 @@ class Scheduler:
             if stall is not None and (objective is None or objective > stall):
                 # Prompts that the objective bound alone lets in whole, go in whole.
                 whole = full if objective is None else self._fit(entries, pending, full, objective)
-                take = max(take, _whole(self._prefill(pending, whole, commit=False)))
+                take = max(take, _whole(_prefill(pending, whole, commit=False)))
             take = max(take, self._due(entries, pending, full, take, objective, now))
-        prefill = self._prefill(pending, take, commit=True)
+        prefill = _prefill(pending, take, commit=True)
         if any(e.sample and e.seq.priority == 0 for e in prefill):
             entries = [e for e in entries if not _deferrable(e.seq, now)]
         return entries + prefill
@@ -427,7 +424,7 @@ class Scheduler:
         low, high = PREFILL_FLOOR, full
         while low < high:
             mid = (low + high + 1) // 2
-            if self.cost(decodes + self._prefill(pending, mid, commit=False)) <= bound:
+            if self.cost(decodes + _prefill(pending, mid, commit=False)) <= bound:
                 low = mid
             else:
                 high = mid - 1
@@ -447,33 +444,15 @@ class Scheduler:
         the module docstring); 0 when none would."""
         if all(seq.deadline == math.inf for seq in pending):
             return 0
-        step_s = self.cost(decodes + self._prefill(pending, take, commit=False))
+        step_s = self.cost(decodes + _prefill(pending, take, commit=False))
         fed = due = 0
-        for entry in self._prefill(pending, full, commit=False):
+        for entry in _prefill(pending, full, commit=False):
             fed += len(entry.tokens)
             if now + -(-fed // take) * step_s > entry.seq.deadline:
                 due = fed
         if not due or objective is None:
             return due
         return min(due, self._fit(decodes, pending, full, objective))
-
-    def _prefill(self, pending: list[Sequence], budget: int, *, commit: bool) -> list[Entry]:
-        """Prompt chunks of ``budget`` tokens at most, from ``pending`` in the order taken
-        (see :meth:`plan`); ``commit``: count the prompts passed over."""
-        entries: list[Entry] = []
-        first = min(seq.priority for seq in pending)
-        for seq in pending:
-            if budget <= 0 or (seq.priority != first and seq.passed < MAX_PASSED):
-                if commit:
-                    seq.passed += 1
-                continue
-            if commit:
-                seq.passed = 0
-            take = min(budget, len(seq.prompt) - seq.fed)
-            end = seq.fed + take
-            entries.append(Entry(seq, seq.prompt[seq.fed : end], seq.fed, end == len(seq.prompt)))
-            budget -= take
-        return entries
 
     def advance(self, entries: list[Entry]) -> None:
         """The step ran: its tokens are in the cache. (Sampling sets ``pending`` after.)"""
@@ -484,6 +463,25 @@ class Scheduler:
                 seq.fed += len(entry.tokens)
             else:
                 seq.pending = -1
+
+
+def _prefill(pending: list[Sequence], budget: int, *, commit: bool) -> list[Entry]:
+    """Prompt chunks of ``budget`` tokens at most, from ``pending`` in the order taken
+    (see :meth:`Scheduler.plan`); ``commit``: count the prompts passed over."""
+    entries: list[Entry] = []
+    first = min(seq.priority for seq in pending)
+    for seq in pending:
+        if budget <= 0 or (seq.priority != first and seq.passed < MAX_PASSED):
+            if commit:
+                seq.passed += 1
+            continue
+        if commit:
+            seq.passed = 0
+        take = min(budget, len(seq.prompt) - seq.fed)
+        end = seq.fed + take
+        entries.append(Entry(seq, seq.prompt[seq.fed : end], seq.fed, end == len(seq.prompt)))
+        budget -= take
+    return entries
 
 
 def _banked(seq: Sequence, now: float) -> float:
