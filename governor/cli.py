@@ -26,7 +26,16 @@ import orjson
 from protocol.frames import MAX_ID_CHARS
 
 from . import __version__
-from .config import CLI_FIELDS, Config, ConfigError, default_text, parse_address
+from .config import (
+    CLI_FIELDS,
+    SECTIONS,
+    Config,
+    ConfigError,
+    default_text,
+    parse_address,
+    section_fields,
+    section_title,
+)
 from .core.tenants import key_sha256
 from .runners import RunnerConfigError, RunnerStartError
 from .runners.llama import embedded_model_path
@@ -90,15 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the governor daemon. Flags override the --config file's keys.",
     )
     serve.add_argument("--config", type=Path, help="TOML file with the same keys as these flags")
-    for f in CLI_FIELDS:
-        serve.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=_TYPES[str(f.type)],
-            default=None,
-            metavar=f.name.upper(),
-            help=_help(f),
-        )
+    for section in SECTIONS:
+        group = serve.add_argument_group(section_title(section), section.__doc__)
+        for f in section_fields(section):
+            group.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f.name,
+                type=_TYPES[str(f.type)],
+                default=None,
+                metavar=f.name.upper(),
+                help=_help(f),
+            )
     _add_drain(commands)
     key_hash = commands.add_parser(
         "key-hash",

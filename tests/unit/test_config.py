@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import re
 import tomllib
@@ -18,11 +19,13 @@ from governor.cli import build_parser, config_from_args, drain
 from governor.config import (
     CLI_FIELDS,
     RUNNERS,
+    SECTIONS,
     Config,
     ConfigError,
     default_text,
     parse_address,
     reference_markdown,
+    section_fields,
 )
 from governor.core.policy import Lane
 from governor.core.slo import Objectives, SloPolicy
@@ -147,8 +150,14 @@ def _flags_help(
     """``governor serve --help``'s text for each flag, on one line."""
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping: a default is never cut in two
     options = _help(["serve"], capsys).split("\noptions:\n", 1)[1]
-    entries = (" ".join(entry.split()) for entry in re.split(r"\n  (?=-)", options))
-    return {entry.split()[0]: entry for entry in entries}
+    entries: list[str] = []
+    for line in options.split("\n"):
+        if line.startswith("  -"):
+            entries.append(line)
+        elif line.startswith("   ") and entries:  # (an entry's help, wrapped)
+            entries[-1] += " " + line
+        # (else a section's title or its description, between its flags and the last's)
+    return {entry.split()[0]: " ".join(entry.split()) for entry in entries}
 
 
 def test_each_flag_shows_its_one_default(
@@ -234,3 +243,14 @@ lanes = ["interactive"]
 def test_bad_tenants_are_refused(tenants: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config.from_mapping({"tenants": tenants})
+
+
+def test_every_key_is_in_one_section_and_the_sections_make_the_config() -> None:
+    owners = collections.Counter(name for section in SECTIONS for name in section.__annotations__)
+    assert set(owners) == {f.name for f in dataclasses.fields(Config)}
+    assert set(owners.values()) == {1}
+    # The order of --help and the README: the sections', each in its own order.
+    assert [f.name for f in CLI_FIELDS] == [
+        f.name for section in SECTIONS for f in section_fields(section)
+    ]
+    assert len(SECTIONS) == 6
