@@ -130,8 +130,8 @@ class Owner(Protocol):
 
 
 class JobTable:
-    """A connection's jobs (:attr:`jobs`), and the :class:`~governor.execution.Replies` its
-    executions answer through."""
+    """A connection's jobs (:attr:`jobs`): their frames, their payloads' bytes and holds, and
+    their asks' outcomes mapped to replies; its executions answer through :attr:`replies`."""
 
     def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
         self.owner = owner
@@ -144,6 +144,14 @@ class JobTable:
         self.held = 0  # payloads kept after a yield
         # A job admitted and not yet started by the listener (Session.next_event).
         self.admitted: intake.JobAdmitted | None = None
+        self._replies: JobReplies | None = None  # (made for the first job started)
+
+    @property
+    def replies(self) -> JobReplies:
+        """What this connection's executions answer through."""
+        if self._replies is None:
+            self._replies = JobReplies(self)
+        return self._replies
 
     def add(self, job: str, tenant: Tenant) -> JobState:
         upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
@@ -308,22 +316,9 @@ class JobTable:
                     req, outcome.need_code, ErrorCode.POLICY, outcome.detail, seq=final_seq(req)
                 )
         else:
-            self._yielded(req, state, outcome)
+            self.yielded(req, state, outcome)
 
-    def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
-        """The fleet refused a job this replica admitted: its ticket is given back (the payload's
-        buffers return to the job), and its client told to yield, as if refused here."""
-        state = self.jobs.get(execution.job)
-        if state is None or state.execution is not execution:  # (the connection is gone)
-            self.state.admission.revoke(execution.attempt, execution.ticket, refusal)
-            return
-        decision, reservation = state.ask.take_back(execution.ticket, refusal, keep_payload=True)
-        assert state.final is not None
-        state.reservation = reservation
-        state.execution = None
-        self._yielded(state.final, state, decision)
-
-    def _yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
+    def yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
         """Answer ``yield``, keeping the payload for the retry if the connection may."""
         # A draining governor admits nothing again: its refused payloads are not kept, so that
         # their bytes do not turn the drain's later answers into buffers_full.
@@ -365,54 +360,6 @@ class JobTable:
                 receipts=self.wire.receipts(),
             )
         )
-
-    # Replies for executions (execution.Replies) ------------------------------------------
-
-    def _final(self, execution: Running) -> Request:
-        final = self.jobs[execution.job].final
-        assert final is not None
-        return final
-
-    def send_delta(self, execution: Running, piece: Token | Relay) -> None:
-        """The first sequence's text (with ``n`` above 1, the others' are in the result)."""
-        if not isinstance(piece, Token) or piece.index or piece.tool is not None:
-            return
-        req = self._final(execution)
-        # Small on purpose: no receipts on a stream frame.
-        self.wire.send(
-            Reply(
-                Verb.CLARIFY,
-                req.job,
-                final_seq(req),
-                Status.OK,
-                ttl_ms=req.ttl_ms,
-                delta=piece.text,
-            )
-        )
-
-    def send_terminal(self, execution: Running, ending: Ending) -> None:
-        req = self.jobs[execution.job].final
-        assert req is not None
-        held_ms = round((self.state.now() - execution.ticket.slot.started) * 1000)
-        self.wire.send(
-            self.wire.reply(
-                req,
-                Verb.CONFIRM,
-                Status.DONE if ending.need_code is None else Status.ABORT,
-                seq=req.seq + (1 if req.inline is not None else 2),  # (final_seq: hot path)
-                need_code=ending.need_code,
-                error_code=ending.error_code,
-                detail=ending.detail,
-                result=ending.result,
-                extra=((Receipt.BACKEND_MS, held_ms),),
-            )
-        )
-
-    def job_ended(self, execution: Running) -> None:
-        state = self.jobs.get(execution.job)
-        if state is not None and state.execution is execution:
-            del self.jobs[execution.job]
-            self.owner.idle_changed()
 
     # The bytes and the holds -----------------------------------------------------------------
 
@@ -504,6 +451,77 @@ class JobTable:
         """Whether the next chunk would complete the upload."""
         manifest = state.upload.manifest
         return manifest is not None and state.upload.chunks_received + 1 >= manifest.chunks
+
+
+class JobReplies:
+    """The :class:`~governor.execution.Replies` a connection's executions answer through: a
+    running job's stream and terminal frame, its end, and the fleet's refusal of it."""
+
+    def __init__(self, table: JobTable) -> None:
+        self.table = table
+        self.jobs = table.jobs
+        self.id = table.id  # names the connection in the executions' logs
+        self.wire = table.wire
+        self.state = table.state
+
+    def _final(self, execution: Running) -> Request:
+        final = self.jobs[execution.job].final
+        assert final is not None
+        return final
+
+    def send_delta(self, execution: Running, piece: Token | Relay) -> None:
+        """The first sequence's text (with ``n`` above 1, the others' are in the result)."""
+        if not isinstance(piece, Token) or piece.index or piece.tool is not None:
+            return
+        req = self._final(execution)
+        # Small on purpose: no receipts on a stream frame.
+        self.wire.send(
+            Reply(
+                Verb.CLARIFY,
+                req.job,
+                final_seq(req),
+                Status.OK,
+                ttl_ms=req.ttl_ms,
+                delta=piece.text,
+            )
+        )
+
+    def send_terminal(self, execution: Running, ending: Ending) -> None:
+        req = self.jobs[execution.job].final
+        assert req is not None
+        held_ms = round((self.state.now() - execution.ticket.slot.started) * 1000)
+        self.wire.send(
+            self.wire.reply(
+                req,
+                Verb.CONFIRM,
+                Status.DONE if ending.need_code is None else Status.ABORT,
+                seq=req.seq + (1 if req.inline is not None else 2),  # (final_seq: hot path)
+                need_code=ending.need_code,
+                error_code=ending.error_code,
+                detail=ending.detail,
+                result=ending.result,
+                extra=((Receipt.BACKEND_MS, held_ms),),
+            )
+        )
+
+    def job_ended(self, execution: Running) -> None:
+        state = self.jobs.get(execution.job)
+        if state is not None and state.execution is execution:
+            del self.jobs[execution.job]
+            self.table.owner.idle_changed()
+
+    def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
+        """The fleet refused a job this replica admitted: its ticket is given back (the payload's
+        buffers return to the job), and its client told to yield, as if refused here."""
+        state = self.jobs.get(execution.job)
+        if state is None or state.execution is not execution:  # (the connection is gone)
+            self.state.admission.revoke(execution.attempt, execution.ticket, refusal)
+            return
+        decision, reservation = state.ask.take_back(execution.ticket, refusal, keep_payload=True)
+        assert state.final is not None
+        state.reservation = reservation
+        state.execution = None
+        self.table.yielded(state.final, state, decision)
 
 
 def _offer(owner: Owner, job: str) -> Callable[[], str | None]:

@@ -144,7 +144,7 @@ class GovernorProtocol(asyncio.Protocol):
         session = self.session
         more = session.receive_data(data)
         while (admitted := session.next_event()) is not None:
-            session.started(intake.start(self.state, admitted, session.table))
+            session.started(intake.start(self.state, admitted, session.table.replies))
             more = session.receive_data(b"")
         return more
 

@@ -133,8 +133,8 @@ def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_start
     (pong,) = client.send(b"")
     assert (pong.job, pong.seq, pong.status) == ("P_1", 8, Status.OK)
 
-    client.session.table.send_delta(started, Token("stub "))
-    client.session.table.send_terminal(started, Ending(result={"ok": 1}))
+    client.session.table.replies.send_delta(started, Token("stub "))
+    client.session.table.replies.send_terminal(started, Ending(result={"ok": 1}))
     delta, done = client.replies()
     assert (delta.status, delta.seq, delta.delta) == (Status.OK, 4, "stub ")  # final chunk + 2
     assert (done.verb, done.status, done.seq, done.result) == (
@@ -144,7 +144,7 @@ def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_start
         {"ok": 1},
     )
     admitted.ticket.release("done")
-    client.session.table.job_ended(started)
+    client.session.table.replies.job_ended(started)
     assert client.session.jobs == {}
     assert (state.inflight, client.session.buffers.used, state.connections.buffers.used) == (
         0,
@@ -176,7 +176,7 @@ def test_a_job_yields_when_every_slot_is_taken_and_its_held_payload_is_admitted_
     assert second.session.held == 1
 
     admitted.ticket.release("done")
-    first.session.table.job_ended(started)
+    first.session.table.replies.job_ended(started)
     clock.now += refused.retry_hint_ms / 1000
     assert second.send(chunk) == []  # the final chunk again: the held payload's retry
     retried = second.session.next_event()
@@ -370,7 +370,7 @@ def running(state: ServerState) -> tuple[Client, Started, JobAdmitted]:
 def end(client: Client, started: Started, admitted: JobAdmitted, state: ServerState) -> None:
     """The running job ends: its ticket back, and the line offered the slot (as job_ended)."""
     admitted.ticket.release("done")
-    client.session.table.job_ended(started)
+    client.session.table.replies.job_ended(started)
     state.offer()
 
 
@@ -394,7 +394,7 @@ def test_a_job_that_asks_to_wait_runs_when_the_slot_frees_unanswered_meanwhile(
     assert event.job == "J_2"
     assert event.waited_s == pytest.approx(0.25)
     done = second.start(event)
-    second.session.table.send_terminal(done, Ending(result={"ok": 1}))
+    second.session.table.replies.send_terminal(done, Ending(result={"ok": 1}))
     (answer,) = second.replies()
     assert (answer.status, answer.seq) == (Status.DONE, 2)  # the one answer to its frame
     assert len(state.line) == 0
