@@ -283,7 +283,7 @@ class TcpDoor:
         if asked.answers or not asked.sent or asked.what == "ping":
             return False
         if asked.what == "payload":  # unless it runs or waits: its answer is owed later
-            return asked.job not in self.m.runner.running() and asked.job not in self.in_hand()
+            return asked.job not in self.m.runner.running() and asked.job not in self.waiting()
         if asked.what == "cancel":  # a running job's terminal frame answers its cancel
             target = asked.target
             return target is not None and bool(target.answers) and not target.admitted
@@ -308,21 +308,11 @@ class TcpDoor:
 
     def waiting(self) -> set[str]:
         """The jobs waiting in the server's line for their turn."""
-        return self._in_phases(Phase.WAITING)
-
-    def in_hand(self) -> set[str]:
-        """The jobs the server answers later: waiting in line, or admitted. An admitted job
-        reaches the runner only after the fleet's step (a Redis round trip) when there is a
-        fleet, and the loop may stop in between: its answer is owed when it ends (or is
-        taken back), not now."""
-        return self._in_phases(Phase.WAITING, Phase.RUNNING)
-
-    def _in_phases(self, *phases: Phase) -> set[str]:
         return {
             job
             for conn in self.m.the_server.connections
             for job, state in conn.session.jobs.items()  # type: ignore[attr-defined]
-            if state.phase in phases
+            if state.phase is Phase.WAITING
         }
 
     # Sending -----------------------------------------------------------------------------

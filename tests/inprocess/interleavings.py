@@ -351,9 +351,15 @@ class Interleavings(RuleBasedStateMachine):
         what is missing, if anything is."""
 
         async def settle() -> None:
-            await poll(self.door.quiet, SETTLE_S)
-            for _ in range(3):  # done-callbacks the last step scheduled
-                await asyncio.sleep(0)
+            # Quiet, and still quiet once the callbacks its last step scheduled have run: one
+            # of them may move a job on (a waiting job admitted when a slot frees, which then
+            # owes its answer until it reaches the runner or the fleet refuses it).
+            deadline = time.monotonic() + SETTLE_S
+            while await poll(self.door.quiet, deadline - time.monotonic()):
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                if self.door.quiet():
+                    return
 
         self.run(settle())
         self.door.after_settle()
