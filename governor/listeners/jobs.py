@@ -129,9 +129,10 @@ class Owner(Protocol):
     def idle_changed(self) -> None: ...
 
 
-class JobTable:
-    """A connection's jobs (:attr:`jobs`): their frames, their payloads' bytes and holds, and
-    their asks' outcomes mapped to replies; its executions answer through :attr:`replies`."""
+class JobFrames:
+    """A connection's jobs (:attr:`jobs`) as their frames make them: a manifest and its chunks,
+    or an inline payload, checked as they come; the payloads' bytes against the buffers, and
+    those held for a retry. A verified payload goes to :meth:`complete` (the table's)."""
 
     def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
         self.owner = owner
@@ -142,16 +143,6 @@ class JobTable:
         self.jobs: dict[str, JobState] = {}
         self.buffers = Budget(state.config.max_conn_buffer_bytes)  # payload bytes on this conn
         self.held = 0  # payloads kept after a yield
-        # A job admitted and not yet started by the listener (Session.next_event).
-        self.admitted: intake.JobAdmitted | None = None
-        self._replies: JobReplies | None = None  # (made for the first job started)
-
-    @property
-    def replies(self) -> JobReplies:
-        """What this connection's executions answer through."""
-        if self._replies is None:
-            self._replies = JobReplies(self)
-        return self._replies
 
     def add(self, job: str, tenant: Tenant) -> JobState:
         upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
@@ -258,108 +249,8 @@ class JobTable:
             return
         self.complete(req, state, None if returning else payload)
 
-    # Admission ---------------------------------------------------------------------------
-
     def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
-        """A verified payload (None: the one held, back for its retry) to the intake; the
-        outcome mapped to a reply, to a wait in line, or to the event that starts the job."""
-        ask = state.ask
-        if payload is not None:
-            manifest = state.upload.manifest
-            assert manifest is not None
-            ask.prepare(req.job, payload, manifest.content_type)
-        state.final = req
-        if state.max_wait_ms is None:
-            ask.leave_line()
-        else:  # (a frame of a job in line: its wait starts again)
-            ask.line_up(state.max_wait_ms, _offer(self.owner, req.job))
-        self._decided(state, ask.decide())
-
-    def decide_again(self, job: str) -> str | None:
-        """A waiting job decided again, at its hint or when the line offers it a slot: the need
-        code of a refusal (it may wait on), None if admitted or no longer waiting."""
-        state = self.jobs.get(job)
-        if state is None or state.phase is not Phase.WAITING or self.admitted is not None:
-            return None  # (another job of this connection is being started: its turn comes)
-        outcome = state.ask.decide()
-        self._decided(state, outcome)
-        return None if isinstance(outcome, Admitted) else outcome.need_code
-
-    def _decided(self, state: JobState, outcome: intake.Outcome) -> None:
-        """The ask's outcome on this wire: the job waits unanswered, starts, is refused for
-        good, or yields."""
-        req = state.final
-        assert req is not None
-        if isinstance(outcome, Waiting):
-            if state.phase is Phase.HELD:  # (its place in admission's line stays)
-                self.unhold(state, Phase.WAITING, forget=False)
-            elif state.phase is Phase.UPLOADING:
-                state.move(Phase.WAITING)
-            state.deadline = outcome.until
-            self.owner.due(state.deadline)
-        elif isinstance(outcome, Admitted):
-            if state.phase is Phase.HELD:
-                self.unhold(state, Phase.RUNNING)
-            else:
-                state.move(Phase.RUNNING)
-            state.deadline = float("inf")
-            reservation, state.reservation = state.reservation, None
-            self.admitted = state.ask.admitted(
-                outcome, job=req.job, ttl_ms=req.ttl_ms, reservation=reservation
-            )
-        elif isinstance(outcome, Rejected):
-            self.forget(req.job)
-            if outcome.error is not None:
-                self.wire.error(req, outcome.error, seq=final_seq(req))
-            else:
-                self.wire.abort(
-                    req, outcome.need_code, ErrorCode.POLICY, outcome.detail, seq=final_seq(req)
-                )
-        else:
-            self.yielded(req, state, outcome)
-
-    def yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
-        """Answer ``yield``, keeping the payload for the retry if the connection may."""
-        # A draining governor admits nothing again: its refused payloads are not kept, so that
-        # their bytes do not turn the drain's later answers into buffers_full.
-        draining = decision.need_code == NeedCode.DRAINING
-        held = not draining and self.hold(state)
-        if held:
-            self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
-        else:
-            self.forget(req.job)
-        self.wire.yield_(
-            req,
-            seq=final_seq(req),
-            need_code=decision.need_code,
-            error_code=decision.error_code,
-            retry_hint_ms=decision.retry_hint_ms,
-            held=held,
-            detail=yield_detail(decision.need_code, held),
-        )
-
-    def expired(self, job: str, state: JobState) -> None:
-        """An upload that stalled, or a held payload whose client did not come back: dropped."""
-        held = state.phase is Phase.HELD
-        self.forget(job)
-        self.wire.send(
-            Reply(
-                Verb.CONFIRM,
-                job,
-                state.seq + 1,
-                Status.ABORT,
-                ttl_ms=0,
-                need_code=NeedCode.UPLOAD_TIMEOUT,
-                error_code=ErrorCode.TIMEOUT,
-                detail=(
-                    "the client did not come back for its held payload"
-                    if held
-                    else f"no chunk for {self.config.upload_timeout:g} s"
-                )
-                + "; the payload was dropped",
-                receipts=self.wire.receipts(),
-            )
-        )
+        raise NotImplementedError
 
     # The bytes and the holds -----------------------------------------------------------------
 
@@ -451,6 +342,157 @@ class JobTable:
         """Whether the next chunk would complete the upload."""
         manifest = state.upload.manifest
         return manifest is not None and state.upload.chunks_received + 1 >= manifest.chunks
+
+
+class JobTable(JobFrames):
+    """A connection's jobs: their frames (:class:`JobFrames`), and their asks' outcomes mapped
+    to replies, to a wait in line or to the event that starts a job; its executions answer
+    through :attr:`replies`."""
+
+    def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
+        super().__init__(owner, state, conn_id)
+        # A job admitted and not yet started by the listener (Session.next_event).
+        self.admitted: intake.JobAdmitted | None = None
+        self._replies: JobReplies | None = None  # (made for the first job started)
+
+    @property
+    def replies(self) -> JobReplies:
+        """What this connection's executions answer through."""
+        if self._replies is None:
+            self._replies = JobReplies(self)
+        return self._replies
+
+    def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
+        """A verified payload (None: the one held, back for its retry) to the intake; the
+        outcome mapped to a reply, to a wait in line, or to the event that starts the job."""
+        ask = state.ask
+        if payload is not None:
+            manifest = state.upload.manifest
+            assert manifest is not None
+            ask.prepare(req.job, payload, manifest.content_type)
+        state.final = req
+        if state.max_wait_ms is None:
+            ask.leave_line()
+        else:  # (a frame of a job in line: its wait starts again)
+            ask.line_up(state.max_wait_ms, _offer(self.owner, req.job))
+        self._decided(state, ask.decide())
+
+    def decide_again(self, job: str) -> str | None:
+        """A waiting job decided again, at its hint or when the line offers it a slot: the need
+        code of a refusal (it may wait on), None if admitted or no longer waiting."""
+        state = self.jobs.get(job)
+        if state is None or state.phase is not Phase.WAITING or self.admitted is not None:
+            return None  # (another job of this connection is being started: its turn comes)
+        outcome = state.ask.decide()
+        self._decided(state, outcome)
+        return None if isinstance(outcome, Admitted) else outcome.need_code
+
+    def _decided(self, state: JobState, outcome: intake.Outcome) -> None:
+        """The ask's outcome on this wire: the job waits unanswered, starts, is refused for
+        good, or yields."""
+        req = state.final
+        assert req is not None
+        if isinstance(outcome, Waiting):
+            if state.phase is Phase.HELD:  # (its place in admission's line stays)
+                self.unhold(state, Phase.WAITING, forget=False)
+            elif state.phase is Phase.UPLOADING:
+                state.move(Phase.WAITING)
+            state.deadline = outcome.until
+            self.owner.due(state.deadline)
+        elif isinstance(outcome, Admitted):
+            if state.phase is Phase.HELD:
+                self.unhold(state, Phase.RUNNING)
+            else:
+                state.move(Phase.RUNNING)
+            state.deadline = float("inf")
+            reservation, state.reservation = state.reservation, None
+            self.admitted = state.ask.admitted(
+                outcome, job=req.job, ttl_ms=req.ttl_ms, reservation=reservation
+            )
+        elif isinstance(outcome, Rejected):
+            self.forget(req.job)
+            if outcome.error is not None:
+                self.wire.error(req, outcome.error, seq=final_seq(req))
+            else:
+                self.wire.abort(
+                    req, outcome.need_code, ErrorCode.POLICY, outcome.detail, seq=final_seq(req)
+                )
+        else:
+            self.yielded(req, state, outcome)
+
+    def yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
+        """Answer ``yield``, keeping the payload for the retry if the connection may."""
+        # A draining governor admits nothing again: its refused payloads are not kept, so that
+        # their bytes do not turn the drain's later answers into buffers_full.
+        draining = decision.need_code == NeedCode.DRAINING
+        held = not draining and self.hold(state)
+        if held:
+            self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
+        else:
+            self.forget(req.job)
+        self.wire.yield_(
+            req,
+            seq=final_seq(req),
+            need_code=decision.need_code,
+            error_code=decision.error_code,
+            retry_hint_ms=decision.retry_hint_ms,
+            held=held,
+            detail=yield_detail(decision.need_code, held),
+        )
+
+    def on_cancel(self, req: Request) -> None:
+        """A cancel: a running job's terminal abort answers it; a waiting job's abort answers
+        its payload; an uploading or held one is dropped."""
+        state = self.jobs.get(req.job)
+        if state is None:
+            detail = f"no job {req.job!r} on this connection"
+            self.wire.need(req, NeedCode.JOB_UNKNOWN, ErrorCode.BAD_ENVELOPE, detail)
+        elif state.execution is not None:  # its terminal abort is the answer
+            state.execution.abort(
+                NeedCode.CANCELLED, ErrorCode.CANCELLED, "cancelled by the client"
+            )
+        elif state.phase is Phase.WAITING:  # as if running: the abort that answers its payload
+            final = state.final
+            assert final is not None
+            self.forget(req.job)
+            self.wire.abort(
+                final,
+                NeedCode.CANCELLED,
+                ErrorCode.CANCELLED,
+                "cancelled by the client while it waited for its turn",
+                seq=final_seq(final),
+            )
+        else:  # uploading, or held after a yield: dropped
+            self.forget(req.job)
+            self.wire.abort(
+                req,
+                NeedCode.CANCELLED,
+                ErrorCode.CANCELLED,
+                "cancelled by the client before it ran",
+            )
+
+    def expired(self, job: str, state: JobState) -> None:
+        """An upload that stalled, or a held payload whose client did not come back: dropped."""
+        held = state.phase is Phase.HELD
+        self.forget(job)
+        self.wire.send(
+            Reply(
+                Verb.CONFIRM,
+                job,
+                state.seq + 1,
+                Status.ABORT,
+                ttl_ms=0,
+                need_code=NeedCode.UPLOAD_TIMEOUT,
+                error_code=ErrorCode.TIMEOUT,
+                detail=(
+                    "the client did not come back for its held payload"
+                    if held
+                    else f"no chunk for {self.config.upload_timeout:g} s"
+                )
+                + "; the payload was dropped",
+                receipts=self.wire.receipts(),
+            )
+        )
 
 
 class JobReplies:

@@ -31,7 +31,7 @@ from ..core.sources import KEY_TURN_FAR
 from ..execution import Running
 from ..intake import KeyStep
 from ..state import ServerState
-from .jobs import JobState, JobTable, Phase, final_seq
+from .jobs import JobState, JobTable, Phase
 from .wire import Wire
 
 # Lines one connection has handled before the others get a turn: a client pipelining thousands
@@ -372,7 +372,7 @@ class Session:
             self.wire.send(self.wire.reply(req, Verb.CONFIRM, Status.OK, extra=receipts))
             return
         if req.verb == Verb.CANCEL:
-            self._on_cancel(req)
+            self.table.on_cancel(req)
             return
         state = self.jobs.get(req.job)
         if state is not None and state.phase is Phase.RUNNING:
@@ -388,35 +388,6 @@ class Session:
             self.table.on_chunk(req, state)
         else:
             self.table.on_inline(req, state)
-
-    def _on_cancel(self, req: Request) -> None:
-        state = self.jobs.get(req.job)
-        if state is None:
-            detail = f"no job {req.job!r} on this connection"
-            self.wire.need(req, NeedCode.JOB_UNKNOWN, ErrorCode.BAD_ENVELOPE, detail)
-        elif state.execution is not None:  # its terminal abort is the answer
-            state.execution.abort(
-                NeedCode.CANCELLED, ErrorCode.CANCELLED, "cancelled by the client"
-            )
-        elif state.phase is Phase.WAITING:  # as if running: the abort that answers its payload
-            final = state.final
-            assert final is not None
-            self.table.forget(req.job)
-            self.wire.abort(
-                final,
-                NeedCode.CANCELLED,
-                ErrorCode.CANCELLED,
-                "cancelled by the client while it waited for its turn",
-                seq=final_seq(final),
-            )
-        else:  # uploading, or held after a yield: dropped
-            self.table.forget(req.job)
-            self.wire.abort(
-                req,
-                NeedCode.CANCELLED,
-                ErrorCode.CANCELLED,
-                "cancelled by the client before it ran",
-            )
 
     def new_job(self, req: Request) -> JobState | None:
         """A job id not seen before on this connection; None if refused (its reply is sent)."""
