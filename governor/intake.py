@@ -44,8 +44,17 @@ from enum import Enum
 from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import JobSpec, SpecInvalid, is_json_content_type, parse_spec
 
-from .core.admission import Admitted, Attempt, Decision, Rejected, Reservation, Ticket, Yielded
-from .core.ledger import Refusal
+from .core.admission import (
+    BUFFERS_FULL_HINT_MS,
+    Admitted,
+    Attempt,
+    Decision,
+    Rejected,
+    Reservation,
+    Ticket,
+    Yielded,
+)
+from .core.ledger import DRAINING_HINT_MS, Refusal
 from .core.policy import LANES
 from .core.sources import NOW, Turn, source_of
 from .core.tenants import Tenant
@@ -329,6 +338,15 @@ class Ask:
         if self.first_refusal is None:
             self.first_refusal = self.state.now()
         return self.state.admission.revoke(self.attempt, ticket, refusal), reservation
+
+
+def no_room_for_payload(state: ServerState) -> Yielded:
+    """A payload the server's buffers cannot take now: sent again later; while the server
+    drains, sent elsewhere (no retry here would be admitted: the answer it would get). The
+    same on both doors, whatever their words."""
+    if state.admission.draining:
+        return Yielded(NeedCode.DRAINING, DRAINING_HINT_MS)
+    return Yielded(NeedCode.BUFFERS_FULL, BUFFERS_FULL_HINT_MS)
 
 
 @dataclass(frozen=True, slots=True)

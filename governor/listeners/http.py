@@ -66,7 +66,6 @@ from protocol.codes import ErrorCode, NeedCode
 
 from .. import intake
 from ..core.admission import (
-    BUFFERS_FULL_HINT_MS,
     Admitted,
     Attempt,
     Budget,
@@ -74,7 +73,7 @@ from ..core.admission import (
     Reservation,
     Yielded,
 )
-from ..core.ledger import DRAINING_HINT_MS, Refusal
+from ..core.ledger import Refusal
 from ..core.sources import KEY_TURN_FAR
 from ..execution import Ending, Execution
 from ..intake import KeyStep, Waiting
@@ -172,6 +171,35 @@ class FrontDoor:
         elif self._sock is not None:
             self._sock.close()
         self.deadlines.close()
+
+    def route(
+        self, exchange: Exchange, request: h11.Request, method: str, path: str, body: bytes
+    ) -> None:
+        """A whole request to what answers it: a job, the upstream (a sidecar's), the door's
+        own list of models or readiness, or a 404 or 405."""
+        kind = PATHS.get(path)
+        forwards = self.forwarder is not None
+        if forwards and path in PROXIED:
+            if method not in PROXIED[path]:
+                exchange.fail(api.not_allowed(", ".join(PROXIED[path])))
+            elif path == MODELS:  # (no key needed, as for the door's own list)
+                exchange.proxy(request, b"")
+            else:
+                exchange.job(request, body, PROXY)
+        elif path in (HEALTH, MODELS) and method not in ("GET", "HEAD"):
+            exchange.fail(api.not_allowed("GET, HEAD"))
+        elif path == HEALTH:
+            verdict = self.readiness()
+            status = HTTPStatus.OK if verdict.ok else HTTPStatus.SERVICE_UNAVAILABLE
+            exchange.respond(status, verdict.body())
+        elif path == MODELS:
+            exchange.respond(HTTPStatus.OK, api.models(self.model, self.created))
+        elif kind is None or (kind == api.EMBEDDING and not self.embeds):
+            exchange.fail(api.not_found(path, forwards))
+        elif method != "POST":
+            exchange.fail(api.not_allowed("POST"))
+        else:
+            exchange.job(request, body, kind)
 
     def kept(self) -> None:
         """A place was kept: the next one to expire is forgotten when its time is up."""
@@ -374,16 +402,9 @@ class HttpConnection(asyncio.Protocol):
         assert self.reservation is not None
         if not self.reservation.hold(len(self.body)):
             self._release_body()
-            if self.state.ledger.draining:  # (as on TCP: no retry here would be admitted)
-                refusal = api.refusal(NeedCode.DRAINING, ErrorCode.UNAVAILABLE, DRAINING_HINT_MS)
-                self._raw(refusal.status, NeedCode.DRAINING, refusal.message, refusal.headers)
-                return
-            self._raw(
-                HTTPStatus.TOO_MANY_REQUESTS,
-                NeedCode.BUFFERS_FULL,
-                "the server's payload buffers are full; send the request again later",
-                api.retry_headers(BUFFERS_FULL_HINT_MS),
-            )
+            no_room = intake.no_room_for_payload(self.state)
+            error = api.refusal(no_room.need_code, no_room.error_code, no_room.retry_hint_ms)
+            self._raw(error.status, no_room.need_code, error.message, error.headers)
 
     def _too_large(self) -> None:
         self._raw(
@@ -399,34 +420,8 @@ class HttpConnection(asyncio.Protocol):
         self._deadline(None, None)
         method = request.method.decode("ascii", "replace")
         path = self.path
-        exchange = self.exchange = Exchange(self, method == "HEAD")
-        kind = PATHS.get(path)
-        forwards = self.door.forwarder is not None
-        if forwards and path in PROXIED:
-            if method not in PROXIED[path]:
-                exchange.fail(api.not_allowed(", ".join(PROXIED[path])))
-            elif path == MODELS:  # (no key needed, as for the door's own list)
-                exchange.proxy(request, b"")
-            else:
-                exchange.job(request, bytes(self.body), PROXY)
-        elif path == HEALTH:
-            if method not in ("GET", "HEAD"):
-                exchange.fail(api.not_allowed("GET, HEAD"))
-                return
-            verdict = self.door.readiness()
-            status = HTTPStatus.OK if verdict.ok else HTTPStatus.SERVICE_UNAVAILABLE
-            exchange.respond(status, verdict.body())
-        elif path == MODELS:
-            if method not in ("GET", "HEAD"):
-                exchange.fail(api.not_allowed("GET, HEAD"))
-                return
-            exchange.respond(HTTPStatus.OK, api.models(self.door.model, self.door.created))
-        elif kind is None or (kind == api.EMBEDDING and not self.door.embeds):
-            exchange.fail(api.not_found(path, forwards))
-        elif method != "POST":
-            exchange.fail(api.not_allowed("POST"))
-        else:
-            exchange.job(request, bytes(self.body), kind)
+        self.exchange = Exchange(self, method == "HEAD")
+        self.door.route(self.exchange, request, method, path, bytes(self.body))
 
     def exchange_ended(self) -> None:
         """The answer is out: the next request, or the end of the connection."""
@@ -531,15 +526,7 @@ class HttpConnection(asyncio.Protocol):
         self.state.metrics.http_responses[(self.path, str(status.value))] += 1
         if code not in YIELDS:  # (counted as TCP counts its abort frames)
             self.state.metrics.aborts[code] += 1
-        body = api.error_body(status, code, message)
-        lines = [
-            f"HTTP/1.1 {status.value} {status.phrase}",
-            f"content-type: {JSON}",
-            f"content-length: {len(body)}",
-            "connection: close",
-            *(f"{name}: {value}" for name, value in headers),
-        ]
-        transport.write("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body)
+        transport.write(api.closing_error(status, code, message, headers))
         transport.close()
 
     def write(self, data: bytes) -> None:

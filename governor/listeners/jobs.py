@@ -41,7 +41,6 @@ from protocol.upload import Upload
 
 from .. import intake
 from ..core.admission import (
-    BUFFERS_FULL_HINT_MS,
     Admitted,
     Attempt,
     Budget,
@@ -49,7 +48,7 @@ from ..core.admission import (
     Reservation,
     Yielded,
 )
-from ..core.ledger import DRAINING_HINT_MS, Refusal
+from ..core.ledger import Refusal
 from ..core.tenants import Tenant
 from ..execution import Ending, Execution, Running
 from ..intake import Waiting
@@ -279,11 +278,10 @@ class JobFrames:
         """Drop the job and tell its client to send it again later; while the server drains,
         to send it elsewhere (no retry here would be admitted: the answer it would get)."""
         self.forget(req.job)
-        if self.state.admission.draining:
-            refusal = Yielded(NeedCode.DRAINING, DRAINING_HINT_MS)
+        refusal = intake.no_room_for_payload(self.state)
+        if refusal.need_code == NeedCode.DRAINING:
             detail = yield_detail(refusal.need_code, held=False)
         else:
-            refusal = Yielded(NeedCode.BUFFERS_FULL, BUFFERS_FULL_HINT_MS)
             detail = "the server's payload buffers are full; send the payload again later"
         self.wire.yield_(
             req,

@@ -147,6 +147,22 @@ def error_body(status: HTTPStatus, code: str, message: str, param: str | None = 
     return orjson.dumps({"error": _error(status, code, message, param)})
 
 
+def closing_error(
+    status: HTTPStatus, code: str, message: str, headers: tuple[tuple[str, str], ...] = ()
+) -> bytes:
+    """A whole HTTP/1.1 error response that closes the connection, written by hand: for what
+    h11 cannot answer (a request it has not parsed: a deadline, a head too large, a bad one)."""
+    body = error_body(status, code, message)
+    lines = [
+        f"HTTP/1.1 {status.value} {status.phrase}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *(f"{name}: {value}" for name, value in headers),
+    ]
+    return "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body
+
+
 def _error(status: HTTPStatus, code: str, message: str, param: str | None) -> dict[str, Any]:
     return {"message": message, "type": error_type(status), "param": param, "code": code}
 
@@ -696,6 +712,11 @@ def refusal(need_code: str, error_code: str, retry_hint_ms: int) -> ApiError:
         message = (
             "draining: this replica is draining and admits no new request again; "
             f"retry on another replica in {retry_hint_ms} ms"
+        )
+    elif need_code == NeedCode.BUFFERS_FULL:
+        message = (
+            "buffers_full: the server's payload buffers are full; send the request again in "
+            f"{retry_hint_ms} ms"
         )
     else:
         message = f"{need_code}: no slot for this request now; retry in {retry_hint_ms} ms"
