@@ -21,6 +21,7 @@ job's stream keeps writing) or does not read for ``write_timeout`` seconds is cu
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import ssl
 from typing import cast
@@ -90,9 +91,9 @@ class GovernorProtocol(asyncio.Protocol):
         self._served = False  # counted in the connections and against its source
         self._deadlines = deadlines
         self.due_at: int | None = None  # (its place in the deadlines)
-        self._deadline = float("inf")  # the next, on the session's clock
+        self._deadline = math.inf  # the next, on the session's clock
         # Cut off then unless the client reads its replies again (paused, or closing).
-        self._write_due = float("inf")
+        self._write_due = math.inf
         self._next_turn = False  # lines wait for another turn, after the other connections'
 
     # asyncio.Protocol -------------------------------------------------------------------
@@ -129,7 +130,7 @@ class GovernorProtocol(asyncio.Protocol):
         session = self.session
         if session.closed:
             return
-        self._write_due = float("inf")
+        self._write_due = math.inf
         self._schedule()
         session.resume()
         self._turn_ended(self._receive(b""))  # (the lines that waited may fill the buffer again)
@@ -230,7 +231,7 @@ class GovernorProtocol(asyncio.Protocol):
 
     def _start_write_deadline(self) -> None:
         """The client must read what was written within ``write_timeout``, or be cut off."""
-        if self._write_due == float("inf"):
+        if self._write_due == math.inf:
             self._write_due = self.session.clock() + self.state.config.write_timeout
             self._schedule()
 
