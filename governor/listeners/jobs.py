@@ -473,23 +473,18 @@ class JobTable(JobFrames):
         """An upload that stalled, or a held payload whose client did not come back: dropped."""
         held = state.phase is Phase.HELD
         self.forget(job)
-        self.wire.send(
-            Reply(
-                Verb.CONFIRM,
-                job,
-                state.seq + 1,
-                Status.ABORT,
-                ttl_ms=0,
-                need_code=NeedCode.UPLOAD_TIMEOUT,
-                error_code=ErrorCode.TIMEOUT,
-                detail=(
-                    "the client did not come back for its held payload"
-                    if held
-                    else f"no chunk for {self.config.upload_timeout:g} s"
-                )
-                + "; the payload was dropped",
-                receipts=self.wire.receipts(),
-            )
+        why = (
+            "the client did not come back for its held payload"
+            if held
+            else f"no chunk for {self.config.upload_timeout:g} s"
+        )
+        self.wire.abort_named(
+            job,
+            state.seq + 1,
+            0,
+            NeedCode.UPLOAD_TIMEOUT,
+            ErrorCode.TIMEOUT,
+            why + "; the payload was dropped",
         )
 
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from protocol.codes import UNKNOWN_JOB, ErrorCode, NeedCode, Status, Verb
 from protocol.errors import EnvelopeInvalid, LineTooLong, RemoteProtocolError
-from protocol.frames import Reply, Request, decode_request, error_reply
+from protocol.frames import Request, decode_request, error_reply
 from protocol.lines import LineReader
 
 from .. import intake
@@ -313,18 +313,9 @@ class Session:
             return
         named = self.jobs.get(job or self.last_job)
         if named is None or named.execution is None or named.execution.terminal_sent:
-            self.wire.send(
-                Reply(
-                    Verb.CONFIRM,
-                    job or self.last_job,
-                    seq if seq is not None else self.last_seq + 1,
-                    Status.ABORT,
-                    ttl_ms=self.last_ttl_ms,
-                    need_code=need_code,
-                    error_code=error_code,
-                    detail=detail,
-                    receipts=self.wire.receipts(),
-                )
+            seq = self.last_seq + 1 if seq is None else seq
+            self.wire.abort_named(
+                job or self.last_job, seq, self.last_ttl_ms, need_code, error_code, detail
             )
         self.abort_running(need_code, error_code, "the connection is closing: " + detail)
         self.closed = True

@@ -112,6 +112,25 @@ class Wire:
             )
         )
 
+    def abort_named(
+        self, job: str, seq: int, ttl_ms: int, need_code: str, error_code: str, detail: str
+    ) -> None:
+        """``confirm abort`` naming ``job`` and ``seq`` without a frame to answer: the
+        connection's own (a fatal error, a deadline), or a job's dropped at its deadline."""
+        self.send(
+            Reply(
+                Verb.CONFIRM,
+                job,
+                seq,
+                Status.ABORT,
+                ttl_ms=ttl_ms,
+                need_code=need_code,
+                error_code=error_code,
+                detail=detail,
+                receipts=self.receipts(),
+            )
+        )
+
     def error(self, req: Request, exc: RemoteProtocolError, *, seq: int | None = None) -> None:
         """The error's own reply (its codes and detail) to ``req``."""
         receipts = self.receipts(self.bytes_in(req.job))
