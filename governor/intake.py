@@ -121,7 +121,10 @@ class Credentials:
         self.keys: dict[str, Tenant] = {}  # keys shown valid on this connection
         self.failures = 0  # jobs refused for want of a valid key
         self.turn = NOW  # reserved for a key that waits for it
-        self.key_at = math.inf  # a key waits for its turn until then (see :meth:`step`)
+        # A door's request waiting for its key's turn (see :meth:`step`), until ``key_at``.
+        self.waiting: object = None
+        self.key_at = math.inf
+        self._waiting_key = ""
 
     def connected(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -129,26 +132,37 @@ class Credentials:
         self.cert_tenant = self.state.connections.certificate_tenant(transport)
         self.authenticated = self.authenticated or self.cert_tenant is not None
 
-    def step(self, key: str) -> KeyStep:
-        """Whether a request with ``key`` goes on now: :attr:`KeyStep.GO` (checked, or needing
-        no check), :attr:`KeyStep.LATER` (it waits for its key's turn, at :attr:`key_at`: then
-        :meth:`check_at_turn`, or :meth:`turn_unused` if its client leaves first) or
-        :attr:`KeyStep.FAR` (refused for now, unchecked: ``KEY_TURN_FAR``). The one rule both
-        doors follow (:meth:`turn_for`)."""
+    def step(self, key: str, request: object) -> KeyStep:
+        """Whether ``request`` (a door's, showing ``key``) goes on now: :attr:`KeyStep.GO`
+        (checked, or needing no check), :attr:`KeyStep.LATER` (it waits, as :attr:`waiting`,
+        for its key's turn at :attr:`key_at`: see :meth:`turn_came`, or :meth:`turn_unused` if
+        its client leaves first) or :attr:`KeyStep.FAR` (refused for now, unchecked:
+        ``KEY_TURN_FAR``). The one rule both doors follow (:meth:`turn_for`)."""
         turn = self.turn_for(key)
         if turn is None:
             return KeyStep.FAR
         if turn.wait > 0:
             self.key_at = self.state.now() + turn.wait
+            self.waiting, self._waiting_key = request, key
             return KeyStep.LATER
         return KeyStep.GO
+
+    def turn_came(self, now: float) -> object:
+        """The request that waited for its key's turn, once the turn has come, its key checked
+        then; None: none waits, or its turn has not come."""
+        request = self.waiting
+        if request is None or now < self.key_at:
+            return None
+        self._check(self._waiting_key, self.turn)
+        self.turn, self.waiting, self.key_at = NOW, None, math.inf
+        return request
 
     def turn_for(self, key: str) -> Turn | None:
         """When ``key`` may be checked. :data:`~governor.core.sources.NOW`: it has been (just
         now, while its source's budget of failures lasts; or earlier on this connection), or
         needs no check (no tenants; or it failed lately from this source: refused again,
         unchecked). A later :class:`Turn`, reserved: the request waits for it, then
-        :meth:`check_at_turn` (or :meth:`turn_unused` if its client leaves first). None: that
+        :meth:`turn_came` (or :meth:`turn_unused` if its client leaves first). None: that
         turn is more than ``auth_grace`` away; refused for now, unchecked."""
         state = self.state
         sources = state.connections.sources
@@ -161,14 +175,10 @@ class Credentials:
             self.turn = turn
         return turn
 
-    def check_at_turn(self, key: str) -> None:
-        self._check(key, self.turn)
-        self.turn = NOW
-        self.key_at = math.inf
-
     def turn_unused(self) -> None:
-        """The request waiting for its key's turn is gone: the turn is given back."""
-        self.key_at = math.inf
+        """The request waiting for its key's turn is gone (or none waits): the turn is given
+        back."""
+        self.waiting, self.key_at = None, math.inf
         if self.turn is not NOW:
             self.state.connections.sources.turn_unused(self.source, self.turn)
             self.turn = NOW

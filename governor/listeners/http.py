@@ -562,7 +562,6 @@ class Exchange:
         self.call: api.Call | None = None
         self.key: api.Key = ("", b"")
         self.ask: intake.Ask | None = None  # a job's conversation with admission
-        self.key_turn: tuple[h11.Request, bytes, str, str] | None = None  # (what then goes on)
         self.proxied: asyncio.Task[Relayed] | None = None  # the upstream answers it
         self.streaming = False  # the 200 and the stream's head are out
 
@@ -603,12 +602,11 @@ class Exchange:
         prepared and decided."""
         key = _bearer(_header(request, b"authorization"))
         if key is not None:
-            step = self.conn.credentials.step(key)
+            step = self.conn.credentials.step(key, (request, body, kind, key))
             if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
                 self._abort(HTTPStatus.UNAUTHORIZED, NeedCode.UNAUTHORIZED, KEY_TURN_FAR)
                 return
             if step is KeyStep.LATER:
-                self.key_turn = (request, body, kind, key)
                 self.conn.schedule()
                 return
         self._job(request, body, kind, key)
@@ -616,16 +614,18 @@ class Exchange:
     @property
     def due_at(self) -> float:
         """When :meth:`on_deadline` has something to do: its key's turn, or its next decision."""
-        if self.key_turn is not None:
-            return self.conn.credentials.key_at
+        credentials = self.conn.credentials
+        if credentials.waiting is not None:
+            return credentials.key_at
         return math.inf if self.ask is None else self.ask.decide_at
 
     def on_deadline(self, now: float) -> None:
         """Time passed: its key's turn came, or its next decision at its hint."""
-        if self.key_turn is not None:
-            if self.conn.credentials.key_at <= now:
-                (request, body, kind, key), self.key_turn = self.key_turn, None
-                self.conn.credentials.check_at_turn(key)
+        credentials = self.conn.credentials
+        if credentials.waiting is not None:
+            waiting = credentials.turn_came(now)
+            if waiting is not None:
+                request, body, kind, key = cast(tuple[h11.Request, bytes, str, str], waiting)
                 self._job(request, body, kind, key)
         elif self.ask is not None and self.ask.decide_at <= now:
             self.decide()
@@ -725,9 +725,7 @@ class Exchange:
     def left(self) -> None:
         """The client left while its request waited in line (:meth:`governor.intake.Ask.give_up`)
         or for its key's turn (the turn is given back)."""
-        if self.key_turn is not None:
-            self.key_turn = None
-            self.conn.credentials.turn_unused()
+        self.conn.credentials.turn_unused()
         if self.proxied is not None:
             self.proxied.cancel()
         if self.ask is not None:

@@ -104,9 +104,6 @@ class Session:
         now = self.clock()
         self.last_frame_at = now
         self.opened_at = now
-        # A frame whose key waits for its turn (until ``credentials.key_at``); no line is
-        # handled meanwhile.
-        self.deferred: Request | None = None
         self.idle = True  # as last told to the sources
         # The earliest deadline set since the connection last asked (None: none earlier).
         self.sooner: float | None = None
@@ -114,6 +111,12 @@ class Session:
     @property
     def source(self) -> str:
         return self.credentials.source
+
+    @property
+    def deferred(self) -> Request | None:
+        """A frame whose key waits for its turn; no line is handled meanwhile."""
+        waiting = self.credentials.waiting
+        return waiting if isinstance(waiting, Request) else None
 
     @property
     def held(self) -> int:
@@ -197,7 +200,7 @@ class Session:
             deadline = now + config.idle_timeout
         if not self.credentials.authenticated:
             deadline = min(deadline, self.opened_at + config.auth_grace)
-        if self.deferred is not None:
+        if self.credentials.waiting is not None:
             deadline = min(deadline, self.credentials.key_at)
         for state in self.jobs.values():
             deadline = min(deadline, state.deadline)
@@ -229,11 +232,9 @@ class Session:
             timeout = config.idle_timeout
             self.fatal(NeedCode.IDLE_TIMEOUT, ErrorCode.TIMEOUT, f"no frame for {timeout:g} s")
             return False
-        deferred = self.deferred
-        if deferred is not None and now >= self.credentials.key_at:
-            self.deferred = None
-            assert deferred.api_key is not None
-            self.credentials.check_at_turn(deferred.api_key)
+        deferred = self.credentials.turn_came(now)
+        if deferred is not None:
+            assert isinstance(deferred, Request)
             self.idle_changed()
             self._handle(deferred)
         for job, state in list(self.jobs.items()):
@@ -270,9 +271,7 @@ class Session:
     def connection_lost(self) -> None:
         """The client is gone: stop its work now; each execution gives back its own ticket."""
         self.closed = True
-        if self.deferred is not None:
-            self.deferred = None
-            self.credentials.turn_unused()
+        self.credentials.turn_unused()
         admitted, self.table.admitted = self.table.admitted, None
         if admitted is not None:  # (not started: its ticket is given back here)
             admitted.ticket.release("client_gone")
@@ -337,7 +336,7 @@ class Session:
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
         key = req.api_key
         if key is not None and self._looks_up(req):
-            step = self.credentials.step(key)
+            step = self.credentials.step(key, req)
             self.idle_changed()
             if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
                 if req.verb != Verb.PING:
@@ -346,7 +345,6 @@ class Session:
                     )
                     return
             elif step is KeyStep.LATER:  # the source's failures are spent: it waits its turn
-                self.deferred = req
                 self.due(self.credentials.key_at)
                 return
         self._handle(req)

@@ -191,13 +191,22 @@ def test_a_key_goes_on_waits_for_its_turn_or_is_refused_for_now(clock: FakeClock
     for i in range(40):
         credentials = Credentials(state, i)
         credentials.source = "10.0.0.1"
-        step = credentials.step(f"wrong-{i}")
+        request = f"request {i}"
+        step = credentials.step(f"wrong-{i}", request)
         steps.append(step)
         if step is KeyStep.LATER:
+            assert credentials.waiting == request
             assert clock.now < credentials.key_at <= clock.now + 2.0
-            credentials.turn_unused()
+            if i % 2:  # its client leaves first: the turn is given back
+                credentials.turn_unused()
+                assert credentials.waiting is None
+            else:  # the request goes on at its turn, its key checked then (and failed)
+                assert credentials.turn_came(clock.now) is None
+                assert credentials.turn_came(credentials.key_at) == request
+                assert credentials.tenant(f"wrong-{i}") is None
             assert credentials.key_at == math.inf
         else:
+            assert credentials.waiting is None
             assert credentials.key_at == math.inf
     assert steps[0] is KeyStep.GO
     assert KeyStep.LATER in steps or KeyStep.FAR in steps  # the budget ran out
