@@ -1,7 +1,8 @@
-"""One TCP connection's jobs: the job table, the payload frames (a manifest and its chunks, or
-an inline payload), the bytes they hold, a verified payload's submission to the intake and its
-decision mapped to a reply (a yield keeps the payload for the retry if the connection may), and
-the frames a running job's execution sends.
+"""One TCP connection's jobs: the payload frames (a manifest and its chunks, or an inline
+payload) and the bytes they hold (:class:`JobFrames`); a verified payload's ask
+(:class:`governor.intake.Ask`) and its outcome mapped to a reply, a yield keeping the payload
+for the retry if the connection may (:class:`JobTable`); and the frames a running job's
+execution sends (:class:`JobReplies`).
 
 A job id on a connection moves through phases, by this table alone (:data:`TRANSITIONS`)::
 
