@@ -648,15 +648,9 @@ def _tenants(value: Any, source: str) -> tuple[TenantConfig, ...]:
     return tuple(tenants)
 
 
-# The sections, in the order of ``governor serve --help`` and the README's tables.
-SECTIONS: tuple[type, ...] = (
-    ListenersSection,
-    AdmissionSection,
-    RunnerSection,
-    LanesSection,
-    FleetSection,
-    OpsSection,
-)
+# The sections, in the order of ``governor serve --help`` and the README's tables: the
+# config's bases, which list them last first.
+SECTIONS: tuple[type, ...] = tuple(reversed(Config.__bases__))
 FIELDS = dataclasses.fields(Config)
 _FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 CLI_FIELDS = tuple(f for f in FIELDS if f.name != "tenants")
