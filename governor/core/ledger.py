@@ -31,7 +31,7 @@ holds no slot and no reserved cells (its runner keeps its cells while its cache 
 computes them again), stays admitted (one terminal frame, whatever happens), and is resumed,
 oldest first and before any newer job of a lower lane starts, as soon as a slot it may take and
 its cells in its own cache are free again: at a release, at the next decision, or at
-:meth:`SlotLedger.resume` (the server calls it periodically). Lower lanes may then reserve the
+:meth:`SlotPool.resume` (the server calls it periodically). Lower lanes may then reserve the
 whole KV capacity (the interactive share and the danger line are for runners that cannot
 preempt). A :class:`~governor.runners.base.Pause` on the job tells its runner.
 
@@ -69,6 +69,7 @@ __all__ = [
     "Refusal",
     "Slot",
     "SlotLedger",
+    "SlotPool",
     "kv_demand",
 ]
 
@@ -111,7 +112,7 @@ class Slot:
     )
 
     def __init__(
-        self, ledger: SlotLedger, started: float, demand: Demand | None, size: JobSize | None
+        self, ledger: SlotPool, started: float, demand: Demand | None, size: JobSize | None
     ) -> None:
         self._ledger = ledger
         self.started = started
@@ -188,9 +189,11 @@ def kv_demand(demand: Demand | None, size: JobSize | None) -> int:
     return size.prompt_tokens + size.max_new_tokens if size is not None else 0
 
 
-class SlotLedger:
-    """One pool's cap and running jobs, composing its estimates (:attr:`estimates`), its
-    promise line (:attr:`line`), its lanes (:attr:`lanes`) and its hints (:attr:`hints`)."""
+class SlotPool:
+    """What one pool's jobs hold: its cap, its running and suspended jobs, the slots and KV
+    cells they take and give back, composing its estimates (:attr:`estimates`), its promise
+    line (:attr:`line`), its lanes (:attr:`lanes`) and its hints (:attr:`hints`). The decision
+    of who may take them is :class:`SlotLedger`'s."""
 
     def __init__(
         self,
@@ -324,105 +327,6 @@ class SlotLedger:
         """Would a job be admitted now? (``server.health`` 1.)"""
         return not self.draining and not self.saturated
 
-    def admit(
-        self,
-        promise: Promise | None = None,
-        demand: Demand | None = None,
-        size: JobSize | None = None,
-    ) -> Slot | Refusal:
-        """Take a slot, or say why not and when to come back.
-
-        ``promise`` is the one a returning client was given when it was last refused;
-        ``demand`` the job's lane and KV reservation, when a lane policy is in force; ``size``
-        its prompt and ``max_new_tokens``, when it is an inference job: the slot's expected
-        end, and the turns of the slots it waits for when refused, are predicted from it.
-        """
-        now = self.clock()
-        self.line.lapse(now)
-        self.resume()
-        rank = self.lanes.rank(demand)
-        if self.draining:
-            if promise is not None:
-                self.withdraw(promise)
-            return self.refused(Refusal(NeedCode.DRAINING, DRAINING_HINT_MS))
-        free = self.cap - self._taken
-        width = size.width if size is not None else 1
-        self.lanes.asked(rank, now)
-        # The free slots this job may take: not those the interactive reserve keeps.
-        reserved = self.lanes.unused_reserve(rank, now)
-        usable = free - reserved
-        # A free slot is not for the taking while clients ahead in line have their time come.
-        hold = self.estimates.hold()
-        due = self.line.due_ahead(now, promise, rank, hold, reserved)
-        # A suspended job goes before any newer job of a lower lane: such a job waits for the
-        # slots the suspended jobs will take back, too.
-        later = sum(slot.width for slot in self._suspended) if rank > 0 else 0
-        victims: list[Slot] = []
-        if usable - width < due and due == 0 and rank == 0:
-            victims = slot_victims(self._running, width - usable) if self.lanes.owes(width) else []
-            self._suspend(victims, now)
-        if (usable - width < due and not victims) or later:
-            hint_ms, promise = self.hints.place(now, promise, rank, size, later)
-            code = NeedCode.LANE_FULL if usable < width <= free else NeedCode.SERVER_BUSY
-            return self.refused(Refusal(code, hint_ms, promise))
-        kv_tokens = kv_demand(demand, size)
-        refusal, kv_cache = self._checks(now, demand, kv_tokens, width, victims)
-        if refusal is not None:
-            if promise is not None:
-                self.withdraw(promise)
-            for slot in victims:  # (what was suspended for it: back as it was)
-                self._resume(slot)
-            return self.refused(refusal)
-        return self._take(now, promise, demand, size, kv_cache, kv_tokens)
-
-    def _checks(
-        self, now: float, demand: Demand | None, kv_tokens: int, width: int, victims: list[Slot]
-    ) -> tuple[Refusal | None, int | None]:
-        """The lane policy's checks, then a cache for the job's ``kv_tokens`` KV cells: a
-        refusal, or the cache they are reserved in (None: no KV budget, or no cells). An
-        interactive job may suspend jobs for its cells (added to ``victims``)."""
-        if demand is not None and self.policy is not None:
-            refusal = self._policy_refusal(now, demand, width)
-            if refusal is not None:
-                return refusal, None
-        if self.kv is None or not kv_tokens:
-            return None, None
-        kv_cache = self.kv.place(kv_tokens)
-        if kv_cache is None and self.lanes.rank(demand) == 0 and self.lanes.owes(width):
-            more = cell_victims(self._running, self.kv, kv_tokens)
-            if more:
-                self._suspend(more, now)
-                victims += more
-                kv_cache = self.kv.place(kv_tokens)
-        if kv_cache is None:
-            at = self.hints.kv_release(now, self.kv, kv_tokens)
-            return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, at)), None
-        return None, kv_cache
-
-    def _policy_refusal(self, now: float, demand: Demand, width: int) -> Refusal | None:
-        """The lane quota and the KV budget, in that order (the interactive reserve is kept
-        by :meth:`admit`, in the line)."""
-        policy = self.policy
-        assert policy is not None
-        lane = demand.lane
-        if self.lanes.quota_full(lane, width):
-            return Refusal(
-                NeedCode.LANE_FULL, self.hint_ms(now, self.hints.lane_release(now, lane))
-            )
-        # Below the interactive lane: what is reserved must leave the interactive share free,
-        # and what the caches really hold must stay under the danger line, unless a chat can
-        # take the memory back (preemptible). (Every lane's job must fit in a cache:
-        # :meth:`admit` reserves its cells after this.)
-        capacity = self.kv.capacity if self.kv is not None else 0
-        if capacity and lane != Lane.INTERACTIVE and not self.preemptible:
-            reserved = self.kv_reserved + demand.kv_tokens
-            if (
-                reserved > (1.0 - policy.kv_interactive_share) * capacity
-                or self.kv_in_use + demand.kv_tokens > policy.kv_danger * capacity
-            ):
-                return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self.hints.next_end(now)))
-        return None
-
     def _take(
         self,
         now: float,
@@ -537,6 +441,114 @@ class SlotLedger:
         self.resumes[slot.demand.lane.value] += 1
         slot.pause.set(False)
 
+    def withdraw(self, promise: Promise) -> None:
+        """Forget a promise: its client came back, or will not."""
+        self.line.withdraw(promise)
+
+
+class SlotLedger(SlotPool):
+    """One pool's admission decision over its slots (:class:`SlotPool`): see the module
+    docstring."""
+
+    def admit(
+        self,
+        promise: Promise | None = None,
+        demand: Demand | None = None,
+        size: JobSize | None = None,
+    ) -> Slot | Refusal:
+        """Take a slot, or say why not and when to come back.
+
+        ``promise`` is the one a returning client was given when it was last refused;
+        ``demand`` the job's lane and KV reservation, when a lane policy is in force; ``size``
+        its prompt and ``max_new_tokens``, when it is an inference job: the slot's expected
+        end, and the turns of the slots it waits for when refused, are predicted from it.
+        """
+        now = self.clock()
+        self.line.lapse(now)
+        self.resume()
+        rank = self.lanes.rank(demand)
+        if self.draining:
+            if promise is not None:
+                self.withdraw(promise)
+            return self.refused(Refusal(NeedCode.DRAINING, DRAINING_HINT_MS))
+        free = self.cap - self._taken
+        width = size.width if size is not None else 1
+        self.lanes.asked(rank, now)
+        # The free slots this job may take: not those the interactive reserve keeps.
+        reserved = self.lanes.unused_reserve(rank, now)
+        usable = free - reserved
+        # A free slot is not for the taking while clients ahead in line have their time come.
+        hold = self.estimates.hold()
+        due = self.line.due_ahead(now, promise, rank, hold, reserved)
+        # A suspended job goes before any newer job of a lower lane: such a job waits for the
+        # slots the suspended jobs will take back, too.
+        later = sum(slot.width for slot in self._suspended) if rank > 0 else 0
+        victims: list[Slot] = []
+        if usable - width < due and due == 0 and rank == 0:
+            victims = slot_victims(self._running, width - usable) if self.lanes.owes(width) else []
+            self._suspend(victims, now)
+        if (usable - width < due and not victims) or later:
+            hint_ms, promise = self.hints.place(now, promise, rank, size, later)
+            code = NeedCode.LANE_FULL if usable < width <= free else NeedCode.SERVER_BUSY
+            return self.refused(Refusal(code, hint_ms, promise))
+        kv_tokens = kv_demand(demand, size)
+        refusal, kv_cache = self._checks(now, demand, kv_tokens, width, victims)
+        if refusal is not None:
+            if promise is not None:
+                self.withdraw(promise)
+            for slot in victims:  # (what was suspended for it: back as it was)
+                self._resume(slot)
+            return self.refused(refusal)
+        return self._take(now, promise, demand, size, kv_cache, kv_tokens)
+
+    def _checks(
+        self, now: float, demand: Demand | None, kv_tokens: int, width: int, victims: list[Slot]
+    ) -> tuple[Refusal | None, int | None]:
+        """The lane policy's checks, then a cache for the job's ``kv_tokens`` KV cells: a
+        refusal, or the cache they are reserved in (None: no KV budget, or no cells). An
+        interactive job may suspend jobs for its cells (added to ``victims``)."""
+        if demand is not None and self.policy is not None:
+            refusal = self._policy_refusal(now, demand, width)
+            if refusal is not None:
+                return refusal, None
+        if self.kv is None or not kv_tokens:
+            return None, None
+        kv_cache = self.kv.place(kv_tokens)
+        if kv_cache is None and self.lanes.rank(demand) == 0 and self.lanes.owes(width):
+            more = cell_victims(self._running, self.kv, kv_tokens)
+            if more:
+                self._suspend(more, now)
+                victims += more
+                kv_cache = self.kv.place(kv_tokens)
+        if kv_cache is None:
+            at = self.hints.kv_release(now, self.kv, kv_tokens)
+            return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, at)), None
+        return None, kv_cache
+
+    def _policy_refusal(self, now: float, demand: Demand, width: int) -> Refusal | None:
+        """The lane quota and the KV budget, in that order (the interactive reserve is kept
+        by :meth:`admit`, in the line)."""
+        policy = self.policy
+        assert policy is not None
+        lane = demand.lane
+        if self.lanes.quota_full(lane, width):
+            return Refusal(
+                NeedCode.LANE_FULL, self.hint_ms(now, self.hints.lane_release(now, lane))
+            )
+        # Below the interactive lane: what is reserved must leave the interactive share free,
+        # and what the caches really hold must stay under the danger line, unless a chat can
+        # take the memory back (preemptible). (Every lane's job must fit in a cache:
+        # :meth:`admit` reserves its cells after this.)
+        capacity = self.kv.capacity if self.kv is not None else 0
+        if capacity and lane != Lane.INTERACTIVE and not self.preemptible:
+            reserved = self.kv_reserved + demand.kv_tokens
+            if (
+                reserved > (1.0 - policy.kv_interactive_share) * capacity
+                or self.kv_in_use + demand.kv_tokens > policy.kv_danger * capacity
+            ):
+                return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self.hints.next_end(now)))
+        return None
+
     def waiting(self, rank: int) -> int:
         """Promises still in the line (withdrawn and lapsed ones are not) of rank <= ``rank``:
         clients waiting for a slot in that lane or a higher one. 0 for a negative ``rank``."""
@@ -566,10 +578,6 @@ class SlotLedger:
         now = self.clock()
         self.line.lapse(now)
         return self.hints.place(now, promise, rank, size)
-
-    def withdraw(self, promise: Promise) -> None:
-        """Forget a promise: its client came back, or will not."""
-        self.line.withdraw(promise)
 
     def refused(self, refusal: Refusal) -> Refusal:
         """Count a refusal (also one decided outside the ledger, for a tenant's limits)."""
