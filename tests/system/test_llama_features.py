@@ -435,7 +435,7 @@ def test_penalties_change_what_greedy_decoding_says(model: Model) -> None:
 def test_a_logit_bias_moves_greedy_decoding_off_its_first_choice(model: Model) -> None:
     ask = {"prompt": "The capital of France is", "temperature": 0.0, "max_new_tokens": 3}
     first = model.run(**ask, logprobs=True).choices[0]["logprobs"][0]
-    vocab = model.runner._vocab
+    vocab = model.runner._prompts.vocab
     (token,) = vocab.tokenize(bytes(first["bytes"]), add_bos=False, special=False)
     away = model.run(**ask, logprobs=True, logit_bias={str(token): -100}).choices[0]["logprobs"][0]
     assert away["token"] != first["token"]
@@ -502,7 +502,7 @@ PARAPHRASES = [
 def test_embeddings_are_unit_vectors_and_paraphrases_are_nearest(model: Model) -> None:
     texts = [*PARAPHRASES, PARAPHRASES[0], "x " * 300, "x " * 300]  # (the last over two steps)
     vectors, tokens = model.loop.run_until_complete(model.runner.embed(texts))
-    vocab = model.runner._vocab
+    vocab = model.runner._prompts.vocab
     assert tokens == sum(
         len(vocab.tokenize(t.encode(), add_bos=False, special=False)) for t in texts
     )
@@ -559,7 +559,7 @@ class Walker:
     def __init__(self, runner: LlamaRunner) -> None:
         import llama_cpp
 
-        self.ll, self.vocab = llama_cpp, runner._vocab
+        self.ll, self.vocab = llama_cpp, runner._prompts.vocab
         n, buffer = self.vocab.n_vocab(), ctypes.create_string_buffer(256)
         pieces = []
         for t in range(n):
