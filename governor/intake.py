@@ -336,6 +336,10 @@ class Ask:
         if self.wait is not None:
             self.wait.give_up()
 
+    def forget(self) -> None:
+        """It will not come back (its payload was dropped): see :func:`forget`."""
+        forget(self.state, self.attempt)
+
     def take_back(
         self, ticket: Ticket, refusal: Refusal, *, keep_payload: bool
     ) -> tuple[Yielded, Reservation | None]:
@@ -348,6 +352,18 @@ class Ask:
         if self.first_refusal is None:
             self.first_refusal = self.state.now()
         return self.state.admission.revoke(self.attempt, ticket, refusal), reservation
+
+
+def forget(state: ServerState, attempt: Attempt) -> None:
+    """A refused job will not come back (its payload was dropped, its client left, its kept
+    place expired): its place in admission's line is given up."""
+    state.admission.forget(attempt)
+
+
+def revoke(state: ServerState, execution: Execution, refusal: Refusal) -> None:
+    """The fleet refused a job this replica admitted whose client has gone meanwhile: its
+    ticket is given back, with no one to answer (:meth:`Ask.take_back` when there is)."""
+    state.admission.revoke(execution.attempt, execution.ticket, refusal)
 
 
 def no_room_for_payload(state: ServerState) -> Yielded:

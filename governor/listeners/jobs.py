@@ -25,7 +25,7 @@ one leaves only when its execution has ended and given back its ticket.
 
 No IO here either: replies go through the session's :class:`~governor.listeners.wire.Wire`; a
 job admitted waits in :attr:`JobTable.admitted` for the listener to start it; a job's first
-frame goes to the session (:meth:`Owner.new_job`: the key is checked there).
+frame is checked against its key's tenant (:meth:`JobFrames.new_job`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from ..core.admission import (
     Yielded,
 )
 from ..core.ledger import Refusal
-from ..core.tenants import Tenant
 from ..execution import Ending, Execution, Running
 from ..intake import Waiting
 from ..runners import Relay, Token
@@ -110,9 +109,18 @@ class Owner(Protocol):
     """What the uploads need of their session."""
 
     wire: Wire
+    credentials: intake.Credentials  # (a new job's key, checked: its tenant)
 
-    def new_job(self, req: Request) -> JobState | None:
-        """The key checked and the connection's bounds: a new job's state, or None (answered)."""
+    def fatal(
+        self,
+        need_code: NeedCode,
+        error_code: ErrorCode,
+        detail: str,
+        *,
+        job: str | None = None,
+        seq: int | None = None,
+    ) -> None:
+        """The connection's last answer: each running job aborted, then closed."""
         ...
 
     def expect_progress(self, state: JobState, wait_s: float = 0.0) -> None: ...
@@ -144,10 +152,39 @@ class JobFrames:
         self.buffers = Budget(state.config.max_conn_buffer_bytes)  # payload bytes on this conn
         self.held = 0  # payloads kept after a yield
 
-    def add(self, job: str, tenant: Tenant) -> JobState:
-        upload = Upload(self.config.max_payload_bytes, self.config.max_chunks)
+    def new_job(self, req: Request) -> JobState | None:
+        """A job id not seen before on this connection, for its key's tenant; None if refused
+        (its reply is sent: a job without a valid key, or past the connection's bound)."""
+        credentials, config = self.owner.credentials, self.config
+        tenant = credentials.tenant(req.api_key)
+        if tenant is None:
+            if credentials.spent:  # (its abort, for the connection, answers the job too)
+                self.owner.fatal(
+                    NeedCode.UNAUTHORIZED,
+                    ErrorCode.UNAUTHORIZED,
+                    f"a valid api_key is needed; after {credentials.failures} failed keys the "
+                    "connection closes",
+                    job=req.job,
+                    seq=req.seq + 1,
+                )
+            else:
+                detail = "a valid api_key is needed"
+                self.wire.abort(req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, detail)
+            return None
+        if len(self.jobs) >= config.max_jobs_per_conn:
+            self.owner.fatal(
+                NeedCode.TOO_MANY_JOBS,
+                ErrorCode.QUOTA,
+                f"more than {config.max_jobs_per_conn} jobs open on one connection",
+                job=req.job,
+                seq=req.seq + 1,
+            )
+            return None
+        upload = Upload(config.max_payload_bytes, config.max_chunks)
         # (its deadline is set by what comes of its first frame: an accepted manifest, a hold)
-        state = self.jobs[job] = JobState(upload, intake.Ask(self.state, Attempt(tenant, None)))
+        ask = intake.Ask(self.state, Attempt(tenant, None))
+        state = self.jobs[req.job] = JobState(upload, ask)
+        self.owner.idle_changed()
         return state
 
     def bytes_in(self, job: str) -> int:
@@ -159,7 +196,7 @@ class JobFrames:
     def on_manifest(self, req: Request, state: JobState | None) -> None:
         assert req.manifest is not None
         if state is None:
-            state = self.owner.new_job(req)
+            state = self.new_job(req)
             if state is None:
                 return
         else:  # a new manifest replaces the payload held for a retry, or waiting
@@ -220,7 +257,7 @@ class JobFrames:
     def on_inline(self, req: Request, state: JobState | None) -> None:
         assert req.inline is not None
         if state is None:
-            state = self.owner.new_job(req)
+            state = self.new_job(req)
             if state is None:
                 return
         manifest = state.upload.manifest
@@ -312,7 +349,7 @@ class JobFrames:
         self.held -= 1
         state.ask.attempt.tenant.waiting -= 1
         if forget:
-            self.state.admission.forget(state.ask.attempt)
+            state.ask.forget()
 
     def replace(self, state: JobState) -> None:
         """A new payload for a job held or waiting: it gives up its hold or its wait."""
@@ -331,7 +368,7 @@ class JobFrames:
             self.unhold(state)
         else:
             state.ask.give_up()
-            self.state.admission.forget(state.ask.attempt)  # (a promise its yield left)
+            state.ask.forget()  # (a promise its yield left)
         if state.reservation is not None:
             state.reservation.release()
         self.owner.idle_changed()
@@ -353,6 +390,25 @@ class JobTable(JobFrames):
         # A job admitted and not yet started by the listener (Session.next_event).
         self.admitted: intake.JobAdmitted | None = None
         self._replies: JobReplies | None = None  # (made for the first job started)
+
+    def client_gone(self) -> None:
+        """The connection is gone: a job admitted and not started gives its ticket back here,
+        the others not running are forgotten, and each execution stops and gives back its own."""
+        admitted, self.admitted = self.admitted, None
+        if admitted is not None:
+            admitted.ticket.release("client_gone")
+            self.jobs.pop(admitted.job)
+        for job, state in list(self.jobs.items()):
+            if state.execution is None:
+                self.forget(job)
+            else:
+                state.execution.client_gone()
+
+    def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
+        """Send each running job its terminal abort now, then cancel it."""
+        for state in list(self.jobs.values()):
+            if state.execution is not None:
+                state.execution.abort(need_code, error_code, detail)
 
     @property
     def replies(self) -> JobReplies:
@@ -551,7 +607,7 @@ class JobReplies:
         buffers return to the job), and its client told to yield, as if refused here."""
         state = self.jobs.get(execution.job)
         if state is None or state.execution is not execution:  # (the connection is gone)
-            self.state.admission.revoke(execution.attempt, execution.ticket, refusal)
+            intake.revoke(self.state, execution, refusal)
             return
         decision, reservation = state.ask.take_back(execution.ticket, refusal, keep_payload=True)
         assert state.final is not None

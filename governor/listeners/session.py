@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from protocol.codes import UNKNOWN_JOB, ErrorCode, NeedCode, Status, Verb
-from protocol.errors import EnvelopeInvalid, LineTooLong, RemoteProtocolError
-from protocol.frames import Request, decode_request, error_reply
+from protocol.errors import LineTooLong, RemoteProtocolError
+from protocol.frames import Request, decode_request
 from protocol.lines import LineReader
 
 from .. import intake
@@ -57,13 +57,12 @@ class Connection(Protocol):
 
 
 class Session:
-    """One connection's protocol state.
-
-    Besides its jobs, a session keeps the connection's deadlines (:meth:`next_deadline`,
-    :meth:`expire`): no frame for ``idle_timeout`` while nothing runs; with tenants declared,
-    no valid key within ``auth_grace``; and each job's own: an upload with no new chunk for
-    ``upload_timeout``, a held payload whose client has not come back within its hint and
-    ``upload_timeout`` more. Pings and other jobs' frames keep the connection, never an upload.
+    """One connection's protocol state: its jobs (:attr:`table`) and its deadlines
+    (:meth:`next_deadline`, :meth:`expire`): no frame for ``idle_timeout`` while nothing runs;
+    with tenants declared, no valid key within ``auth_grace``; and each job's own: an upload
+    with no new chunk for ``upload_timeout``, a held payload whose client has not come back
+    within its hint and ``upload_timeout`` more. Pings and other jobs' frames keep the
+    connection, never an upload.
 
     Keys (:class:`~governor.intake.Credentials`): a key the connection shows for the first time
     is checked when its source's budget of failures allows; until its turn the frame waits
@@ -89,7 +88,6 @@ class Session:
         self.table = JobTable(self, state, conn_id)
         self.wire.uploads = self.table  # (the table needs the wire first)
         self.jobs = self.table.jobs
-        self.buffers = self.table.buffers  # payload bytes on this connection
         self.reader = LineReader(config.max_line_bytes)
         self.lines = 0  # lines received
         self._turn_ends = LINES_PER_TURN
@@ -117,10 +115,6 @@ class Session:
         """A frame whose key waits for its turn; no line is handled meanwhile."""
         waiting = self.credentials.waiting
         return waiting if isinstance(waiting, Request) else None
-
-    @property
-    def held(self) -> int:
-        return self.table.held
 
     @property
     def running(self) -> int:
@@ -272,15 +266,7 @@ class Session:
         """The client is gone: stop its work now; each execution gives back its own ticket."""
         self.closed = True
         self.credentials.turn_unused()
-        admitted, self.table.admitted = self.table.admitted, None
-        if admitted is not None:  # (not started: its ticket is given back here)
-            admitted.ticket.release("client_gone")
-            self.jobs.pop(admitted.job)
-        for job, state in list(self.jobs.items()):
-            if state.execution is None:
-                self.table.forget(job)
-            else:
-                state.execution.client_gone()
+        self.table.client_gone()
 
     def displace(self, detail: str) -> None:
         """Make way for a new connection at a limit (only an idle one is asked to)."""
@@ -288,9 +274,7 @@ class Session:
 
     def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send each running job its terminal abort now, then cancel it."""
-        for state in list(self.jobs.values()):
-            if state.execution is not None:
-                state.execution.abort(need_code, error_code, detail)
+        self.table.abort_running(need_code, error_code, detail)
 
     def fatal(
         self,
@@ -326,12 +310,7 @@ class Session:
         try:
             req = decode_request(line)
         except RemoteProtocolError as exc:
-            self.state.metrics.bad_frames[exc.need_code] += 1
-            job, seq = self.last_job, self.last_seq
-            if isinstance(exc, EnvelopeInvalid):  # it may name its own job and seq
-                job = exc.job or job
-                seq = seq if exc.seq is None else exc.seq
-            self.wire.send(error_reply(exc, job, seq + 1, self.last_ttl_ms, self.wire.receipts()))
+            self.wire.bad_line(exc, self.last_job, self.last_seq, self.last_ttl_ms)
             return
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
         key = req.api_key
@@ -377,34 +356,3 @@ class Session:
             self.table.on_chunk(req, state)
         else:
             self.table.on_inline(req, state)
-
-    def new_job(self, req: Request) -> JobState | None:
-        """A job id not seen before on this connection; None if refused (its reply is sent)."""
-        credentials = self.credentials
-        tenant = credentials.tenant(req.api_key)
-        if tenant is None:
-            if credentials.spent:  # (its abort, for the connection, answers the job too)
-                self.fatal(
-                    NeedCode.UNAUTHORIZED,
-                    ErrorCode.UNAUTHORIZED,
-                    f"a valid api_key is needed; after {credentials.failures} failed keys the "
-                    "connection closes",
-                    job=req.job,
-                    seq=req.seq + 1,
-                )
-            else:
-                detail = "a valid api_key is needed"
-                self.wire.abort(req, NeedCode.UNAUTHORIZED, ErrorCode.UNAUTHORIZED, detail)
-            return None
-        if len(self.jobs) >= self.config.max_jobs_per_conn:
-            self.fatal(
-                NeedCode.TOO_MANY_JOBS,
-                ErrorCode.QUOTA,
-                f"more than {self.config.max_jobs_per_conn} jobs open on one connection",
-                job=req.job,
-                seq=req.seq + 1,
-            )
-            return None
-        state = self.table.add(req.job, tenant)
-        self.idle_changed()
-        return state

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
-from protocol.errors import RemoteProtocolError
+from protocol.errors import EnvelopeInvalid, RemoteProtocolError
 from protocol.frames import Reply, Request, encode_reply, error_reply
 
 from ..state import ServerState
@@ -136,6 +136,15 @@ class Wire:
         receipts = self.receipts(self.bytes_in(req.job))
         seq = req.seq + 1 if seq is None else seq
         self.send(error_reply(exc, req.job, seq, req.ttl_ms, receipts))
+
+    def bad_line(self, exc: RemoteProtocolError, job: str, seq: int, ttl_ms: int) -> None:
+        """A line that is no valid frame, counted and answered with its error: for the job and
+        ``seq`` + 1 it names itself, else (``job``, ``seq``) the last valid frame's."""
+        self.state.metrics.bad_frames[exc.need_code] += 1
+        if isinstance(exc, EnvelopeInvalid):
+            job = exc.job or job
+            seq = seq if exc.seq is None else exc.seq
+        self.send(error_reply(exc, job, seq + 1, ttl_ms, self.receipts()))
 
     def yield_(
         self,
