@@ -49,6 +49,7 @@ out, ``write_buffer_bytes`` or ``write_timeout`` of answers unread (cut off, the
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import math
 import secrets
@@ -57,6 +58,7 @@ import ssl
 import time
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import cast
 
@@ -128,7 +130,7 @@ class FrontDoor:
         config = state.config
         self.places = api.KeptPlaces(
             state.admission.clock,
-            state.admission.forget,
+            functools.partial(intake.forget, state),
             grace_s=config.upload_timeout,
             limit=config.max_connections * config.held_payloads_per_conn,
         )
@@ -211,6 +213,88 @@ class FrontDoor:
         self.kept()
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request answered by hand before it is whole (then the connection closes)."""
+
+    status: HTTPStatus
+    code: str
+    message: str
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+class Incoming:
+    """A connection's request as it arrives, with no IO: its head checked against the bounds,
+    its body's bytes counted against the connection's and the server's payload buffers (given
+    back when the request is done with, or going with its job)."""
+
+    def __init__(self, state: ServerState, buffers: Budget) -> None:
+        self.state = state
+        self.limit = state.config.max_payload_bytes
+        self.conn_budget = Budget(self.limit)
+        self.buffers = buffers
+        self.request: h11.Request | None = None
+        self.path = "other"  # the request's, if it is one the door serves (for the metric)
+        self.body = bytearray()
+        self.reservation: Reservation | None = None
+
+    def head(self, request: h11.Request) -> Refused | None:
+        """The request's head: within the bounds (its body too, if it says its length)?"""
+        size = len(request.target) + sum(len(n) + len(v) + 4 for n, v in request.headers)
+        if size > MAX_HEAD_BYTES or len(request.headers) > MAX_HEADERS:
+            return Refused(
+                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                NeedCode.SPEC_INVALID,
+                f"a request head may have {MAX_HEADERS} fields and {MAX_HEAD_BYTES} bytes",
+            )
+        self.request = request
+        path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
+        known = path in PATHS or path in PROXIED or path == HEALTH
+        self.path = path if known else "other"
+        length = _header(request, b"content-length")
+        if length is not None and int(length) > self.limit:  # (h11 checked it is a number)
+            return self._too_large()
+        self.reservation = Reservation(self.conn_budget, self.buffers, 0)
+        return None
+
+    def data(self, data: bytes) -> Refused | None:
+        """More of its body: within its bound, and room for it in the server's buffers?"""
+        self.body += data
+        if len(self.body) > self.limit:
+            return self._too_large()
+        assert self.reservation is not None
+        if self.reservation.hold(len(self.body)):
+            return None
+        self.release()
+        no_room = intake.no_room_for_payload(self.state)
+        error = api.refusal(no_room.need_code, no_room.error_code, no_room.retry_hint_ms)
+        return Refused(error.status, no_room.need_code, error.message, error.headers)
+
+    def _too_large(self) -> Refused:
+        return Refused(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            NeedCode.PAYLOAD_TOO_LARGE,
+            f"a request body may have {self.limit} bytes",
+        )
+
+    def done(self) -> None:
+        """The request is answered: ready for the next."""
+        self.request = None
+        self.path = "other"
+        self.body = bytearray()
+        self.release()
+
+    def release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None
+
+    def take_reservation(self) -> Reservation | None:
+        """The body's bytes go with the job (released when its ticket is)."""
+        reservation, self.reservation = self.reservation, None
+        return reservation
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection: requests parsed by h11 under the bounds, one job at a time."""
 
@@ -226,11 +310,7 @@ class HttpConnection(asyncio.Protocol):
         self.closed = False
         self.close_after = False  # this answer is the connection's last
         self.jobs = 0
-        self.request: h11.Request | None = None
-        self.path = "other"  # the request's, if it is one the door serves (for the metric)
-        self.body = bytearray()
-        self.reservation: Reservation | None = None
-        self.conn_budget = Budget(self.config.max_payload_bytes)
+        self.incoming = Incoming(self.state, door.buffers)  # the request being read
         self.exchange: Exchange | None = None  # the request being answered
         self.advancing = False  # in _advance (an answer given there must not re-enter it)
         self.arriving = False  # a request has begun: its deadline runs
@@ -251,10 +331,12 @@ class HttpConnection(asyncio.Protocol):
         refused = state.connections.accept(self, self.source, idle=self.is_idle)
         if refused is not None:  # (a connection limit: another may free within a second)
             self._raw(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                refused.need_code,
-                refused.detail,
-                api.retry_headers(1000),
+                Refused(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    refused.need_code,
+                    refused.detail,
+                    api.retry_headers(1000),
+                )
             )
             return
         self.served = True
@@ -273,7 +355,7 @@ class HttpConnection(asyncio.Protocol):
     def displace(self, detail: str) -> None:
         """Make way for a new connection at a limit (only one between requests is asked to):
         a 503 that no request asked for yet, then the close."""
-        self._raw(HTTPStatus.SERVICE_UNAVAILABLE, NeedCode.DISPLACED, detail)
+        self._raw(Refused(HTTPStatus.SERVICE_UNAVAILABLE, NeedCode.DISPLACED, detail))
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -305,7 +387,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.door.deadlines.remove(self)
-        self._release_body()
+        self.incoming.release()
         exchange = self.exchange
         if exchange is not None:
             exchange.left()
@@ -358,79 +440,43 @@ class HttpConnection(asyncio.Protocol):
                 if isinstance(ev, h11.Request):
                     self._on_head(ev)
                 elif isinstance(ev, h11.Data):
-                    self._on_body(ev.data)
+                    refused = self.incoming.data(ev.data)
+                    if refused is not None:
+                        self._raw(refused)
                 elif isinstance(ev, h11.EndOfMessage):
                     self._on_request()
                 else:  # ConnectionClosed
                     self.close()
         except h11.RemoteProtocolError as exc:
-            self._raw(
-                HTTPStatus(exc.error_status_hint), NeedCode.SPEC_INVALID, f"bad request: {exc}"
-            )
+            status = HTTPStatus(exc.error_status_hint)
+            self._raw(Refused(status, NeedCode.SPEC_INVALID, f"bad request: {exc}"))
         finally:
             self.advancing = False
 
     def _on_head(self, request: h11.Request) -> None:
-        size = len(request.target) + sum(len(n) + len(v) + 4 for n, v in request.headers)
-        if size > MAX_HEAD_BYTES or len(request.headers) > MAX_HEADERS:
-            self._raw(
-                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                NeedCode.SPEC_INVALID,
-                f"a request head may have {MAX_HEADERS} fields and {MAX_HEAD_BYTES} bytes",
-            )
-            return
-        self.request = request
-        path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
-        known = path in PATHS or path in PROXIED or path == HEALTH
-        self.path = path if known else "other"
-        length = _header(request, b"content-length")
-        limit = self.config.max_payload_bytes
-        if length is not None and int(length) > limit:  # (h11 checked it is a number)
-            self._too_large()
-            return
-        self.reservation = Reservation(self.conn_budget, self.door.buffers, 0)
-        if self.http.client_is_waiting_for_100_continue:
+        refused = self.incoming.head(request)
+        if refused is not None:
+            self._raw(refused)
+        elif self.http.client_is_waiting_for_100_continue:
             self.write(
                 self.http.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
             )
 
-    def _on_body(self, data: bytes) -> None:
-        self.body += data
-        if len(self.body) > self.config.max_payload_bytes:
-            self._too_large()
-            return
-        assert self.reservation is not None
-        if not self.reservation.hold(len(self.body)):
-            self._release_body()
-            no_room = intake.no_room_for_payload(self.state)
-            error = api.refusal(no_room.need_code, no_room.error_code, no_room.retry_hint_ms)
-            self._raw(error.status, no_room.need_code, error.message, error.headers)
-
-    def _too_large(self) -> None:
-        self._raw(
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            NeedCode.PAYLOAD_TOO_LARGE,
-            f"a request body may have {self.config.max_payload_bytes} bytes",
-        )
-
     def _on_request(self) -> None:
         """A whole request: answer it (a job's answer comes when the job ends)."""
-        request = self.request
+        incoming = self.incoming
+        request = incoming.request
         assert request is not None
         self._deadline(None, None)
         method = request.method.decode("ascii", "replace")
-        path = self.path
         self.exchange = Exchange(self, method == "HEAD")
-        self.door.route(self.exchange, request, method, path, bytes(self.body))
+        self.door.route(self.exchange, request, method, incoming.path, bytes(incoming.body))
 
     def exchange_ended(self) -> None:
         """The answer is out: the next request, or the end of the connection."""
         self.exchange = None
-        self.request = None
         self.arriving = False
-        self.path = "other"
-        self.body = bytearray()
-        self._release_body()
+        self.incoming.done()
         if self.closed:
             return
         http = self.http
@@ -455,16 +501,6 @@ class HttpConnection(asyncio.Protocol):
         draining, or the client's keys failed (a client that asked to close is closed by h11's
         state)."""
         return self.close_after or self.state.ledger.draining
-
-    def _release_body(self) -> None:
-        if self.reservation is not None:
-            self.reservation.release()
-            self.reservation = None
-
-    def take_reservation(self) -> Reservation | None:
-        """The body's bytes go with the job (released when its ticket is)."""
-        reservation, self.reservation = self.reservation, None
-        return reservation
 
     # Deadlines and answers out of turn ---------------------------------------------------
 
@@ -504,29 +540,22 @@ class HttpConnection(asyncio.Protocol):
         if status is None:
             self.close()
         else:
-            self._raw(
-                status,
-                NeedCode.UPLOAD_TIMEOUT,
-                f"the request did not arrive within {self.config.upload_timeout:g} s",
-            )
+            timeout = self.config.upload_timeout
+            detail = f"the request did not arrive within {timeout:g} s"
+            self._raw(Refused(status, NeedCode.UPLOAD_TIMEOUT, detail))
 
-    def _raw(
-        self,
-        status: HTTPStatus,
-        code: str,
-        message: str,
-        headers: tuple[tuple[str, str], ...] = (),
-    ) -> None:
+    def _raw(self, refused: Refused) -> None:
         """An error answered by hand, then the connection closed: h11 cannot answer a request
         it has not parsed (a deadline, a head too large, a bad one)."""
         transport = self.transport
         self.closed = True
         if transport is None or transport.is_closing():
             return
-        self.state.metrics.http_responses[(self.path, str(status.value))] += 1
+        status, code = refused.status, refused.code
+        self.state.metrics.http_responses[(self.incoming.path, str(status.value))] += 1
         if code not in YIELDS:  # (counted as TCP counts its abort frames)
             self.state.metrics.aborts[code] += 1
-        transport.write(api.closing_error(status, code, message, headers))
+        transport.write(api.closing_error(status, code, refused.message, refused.headers))
         transport.close()
 
     def write(self, data: bytes) -> None:
@@ -650,7 +679,7 @@ class Exchange:
                 body,
                 kind=kind,
                 lane_header=_header(request, b"x-governor-lane"),
-                path=conn.path,
+                path=conn.incoming.path,
                 forwards=conn.door.forwarder is not None,
             )
             asked_ms = api.max_wait_ms(_header(request, api.MAX_WAIT_HEADER.encode()))
@@ -678,7 +707,7 @@ class Exchange:
         assert forwarder is not None
         method = request.method.decode("ascii", "replace")
         self.proxied = asyncio.get_running_loop().create_task(
-            forwarder.relay(method, self.conn.path, body if method == "POST" else b"")
+            forwarder.relay(method, self.conn.incoming.path, body if method == "POST" else b"")
         )
         self.proxied.add_done_callback(self._proxied)
 
@@ -738,7 +767,7 @@ class Exchange:
             decision,
             job=decision.ticket.job.id,
             ttl_ms=0,  # (an OpenAI request carries no deadline of its own)
-            reservation=conn.take_reservation(),
+            reservation=conn.incoming.take_reservation(),
         )
         self.answers = api.Answers(
             call,
@@ -759,7 +788,7 @@ class Exchange:
         ):
             conn.door.kept()
         else:
-            conn.state.admission.forget(ask.attempt)
+            ask.forget()
         self.fail(api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms))
 
     # execution.Replies -------------------------------------------------------------------
@@ -871,7 +900,7 @@ class Answer:
             fields.append(("content-length", str(length)))
         if conn.closing():
             fields.append(("connection", "close"))
-        conn.state.metrics.http_responses[(conn.path, str(status.value))] += 1
+        conn.state.metrics.http_responses[(conn.incoming.path, str(status.value))] += 1
         self.send(
             h11.Response(status_code=int(status), headers=fields, reason=status.phrase.encode())
         )

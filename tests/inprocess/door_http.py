@@ -382,9 +382,9 @@ class HttpDoor:
         """The request the server is answering on ``client``'s connection, if it owes no answer
         yet: it runs (its job has not been ended), or it waits at the door."""
         conn = self.server_side(client)
-        if conn is None or conn.exchange is None or conn.request is None:
+        if conn is None or conn.exchange is None or conn.incoming.request is None:
             return None
-        n = int(dict(conn.request.headers)[b"x-test-request"])
+        n = int(dict(conn.incoming.request.headers)[b"x-test-request"])
         exchange = conn.exchange
         if _decided_later(exchange):
             return n, "at the door"
@@ -429,9 +429,9 @@ class HttpDoor:
             exchange, client = conn.exchange, self.client_of(conn)
             if exchange is None or exchange.execution is None or client is None:
                 continue
-            if exchange.execution.ticket.job.id != job or conn.request is None:
+            if exchange.execution.ticket.job.id != job or conn.incoming.request is None:
                 continue
-            owner = client.by_n[int(dict(conn.request.headers)[b"x-test-request"])]
+            owner = client.by_n[int(dict(conn.incoming.request.headers)[b"x-test-request"])]
             spec, call = owner.spec, exchange.call
             assert call is not None
             assert (call.chat, call.stream) == (spec.what == "chat", spec.stream), owner
@@ -592,7 +592,7 @@ class HttpDoor:
         """Request bodies counted against the payload buffers: those of the requests that run
         or wait at the door."""
         return sum(
-            len(conn.body)
+            len(conn.incoming.body)
             for conn in self.http_connections()
             if conn.exchange is not None
             and (conn.exchange.execution is not None or _decided_later(conn.exchange))
