@@ -48,6 +48,7 @@ from .core.admission import (
     BUFFERS_FULL_HINT_MS,
     Admitted,
     Attempt,
+    Budget,
     Decision,
     Rejected,
     Reservation,
@@ -364,6 +365,16 @@ def revoke(state: ServerState, execution: Execution, refusal: Refusal) -> None:
     """The fleet refused a job this replica admitted whose client has gone meanwhile: its
     ticket is given back, with no one to answer (:meth:`Ask.take_back` when there is)."""
     state.admission.revoke(execution.attempt, execution.ticket, refusal)
+
+
+def payload_bytes(state: ServerState, connection: Budget, declared: int) -> Reservation | None:
+    """A payload's bytes, on either door: what it declares counted against its connection's
+    ``connection`` budget (checked by the door, with its own answer), what has arrived against
+    the server's buffers as it comes (:meth:`Reservation.hold`). None: the server's buffers have
+    no room for what it declares now (:func:`no_room_for_payload` says what to answer)."""
+    if not state.connections.buffers.fits(declared):
+        return None
+    return Reservation(connection, state.connections.buffers, declared)
 
 
 def no_room_for_payload(state: ServerState) -> Yielded:

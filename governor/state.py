@@ -80,12 +80,6 @@ class Connections:
     def __iter__(self) -> Iterator[Connection]:
         return iter(list(self.open))  # (a copy: closing one takes it out)
 
-    def add(self, conn: Connection) -> None:
-        self.open.add(conn)
-
-    def discard(self, conn: Connection) -> None:
-        self.open.discard(conn)
-
     @property
     def listening(self) -> bool:
         """The listener accepts connections (or has yet to open: the runner is loading)."""
@@ -93,18 +87,28 @@ class Connections:
             return not self.started
         return self.listener.is_serving()
 
-    def accept(self, conn: Displaceable, source: str, *, idle: bool) -> Refused | None:
-        """A new connection, on either listener: counted (in place of an idle one, told why, at
-        a limit), or refused (at ``max_connections`` or its source's limit with no idle
-        connection to displace), the refusal counted."""
-        opened = self.sources.open(conn, source, idle=idle)
+    def opened(
+        self, conn: Connection, counted: Displaceable, source: str, *, idle: bool
+    ) -> Refused | None:
+        """A new connection, on either door: counted against its source as ``counted`` (in
+        place of an idle one, told why, at a limit) and among the open ones, or refused (at
+        ``max_connections`` or its source's limit with no idle connection to displace), the
+        refusal counted, for the door to answer its way."""
+        opened = self.sources.open(counted, source, idle=idle)
         if isinstance(opened, Displaced):
             self.displaced += 1
             opened.victim.displace(opened.detail)
-            return None
+            opened = None
         if opened is not None:
             self.refused[opened.need_code] += 1
-        return opened
+            return opened
+        self.open.add(conn)
+        return None
+
+    def closed(self, conn: Connection, counted: Displaceable) -> None:
+        """A connection :meth:`opened` let in has ended."""
+        self.open.discard(conn)
+        self.sources.close(counted)
 
     def certificate_tenant(self, transport: asyncio.BaseTransport) -> Tenant | None:
         """The tenant a TLS connection's verified client certificate names, if any."""

@@ -134,7 +134,6 @@ class FrontDoor:
             grace_s=config.upload_timeout,
             limit=config.max_connections * config.held_payloads_per_conn,
         )
-        self.buffers = state.connections.buffers
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
         # Every connection's deadlines on one timer, and the door's own: its places' next expiry.
@@ -214,7 +213,7 @@ class FrontDoor:
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class ClosingError:
     """A request answered by hand before it is whole (then the connection closes)."""
 
     status: HTTPStatus
@@ -228,21 +227,20 @@ class Incoming:
     its body's bytes counted against the connection's and the server's payload buffers (given
     back when the request is done with, or going with its job)."""
 
-    def __init__(self, state: ServerState, buffers: Budget) -> None:
+    def __init__(self, state: ServerState) -> None:
         self.state = state
         self.limit = state.config.max_payload_bytes
         self.conn_budget = Budget(self.limit)
-        self.buffers = buffers
         self.request: h11.Request | None = None
         self.path = "other"  # the request's, if it is one the door serves (for the metric)
         self.body = bytearray()
         self.reservation: Reservation | None = None
 
-    def head(self, request: h11.Request) -> Refused | None:
+    def head(self, request: h11.Request) -> ClosingError | None:
         """The request's head: within the bounds (its body too, if it says its length)?"""
         size = len(request.target) + sum(len(n) + len(v) + 4 for n, v in request.headers)
         if size > MAX_HEAD_BYTES or len(request.headers) > MAX_HEADERS:
-            return Refused(
+            return ClosingError(
                 HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                 NeedCode.SPEC_INVALID,
                 f"a request head may have {MAX_HEADERS} fields and {MAX_HEAD_BYTES} bytes",
@@ -254,24 +252,24 @@ class Incoming:
         length = _header(request, b"content-length")
         if length is not None and int(length) > self.limit:  # (h11 checked it is a number)
             return self._too_large()
-        self.reservation = Reservation(self.conn_budget, self.buffers, 0)
+        self.reservation = intake.payload_bytes(self.state, self.conn_budget, 0)
         return None
 
-    def data(self, data: bytes) -> Refused | None:
+    def data(self, data: bytes) -> ClosingError | None:
         """More of its body: within its bound, and room for it in the server's buffers?"""
         self.body += data
         if len(self.body) > self.limit:
             return self._too_large()
-        assert self.reservation is not None
-        if self.reservation.hold(len(self.body)):
+        reservation = self.reservation
+        if reservation is not None and reservation.hold(len(self.body)):
             return None
         self.release()
         no_room = intake.no_room_for_payload(self.state)
         error = api.refusal(no_room.need_code, no_room.error_code, no_room.retry_hint_ms)
-        return Refused(error.status, no_room.need_code, error.message, error.headers)
+        return ClosingError(error.status, no_room.need_code, error.message, error.headers)
 
-    def _too_large(self) -> Refused:
-        return Refused(
+    def _too_large(self) -> ClosingError:
+        return ClosingError(
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             NeedCode.PAYLOAD_TOO_LARGE,
             f"a request body may have {self.limit} bytes",
@@ -310,7 +308,7 @@ class HttpConnection(asyncio.Protocol):
         self.closed = False
         self.close_after = False  # this answer is the connection's last
         self.jobs = 0
-        self.incoming = Incoming(self.state, door.buffers)  # the request being read
+        self.incoming = Incoming(self.state)  # the request being read
         self.exchange: Exchange | None = None  # the request being answered
         self.advancing = False  # in _advance (an answer given there must not re-enter it)
         self.arriving = False  # a request has begun: its deadline runs
@@ -328,10 +326,10 @@ class HttpConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         state = self.state
         self.credentials.connected(transport)
-        refused = state.connections.accept(self, self.source, idle=self.is_idle)
+        refused = state.connections.opened(self, self, self.source, idle=self.is_idle)
         if refused is not None:  # (a connection limit: another may free within a second)
             self._raw(
-                Refused(
+                ClosingError(
                     HTTPStatus.SERVICE_UNAVAILABLE,
                     refused.need_code,
                     refused.detail,
@@ -340,7 +338,6 @@ class HttpConnection(asyncio.Protocol):
             )
             return
         self.served = True
-        state.connections.add(self)
         self._deadline(self.config.idle_timeout, None)
 
     @property
@@ -355,7 +352,7 @@ class HttpConnection(asyncio.Protocol):
     def displace(self, detail: str) -> None:
         """Make way for a new connection at a limit (only one between requests is asked to):
         a 503 that no request asked for yet, then the close."""
-        self._raw(Refused(HTTPStatus.SERVICE_UNAVAILABLE, NeedCode.DISPLACED, detail))
+        self._raw(ClosingError(HTTPStatus.SERVICE_UNAVAILABLE, NeedCode.DISPLACED, detail))
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -395,8 +392,7 @@ class HttpConnection(asyncio.Protocol):
                 exchange.execution.client_gone()
         if self.served:
             self.served = False
-            self.state.connections.discard(self)
-            self.state.connections.sources.close(self)
+            self.state.connections.closed(self, self)
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -449,7 +445,7 @@ class HttpConnection(asyncio.Protocol):
                     self.close()
         except h11.RemoteProtocolError as exc:
             status = HTTPStatus(exc.error_status_hint)
-            self._raw(Refused(status, NeedCode.SPEC_INVALID, f"bad request: {exc}"))
+            self._raw(ClosingError(status, NeedCode.SPEC_INVALID, f"bad request: {exc}"))
         finally:
             self.advancing = False
 
@@ -542,9 +538,9 @@ class HttpConnection(asyncio.Protocol):
         else:
             timeout = self.config.upload_timeout
             detail = f"the request did not arrive within {timeout:g} s"
-            self._raw(Refused(status, NeedCode.UPLOAD_TIMEOUT, detail))
+            self._raw(ClosingError(status, NeedCode.UPLOAD_TIMEOUT, detail))
 
-    def _raw(self, refused: Refused) -> None:
+    def _raw(self, refused: ClosingError) -> None:
         """An error answered by hand, then the connection closed: h11 cannot answer a request
         it has not parsed (a deadline, a head too large, a bad one)."""
         transport = self.transport

@@ -305,11 +305,10 @@ class JobFrames:
                 f"this connection already buffers {self.buffers.used} payload bytes; "
                 f"its limit is {self.buffers.limit}"
             )
-        if not self.state.connections.buffers.fits(declared):
+        reservation = intake.payload_bytes(self.state, self.buffers, declared)
+        if reservation is None:
             raise BuffersFull
-        reservation = state.reservation = Reservation(
-            self.buffers, self.state.connections.buffers, declared
-        )
+        state.reservation = reservation
         reservation.hold(held)
 
     def buffers_full(self, req: Request, seq: int) -> None:

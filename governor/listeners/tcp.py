@@ -104,12 +104,11 @@ class GovernorProtocol(asyncio.Protocol):
         state, session = self.state, self.session
         session.credentials.connected(transport)
         session.idle = session.is_idle
-        refused = state.connections.accept(session, session.source, idle=session.is_idle)
+        refused = state.connections.opened(self, session, session.source, idle=session.is_idle)
         if refused is not None:
             session.fatal(refused.need_code, refused.error_code, refused.detail)
             return
         self._served = True
-        state.connections.add(self)
         self._schedule()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -117,8 +116,7 @@ class GovernorProtocol(asyncio.Protocol):
         self.session.connection_lost()
         if self._served:
             self._served = False
-            self.state.connections.discard(self)
-            self.state.connections.sources.close(self.session)
+            self.state.connections.closed(self, self.session)
 
     def pause_writing(self) -> None:
         # The client is not reading its replies: stop reading and handling its requests.
