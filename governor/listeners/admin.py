@@ -25,8 +25,8 @@ bounded amount. Requests are parsed by ``h11`` (no IO in the parser), and:
   clients cannot keep it out;
 - a request (head and body) must arrive within :data:`REQUEST_DEADLINE_S` of the connection,
   however steadily its bytes trickle in (408, then the connection closes); its head is bounded
-  by :data:`MAX_HEAD_BYTES` (431), its body by :data:`MAX_BODY_BYTES` (413); an answer the
-  peer does not read gets as long again;
+  as the front door's (:class:`~.shell.Incoming`: 431), its body by :data:`MAX_BODY_BYTES`
+  (413); an answer the peer does not read gets as long again;
 - ``admin_threads`` calls wait on the daemon's loop at once (a readiness check, a drain, a
   ``/metrics`` collection); more wait for a turn within their own timeout. Liveness never
   waits for one;
@@ -68,6 +68,7 @@ from ..ops.exporter import registry_for
 from ..ops.health import Health
 from ..state import ServerState
 from .base import bind, bound_address
+from .shell import MAX_HEAD_BYTES, ClosingError, Incoming
 
 log = logging.getLogger("governor.listeners.admin")
 
@@ -77,7 +78,6 @@ READY_TIMEOUT_S = 1.0
 MAX_DRAIN_WAIT_S = 600.0
 CLOSE_TIMEOUT_S = 5.0
 REQUEST_DEADLINE_S = 5.0  # for the whole request, head and body: trickling bytes do not extend it
-MAX_HEAD_BYTES = 8192
 MAX_BODY_BYTES = 1024  # no endpoint reads a body
 MAX_CONNECTIONS = 64
 BACKLOG = 1024  # connections the kernel holds until this loop accepts them (capped by somaxconn)
@@ -327,9 +327,8 @@ class _AdminConnection(asyncio.Protocol):
         self.reading = True  # the request has not all arrived yet
         self.answering = False  # its answer is being made (not to be displaced)
         self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
-        self.request: h11.Request | None = None
+        self.incoming = Incoming(MAX_BODY_BYTES)  # the request, under the shell's bounds
         self.received = 0  # bytes of the request
-        self.body_bytes = 0
         self.deadline: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
 
@@ -351,22 +350,13 @@ class _AdminConnection(asyncio.Protocol):
         # the body, are bounded here.
         self.received += len(data)
         if self.received > MAX_HEAD_BYTES + MAX_BODY_BYTES:
-            self._too_large()
+            self.refuse(self.incoming.too_large())
             return
         self.http.receive_data(data)
         self._advance()
 
-    def _too_large(self) -> None:
-        if self.request is None:
-            self.reply(
-                _json(
-                    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, {"error": "request head too large"}
-                )
-            )
-        else:
-            self.reply(
-                _json(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": "no endpoint takes a body"})
-            )
+    def refuse(self, error: ClosingError) -> None:
+        self.reply(_json(error.status, {"error": error.message}, *error.headers))
 
     def eof_received(self) -> bool | None:
         if self.reading:
@@ -393,33 +383,31 @@ class _AdminConnection(asyncio.Protocol):
                 event = self.http.next_event()
                 if event is h11.NEED_DATA:
                     return
+                refused = None
                 if isinstance(event, h11.Request):
-                    self.request = event
-                    head = len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
-                    if head > MAX_HEAD_BYTES:
-                        self.request = None
-                        self._too_large()
+                    refused = self.incoming.head(event)
                 elif isinstance(event, h11.Data):
-                    self.body_bytes += len(event.data)
-                    if self.body_bytes > MAX_BODY_BYTES:
-                        self._too_large()
+                    refused = self.incoming.data(event.data)
                 elif isinstance(event, h11.EndOfMessage):
                     self._serve()
                 else:  # ConnectionClosed (a pipelined request after ours is never read)
                     self.abort()
+                if refused is not None:
+                    self.refuse(refused)
         except h11.RemoteProtocolError as exc:
             status = HTTPStatus(exc.error_status_hint)
             self.reply(_json(status, {"error": f"bad request: {exc}"}))
 
     def _serve(self) -> None:
+        request = self.incoming.request
         assert self.transport is not None
-        assert self.request is not None
+        assert request is not None
         self.reading = False
         self.answering = True
         if self.deadline is not None:
             self.deadline.cancel()
         self.transport.pause_reading()
-        self.task = self.listener.spawn(self._answer(self.request))
+        self.task = self.listener.spawn(self._answer(request))
 
     async def _answer(self, request: h11.Request) -> None:
         method = request.method.decode("ascii", "replace")

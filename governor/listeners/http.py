@@ -35,8 +35,8 @@ keep-alive and pipelining.
 
 Bounds, as on the TCP side: connections (``max_connections``, all listeners together, and
 ``max_connections_per_source``; at a limit, a connection between requests that has shown no key
-is displaced, 503 ``displaced``); a request head of :data:`MAX_HEAD_BYTES` and
-:data:`MAX_HEADERS` fields (431); a body of ``max_payload_bytes`` (413, told by Content-Length
+is displaced, 503 ``displaced``); a request head of :data:`~.shell.MAX_HEAD_BYTES` and
+:data:`~.shell.MAX_HEADERS` fields (431, the shell's bounds, the admin listener's too); a body of ``max_payload_bytes`` (413, told by Content-Length
 before it is read, or counted as it arrives), counted against the server's payload buffers while
 it waits or its job runs (``buffers_full``, 429); requests waiting at the door
 (``max_waiting``, and ``max_waiting_per_tenant`` of a declared tenant, both doors together; 429
@@ -56,9 +56,7 @@ import secrets
 import socket
 import ssl
 import time
-import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import cast
 
@@ -84,10 +82,9 @@ from ..runners import Embedder, Forwarding, Relay, Relayed, RunnerError, Token
 from ..state import ServerState
 from . import openai_api as api
 from .base import Deadlines, bind, bound_address
+from .shell import MAX_HEAD_BYTES, ClosingError, Incoming, header
 from .tls import HANDSHAKE_TIMEOUT_S
 
-MAX_HEAD_BYTES = 16 * 1024
-MAX_HEADERS = 100
 MAX_READ_AHEAD = 64 * 1024  # bytes of pipelined requests read while an answer is on its way
 JSON = "application/json"
 PATHS = {
@@ -101,6 +98,7 @@ HEALTH = "/health"
 # models, and llama-server's tokenizer (cheap, bounded as any request is).
 PROXIED = {MODELS: ("GET", "HEAD"), "/tokenize": ("POST",), "/detokenize": ("POST",)}
 PROXY = "proxy"  # (the kind of request that is one of these)
+KNOWN_PATHS = {*PATHS, *PROXIED, HEALTH}  # (named in the responses' metric)
 # Answers by hand that tell the client to come back (a yield on TCP), not that it failed.
 YIELDS = frozenset({NeedCode.BUFFERS_FULL, NeedCode.DRAINING})
 
@@ -212,74 +210,37 @@ class FrontDoor:
         self.kept()
 
 
-@dataclass(frozen=True, slots=True)
-class ClosingError:
-    """A request answered by hand before it is whole (then the connection closes)."""
-
-    status: HTTPStatus
-    code: str
-    message: str
-    headers: tuple[tuple[str, str], ...] = ()
-
-
-class Incoming:
-    """A connection's request as it arrives, with no IO: its head checked against the bounds,
-    its body's bytes counted against the connection's and the server's payload buffers (given
-    back when the request is done with, or going with its job)."""
+class Payload(Incoming):
+    """The front door's request as it arrives (:class:`~.shell.Incoming`, under the shell's
+    bounds and ``max_payload_bytes``), its body's bytes counted against the payload buffers as
+    a TCP payload's are (:func:`governor.intake.payload_bytes`): given back when the request
+    is done with, or going with its job."""
 
     def __init__(self, state: ServerState) -> None:
+        super().__init__(state.config.max_payload_bytes, KNOWN_PATHS)
         self.state = state
-        self.limit = state.config.max_payload_bytes
-        self.conn_budget = Budget(self.limit)
-        self.request: h11.Request | None = None
-        self.path = "other"  # the request's, if it is one the door serves (for the metric)
-        self.body = bytearray()
+        self.conn_budget = Budget(self.max_body)
         self.reservation: Reservation | None = None
 
     def head(self, request: h11.Request) -> ClosingError | None:
-        """The request's head: within the bounds (its body too, if it says its length)?"""
-        size = len(request.target) + sum(len(n) + len(v) + 4 for n, v in request.headers)
-        if size > MAX_HEAD_BYTES or len(request.headers) > MAX_HEADERS:
-            return ClosingError(
-                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                NeedCode.SPEC_INVALID,
-                f"a request head may have {MAX_HEADERS} fields and {MAX_HEAD_BYTES} bytes",
-            )
-        self.request = request
-        path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
-        known = path in PATHS or path in PROXIED or path == HEALTH
-        self.path = path if known else "other"
-        length = _header(request, b"content-length")
-        if length is not None and int(length) > self.limit:  # (h11 checked it is a number)
-            return self._too_large()
-        self.reservation = intake.payload_bytes(self.state, self.conn_budget, 0)
-        return None
+        refused = super().head(request)
+        if refused is None:
+            self.reservation = intake.payload_bytes(self.state, self.conn_budget, 0)
+        return refused
 
     def data(self, data: bytes) -> ClosingError | None:
         """More of its body: within its bound, and room for it in the server's buffers?"""
-        self.body += data
-        if len(self.body) > self.limit:
-            return self._too_large()
+        refused = super().data(data)
         reservation = self.reservation
-        if reservation is not None and reservation.hold(len(self.body)):
-            return None
+        if refused is not None or (reservation is not None and reservation.hold(len(self.body))):
+            return refused
         self.release()
         no_room = intake.no_room_for_payload(self.state)
         error = api.refusal(no_room.need_code, no_room.error_code, no_room.retry_hint_ms)
         return ClosingError(error.status, no_room.need_code, error.message, error.headers)
 
-    def _too_large(self) -> ClosingError:
-        return ClosingError(
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            NeedCode.PAYLOAD_TOO_LARGE,
-            f"a request body may have {self.limit} bytes",
-        )
-
     def done(self) -> None:
-        """The request is answered: ready for the next."""
-        self.request = None
-        self.path = "other"
-        self.body = bytearray()
+        super().done()
         self.release()
 
     def release(self) -> None:
@@ -308,7 +269,7 @@ class HttpConnection(asyncio.Protocol):
         self.closed = False
         self.close_after = False  # this answer is the connection's last
         self.jobs = 0
-        self.incoming = Incoming(self.state)  # the request being read
+        self.incoming = Payload(self.state)  # the request being read
         self.exchange: Exchange | None = None  # the request being answered
         self.advancing = False  # in _advance (an answer given there must not re-enter it)
         self.arriving = False  # a request has begun: its deadline runs
@@ -625,7 +586,7 @@ class Exchange:
     def job(self, request: h11.Request, body: bytes, kind: str) -> None:
         """A job's request: its key checked (at its turn, if it must wait for one), then
         prepared and decided."""
-        key = _bearer(_header(request, b"authorization"))
+        key = _bearer(header(request, b"authorization"))
         if key is not None:
             step = self.conn.credentials.step(key, (request, body, kind, key))
             if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
@@ -674,11 +635,11 @@ class Exchange:
             call = api.parse_call(
                 body,
                 kind=kind,
-                lane_header=_header(request, b"x-governor-lane"),
+                lane_header=header(request, b"x-governor-lane"),
                 path=conn.incoming.path,
                 forwards=conn.door.forwarder is not None,
             )
-            asked_ms = api.max_wait_ms(_header(request, api.MAX_WAIT_HEADER.encode()))
+            asked_ms = api.max_wait_ms(header(request, api.MAX_WAIT_HEADER.encode()))
         except api.ApiError as exc:
             self.fail(exc)
             return
@@ -919,13 +880,6 @@ class Answer:
             self.conn.write(b"%x\r\n%b\r\n" % (len(data), data))
         else:
             self.send(h11.Data(data=data))
-
-
-def _header(request: h11.Request, name: bytes) -> str | None:
-    for key, value in request.headers:  # (names lower-cased by h11)
-        if key == name:
-            return value.decode("latin-1")
-    return None
 
 
 def _bearer(authorization: str | None) -> str | None:

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from governor import cli
 from governor.config import ConfigError
 from governor.listeners import admin
+from governor.listeners.shell import MAX_HEADERS
 from governor.server import Server
 from tests.conftest import ServerFactory
 
@@ -133,6 +134,32 @@ async def test_a_request_head_over_the_bound_gets_431(make_server: ServerFactory
     except ConnectionError:
         return  # closed before its reply could be read: also an answer
     assert status == 431, body
+
+
+async def test_the_front_doors_bounds_hold_here_too(make_server: ServerFactory) -> None:
+    """The admin listener reads its requests through the front door's shell: a head of too
+    many fields is 431, a body past its bound (no endpoint takes one) is 413, and neither
+    drains the server."""
+    server, address = await admin_server(make_server)
+    fields = "".join(f"X-{i}: v\r\n" for i in range(MAX_HEADERS))
+    status, body = await exchange(
+        address, f"GET /healthz/live HTTP/1.1\r\nHost: x\r\n{fields}\r\n".encode()
+    )
+    assert status == 431, body
+    assert str(MAX_HEADERS) in orjson.loads(body)["error"]
+    big = b"x" * (admin.MAX_BODY_BYTES + 1)
+    for length in (b"", b"Content-Length: %d\r\n" % len(big)):
+        head = b"POST /drain HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        if length:
+            head = b"POST /drain HTTP/1.1\r\nHost: x\r\n" + length + b"\r\n"
+            data = head + big
+        else:
+            data = head + b"%x\r\n" % len(big) + big + b"\r\n0\r\n\r\n"
+        status, body = await exchange(address, data)
+        assert status == 413, body
+        assert f"{admin.MAX_BODY_BYTES} bytes" in orjson.loads(body)["error"]
+    assert not server.ledger.draining
+    assert (await get(address, "/healthz/live"))[0] == 200
 
 
 # /metrics ------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from governor.core.tenants import TenantConfig
-from governor.listeners.http import MAX_HEAD_BYTES, MAX_HEADERS, MAX_READ_AHEAD, HttpConnection
+from governor.listeners.http import MAX_READ_AHEAD, HttpConnection
+from governor.listeners.shell import MAX_HEAD_BYTES, MAX_HEADERS
 from governor.runners import Finished, Job, RunEvent, Runner, Token
 from governor.runners.stub import StubRunner
 from governor.server import Server
