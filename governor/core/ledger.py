@@ -237,6 +237,10 @@ class SlotPool:
         self.executed_total = 0  # admissions
         self.yielded_total = 0
         self.peak_inflight = 0  # the most slots taken at once
+        # Slots handed to clients back on their hint, and how long they stood empty between
+        # their release and that client's admission: what a hint that lands late costs.
+        self.handoffs = 0
+        self.handoff_idle_s = 0.0
         self.draining = False
 
     # Read through the ledger where it is all a caller holds.
@@ -345,9 +349,12 @@ class SlotPool:
             freed = self._freed.pop()
         if promise is not None:
             self.withdraw(promise)
-            # Only a client that came when it was told says how long a slot waits for it.
-            if freed is not None and abs(now - promise.at) <= self.estimates.grace():
-                self.estimates.came_back(now - freed)
+            if freed is not None:
+                self.handoffs += 1
+                self.handoff_idle_s += now - freed
+                # Only a client that came when it was told says how long a slot waits for it.
+                if abs(now - promise.at) <= self.estimates.grace():
+                    self.estimates.came_back(now - freed)
         if kv_cache is not None:
             slot.kv_cache, slot.kv_tokens = kv_cache, kv_tokens
         if self.preemptible and demand is not None and demand.lane != Lane.INTERACTIVE:

@@ -15,6 +15,7 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
+    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
@@ -88,6 +89,13 @@ def _server_families(server: ServerState, health: Health) -> Iterator[Metric]:
         "governor_yielded",
         "Admission attempts answered with yield.",
         value=ledger.yielded_total,
+    )
+    yield SummaryMetricFamily(
+        "governor_handoff_idle_seconds",
+        "How long each slot handed to a client back on its retry hint stood empty between its "
+        "release and that client's admission, in every pool.",
+        count_value=sum(pool.ledger.handoffs for pool in pools),
+        sum_value=sum(pool.ledger.handoff_idle_s for pool in pools),
     )
 
 

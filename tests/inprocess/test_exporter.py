@@ -109,6 +109,7 @@ FAMILIES = {
     "governor_live": ("gauge", ()),
     "governor_executed": ("counter", ()),
     "governor_yielded": ("counter", ()),
+    "governor_handoff_idle_seconds": ("summary", ()),
     "governor_yields": ("counter", ("lane", "reason", "tenant")),
     "governor_jobs_finished": ("counter", ("lane", "outcome", "pool")),
     "governor_aborts": ("counter", ("reason",)),

@@ -610,3 +610,23 @@ def test_a_job_of_n_sequences_waits_for_n_releases(clock: FakeClock) -> None:
     pair.release()
     assert ledger.taken == 0
     assert not ledger.saturated
+
+
+def test_a_slot_handed_to_a_client_back_on_its_hint_counts_its_empty_time(
+    clock: FakeClock,
+) -> None:
+    ledger = SlotLedger(2, expected_service_s=1.0, clock=clock)
+    first, second = ledger.admit(), ledger.admit()
+    refused = ledger.admit()
+    assert isinstance(first, Slot) and isinstance(second, Slot)
+    assert isinstance(refused, Refusal)
+    clock.now += 1.0
+    first.release(done=Completed())
+    clock.now += 0.03  # the client told to come back takes the slot 30 ms after it freed
+    assert isinstance(ledger.admit(refused.promise), Slot)
+    assert (ledger.handoffs, round(ledger.handoff_idle_s, 6)) == (1, 0.03)
+    clock.now += 0.5
+    second.release(done=Completed())
+    clock.now += 0.2
+    assert isinstance(ledger.admit(), Slot)  # a newcomer, on no hint: not a handoff
+    assert ledger.handoffs == 1
