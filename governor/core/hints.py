@@ -20,7 +20,7 @@ same instant.
   clamped to ``[min_hint_ms, max_hint_ms]``.
 * A client that comes back (it resends the final chunk of the payload it was refused) and
   finds no slot for it keeps its place in line and is re-timed to that place's release (``k =
-  q``, the promises ahead of it); plus the hold when it came at its time or later.
+  q``, the promises ahead of it).
 
 Under a lane policy a client counts only the promises of its own lane or a higher one, and only
 the slots it may take: those the interactive reserve does not keep
@@ -131,15 +131,8 @@ class RetryHints:
         to others first, whatever the line (suspended jobs' slots, taken back first).
         """
         own_s = self.estimates.predict_s(size, self.lanes.lane(rank))
-        # A client back at its time (or later) whose slot has not freed yet, its release being
-        # late, comes back once more: told the release's time plus the hold, so that it finds
-        # the slot held for it wherever the release and its return fall in that window, rather
-        # than racing the release and spending another retry.
-        margin = 0.0
         if promise is not None and promise.queued:
             counts, seconds = self.line.ahead_of(promise, rank)
-            if now >= promise.at:
-                margin = self.estimates.hold()
         else:  # a newcomer, or a client whose promise lapsed: to the back
             promise = None
             counts, seconds = self.line.totals()
@@ -151,7 +144,7 @@ class RetryHints:
         turn_s = ahead_s / ahead if ahead > 0 else own_s
         # (a job of n sequences waits for the n-th release after those ahead of it)
         k = ahead + later + (size.width - 1 if size is not None else 0)
-        hint_ms = self.hint_ms(now, self.release_time(now, k, rank, turn_s) + margin)
+        hint_ms = self.hint_ms(now, self.release_time(now, k, rank, turn_s))
         at = now + hint_ms / 1000
         return hint_ms, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
 

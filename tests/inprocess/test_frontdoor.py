@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import itertools
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -104,9 +105,10 @@ async def test_a_yield_is_a_rate_limit_error_carrying_retry_after_ms(
 
 
 async def test_the_sdk_own_retries_finish_every_job(make_server: ServerFactory, sdk: Sdk) -> None:
-    """Six clients on two slots, the SDK's default two retries, no code of ours, no wait at
-    the door: every job finishes, the refused ones at the hint they were given."""
-    server = await front(make_server, max_inflight=2, stub_ms=200, max_wait=0)
+    """Six clients on two slots, the SDK as it comes (two retries), no code of ours, the door
+    on its defaults: every job finishes, the ones that found no slot having waited at the door
+    for their turn rather than spent the SDK's retries."""
+    server = await front(make_server, max_inflight=2, stub_ms=200)
     client = sdk(server)  # max_retries: the SDK's default, 2
     answers = await asyncio.gather(
         *(
@@ -115,9 +117,58 @@ async def test_the_sdk_own_retries_finish_every_job(make_server: ServerFactory, 
         )
     )
     assert [a.choices[0].message.content for a in answers] == ["stub "] * 6
-    assert server.ledger.yielded_total >= 4  # (4 refused at once; retries may be refused again)
+    assert server.state.metrics.http_responses[("/v1/chat/completions", "429")] == 0
     assert server.ledger.executed_total == 6
     assert server.inflight == 0
+
+
+async def test_with_no_wait_at_the_door_the_sdk_comes_back_on_the_hints(
+    make_server: ServerFactory, sdk: Sdk
+) -> None:
+    """Six clients on two slots, the SDK's two retries, no wait at the door: each 429 says when
+    to come back, the SDK waits that long before its retry, and every job either finishes or,
+    its retries spent, gets its last 429 (whether two retries suffice depends on how the jobs'
+    ends fall against their predictions: on a machine this loaded they may not). Nothing is
+    left holding a slot or a place."""
+    server = await front(make_server, max_inflight=2, stub_ms=200, max_wait=0)
+    sent: dict[bytes, list[float]] = collections.defaultdict(list)  # each job's attempts
+    told: dict[bytes, list[int]] = collections.defaultdict(list)  # and the hints of its 429s
+    loop = asyncio.get_running_loop()
+
+    async def on_request(request: httpx.Request) -> None:
+        sent[request.content].append(loop.time())
+
+    async def on_response(response: httpx.Response) -> None:
+        if response.status_code == 429:
+            hint = int(response.headers["retry-after-ms"])
+            assert hint >= 1
+            assert int(response.headers["retry-after"]) >= 1
+            told[response.request.content].append(hint)
+
+    hooks = {"request": [on_request], "response": [on_response]}
+    client = sdk(server, http_client=httpx.AsyncClient(event_hooks=hooks))
+    answers = await asyncio.gather(
+        *(
+            client.chat.completions.create(model="m", messages=user(f"job {i}"), max_tokens=3)
+            for i in range(6)
+        ),
+        return_exceptions=True,
+    )
+    done = [a for a in answers if not isinstance(a, BaseException)]
+    given_up = [a for a in answers if isinstance(a, BaseException)]
+    assert all(isinstance(e, openai.RateLimitError) for e in given_up), given_up
+    assert [a.choices[0].message.content for a in done] == ["stub "] * len(done)
+    assert len(done) >= 2
+    assert server.ledger.executed_total == len(done)
+    assert sum(map(len, told.values())) >= 4  # (4 refused at once; retries may be again)
+    for body, times in sent.items():
+        hints = told[body]
+        assert len(times) == min(len(hints) + 1, 3)  # an attempt after each 429, 3 at most
+        for gap, hint in zip(itertools.pairwise(times), hints, strict=False):
+            assert gap[1] - gap[0] >= hint / 1000 - 0.002  # (the SDK sleeps the hint exactly)
+    assert len(given_up) == sum(1 for hints in told.values() if len(hints) == 3)
+    assert server.inflight == 0
+    assert [t.waiting for t in server.tenants.all()] == [0]
 
 
 async def test_a_retry_keeps_its_place_in_line(

@@ -183,20 +183,16 @@ def test_hint_never_constant_across_load(clock: FakeClock) -> None:
 def test_a_job_a_little_late_is_given_its_overrun_again(clock: FakeClock) -> None:
     """Late by less than a quarter of its time, a job is most likely about to end: its waiter
     is told as much more as it has overrun (at least the pool's typical error), not a quarter
-    of what it has run, which would leave the slot idle long after it freed. Back at its time
-    (or later) and refused again, the client is told that plus the hold, so as not to race the
-    release."""
+    of what it has run, which would leave the slot idle long after it freed."""
     ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)
     start, promise = clock.now, None
     assert isinstance(ledger.admit(), Slot)
-    hold_ms = 1000 * ledger.estimates.hold()
     # (no typical error is known until a job completes; a quarter of 1.5 s is 375 ms)
     for late, hint in ((0.01, 10), (0.2, 200), (0.3, 300), (0.5, 375)):
         clock.now = start + 1.0 + late
-        on_time = promise is not None and clock.now >= promise.at
         refusal = ledger.admit(promise)  # the same client, first in line
         assert isinstance(refusal, Refusal)
-        assert refusal.retry_hint_ms == hint + (hold_ms if on_time else 0), late
+        assert refusal.retry_hint_ms == hint, late
         promise = refusal.promise
 
 
@@ -205,18 +201,17 @@ def test_the_first_in_line_comes_as_the_likely_window_opens_and_polls_in_it(
 ) -> None:
     """With predictions typically 20 % off, a 1 s job is likely to end from 0.8 s: its waiter
     is told 0.8 s, then polls every tenth of a second (half the window's half-width) until
-    the job is late by more than that (each poll plus the hold: the client came at its time)."""
+    the job is late by more than that."""
     ledger = SlotLedger(1, expected_service_s=1.0, min_hint_ms=5, clock=clock)
     ledger.estimates.error = 0.2
     start = clock.now
     assert isinstance(ledger.admit(), Slot)
-    hold_ms = 1000 * ledger.estimates.hold()
     promise = None
-    for ran, hint in ((0.0, 800), (0.81, 100), (0.92, 100), (1.05, 100), (1.2, 200)):
+    for ran, hint in ((0.0, 800), (0.8, 100), (0.9, 100), (1.05, 100), (1.2, 200)):
         clock.now = start + ran
         refusal = ledger.admit(promise)
         assert isinstance(refusal, Refusal)
-        assert refusal.retry_hint_ms == hint + (hold_ms if promise else 0), ran
+        assert refusal.retry_hint_ms == hint, ran
         promise = refusal.promise
 
 
@@ -315,7 +310,7 @@ def test_a_late_client_keeps_its_place_but_not_the_slot(clock: FakeClock) -> Non
     clock.now += 0.01
     again = ledger.admit(late.promise)  # still within its grace: first in line for the next
     assert isinstance(again, Refusal)
-    assert again.retry_hint_ms == 1000 - 10 + 1000 * hold  # (and the hold: it is past its time)
+    assert again.retry_hint_ms == 1000 - 10
 
 
 def test_turnaround_learns_only_from_clients_that_came_on_time(clock: FakeClock) -> None:
