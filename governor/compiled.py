@@ -7,6 +7,11 @@ are listed: the codec, the upload, the session and its job table, the intake, th
 admission and its ledger, and the sidecar's decoders of its upstream's stream. Everything works without them: with no C compiler, or after
 ``deploy/compile.py --clean``, the same modules run as Python.
 
+The values the hot path makes several of a job (frames, upload parts, refusals, decisions,
+prepared jobs) are dataclasses that are not frozen, though nothing changes one once made: a
+frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``, three to five
+times slower, compiled or not (a 4-field one: 554 ns compiled against 188 not frozen).
+
 A compiled module is *stale* when its ``.py`` changed after the build (``deploy/compile.py``
 records each source's SHA-256 in :func:`record`): the process would run the old code, so the
 daemon says so at start and the tests refuse to run.

@@ -59,7 +59,7 @@ def is_id(value: object) -> bool:
     return type(value) is str and 0 < len(value) <= MAX_ID_CHARS
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Request:
     """A client frame that passed every envelope rule."""
 
@@ -177,7 +177,7 @@ def classify_bad_line(line: bytes) -> tuple[NeedCode, str]:
     return NeedCode.NOT_JSON, "not JSON; this port speaks newline-delimited JSON"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Reply:
     """A server frame."""
 

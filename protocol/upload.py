@@ -42,7 +42,7 @@ _INLINE_FIELDS = frozenset({"content_type", "sha256", "data"})
 INLINE_PAYLOAD_ID = "inline"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Manifest:
     payload_id: str
     content_type: str
@@ -94,7 +94,7 @@ class Manifest:
         return cls(cast(str, payload_id), content_type, total, chunk_bytes, chunks, digest.lower())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Chunk:
     payload_id: str
     index: int

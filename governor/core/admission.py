@@ -234,12 +234,12 @@ class Ticket:
         return self.slot.release(done=done if outcome == "done" else None)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Admitted:
     ticket: Ticket
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Yielded:
     """Not now: ``yield`` with this code and hint; ``promise`` is the client's place in line."""
 
@@ -252,7 +252,7 @@ class Yielded:
         return ErrorCode.UNAVAILABLE if self.need_code in UNAVAILABLE_CODES else ErrorCode.BUSY
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Rejected:
     """Never: the spec is invalid (``error``: answered as the codec answers bad input), or the
     policy refuses it for good (``confirm abort`` with this code and ``error_code`` policy)."""
@@ -265,7 +265,7 @@ class Rejected:
 Decision = Admitted | Yielded | Rejected
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class _Plan:
     """The job as it would run: its lane, KV reservation, size and the ladder's change."""
 

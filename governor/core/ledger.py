@@ -81,7 +81,7 @@ Clock = Callable[[], float]
 DRAINING_HINT_MS = 1000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Refusal:
     """No slot now: answer ``yield`` with this code and hint."""
 

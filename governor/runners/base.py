@@ -64,7 +64,7 @@ class Pause:
             listener(True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Job:
     """A job, prepared by the runner that will run it."""
 
