@@ -230,11 +230,13 @@ class Upload:
                 NeedCode.PAYLOAD_TOO_LARGE,
                 f"chunks add up to more than the declared {manifest.total_bytes} bytes",
             )
-        if not _digest_matches(data, chunk.sha256):
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != chunk.sha256.strip().lower():
             raise UploadNeed(NeedCode.CHUNK_HASH_MISMATCH, f"chunk {chunk.index}: sha256 mismatch")
         self._data += data
         self._chunks += 1
-        self._hash.update(data)
+        if manifest.chunks > 1:  # (a payload of one chunk is that chunk: its digest is known)
+            self._hash.update(data)
         if self._chunks < manifest.chunks:
             return None
         # The last chunk: the payload is verified whole, or the upload starts over.
@@ -246,7 +248,7 @@ class Upload:
                 f"received {received} bytes, the manifest declared {manifest.total_bytes}; "
                 "send a new manifest",
             )
-        if self._hash.hexdigest() != manifest.sha256:
+        if (digest if manifest.chunks == 1 else self._hash.hexdigest()) != manifest.sha256:
             self._restart()
             raise UploadNeed(
                 NeedCode.PAYLOAD_HASH_MISMATCH, "payload sha256 mismatch; send a new manifest"
