@@ -145,7 +145,10 @@ async def test_with_no_wait_at_the_door_the_sdk_comes_back_on_the_hints(
             assert int(response.headers["retry-after"]) >= 1
             told[response.request.content].append(hint)
 
-    hooks = {"request": [on_request], "response": [on_response]}
+    hooks: dict[str, list[Callable[..., Any]]] = {
+        "request": [on_request],
+        "response": [on_response],
+    }
     client = sdk(server, http_client=httpx.AsyncClient(event_hooks=hooks))
     answers = await asyncio.gather(
         *(

@@ -613,7 +613,8 @@ def test_a_slot_handed_to_a_client_back_on_its_hint_counts_its_empty_time(
     ledger = SlotLedger(2, expected_service_s=1.0, clock=clock)
     first, second = ledger.admit(), ledger.admit()
     refused = ledger.admit()
-    assert isinstance(first, Slot) and isinstance(second, Slot)
+    assert isinstance(first, Slot)
+    assert isinstance(second, Slot)
     assert isinstance(refused, Refusal)
     clock.now += 1.0
     first.release(done=Completed())
