@@ -36,14 +36,15 @@ keep-alive and pipelining.
 Bounds, as on the TCP side: connections (``max_connections``, all listeners together, and
 ``max_connections_per_source``; at a limit, a connection between requests that has shown no key
 is displaced, 503 ``displaced``); a request head of :data:`~.shell.MAX_HEAD_BYTES` and
-:data:`~.shell.MAX_HEADERS` fields (431, the shell's bounds, the admin listener's too); a body of ``max_payload_bytes`` (413, told by Content-Length
-before it is read, or counted as it arrives), counted against the server's payload buffers while
-it waits or its job runs (``buffers_full``, 429); requests waiting at the door
-(``max_waiting``, and ``max_waiting_per_tenant`` of a declared tenant, both doors together; 429
-past them);
-a whole request within ``upload_timeout`` of its first byte (408), however steadily it trickles; a connection idle between requests for ``idle_timeout``
-(closed); pipelined requests read ahead by :data:`MAX_READ_AHEAD` bytes at most; and, on the way
-out, ``write_buffer_bytes`` or ``write_timeout`` of answers unread (cut off, the job cancelled).
+:data:`~.shell.MAX_HEADERS` fields (431: the shell's bounds, the admin listener's too); a body
+of ``max_payload_bytes`` (413, told by Content-Length before it is read, or counted as it
+arrives), counted against the server's payload buffers while it waits or its job runs
+(``buffers_full``, 429); requests waiting at the door (``max_waiting``, and
+``max_waiting_per_tenant`` of a declared tenant, both doors together; 429 past them); a whole
+request within ``upload_timeout`` of its first byte (408), however steadily it trickles; a
+connection idle between requests for ``idle_timeout`` (closed); pipelined requests read ahead by
+:data:`MAX_READ_AHEAD` bytes at most; and, on the way out, ``write_buffer_bytes`` or
+``write_timeout`` of answers unread (cut off, the job cancelled).
 """
 
 from __future__ import annotations
