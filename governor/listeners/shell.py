@@ -33,6 +33,13 @@ class ClosingError:
     headers: tuple[tuple[str, str], ...] = ()
 
 
+HEAD_TOO_LARGE = ClosingError(
+    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+    NeedCode.SPEC_INVALID,
+    f"a request head may have {MAX_HEADERS} fields and {MAX_HEAD_BYTES} bytes",
+)
+
+
 def header(request: h11.Request, name: bytes) -> str | None:
     """The value of the request's header ``name`` (lower case), the first if repeated."""
     for key, value in request.headers:  # (names lower-cased by h11)
@@ -60,11 +67,7 @@ class Incoming:
         """The request's head: within the bounds (its body too, if it says its length)?"""
         size = len(request.target) + sum(len(n) + len(v) + 4 for n, v in request.headers)
         if size > MAX_HEAD_BYTES or len(request.headers) > MAX_HEADERS:
-            return ClosingError(
-                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                NeedCode.SPEC_INVALID,
-                f"a request head may have {MAX_HEADERS} fields and {MAX_HEAD_BYTES} bytes",
-            )
+            return HEAD_TOO_LARGE
         self.request = request
         path = urllib.parse.urlsplit(request.target.decode("ascii", "replace")).path.rstrip("/")
         self.path = path if path in self.paths else "other"
@@ -81,11 +84,7 @@ class Incoming:
     def too_large(self) -> ClosingError:
         """More bytes than the bounds allow: its head's, or its body's once the head is read."""
         if self.request is None:
-            return ClosingError(
-                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                NeedCode.SPEC_INVALID,
-                f"a request head may have {MAX_HEAD_BYTES} bytes",
-            )
+            return HEAD_TOO_LARGE
         return ClosingError(
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             NeedCode.PAYLOAD_TOO_LARGE,
