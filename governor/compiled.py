@@ -2,10 +2,17 @@
 process runs them compiled.
 
 mypyc turns a typed module into a C extension that Python imports instead of the ``.py`` file
-beside it (an extension comes first in the import order). Only pure modules of the admitted path
-are listed: the codec, the upload, the session and its job table, the intake, the execution, the
-admission and its ledger, and the sidecar's decoders of its upstream's stream. Everything works without them: with no C compiler, or after
-``deploy/compile.py --clean``, the same modules run as Python.
+beside it (an extension comes first in the import order). Only modules every job passes
+through are listed: the codec, the upload, the TCP listener's connection class and its one
+timer, the session and its job table, the intake, the execution, the admission with its ledger,
+breaker and sources, and the sidecar's decoders of its upstream's stream. Everything
+works without them: with no C compiler, or after ``deploy/compile.py --clean``, the same modules
+run as Python.
+
+A compiled class keeps its attributes in C slots only when every base is compiled too: the
+connection class is an :class:`asyncio.Protocol` by its methods, not by inheritance. And a
+constant read from the class (``Deadlines``' grain, say) lives in the module: mypyc makes a class
+attribute an instance attribute with a default, which the class itself does not hold.
 
 The values the hot path makes several of a job (frames, upload parts, refusals, decisions,
 prepared jobs) are dataclasses that are not frozen, though nothing changes one once made: a
@@ -30,15 +37,19 @@ MODULES = (
     "protocol.lines",
     "protocol.upload",
     "governor.core.admission",
+    "governor.core.breaker",
     "governor.core.estimates",
     "governor.core.hints",
     "governor.core.lanegate",
     "governor.core.ledger",
     "governor.core.promises",
+    "governor.core.sources",
     "governor.execution",
     "governor.intake",
+    "governor.listeners.base",
     "governor.listeners.jobs",
     "governor.listeners.session",
+    "governor.listeners.tcp",
     "governor.listeners.wire",
     "governor.runners.framing",
     "governor.state",

@@ -115,13 +115,15 @@ class Turn:
 NOW = Turn(0.0, 0.0)
 
 
-@dataclass(frozen=True, slots=True)
 class Displaced(Generic[C]):
     """The new connection is served in place of ``victim``, which the caller closes with a fatal
-    reply saying ``detail`` (it is no longer counted: its close need not be reported)."""
+    reply saying ``detail`` (it is no longer counted: its close need not be reported).
 
-    victim: C
-    detail: str
+    (Not a dataclass: mypyc compiles no generic one.)"""
+
+    def __init__(self, victim: C, detail: str) -> None:
+        self.victim = victim
+        self.detail = detail
 
 
 class Sources(Generic[C]):
@@ -130,10 +132,10 @@ class Sources(Generic[C]):
         *,
         max_connections: int,
         max_per_source: int,
+        clock: Callable[[], float],
         trusted: Iterable[Network] = (),
         guess_rate: float = 1.0,
         guess_burst: int = 10,
-        clock: Callable[[], float],
     ) -> None:
         self.max_connections = max_connections
         self.max_per_source = max_per_source  # 0: no limit

@@ -62,6 +62,10 @@ class Due(Protocol):
         ...
 
 
+# The width of a deadline's bucket, seconds: a deadline is late by at most this.
+GRAIN = 0.01
+
+
 class Deadlines:
     """One timer for every connection of a listener, instead of a timer each.
 
@@ -71,8 +75,6 @@ class Deadlines:
     copied, when the deadline moves: no stale entries pile up however often it does), and one
     timer fires at the earliest bucket. A deadline is late by at most a grain.
     """
-
-    GRAIN = 0.01
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
@@ -86,7 +88,7 @@ class Deadlines:
 
     def put(self, conn: Due, deadline: float) -> None:
         """Keep ``conn`` until ``deadline`` (on the clock given), in place of its last one."""
-        key = math.ceil(deadline / self.GRAIN) if deadline < math.inf else None
+        key = math.ceil(deadline / GRAIN) if deadline < math.inf else None
         if key == conn.due_at:
             return
         self.remove(conn)
@@ -114,19 +116,24 @@ class Deadlines:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = self._timer_key = None
+            self._unset()
+
+    def _unset(self) -> None:
+        self._timer = self._timer_key = None
 
     def _arm(self, key: int) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        delay = max(key * self.GRAIN - self._clock(), 0.0)
+        delay = max(key * GRAIN - self._clock(), 0.0)
         self._timer = asyncio.get_running_loop().call_later(delay, self._fire)
         self._timer_key = key
 
     def _fire(self) -> None:
         """The buckets due now; each connection put back lands in a later turn's."""
-        self._timer = self._timer_key = None
-        now = math.floor(self._clock() / self.GRAIN)
+        # (unset in a call: mypyc would take a narrowing to None here for the whole method,
+        # though the connections handed their deadlines below arm the timer again)
+        self._unset()
+        now = math.floor(self._clock() / GRAIN)
         keys, due = self._keys, []
         while keys and (keys[0] <= now or keys[0] not in self._buckets):
             bucket = self._buckets.pop(heapq.heappop(keys), None)

@@ -62,6 +62,10 @@ class BuffersFull(Exception):
 
 
 class Phase(Enum):
+    # (hashed several times a frame, in the sets below: by identity, as members compare,
+    # and in C, not by Enum.__hash__'s Python call on the name)
+    __hash__ = object.__hash__
+
     UPLOADING = "uploading"
     HELD = "held"  # a verified payload kept after a yield, for the client's retry
     WAITING = "waiting"  # a verified payload waiting in line for its turn, unanswered

@@ -64,7 +64,7 @@ class TcpListener:
         self._server = (
             self.state.connections.listener
         ) = await asyncio.get_running_loop().create_server(
-            lambda: GovernorProtocol(self.state, self.deadlines),
+            lambda: cast(asyncio.Protocol, GovernorProtocol(self.state, self.deadlines)),
             sock=self._sock,
             backlog=intake.BACKLOG,
             ssl=self.tls,
@@ -82,7 +82,11 @@ class TcpListener:
         return None  # (the server's own line says where it listens, with its cap and runner)
 
 
-class GovernorProtocol(asyncio.Protocol):
+class GovernorProtocol:
+    """One connection's :class:`asyncio.Protocol` (by its methods, not by inheritance: a
+    compiled class with a Python base keeps its attributes in a dict, and this one's are read
+    several times a frame)."""
+
     def __init__(self, state: ServerState, deadlines: Deadlines) -> None:
         self.state = state
         self.transport: asyncio.Transport | None = None

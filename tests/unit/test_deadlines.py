@@ -12,10 +12,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from governor.listeners.base import Deadlines
+from governor.listeners.base import GRAIN, Deadlines
 from tests.clock import FakeClock
-
-GRAIN = Deadlines.GRAIN
 
 
 class Conn:
