@@ -21,9 +21,10 @@ from protocol import addresses
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
 from .core.policy import LANES, Lane
-from .core.slo import DEFAULT_OBJECTIVES, DEFAULT_STALL, Objectives, SloPolicy
+from .core.slo import DEFAULT_GAP_MS, DEFAULT_OBJECTIVES, Objectives, SloPolicy
 from .core.sources import LOOPBACK, parse_networks
 from .core.tenants import TenantConfig
+from .runners.batching import KNEE
 
 RUNNERS = ("llama", "http", "stub")
 KV_TYPES = ("f16", "q8_0")
@@ -36,6 +37,10 @@ RENAMED = {
     "auth_backoff": (
         "gone: failed keys now slow their address's key checks (auth_guess_rate, "
         "auth_guess_burst) instead of refusing its connections"
+    ),
+    "interactive_stall": (
+        "gone: a running chat's steps are held to the time it has banked against its TPOT "
+        "objective and to interactive_gap_ms, its longest pause"
     ),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -121,10 +126,6 @@ def _url(*schemes: str) -> Callable[[str, str], str | None]:
 
 def _gpu_layers(name: str, value: int) -> str | None:
     return f"{name} must be -1 (all), 0 (none) or a count of layers" if value < -1 else None
-
-
-def _stall(name: str, value: float) -> str | None:
-    return None if value == 0 or value >= 1 else f"{name} must be 0 (off) or at least 1"
 
 
 def _fail_lanes(text: str) -> frozenset[str] | None:
@@ -280,7 +281,10 @@ class RunnerSection:
         "llama: worker processes, each holding the model once and running its share of the slots in one batch; more for isolation or one per GPU (max_inflight: one job per process)."
     )
     batch_tokens: int = _opt(256, min=16)(
-        "llama: the most tokens in a decode step: the next token of every running sequence, then chunks of waiting prompts, interactive first; while jobs generate, the prompt chunks are cut to their TPOT objectives (and interactive_stall)."
+        "llama: the most tokens in a decode step: the next token of every running sequence, then whole prompts and chunks of at least min_prompt_chunk tokens, interactive first and shortest first; while jobs generate, the prompt tokens are cut to the time they have banked against their TPOT objectives (and interactive_gap_ms)."
+    )
+    min_prompt_chunk: int = _opt(KNEE, min=1)(
+        "llama: the fewest tokens of a prompt fed in a decode step that does not end it (where a step's cost per prompt token stops falling: 64 on a CPU); a prompt that would get fewer waits a step, while the running streams bank the time."
     )
     threads: int = _opt(0, min=0)(
         "llama: CPU threads per worker; 0: the cores shared out among the workers."
@@ -400,8 +404,8 @@ class LanesSection:
     background_tpot_slo_ms: float = _opt(DEFAULT_OBJECTIVES[Lane.BACKGROUND].tpot_ms, min=0)(
         "lanes: the background lane's time-per-output-token objective; 0: none."
     )
-    interactive_stall: float = _opt(DEFAULT_STALL, check=_stall)(
-        "llama: while an interactive job (every job, without lanes) is generating, prompt tokens may stretch a decode step to at most this many times its length without them (at least 1); 0: only the TPOT objectives bound it."
+    interactive_gap_ms: float = _opt(DEFAULT_GAP_MS, min=0)(
+        "llama: the longest pause between two tokens of a running interactive job (every job, without lanes) that feeding prompts may cause, and the longest a chat's first token waits on heavier prompts in its step; 0: its TTFT objective."
     )
     overload_window: float = _opt(30.0, positive=True)(
         "lanes: seconds over which the overload signals are measured."
@@ -501,7 +505,7 @@ class Config(
 
     @property
     def slo_policy(self) -> SloPolicy:
-        """The lanes' objectives, and the interactive stall."""
+        """The lanes' objectives, and the interactive gap."""
         return SloPolicy(
             lanes={
                 Lane.INTERACTIVE: Objectives(
@@ -512,7 +516,7 @@ class Config(
                     self.background_ttft_slo_ms, self.background_tpot_slo_ms
                 ),
             },
-            interactive_stall=self.interactive_stall,
+            interactive_gap_ms=self.interactive_gap_ms,
         )
 
     @property

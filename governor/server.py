@@ -77,6 +77,7 @@ def build_runner(config: Config) -> Runner:
                 threads=config.threads or default_threads(config.workers),
                 n_gpu_layers=config.n_gpu_layers,
                 step_tokens=config.batch_tokens,
+                min_chunk=config.min_prompt_chunk,
                 kv_type=config.kv_type,
                 max_new_tokens=config.max_new_tokens,
                 job_timeout_s=config.job_timeout,

@@ -349,7 +349,7 @@ class Admission:
             kv_cache=slot.kv_cache,
             ttft_ms=objectives.ttft_ms,
             tpot_ms=objectives.tpot_ms,
-            stall=self.slo.stall(lane),
+            gap_ms=self.slo.gap_ms(lane),
             pause=slot.pause,
         )
         if self.overload is not None:

@@ -9,8 +9,8 @@ without a lane (lanes off) is held to the interactive lane's.
 (the job spec's fields of the same names) sets its own. An interactive job's may be tightened,
 never loosened: a chat that says it does not mind waiting would hide, from the attainment the
 overload states read, an overload every other chat feels. The batched runner sizes each step to
-the tightest TPOT objective among the sequences generating (and, for interactive ones, to at
-most ``interactive_stall`` times the step without prompt tokens): see
+the time the generating sequences have banked against their TPOT objectives (and, for
+interactive ones, to at most ``interactive_gap_ms``, the longest pause of a running chat): see
 :mod:`governor.runners.batching`.
 
 **How a job is judged** (:func:`judge`), when it ends:
@@ -58,13 +58,15 @@ DEFAULT_OBJECTIVES: Mapping[Lane, Objectives] = {
     Lane.HEAVY: Objectives(15000.0, 1000.0),
     Lane.BACKGROUND: Objectives(60000.0, 2000.0),
 }
-DEFAULT_STALL = 1.5
+# A running chat's longest pause between two tokens: half what a new chat is promised to wait for
+# its first, room for a prompt chunk of the batched runner's knee beside 16 chats on this CPU.
+DEFAULT_GAP_MS = 500.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SloPolicy:
     lanes: Mapping[Lane, Objectives] = field(default_factory=lambda: dict(DEFAULT_OBJECTIVES))
-    interactive_stall: float = DEFAULT_STALL  # see :mod:`governor.runners.batching` (0: none)
+    interactive_gap_ms: float = DEFAULT_GAP_MS  # see :mod:`governor.runners.batching` (0: none)
 
     def objectives(
         self,
@@ -86,9 +88,9 @@ class SloPolicy:
             tpot = min(tpot, base.tpot_ms) if base.tpot_ms else tpot
         return Objectives(ttft, tpot)
 
-    def stall(self, lane: Lane | None) -> float:
-        """How far prompt tokens may stretch a step while a job of ``lane`` generates."""
-        return self.interactive_stall if lane in (None, Lane.INTERACTIVE) else 0.0
+    def gap_ms(self, lane: Lane | None) -> float:
+        """The longest pause between two tokens of a job of ``lane`` (0: its TTFT objective)."""
+        return self.interactive_gap_ms if lane in (None, Lane.INTERACTIVE) else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,14 +75,13 @@ class Job:
     stop: tuple[str, ...] = ()  # the spec's stop strings and the chat template's
     # Set by admission: how urgent it is (its lane's rank, 0 the interactive lane), for a
     # runner with KV caches the one its cells are reserved in, and for a batched runner its
-    # objectives (time to first token, time per output token; 0: none) and how far prompt
-    # tokens may stretch a step while it generates (:mod:`governor.runners.batching`; 0: no
-    # limit).
+    # objectives (time to first token, time per output token; 0: none) and its longest pause
+    # between two tokens (:mod:`governor.runners.batching`; 0: its TTFT objective).
     priority: int = 0
     kv_cache: int | None = None
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
-    stall: float = 0.0
+    gap_ms: float = 0.0
     # Set by admission for a job it may suspend (:class:`Pause`), on a runner that can.
     pause: Pause | None = None
 

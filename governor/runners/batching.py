@@ -11,50 +11,45 @@ operations of :class:`Cache`. One model context holds ``slots`` sequences over o
    ahead of its TPOT objective by more than a token's share gives up its place (its token
    comes a step later), so a chat that arrives beside heavy streams gets its first token about
    as soon as on an idle worker, and each heavy stream loses at most a step per chat.
-2. **Prompt tokens of sequences still being prefilled** (chunked prefill). Only the most urgent
-   priority with a prompt pending gets prefill in a step (interactive prompts go before heavy
-   ones: a chat's prompt never shares its step with a rewrite's), oldest first within it. A
-   prompt passed over for ``MAX_PASSED`` steps in a row is taken anyway, first, so that a
-   stream of chats cannot starve a rewrite for ever.
+2. **Prompt tokens of sequences still being prefilled** (chunked prefill), from as many
+   prompts as the step's budget holds, taken in this order: interactive prompts, then heavy,
+   then background ones, the shortest left first within each (so a step's fixed cost is shared
+   by as many tokens as it may carry, and short prompts get their first tokens soonest). A
+   prompt passed over for ``MAX_PASSED`` steps in a row is taken before all, so that a stream
+   of shorter or more urgent prompts cannot starve it for ever.
 
 **How many prompt tokens: the step budget.** A step is as long as its tokens make it, and every
 generating sequence waits for the whole step for its next token, so the step's prompt tokens
-are cut to fit the generating sequences' time per output token (TPOT). Each sequence may carry
-``tpot_s``, its objective, and ``stall``, how many times longer than it would be without prompt
-tokens it lets a step be (the interactive lane's: a chat never runs much slower because long
-prompts are being fed). Over the generating sequences, two bounds:
+are cut to fit the generating sequences' objectives. Each sequence may carry ``tpot_s``, its
+time-per-output-token (TPOT) objective, ``ttft_s``, its time-to-first-token objective, and
+``gap_s``, a cap on any single gap between two of its tokens (the worker gives interactive jobs
+one). A TPOT objective is an average (the time from a stream's first token to its last, over
+its tokens), so a stream ahead of it has time banked: the bound of a step is the least, over
+the generating sequences with an objective, of the time until each one's next token is due at
+the objective's pace (``MARGIN * tpot_s`` a token since its first), never less than one token's
+share, nor more than ``MARGIN * gap_s`` (without a gap, ``MARGIN * ttft_s``: no running stream
+pauses longer than a new one is promised to wait). So a chat's pace holds on average and its
+longest pause holds too, while a heavy or background stream, whose objectives are loose,
+lets a step take the full batch; with no bound (nothing generating, or nothing with an
+objective), a step takes up to ``step_tokens``.
 
-* the objective bound, the tightest of the sequences' banked time: a TPOT objective is an
-  average (the time from a stream's first token to its last, over its tokens), so a stream
-  ahead of it may take a longer step, up to the time its next token is due at the
-  objective's pace (``MARGIN * tpot_s`` a token since its first), never less than one
-  token's share, nor more than ``MARGIN * ttft_s``, its time-to-first-token objective (no
-  running stream pauses longer than a new one is promised to wait);
-* the stall bound, the tightest ``stall * D``, ``D`` being the step's predicted cost with no
-  prompt tokens.
+A step takes the largest budget of prompt tokens whose predicted step
+(:class:`~.stepcost.StepCosts`, learnt online by the worker) fits the bound, with two rules:
 
-A step takes the most prompt tokens whose predicted step (:class:`~.stepcost.StepCosts`, learnt
-online by the worker) fits both bounds, and then more where either of these asks for it:
+* **No chunk below the knee.** A prompt that does not end in the step is fed ``knee`` tokens at
+  least (where a step's cost per prompt token stops falling: on a CPU, flash attention makes a
+  chunk of 32 tokens cost half again as much a token as one of 64). Where the bound leaves less,
+  the prompt waits and the step goes on with shorter prompts or the decodes alone, so that the
+  streams bank the time for a full chunk at a later step. A prompt passed over for
+  ``MAX_PASSED`` steps (the bound never grows enough: streams slower than their objective)
+  takes any chunk, at least ``PREFILL_FLOOR`` tokens whatever the bound, so every prompt
+  progresses.
+* **A chat's first token waits on less urgent prompts for its gap at most.** In a step that
+  ends an interactive prompt, heavy and background prompt tokens fill it only as far as the
+  chat's cap (``MARGIN * gap_s``, or the step without them where that is longer).
 
-* prompts that it can feed whole within the objective bound alone (in the order prompts are
-  taken) it feeds whole: a chat's prompt gets its first token at the next step even beside
-  running chats, at the cost of one step within their objective (of their banked time),
-  while a longer prompt is fed in chunks that keep them within the stall bound;
-* prompts that, fed at that pace, would get their first token after their ``deadline`` (when
-  the step is planned at ``now``: the worker sets it from the job's TTFT objective) it feeds
-  now, through the last such prompt, as far as the objective bound allows: a chat's long prompt
-  beside running chats, or a heavy prompt starved past its own objective by a stream of chats,
-  is fed at the pace of the chats' objective, not of their stall. (Past the objective, a
-  running chat's TPOT would pay for a new one's TTFT: a prompt the objective cannot feed in
-  time waits, as in a queue.)
-
-With no bound (nothing generating, or nothing with an objective or a stall), a step takes up to
-``step_tokens``. Whatever the bounds, a step with a prompt pending takes at least
-``PREFILL_FLOOR`` of its tokens, so a prompt always progresses: where a bound cannot be met even
-without prompt tokens, it is met as nearly as that allows.
-
-So a long prompt slows the running streams by at most their bound while it is fed, and a newly
-admitted interactive prompt waits at most for the step in progress.
+So a long prompt slows the running chats by at most their banked time and their gap while it is
+fed, and a newly admitted interactive prompt waits at most for the step in progress.
 
 **Prefix reuse.** A slot keeps its cells when its sequence ends (the tokens they hold are
 known). A new sequence starts from the longest prefix of its prompt that some slot holds: its
@@ -63,7 +58,11 @@ llama.cpp shares such cells between sequences: a system prompt common to many ch
 computed once). Kept cells are only a cache: whenever the cells of the free slots and the
 running sequences' reservations (each its prompt and ``max_new_tokens``, as admission reserved
 them) would exceed ``cells``, the least recently used free slots are cleared, so a step never
-lacks room.
+lacks room. And they are not free: with one pool of cells for all sequences, every token of
+every step attends over the span of cells in use (for a model as small as the embedded one,
+2,000 cells cost as much again as its weights), so the free slots keep ``keep`` cells at most
+(the worker's: one job's context, ``n_ctx``; llama-server keeps one prompt a slot, but in a
+cache of its own that no other slot's tokens attend over).
 
 **Forks.** A job's further choices (OpenAI's ``n``) are forked from its first sequence the step
 its prompt is whole in the cache: each shares all the prompt's cells and samples its first
@@ -97,9 +96,10 @@ from typing import Protocol
 
 from .stepcost import StepCosts
 
-MAX_PASSED = 8  # steps a pending prompt may be passed over for a more urgent one
+MAX_PASSED = 8  # steps a pending prompt may be passed over before it takes any chunk
 MIN_PREFILL = 16  # prompt tokens a step takes, at least, even when decodes fill step_tokens
-PREFILL_FLOOR = 1  # prompt tokens a step takes, at least, whatever the bound
+PREFILL_FLOOR = 1  # prompt tokens a step takes, at least, once a prompt is past its turns
+KNEE = 64  # the fewest tokens of a prompt that does not end in a step (see the docstring)
 MARGIN = 0.9  # steps are planned to this share of a TPOT objective: predictions err
 
 
@@ -133,10 +133,10 @@ class Sequence:
     passed: int = 0  # steps in a row its prompt was passed over
     preempted: int = 0  # steps with its prompt in them preempted in a row (see the worker)
     tpot_s: float = 0.0  # its time-per-output-token objective (0: none)
-    stall: float = 0.0  # the most a step may be stretched by prompt tokens, x (0: no limit)
-    deadline: float = math.inf  # when its first token is due (the clock of plan's ``now``)
+    gap_s: float = 0.0  # the longest gap between two of its tokens (0: its TTFT objective)
     ttft_s: float = 0.0  # its time-to-first-token objective (0: none)
     first_at: float | None = None  # when its first token was sampled (plan's clock)
+    last_at: float | None = None  # when its latest token was sampled (plan's clock)
     output_in_prompt: int = 0  # tokens it generated that a resume put in its prompt
 
     @property
@@ -171,6 +171,8 @@ class Scheduler:
     cells: int
     cache: Cache
     costs: StepCosts = field(default_factory=StepCosts)
+    knee: int = KNEE
+    keep: int = 0  # the most cells the free slots keep for reuse (0: as many as fit)
     running: dict[str, Sequence] = field(default_factory=dict)  # those with a slot
     waiting: list[Sequence] = field(default_factory=list)
     # Not stepped; each with its slot and cells while the cache allows (see the docstring).
@@ -181,8 +183,8 @@ class Scheduler:
     _freed: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        if self.slots < 1 or self.step_tokens < 1 or self.cells < 1:
-            raise ValueError("slots, step_tokens and cells must be at least 1")
+        if min(self.slots, self.step_tokens, self.cells, self.knee) < 1:
+            raise ValueError("slots, step_tokens, cells and knee must be at least 1")
         self.held = [[] for _ in range(self.slots)]
         self._free = {slot: next(self._freed) for slot in range(self.slots)}
 
@@ -258,7 +260,6 @@ class Scheduler:
             context = tuple(tokens) + ((seq.pending,) if seq.pending >= 0 else ())
             seq.output_in_prompt += len(context) - len(seq.prompt)
             seq.prompt = context
-            seq.deadline = math.inf  # (its first token came long ago)
         seq.pending = -1
         self._free[seq.slot] = next(self._freed)
         seq.slot = -1
@@ -328,9 +329,10 @@ class Scheduler:
 
     def _evict(self) -> None:
         """Clear free slots, least recently used first, until every running sequence's
-        reservation fits beside what the free slots keep and the suspended sequences hold;
-        where clearing them all is not enough, the newest suspended sequences give up their
-        slots (:meth:`_drop`) and their cells are cleared in turn."""
+        reservation fits beside what the free slots keep and the suspended sequences hold, and
+        the free slots keep ``keep`` cells at most; where clearing them all is not enough, the
+        newest suspended sequences give up their slots (:meth:`_drop`) and their cells are
+        cleared in turn."""
         need = sum(seq.reservation for seq in self.running.values())
         pinned = self._pinned()
         while pinned and need + sum(len(self.held[s.slot]) for s in pinned) > self.cells:
@@ -338,7 +340,7 @@ class Scheduler:
         need += sum(len(self.held[s.slot]) for s in pinned)
         kept = sum(len(self.held[slot]) for slot in self._free)
         for slot in sorted(self._free, key=self._free.__getitem__):
-            if need + kept <= self.cells:
+            if need + kept <= self.cells and (not self.keep or kept <= self.keep):
                 return
             kept -= len(self.held[slot])
             self._truncate(slot, 0)
@@ -373,44 +375,30 @@ class Scheduler:
 
     def plan(self, now: float = 0.0) -> list[Entry]:
         """The next step's entries (empty when there is nothing to compute), planned at
-        ``now`` (the clock of the sequences' deadlines)."""
+        ``now`` (the clock of the sequences' ``first_at``)."""
         entries = [
             Entry(seq, (seq.pending,), len(self.held[seq.slot]), True)
             for seq in self.running.values()
             if seq.pending >= 0
         ]
-        # The order prompts are taken in: most urgent first, but a prompt passed over
-        # MAX_PASSED times before all (were the budget spent before it came, it would be passed
-        # over for good).
-        pending = sorted((s for s in self.running.values() if s.prefilling), key=_overdue_first)
+        pending = sorted((s for s in self.running.values() if s.prefilling), key=_taken_first)
         if not pending:
             return entries
         full = max(self.step_tokens - len(entries), MIN_PREFILL)
-        objective, stall = self.bounds(entries, now)
-        if objective is None and stall is None:
-            take = full
-        else:
-            tightest = min(b for b in (objective, stall) if b is not None)
-            take = self._fit(entries, pending, full, tightest)
-            if stall is not None and (objective is None or objective > stall):
-                # Prompts that the objective bound alone lets in whole, go in whole.
-                whole = full if objective is None else self._fit(entries, pending, full, objective)
-                take = max(take, _whole(_prefill(pending, whole, commit=False)))
-            take = max(take, self._due(entries, pending, full, take, objective, now))
-        prefill = _prefill(pending, take, commit=True)
+        prefill = self._fill(entries, pending, full, self.bound(entries, now))
+        taken = {e.seq.key for e in prefill}
+        for seq in pending:
+            seq.passed = 0 if seq.key in taken else seq.passed + 1
         if any(e.sample and e.seq.priority == 0 for e in prefill):
-            entries = [e for e in entries if not _deferrable(e.seq, now)]
+            step = self.cost(entries + prefill)
+            entries = [e for e in entries if not _deferrable(e.seq, now, step)]
         return entries + prefill
 
-    def bounds(self, decodes: list[Entry], now: float = 0.0) -> tuple[float | None, float | None]:
-        """The objective bound and the stall bound on the next step planned at ``now``, in
-        seconds, for the generating sequences ``decodes`` (None: no such bound)."""
-        objective = min((_banked(e.seq, now) for e in decodes if e.seq.tpot_s > 0), default=None)
-        stall = min((e.seq.stall for e in decodes if e.seq.stall > 0), default=None)
-        if stall is None:
-            return objective, None
-        n = len(decodes)
-        return objective, stall * self.costs.predict(n, n, self.occupied + n)
+    def bound(self, decodes: list[Entry], now: float = 0.0) -> float | None:
+        """The longest next step, planned at ``now``, that keeps the generating sequences
+        ``decodes`` within their objectives: the least time any of them has banked (None:
+        none has a TPOT objective)."""
+        return min((_banked(e.seq, now) for e in decodes if e.seq.tpot_s > 0), default=None)
 
     def cost(self, entries: list[Entry]) -> float:
         """A step's predicted seconds."""
@@ -418,41 +406,41 @@ class Scheduler:
         sampled = sum(e.sample for e in entries)
         return self.costs.predict(tokens, sampled, self.occupied + tokens)
 
-    def _fit(self, decodes: list[Entry], pending: list[Sequence], full: int, bound: float) -> int:
-        """The most prompt tokens (``PREFILL_FLOOR`` to ``full``) whose step fits ``bound``
-        (a step's cost grows with its tokens: a bisection)."""
-        low, high = PREFILL_FLOOR, full
+    def _fill(
+        self, decodes: list[Entry], pending: list[Sequence], full: int, bound: float | None
+    ) -> list[Entry]:
+        """The prompt chunks of the step (see the module docstring, "How many prompt
+        tokens")."""
+        knee = min(self.knee, full)
+        if bound is None:
+            return _prefill(pending, full, knee)
+        prefill = self._most(decodes, pending, full, knee, bound)
+        chats = [e.seq for e in prefill if e.sample and e.seq.priority == 0]
+        if chats and any(e.seq.priority > 0 for e in prefill):
+            # A chat's first token waits on less urgent prompts for its gap at most.
+            urgent = [e for e in prefill if e.seq.priority == 0]
+            limit = max(min(_cap(seq) for seq in chats), self.cost(decodes + urgent))
+            rest = [seq for seq in pending if seq.priority > 0]
+            left = full - sum(len(e.tokens) for e in urgent)
+            prefill = urgent + self._most(decodes + urgent, rest, left, knee, min(bound, limit))
+        if not prefill and pending[0].passed >= MAX_PASSED:
+            # Past its turns and still no room: the floor, whatever the bound.
+            prefill = _prefill(pending[:1], PREFILL_FLOOR, knee)
+        return prefill
+
+    def _most(
+        self, decodes: list[Entry], pending: list[Sequence], full: int, knee: int, bound: float
+    ) -> list[Entry]:
+        """The chunks of the largest budget (0 to ``full`` prompt tokens) whose step beside
+        ``decodes`` fits ``bound`` (the step grows with the budget: a bisection)."""
+        low, high = 0, full
         while low < high:
             mid = (low + high + 1) // 2
-            if self.cost(decodes + _prefill(pending, mid, commit=False)) <= bound:
+            if self.cost(decodes + _prefill(pending, mid, knee)) <= bound:
                 low = mid
             else:
                 high = mid - 1
-        return low
-
-    def _due(
-        self,
-        decodes: list[Entry],
-        pending: list[Sequence],
-        full: int,
-        take: int,
-        objective: float | None,
-        now: float,
-    ) -> int:
-        """The prompt tokens to feed now so that no prompt gets its first token after its
-        deadline, were ``take`` tokens fed a step: through the last prompt that would (see
-        the module docstring); 0 when none would."""
-        if all(seq.deadline == math.inf for seq in pending):
-            return 0
-        step_s = self.cost(decodes + _prefill(pending, take, commit=False))
-        fed = due = 0
-        for entry in _prefill(pending, full, commit=False):
-            fed += len(entry.tokens)
-            if now + -(-fed // take) * step_s > entry.seq.deadline:
-                due = fed
-        if not due or objective is None:
-            return due
-        return min(due, self._fit(decodes, pending, full, objective))
+        return _prefill(pending, low, knee)
 
     def advance(self, entries: list[Entry]) -> None:
         """The step ran: its tokens are in the cache. (Sampling sets ``pending`` after.)"""
@@ -465,19 +453,16 @@ class Scheduler:
                 seq.pending = -1
 
 
-def _prefill(pending: list[Sequence], budget: int, *, commit: bool) -> list[Entry]:
-    """Prompt chunks of ``budget`` tokens at most, from ``pending`` in the order taken
-    (see :meth:`Scheduler.plan`); ``commit``: count the prompts passed over."""
+def _prefill(pending: list[Sequence], budget: int, knee: int) -> list[Entry]:
+    """Prompt chunks of ``budget`` tokens in all at most, from ``pending`` in the order taken:
+    each prompt's whole rest where it fits, else a chunk of at least ``knee`` tokens; a prompt
+    passed over ``MAX_PASSED`` steps takes any chunk."""
     entries: list[Entry] = []
-    first = min(seq.priority for seq in pending)
     for seq in pending:
-        if budget <= 0 or (seq.priority != first and seq.passed < MAX_PASSED):
-            if commit:
-                seq.passed += 1
+        left = len(seq.prompt) - seq.fed
+        take = min(budget, left)
+        if take <= 0 or (take < left and take < knee and seq.passed < MAX_PASSED):
             continue
-        if commit:
-            seq.passed = 0
-        take = min(budget, len(seq.prompt) - seq.fed)
         end = seq.fed + take
         entries.append(Entry(seq, seq.prompt[seq.fed : end], seq.fed, end == len(seq.prompt)))
         budget -= take
@@ -487,36 +472,40 @@ def _prefill(pending: list[Sequence], budget: int, *, commit: bool) -> list[Entr
 def _banked(seq: Sequence, now: float) -> float:
     """The longest next step that keeps ``seq`` within its TPOT objective (less the margin), an
     average over its tokens since its first: the time until its next token is due at that
-    pace, never less than one token's share, nor more than its TTFT objective (less the
-    margin: no pause of a running stream is longer than a new one's promised wait)."""
+    pace, never less than one token's share, nor more than what is left of its cap
+    (:func:`_cap`) since its latest token."""
     per = MARGIN * seq.tpot_s
     if seq.first_at is None:
         return per
     due = seq.first_at + per * seq.generated - now
-    return min(max(per, due), max(per, MARGIN * seq.ttft_s))
+    since = now - seq.last_at if seq.last_at is not None else 0.0
+    return min(max(per, due), max(per, _cap(seq)) - since)
 
 
-def _deferrable(seq: Sequence, now: float) -> bool:
-    """Whether a generating sequence may skip the step that samples a chat's first token: a
-    less urgent one with a TPOT objective, more than a token's share ahead of it."""
+def _cap(seq: Sequence) -> float:
+    """The longest gap between two of ``seq``'s tokens: its own (``gap_s``), else its TTFT
+    objective (no running stream pauses longer than a new one is promised to wait); less the
+    margin, and none without either."""
+    return MARGIN * (seq.gap_s or seq.ttft_s) or math.inf
+
+
+def _deferrable(seq: Sequence, now: float, step: float) -> bool:
+    """Whether a generating sequence may skip the step (of ``step`` seconds) that samples a
+    chat's first token: a less urgent one with a TPOT objective, more than a token's share
+    ahead of it, whose cap leaves room for that step and one as long after it."""
     if seq.priority == 0 or seq.tpot_s <= 0 or seq.first_at is None:
         return False
     per = MARGIN * seq.tpot_s
-    return seq.first_at + per * seq.generated - now > per
+    return seq.first_at + per * seq.generated - now > per and 2 * step <= max(per, _cap(seq))
 
 
-def _whole(prefill: list[Entry]) -> int:
-    """The prompt tokens of the leading entries that end their prompts."""
-    total = 0
-    for entry in prefill:
-        if not entry.sample:
-            break
-        total += len(entry.tokens)
-    return total
-
-
-def _overdue_first(seq: Sequence) -> tuple[bool, int, int]:
-    return (seq.passed < MAX_PASSED, seq.priority, seq.order)
+def _taken_first(seq: Sequence) -> tuple[int, int, int]:
+    """The order prompts are taken in: those passed over ``MAX_PASSED`` steps before all, the
+    oldest first (were the budget always spent before they came, they would be passed over for
+    good), then the most urgent, the shortest left, the oldest."""
+    if seq.passed >= MAX_PASSED:
+        return (-1, 0, seq.order)
+    return (seq.priority, len(seq.prompt) - seq.fed, seq.order)
 
 
 def _urgency(seq: Sequence) -> tuple[int, int]:

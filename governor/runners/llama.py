@@ -65,6 +65,7 @@ from .base import (
     Token,
     probe_job,
 )
+from .batching import KNEE
 from .llama_prompts import LlamaPrompts
 from .structured import Choice, finish, functions_of, tool_mode
 
@@ -102,6 +103,7 @@ class LlamaSettings:
     threads: int = 1  # per worker
     n_gpu_layers: int = 0
     step_tokens: int = 256  # tokens per decode step
+    min_chunk: int = KNEE  # the fewest tokens of a prompt's chunk (the batched runner's knee)
     kv_type: str = "f16"  # the cache's cells: f16 or q8_0
     max_new_tokens: int = 1024  # the ceiling a job may ask for
     job_timeout_s: float = 120.0  # a worker silent this long with jobs in hand is hung
@@ -177,6 +179,8 @@ class WorkerProcess:
             str(s.n_ctx),
             "--step-tokens",
             str(s.step_tokens),
+            "--min-chunk",
+            str(s.min_chunk),
             "--threads",
             str(s.threads),
             "--kv-type",
@@ -625,7 +629,7 @@ def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> dict[
         "priority": job.priority,
         "ttft_ms": job.ttft_ms,
         "tpot_ms": job.tpot_ms,
-        "stall": job.stall,
+        "gap_ms": job.gap_ms,
         "temperature": spec.temperature,
         "top_p": spec.top_p,
         "top_k": spec.top_k,

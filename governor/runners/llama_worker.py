@@ -6,7 +6,7 @@ diagnostics on stderr. A crash here (a segfault in the native code, an out-of-me
 seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
-             "ttft_ms": float, "tpot_ms": float, "stall": float, "temperature": float,
+             "ttft_ms": float, "tpot_ms": float, "gap_ms": float, "temperature": float,
              "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
              "stop": [str], "ignore_eos": bool, "n": int, "logprobs": int | null,
              "presence_penalty": float, "frequency_penalty": float, "repeat_penalty": float,
@@ -29,10 +29,11 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
                                                                 the answer to an "embed"
 
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
-of every generating sequence and chunks of pending prompts, cut to fit the generating
-sequences' ``tpot_ms`` and ``stall`` and the first-token deadlines ``ttft_ms`` after each
-job's arrival (the step budget, in that module). ``out`` holds, for each sequence that let
-out text in the step (or, with log probabilities, tokens), the job, the sequence's index ``i``
+of every generating sequence and whole prompts or chunks of at least ``--min-chunk`` tokens,
+cut to the time the generating sequences have banked against their ``tpot_ms`` and to their
+``gap_ms`` (``ttft_ms`` without one): the step budget, in that module; the cells of ended
+sequences are kept for a later prompt with the same beginning, ``--n-ctx`` of them at most.
+``out`` holds, for each sequence that let out text in the step (or, with log probabilities, tokens), the job, the sequence's index ``i``
 among the job's ``n``, its text, and ``n``, how many tokens the job (all its sequences) has
 generated so far; ``f`` how many prompt tokens each job whose prompt is still being fed has in
 the cache, ``kv`` the cache cells held after it, ``acks`` how many cancels were handled since
@@ -113,7 +114,7 @@ import orjson
 
 from protocol.spec import MAX_N
 
-from .batching import MAX_PASSED, Entry, Scheduler, Sequence
+from .batching import KNEE, MAX_PASSED, Entry, Scheduler, Sequence
 from .stepcost import StepCosts
 
 PROBE_SLOTS = 1  # a sequence beyond the admitted ones, for the health probe
@@ -512,11 +513,9 @@ class Branch:
             request["max_new_tokens"],
             priority=request["priority"],
             tpot_s=request.get("tpot_ms", 0.0) / 1000,
-            stall=request.get("stall", 0.0),
+            gap_s=request.get("gap_ms", 0.0) / 1000,
             ttft_s=request.get("ttft_ms", 0.0) / 1000,
         )
-        if ttft_ms := request.get("ttft_ms", 0.0):
-            self.seq.deadline = time.perf_counter() + ttft_ms / 1000
         self.text = Text(request["stop"])
 
 
@@ -718,8 +717,9 @@ class Worker:
         else:
             seq.generated += 1
             job.generated += 1
+            seq.last_at = time.perf_counter()
             if seq.generated == 1:
-                seq.first_at = time.perf_counter()
+                seq.first_at = seq.last_at
             note = model.scores(index, token, job.logprobs) if job.logprobs is not None else None
             if branch.text.add(model.piece(token), note):
                 finish = "stop"
@@ -779,7 +779,7 @@ class Worker:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m governor.runners.llama_worker")
     parser.add_argument("--model", required=True)
     parser.add_argument("--cells", type=int, required=True, help="KV cache cells")
@@ -788,10 +788,15 @@ def main(argv: list[str] | None = None) -> int:
         "--n-ctx", type=int, required=True, help="the longest sequence (prompt + output)"
     )
     parser.add_argument("--step-tokens", type=int, required=True)
+    parser.add_argument("--min-chunk", type=int, default=KNEE, help="a prompt chunk's least")
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--kv-type", choices=("f16", "q8_0"), default="f16")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but events may reach the daemon's pipe
 
@@ -800,7 +805,9 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as exc:
         emit(out, {"ev": "refused", "error": str(exc)})
         return 2
-    scheduler = Scheduler(model.slots, args.step_tokens, model.size, model)
+    scheduler = Scheduler(
+        model.slots, args.step_tokens, model.size, model, knee=args.min_chunk, keep=args.n_ctx
+    )
     worker = Worker(model, scheduler, io.BytesIO())
     # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
     worker.handle(greedy_request("warm-up", model.tokenize(b"Hello"), 2))

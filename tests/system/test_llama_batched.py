@@ -22,12 +22,14 @@ import pytest
 
 from clients import NO_RETRY, GovernorClient
 from governor.runners.llama import LlamaRunner
+from governor.runners.llama_worker import greedy_request
 from governor.server import Server
 from loadtest.support.processes import parent_pids
 from protocol.spec import Message
 from tests.conftest import ServerFactory, wait_until
 
 from .test_llama import N_GPU_LAYERS, client_for, generating, greedy, worker_pids
+from .test_suspension import WorkerPipe
 
 # The tokens a stream says beside others as alone: 4 on the CPU; on a GPU (an H100, measured)
 # llama.cpp's kernels for one token and for a batch differ more, and the third token can differ.
@@ -354,3 +356,36 @@ async def test_chats_keep_their_pace_beside_long_rewrites(make_server: ServerFac
         beside = await chats(2)
         assert [(await h).done for h in heavy] == [True, True]
     assert max(beside) <= 4 * max(alone), (alone, beside)
+
+
+def test_short_prompts_that_arrive_together_are_fed_in_one_step() -> None:
+    """Four chats' prompts reach the worker together while a job generates (a real worker
+    process, driven as the daemon drives it): one step feeds all four (their first tokens come
+    out of the same step event), beside the running job's token; a scheduler that fed one
+    prompt a step would spread them over four steps."""
+    pipe = WorkerPipe(2048, slots=5)
+    try:
+        pipe.run("running", list(range(1000, 1200)), 64, priority=0)
+        steps = pipe.steps()
+        next(steps)  # its prompt, fed while nothing else is here
+        chat = {"priority": 0, "tpot_ms": 100.0, "ttft_ms": 1000.0, "gap_ms": 500.0}
+        keys = [f"chat{i}" for i in range(4)]
+        for key in keys:
+            pipe.texts[key] = ""
+        pipe.send(
+            *(
+                {**greedy_request(key, list(range(2000 + 50 * i, 2030 + 50 * i)), 4), **chat}
+                for i, key in enumerate(keys)
+            )
+        )
+        first: dict[str, int] = {}  # the step each chat's first token came out of
+        for number, _ in enumerate(steps):
+            for key in keys:
+                if key in pipe.tokens:
+                    first.setdefault(key, number)
+            if len(first) == len(keys):
+                break
+        assert len(set(first.values())) == 1, first
+        assert pipe.tokens["running"] < 64  # (it was generating all along)
+    finally:
+        pipe.close()

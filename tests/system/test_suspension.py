@@ -32,7 +32,7 @@ LONG = 48  # the suspended job's tokens
 class WorkerPipe:
     """A worker process, spoken to over its pipes as the daemon does."""
 
-    def __init__(self, cells: int) -> None:
+    def __init__(self, cells: int, slots: int = 2) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -43,7 +43,7 @@ class WorkerPipe:
                 "--cells",
                 str(cells),
                 "--slots",
-                "2",
+                str(slots),
                 "--n-ctx",
                 str(cells),
                 "--step-tokens",
@@ -63,10 +63,11 @@ class WorkerPipe:
         self.tokens: dict[str, int] = {}
         self.kv = 0  # the cells the jobs hold, as the last step said
 
-    def send(self, request: dict[str, Any]) -> None:
+    def send(self, *requests: dict[str, Any]) -> None:
+        """Requests in one write (the worker reads them all before its next step)."""
         stdin: IO[bytes] | None = self.proc.stdin
         assert stdin is not None
-        stdin.write(orjson.dumps(request) + b"\n")
+        stdin.write(b"".join(orjson.dumps(request) + b"\n" for request in requests))
         stdin.flush()
 
     def event(self) -> dict[str, Any]:

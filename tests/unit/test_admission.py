@@ -395,20 +395,20 @@ def test_every_sequence_keeps_the_caps_and_gives_everything_back(
 
 def test_an_admitted_job_carries_its_objectives_to_the_runner(clock: FakeClock) -> None:
     """The lane's objectives, the tenant's over them, the request's over both (an interactive
-    job's only tightened); the runner gets the TPOT objective and the interactive stall."""
+    job's only tightened); the runner gets the TPOT objective and the interactive gap."""
     strict = TenantConfig(name="strict", key_sha256=key_sha("k-strict"), tpot_slo_ms=40.0)
     admission = make(clock, cap=4, lanes=True, tenants=(strict,))
-    admission.slo = SloPolicy(interactive_stall=1.5)
+    admission.slo = SloPolicy(interactive_gap_ms=400.0)
     ticket = admitted(admission.decide(attempt(admission, "k-strict")))
     assert ticket.objectives == Objectives(1000.0, 40.0)
-    assert (ticket.job.tpot_ms, ticket.job.stall, ticket.job.priority) == (40.0, 1.5, 0)
+    assert (ticket.job.tpot_ms, ticket.job.gap_ms, ticket.job.priority) == (40.0, 400.0, 0)
     looser = admitted(admission.decide(attempt(admission, "k-strict", tpot_slo_ms=500.0)))
     assert looser.objectives == Objectives(1000.0, 100.0)  # not looser than the lane's
     heavy = admitted(
         admission.decide(attempt(admission, "k-strict", lane="heavy", ttft_slo_ms=60000.0))
     )
     assert heavy.objectives == Objectives(60000.0, 40.0)
-    assert (heavy.job.tpot_ms, heavy.job.stall, heavy.job.priority) == (40.0, 0.0, 1)
+    assert (heavy.job.tpot_ms, heavy.job.gap_ms, heavy.job.priority) == (40.0, 0.0, 1)
 
 
 @pytest.mark.parametrize("lanes", [False, True])

@@ -22,7 +22,6 @@ from governor.runners.batching import (
     MARGIN,
     MAX_PASSED,
     MIN_PREFILL,
-    PREFILL_FLOOR,
     Entry,
     Scheduler,
     Sequence,
@@ -187,6 +186,7 @@ class Batching(RuleBasedStateMachine):
         super().__init__()
         self.slots, self.cells, self.step_tokens = 4, 96, 24
         self.s, self.cache = scheduler(self.slots, self.step_tokens, self.cells)
+        self.s.keep = 30  # (kept cells: less than the cache holds)
         self.keys = itertools.count()
         self.tokens_fed: dict[str, int] = {}
         # Each sequence's prompt and the tokens it sampled: what its cells must come to hold.
@@ -234,10 +234,11 @@ class Batching(RuleBasedStateMachine):
         )
         prefills = [e for e in entries if e.seq.prefilling]
         if pending:
-            first = min(q.priority for q in pending)
-            assert prefills
+            assert prefills, "prompts wait, nothing generates, and none was fed"
+            knee = min(self.s.knee, max(self.step_tokens - len(decodes), MIN_PREFILL))
             for e in prefills:
-                assert e.seq.priority == first or passed[e.seq.key] >= MAX_PASSED
+                ends = e.start + len(e.tokens) == len(e.seq.prompt)
+                assert ends or len(e.tokens) >= knee or passed[e.seq.key] >= MAX_PASSED
         self.cache.decode(entries)
         self.s.advance(entries)
         assert self.cache.in_use <= self.cells
@@ -299,6 +300,7 @@ class Batching(RuleBasedStateMachine):
         held = sum(len(self.s.held[q.slot]) for q in pinned)
         reserved = sum(q.reservation for q in self.s.running.values())
         assert self.s.kept + held + reserved <= self.cells
+        assert self.s.kept <= self.s.keep
         assert not self.s.waiting or len(self.s.running) == self.slots
 
     @invariant()
@@ -417,106 +419,68 @@ def prefill_tokens(entries: list[Entry]) -> int:
     return sum(len(e.tokens) for e in entries if e.seq.prefilling or e.start < len(e.seq.prompt))
 
 
-def test_a_chat_keeps_its_pace_beside_a_long_prompt() -> None:
-    """1 ms a step and 3 ms a token: a chat generating alone takes 4 ms a step; with a stall of
-    1.5 a long prompt beside it gets 2 ms of each step (none of a token: the floor, 1 token)."""
-    s, cache = budgeted(costs(1, 3), slots=4)
-    chat = generating(s, cache, "chat", tpot_s=0.100, stall=1.5)
-    s.submit(Sequence("rewrite", tuple(range(10, 1000)), 16, priority=1))
+def test_several_short_prompts_go_in_one_step_interactive_first_and_shortest_first() -> None:
+    """Nothing generating: one step takes every prompt that fits, a chat's before a rewrite's
+    and the shorter first; a prompt that would get less than the knee waits."""
+    s, cache = budgeted(costs(2, 3), slots=8, step_tokens=100)
+    s.knee = 30
+    s.submit(Sequence("rewrite", tuple(range(1000, 1040)), 4, priority=1))
+    s.submit(Sequence("long chat", tuple(range(100, 150)), 4))
+    s.submit(Sequence("short chat", tuple(range(200, 220)), 4))
+    s.submit(Sequence("heavy", tuple(range(300, 310)), 4, priority=1))
     entries = step_and_sample(s, cache)
-    assert any(e.seq is chat for e in entries)
-    assert prefill_tokens(entries) == 1  # 4 + 3 = 7 ms > 1.5 x 4 ms: only the floor
-    # Without the stall, the objective (90 ms) bounds it: (90 - 4) / 3 = 28 tokens.
-    chat.stall = 0.0
-    assert prefill_tokens(step_and_sample(s, cache)) == 28
-    # Without any objective, the whole step_tokens less the decodes.
-    chat.tpot_s = 0.0
-    assert prefill_tokens(step_and_sample(s, cache)) == 255
-
-
-def test_a_short_prompt_goes_whole_beside_running_chats() -> None:
-    """A chat's prompt that fits the objective goes in one step, stall or not (its first token
-    comes at once); a long one beside it is held to the stall."""
-    s, cache = budgeted(costs(2, 3), slots=8)
-    for i in range(4):
-        generating(s, cache, f"chat{i}", tpot_s=0.100, stall=1.5)
-    s.submit(Sequence("new", tuple(range(10, 30)), 16))  # 20 tokens: 14 + 60 ms < 90 ms
-    entries = step_and_sample(s, cache)
-    assert [(e.seq.key, len(e.tokens), e.sample) for e in entries if e.seq.key == "new"] == [
-        ("new", 20, True)
+    # 20 + 50 whole; the rewrite's 30 would not end it and meets the knee, but "heavy" is
+    # shorter: 10 whole, and the 20 left are below the knee for the rewrite.
+    assert [(e.seq.key, len(e.tokens), e.sample) for e in entries] == [
+        ("short chat", 20, True),
+        ("long chat", 50, True),
+        ("heavy", 10, True),
     ]
-    s.submit(Sequence("long", tuple(range(100, 400)), 16))  # 300 tokens: never whole
-    entries = step_and_sample(s, cache)
-    # 5 generating: 2 + 15 = 17 ms a step; 1.5 x that is 25.5 ms: 2 prompt tokens (23 ms).
-    assert prefill_tokens(entries) == 2
+    assert s.running["rewrite"].passed == 1
 
 
-@given(
-    step_ms=st.floats(0.5, 10),
-    token_ms=st.floats(0.05, 5),
-    sample_ms=st.floats(0, 2),
-    attend_ms=st.floats(0, 0.01),
-    limits=st.lists(
-        st.tuples(
-            st.sampled_from([0.0, 0.01, 0.03, 0.1, 0.3]), st.sampled_from([0.0, 1.0, 1.5, 3.0])
-        ),
-        min_size=1,
-        max_size=6,
-    ),
-    prompts=st.lists(st.tuples(st.integers(1, 600), st.integers(0, 2)), min_size=1, max_size=4),
-    step_tokens=st.integers(16, 256),
-)
-@settings(max_examples=200, deadline=None)
-def test_every_step_fits_its_bounds_and_leaves_no_stream_out(
-    step_ms: float,
-    token_ms: float,
-    sample_ms: float,
-    attend_ms: float,
-    limits: list[tuple[float, float]],
-    prompts: list[tuple[int, int]],
-    step_tokens: int,
-) -> None:
-    """For any step costs, objectives, stalls and prompts: every generating sequence gets its
-    token every step; a step's predicted cost stays within the tightest TPOT objective (less
-    the margin), and within the tightest stall unless it feeds only whole prompts that fit the
-    objective, wherever taking more than the floor of prompt tokens is what breaks them; every
-    prompt is fed to its end, each step feeding some."""
-    s, cache = budgeted(
-        costs(step_ms, token_ms, sample_ms, attend_ms), slots=12, step_tokens=step_tokens
-    )
-    for i, (tpot_s, stall) in enumerate(limits):
-        generating(s, cache, f"g{i}", tpot_s=tpot_s, stall=stall, priority=i % 3)
-    for i, (length, priority) in enumerate(prompts):
-        s.submit(Sequence(f"p{i}", tuple(range(1, length + 1)), 4, priority=priority))
-    total = sum(length for length, _ in prompts)
-    for _ in range(total + 1):
-        if not any(q.prefilling for q in s.running.values()):
-            break
-        decoding = {q.key for q in s.running.values() if q.pending >= 0}
-        before = s.occupied
-        entries = s.plan()
-        decodes = [e for e in entries if not e.seq.prefilling]
-        prefill = [e for e in entries if e.seq.prefilling]
-        assert {e.seq.key for e in decodes} == decoding
-        assert prefill, "a step with prompts pending fed none"
-        objective, stall_bound = s.bounds(decodes)
-        cost = s.cost(entries)
-        fed = sum(len(e.tokens) for e in prefill)
-        assert fed <= max(step_tokens - len(decodes), MIN_PREFILL)
-        if fed > PREFILL_FLOOR:
-            if objective is not None:
-                assert cost <= objective * (1 + 1e-9)
-            if stall_bound is not None and cost > stall_bound * (1 + 1e-9):
-                assert all(e.start + len(e.tokens) == len(e.seq.prompt) for e in prefill), (
-                    "past the stall with a prompt that does not end"
-                )
-        cache.decode(entries)
-        s.advance(entries)
-        assert s.occupied == before + sum(len(e.tokens) for e in entries)
-        for entry in entries:
-            if entry.sample:
-                entry.seq.pending = 7
-    assert not any(q.prefilling for q in s.running.values()), "a prompt was never fed whole"
+def test_a_chunk_below_the_knee_waits_while_the_chats_bank_the_time() -> None:
+    """2 ms a step, 3 ms a token: a chat 10 tokens ahead of its 90 ms pace has 900 ms in hand,
+    capped at its gap; one on its pace, one token's share. A long prompt beside it goes in
+    chunks that fill the bound, never below the knee: on the pace, (90 - 2 - 3) / 3 = 28
+    tokens would do, so the step is the chat's token alone."""
+    s, cache = budgeted(costs(2, 3), slots=4, step_tokens=512)
+    chat = generating(s, cache, "chat", tpot_s=0.1, gap_s=0.5, ttft_s=1.0)
+    chat.first_at, chat.generated = 0.0, 10
+    s.submit(Sequence("rewrite", tuple(range(1000, 2000)), 4, priority=1))
+
+    def fed(now: float) -> int:
+        return sum(len(e.tokens) for e in s.plan(now) if e.seq.key == "rewrite")
+
+    assert fed(0.9) == 0  # on its pace: 28 tokens would fit, below the knee (64)
+    assert s.running["rewrite"].passed == 1
+    assert fed(0.69) == 68  # 210 ms in hand: (210 - 5) / 3
+    assert s.running["rewrite"].passed == 0
+    assert fed(0.0) == 148  # 900 ms in hand, capped at the gap: (450 - 5) / 3
+    chat.gap_s = 0.0
+    assert fed(0.0) == 298  # no gap: the TTFT objective caps it, (900 - 5) / 3
+    s.running["rewrite"].passed = MAX_PASSED  # passed over too long: any chunk goes
+    assert fed(0.9) == 28
+
+
+def test_a_chats_first_token_waits_on_heavy_prompts_for_its_gap_at_most() -> None:
+    """Heavy streams generate, far ahead of their objectives: a step may take the full batch.
+    A chat's prompt goes first, and a rewrite's fills the step only to the chat's gap."""
+    s, cache = budgeted(costs(2, 3), slots=6, step_tokens=512)
+    for i in range(2):
+        heavy = generating(s, cache, f"heavy{i}", tpot_s=1.0, ttft_s=15.0, priority=1)
+        heavy.first_at, heavy.generated = 0.0, 1000
+    s.submit(Sequence("rewrite", tuple(range(1000, 3000)), 4, priority=1))
+    entries = s.plan(1.0)
+    assert sum(len(e.tokens) for e in entries if e.seq.key == "rewrite") == 510  # the batch
+    # A gap of 300 ms: 2 + 3 x (2 + 50 + 37) = 269 ms would let in 37 tokens, below the knee.
+    s.submit(Sequence("chat", tuple(range(100, 150)), 4, gap_s=0.3))
+    entries = s.plan(1.0)
+    assert [(e.seq.key, len(e.tokens)) for e in entries] == [("chat", 50)]  # (heavies wait)
+    # A gap of 400 ms: 2 + 3 x (2 + 50 + 67) = 359 ms.
+    s.running["chat"].gap_s = 0.4
+    entries = s.plan(1.0)
+    assert [(e.seq.key, len(e.tokens)) for e in entries] == [("chat", 50), ("rewrite", 67)]
 
 
 def test_a_heavy_prompt_progresses_beside_a_stream_of_chats_with_tight_objectives() -> None:
@@ -524,7 +488,7 @@ def test_a_heavy_prompt_progresses_beside_a_stream_of_chats_with_tight_objective
     rewrite's prompt still progresses (the floor, and its turn after MAX_PASSED steps)."""
     s, cache = budgeted(costs(5, 3), slots=10, step_tokens=64)
     for i in range(4):
-        generating(s, cache, f"chat{i}", tpot_s=0.001, stall=1.1)
+        generating(s, cache, f"chat{i}", tpot_s=0.001, gap_s=0.002)
     s.submit(Sequence("rewrite", tuple(range(100, 150)), 4, priority=1))
     chats = itertools.count()
     steps = 0
@@ -578,140 +542,112 @@ def test_step_costs_are_never_negative_whatever_the_steps(
         assert learnt.per_token(cells) > 0
 
 
-def burst_of_chats(deadline: float) -> tuple[float, float]:
-    """Eight chats of 15 new prompt tokens arrive while one chat generates (2 ms a step, 3 ms
-    a token; the stall of 1.5 lets in a token a step, the objective's 90 ms 28): when the last
-    gets its first token, and the longest step."""
-    s, cache = budgeted(costs(2, 3), slots=10)
-    generating(s, cache, "running", tpot_s=0.100, stall=1.5)
-    for i in range(8):
-        q = Sequence(f"chat{i}", tuple(range(100 * i + 1, 100 * i + 16)), 16)
-        q.deadline = deadline
-        s.submit(q)
-    now = longest = 0.0
-    first: dict[str, float] = {}
-    while any(q.prefilling for q in s.running.values()):
-        entries = s.plan(now)
-        longest = max(longest, s.cost(entries))
-        now += s.cost(entries)  # the step runs as predicted
-        cache.decode(entries)
-        s.advance(entries)
-        for entry in entries:
-            if entry.sample:
-                first.setdefault(entry.seq.key, now)
-                entry.seq.pending = 7
-    assert len(first) == 9
-    return max(first.values()), longest
-
-
-def test_a_burst_of_chats_is_fed_as_fast_as_their_objective_allows_when_due() -> None:
-    """Their first tokens due sooner than the prompts can all be fed, the chats' prompts go at
-    the pace of the running chat's objective (whole steps of it), not one prompt a step; and
-    never past the objective, however late they are."""
-    due_last, due_longest = burst_of_chats(deadline=0.3)
-    lax_last, lax_longest = burst_of_chats(deadline=math.inf)
-    assert due_last < lax_last
-    assert lax_longest < due_longest <= 0.09 + 1e-9
-    assert burst_of_chats(deadline=0.0) == (due_last, due_longest)
-
-
-def test_a_heavy_prompt_past_its_deadline_is_fed_within_the_chats_objective() -> None:
-    """A rewrite's first token is overdue beside generating chats: its prompt goes at the
-    chats' objective (90 ms a step), no longer at their stall, and never past the objective."""
-    s, cache = budgeted(costs(2, 3), slots=4)
-    chat = generating(s, cache, "chat", tpot_s=0.100, stall=1.5)
-    rewrite = Sequence("rewrite", tuple(range(1000, 1600)), 4, priority=1)
-    rewrite.deadline = 10.0
-    s.submit(rewrite)
-    assert prefill_tokens(step_and_sample(s, cache)) == 1  # on time: the stall's pace
-    entries = s.plan(now=11.0)
-    assert sum(len(e.tokens) for e in entries if e.seq is rewrite) == 28  # (90 - 5) / 3
-    assert s.cost(entries) <= 0.09
-    assert any(e.seq is chat for e in entries)
-
-
-def test_a_prompt_goes_whole_on_the_time_the_chats_have_banked() -> None:
-    """Chats ahead of their TPOT objective (an average since their first token) let a prompt
-    too long for one token's share go whole, in a step no longer than their TTFT objective
-    (less the margin); behind it, past it, or with no first token known, the prompt is fed at
-    the stall's pace."""
-    s, cache = budgeted(costs(2, 4), slots=8)
-    chats = [generating(s, cache, f"chat{i}", tpot_s=0.1, stall=1.5, ttft_s=1.0) for i in range(4)]
-    for chat in chats:
-        chat.first_at, chat.generated = 0.0, 10  # 10 tokens: due by 0.9 s at 90 ms each
-
-    def fed(key: str, now: float) -> int:
-        return sum(len(e.tokens) for e in s.plan(now) if e.seq.key == key)
-
-    s.submit(Sequence("new", tuple(range(10, 90)), 16))  # 80 tokens: 2 + 4 x 84 = 338 ms
-    assert fed("new", 0.5) == 80  # 400 ms banked
-    assert fed("new", 0.6) == 2  # 300 ms banked; the stall: 1.5 x (2 + 16) ms is 2 tokens
-    assert fed("new", 1.0) == 2  # behind: one token's share (90 ms), and the stall
-    chats[0].first_at = None
-    assert fed("new", 0.5) == 2
-    chats[0].first_at = 0.0
-    s.remove("new")
-    for chat in chats:
-        chat.generated = 1000  # far ahead: only the TTFT objective bounds the step, 900 ms
-    s.submit(Sequence("fits", tuple(range(1, 201)), 16))  # 2 + 4 x 204 = 818 ms
-    assert fed("fits", 0.5) == 200
-    s.remove("fits")
-    s.submit(Sequence("long", tuple(range(1, 231)), 16))  # 2 + 4 x 234 = 938 ms
-    assert fed("long", 0.5) == 2
+LANE_LIMITS = {  # (tpot_s, ttft_s, gap_s) of the worker's jobs by priority, as admission sets
+    0: (0.1, 1.0, 0.5),
+    1: (1.0, 15.0, 0.0),
+    2: (2.0, 60.0, 0.0),
+}
 
 
 @given(
     step_ms=st.floats(0.5, 5),
-    token_ms=st.floats(0.05, 3),
-    objectives=st.lists(
-        st.tuples(st.sampled_from([0.05, 0.1, 0.3]), st.sampled_from([0.0, 0.5, 1.0, 15.0])),
+    token_ms=st.floats(0.05, 2),
+    sample_ms=st.floats(0, 0.5),
+    knee=st.integers(1, 128),
+    step_tokens=st.integers(16, 512),
+    streams=st.lists(
+        st.tuples(
+            st.sampled_from([0.05, 0.1, 0.3]),
+            st.sampled_from([0.0, 0.2, 0.5]),
+            st.sampled_from([0.0, 1.0, 15.0]),
+            st.integers(0, 2),
+        ),
         min_size=1,
         max_size=4,
     ),
     arrivals=st.lists(
-        st.tuples(st.integers(0, 60), st.integers(1, 400), st.integers(0, 2)), max_size=8
+        st.tuples(st.integers(0, 60), st.integers(1, 600), st.integers(0, 2)), max_size=8
     ),
 )
-@settings(max_examples=150, deadline=None)
-def test_every_stream_keeps_its_tpot_on_average_and_pauses_no_longer_than_its_ttft(
+@settings(max_examples=200, deadline=None)
+def test_every_stream_keeps_its_pace_and_gap_and_every_prompt_is_fed_in_chunks_past_the_knee(
     step_ms: float,
     token_ms: float,
-    objectives: list[tuple[float, float]],
+    sample_ms: float,
+    knee: int,
+    step_tokens: int,
+    streams: list[tuple[float, float, float, int]],
     arrivals: list[tuple[int, int, int]],
 ) -> None:
-    """Steps run as predicted, prompts of any lane arriving at any step: every stream's mean
-    time per output token since its first stays within its TPOT objective (less the margin),
-    and no gap between two of its tokens is longer than that objective's share or its TTFT
-    objective (less the margin), however much time it banked."""
-    s, cache = budgeted(costs(step_ms, token_ms), slots=16)
-    streams = [
-        generating(s, cache, f"g{i}", tpot_s=tpot, stall=1.5, ttft_s=ttft)
-        for i, (tpot, ttft) in enumerate(objectives)
-    ]
+    """Steps run as predicted (a step never costs more than 5 + 2 x 12 tokens of decodes, less
+    than any stream's share: the plan can always meet the objectives), prompts of any lane and
+    length arriving at any step: every stream's mean time per output token since its first
+    stays within its TPOT objective (less the margin) and no gap between two of its tokens is
+    longer than its cap; every step holds every generating sequence's token (but for a less
+    urgent stream that gives its place to a chat's first token); every prompt is fed to its
+    end, each chunk at least the knee unless it ends the prompt or the prompt was passed over
+    ``MAX_PASSED`` times."""
+    s, cache = budgeted(costs(step_ms, token_ms, sample_ms), slots=16, step_tokens=step_tokens)
+    s.knee = knee
     now = 0.0
-    times: dict[str, list[float]] = {q.key: [now] for q in streams}
-    for q in streams:
-        q.first_at, q.generated = now, 1
+    limits: dict[str, tuple[float, float, float]] = {}  # each one's TPOT, TTFT and gap
+    for i, (tpot, gap, ttft, priority) in enumerate(streams):
+        q = generating(s, cache, f"g{i}", tpot_s=tpot, gap_s=gap, ttft_s=ttft)
+        q.priority, q.first_at, q.last_at, q.generated = priority, now, now, 1
+        limits[q.key] = (tpot, ttft, gap)
+    times: dict[str, list[float]] = {q.key: [now] for q in s.running.values()}
     due = sorted(arrivals)
-    for step in range(200):
+    for step in range(5000):
         while due and due[0][0] <= step:
             _, length, priority = due.pop(0)
-            s.submit(Sequence(f"p{step}-{len(due)}", tuple(range(1, length + 1)), 4, priority))
+            tpot, ttft, gap = LANE_LIMITS[priority]
+            key = f"p{step}-{len(due)}"
+            prompt = tuple(range(1, length + 1))
+            s.submit(Sequence(key, prompt, 4, priority, tpot_s=tpot, ttft_s=ttft, gap_s=gap))
+            limits[key] = (tpot, ttft, gap)
+        if not due and not any(q.prefilling for q in s.running.values()) and step > 200:
+            break
+        generating_now = {q.key for q in s.running.values() if q.pending >= 0}
+        passed = {q.key: q.passed for q in s.running.values()}
+        full = max(step_tokens - len(generating_now), MIN_PREFILL)
         entries = s.plan(now)
+        stepped = {e.seq.key for e in entries if not e.seq.prefilling}
+        left_out = generating_now - stepped
+        if left_out:
+            assert any(
+                e.sample and e.seq.priority == 0 and e.start < len(e.seq.prompt) for e in entries
+            ), "a generating sequence left out of a step that samples no chat's first token"
+            assert all(s.running[key].priority > 0 for key in left_out)
+        for e in entries:
+            if e.start < len(e.seq.prompt):  # a prompt's chunk
+                ends = e.start + len(e.tokens) == len(e.seq.prompt)
+                assert ends or len(e.tokens) >= min(knee, full) or passed[e.seq.key] >= MAX_PASSED
         now += s.cost(entries)  # the step runs as predicted
         cache.decode(entries)
         s.advance(entries)
         for entry in entries:
-            if entry.sample and entry.seq in streams:
-                entry.seq.generated += 1
-                times[entry.seq.key].append(now)
-            if entry.sample:
-                entry.seq.pending = 7
-    for q in streams:
-        t, per = times[q.key], MARGIN * q.tpot_s
-        assert (t[-1] - t[0]) / (len(t) - 1) <= per * (1 + 1e-9)
-        longest = max(b - a for a, b in itertools.pairwise(t))
-        assert longest <= max(per, MARGIN * q.ttft_s) * (1 + 1e-9)
+            if not entry.sample:
+                continue
+            q = entry.seq
+            q.generated += 1
+            q.last_at = now  # (as the worker sets them)
+            if q.first_at is None:
+                q.first_at = now
+            times.setdefault(q.key, []).append(now)
+            if q.key.startswith("p") and q.generated >= q.max_new_tokens:
+                s.remove(q.key)
+            else:
+                q.pending = 7
+    assert not due
+    assert not any(q.prefilling for q in s.running.values()), "a prompt was never fed whole"
+    for key, t in times.items():
+        if len(t) < 2:
+            continue
+        tpot, ttft, gap = limits[key]
+        per = MARGIN * tpot
+        assert (t[-1] - t[0]) / (len(t) - 1) <= per * (1 + 1e-9), key
+        cap = max(per, MARGIN * (gap or ttft) or math.inf)
+        assert max(b - a for a, b in itertools.pairwise(t)) <= cap * (1 + 1e-9), key
 
 
 def test_a_suspended_sequence_is_not_stepped_and_goes_on_where_it_stopped() -> None:

@@ -103,7 +103,9 @@ def test_every_field_is_a_flag_and_flags_override_the_file(tmp_path: Path) -> No
         ({"ttft_slo_ms": 500.0}, "'ttft_slo_ms' is now 'interactive_ttft_slo_ms'"),
         ({"interactive_tpot_slo_ms": 0}, "interactive_tpot_slo_ms must be positive"),
         ({"heavy_tpot_slo_ms": -1}, "heavy_tpot_slo_ms must not be negative"),
-        ({"interactive_stall": 0.5}, "interactive_stall must be 0"),
+        ({"interactive_stall": 1.5}, "'interactive_stall' is gone: a running chat's steps"),
+        ({"interactive_gap_ms": -1}, "interactive_gap_ms must not be negative"),
+        ({"min_prompt_chunk": 0}, "min_prompt_chunk must be at least 1"),
         ({"kv_type": "q4_0"}, "kv_type must be one of f16, q8_0"),
         ({"auth_backoff": 10.0}, "'auth_backoff' is gone: failed keys now slow"),
         ({"trusted_sources": "10.0.0.0/8, nowhere"}, "trusted_sources: 'nowhere' is not"),
@@ -118,13 +120,13 @@ def test_invalid_values_are_refused(values: dict[str, object], message: str) -> 
 
 def test_the_slo_policy_is_the_configs() -> None:
     config = Config.from_mapping(
-        {"interactive_tpot_slo_ms": 60, "heavy_ttft_slo_ms": 0, "interactive_stall": 0}
+        {"interactive_tpot_slo_ms": 60, "heavy_ttft_slo_ms": 0, "interactive_gap_ms": 250}
     )
     policy = config.slo_policy
     assert policy.lanes[Lane.INTERACTIVE] == Objectives(1000.0, 60.0)
     assert policy.lanes[Lane.HEAVY] == Objectives(0.0, 1000.0)
     assert policy.lanes[Lane.BACKGROUND] == Objectives(60000.0, 2000.0)
-    assert policy.stall(Lane.INTERACTIVE) == 0.0
+    assert (policy.gap_ms(Lane.INTERACTIVE), policy.gap_ms(Lane.HEAVY)) == (250.0, 0.0)
     assert Config().slo_policy == SloPolicy()  # (the config's defaults are the policy's)
 
 

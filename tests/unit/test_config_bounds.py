@@ -22,7 +22,6 @@ CHECKED: dict[str, tuple[Any, Any]] = {
     "n_gpu_layers": (-2, -1),
     "upstream": ("ftp://example.com", "https://example.com"),
     "redis_url": ("http://example.com", "unix:///run/redis.sock"),
-    "interactive_stall": (0.5, 1.0),
     "fleet_fail_open": ("chat", "heavy, background"),
     "trusted_sources": ("10.0.0.0/8, nowhere", "10.0.0.0/8, ::1"),
 }

@@ -9,6 +9,7 @@ its front door waited for a slot (28 of 32 requests refused with 429), and llama
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tomllib
 from pathlib import Path
@@ -46,6 +47,7 @@ def report(
     tpot: tuple[int, float, float],
     latency: tuple[int, float, float],
     errors: list[str],
+    served: list[tuple[float | None, float | None]] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     """A guidellm 0.8.1 JSON report, cut down to the fields the command reads."""
     ok, errored, incomplete = totals
@@ -63,7 +65,13 @@ def report(
         "time_per_output_token_ms": successful(*tpot),
         "request_latency": successful(*latency),  # (seconds)
     }
-    requests = {"errored": [{"info": {"status": "errored", "error": e}} for e in errors]}
+    requests = {
+        "errored": [{"info": {"status": "errored", "error": e}} for e in errors],
+        "successful": [
+            {"time_to_first_token_ms": ttft_ms, "inter_token_latency_ms": itl_ms}
+            for ttft_ms, itl_ms in served
+        ],
+    }
     return {
         "metadata": {"guidellm_version": "0.8.1"},
         "benchmarks": [{"duration": duration, "metrics": metrics, "requests": requests}],
@@ -80,6 +88,9 @@ GOVERNOR = report(
     tpot=(256, 85.17063036561012, 88.15044537186623),
     latency=(4, 5.451478958129883, 5.6420063972473145),
     errors=[ERROR_429] * 28,
+    # Each successful request's TTFT and mean gap between tokens: within 2 s and 100 ms, one
+    # whose TTFT is over, one whose gaps are, and one of a single token (no gap: within).
+    served=[(1746.1, 51.8), (2734.6, 50.0), (1500.0, 120.0), (1200.0, None)],
 )
 LLAMA_SERVER = report(
     duration=31.671704292297363,
@@ -128,6 +139,8 @@ def test_a_run_with_429s_reads_as_errored_by_status() -> None:
         "incomplete": 0,
         "errored_by": {"HTTP 429": 28},
         "duration_s": 5.656,
+        "good": 2,
+        "goodput_rps": round(2 / 5.6561195850372314, 4),
         "output_tokens": 256,
         "output_tok_s": 45.3,
         "ttft_p50_ms": 1746.1,
@@ -197,17 +210,30 @@ def test_medians_ratios_and_the_issue_targets() -> None:
     assert ratios["ttft_p99_ms"] == round(2734.6 / 18400.5, 3)
     assert summary["targets"] == {
         "errored_0": False,
-        "output_tok_s_ratio_ge_0_9": False,  # 45.3 / 67.35
+        "output_tok_s_ratio_ge_1": False,  # 45.3 / 67.35
         "ttft_p99_ratio_le_1": True,  # (of the 4 requests it let through)
         "met": False,
     }
     met = dict(ours, errored=0, errored_by={}, output_tok_s=64.7)
     assert guidellm_bench.summarize([met, theirs])["targets"] == {
         "errored_0": True,
-        "output_tok_s_ratio_ge_0_9": True,
+        "output_tok_s_ratio_ge_1": True,
         "ttft_p99_ratio_le_1": True,
         "met": True,
     }
+    # A mix of chats and rewrites: output, and goodput half again llama-server's (whose
+    # requests, all past 2 s, were none of them good here).
+    assert guidellm_bench.summarize([met, dict(theirs, goodput_rps=0.2)], mix=True)["targets"] == {
+        "output_tok_s_ratio_ge_1": True,
+        "goodput_ratio_ge_1_5": True,
+        "met": True,
+    }
+    assert (
+        guidellm_bench.summarize([met, dict(theirs, goodput_rps=0.3)], mix=True)["targets"][
+            "goodput_ratio_ge_1_5"
+        ]
+        is False
+    )
     assert "targets" not in guidellm_bench.summarize([theirs])
 
 
@@ -218,7 +244,7 @@ def test_a_run_without_a_report_fails_the_target_and_counts_in_no_median() -> No
     assert summary["median"]["governor"]["output_tok_s"] is None
     assert summary["governor_over_llama_server"]["output_tok_s"] is None
     assert summary["targets"]["errored_0"] is False
-    assert summary["targets"]["output_tok_s_ratio_ge_0_9"] is None
+    assert summary["targets"]["output_tok_s_ratio_ge_1"] is None
     assert "no report: guidellm exited 1" in guidellm_bench.line(failed)
     assert "HTTP 429 28" in guidellm_bench.line(guidellm_bench.run_row("governor", GOVERNOR))
 
@@ -313,3 +339,20 @@ def test_the_bench_venv_installs_the_bench_extra_and_the_tests_do_not() -> None:
     assert ".venv-bench" in guidellm_bench.SETUP_VENV
     assert guidellm_bench.SETUP_VENV in (ROOT / "README.md").read_text()
     assert not any("guidellm" in r or "bench" in r for r in extras["test"] + extras["loadtest"])
+
+
+def test_a_mix_is_chats_and_rewrites_of_200_to_300_words_spread_evenly() -> None:
+    rows = guidellm_bench.mix_rows(96, 0.25, 128)
+    rewrites = [i for i, row in enumerate(rows) if row["prompt"].startswith("Rewrite")]
+    assert len(rewrites) == 24
+    assert max(b - a for a, b in itertools.pairwise(rewrites)) == 4
+    for i, row in enumerate(rows):
+        words = len(row["prompt"].split()) - 4  # ("Rewrite this more formally:")
+        assert row["output_tokens_count"] == 128
+        assert 200 <= words <= 300 + 20 if i in rewrites else len(row["prompt"]) < 60
+    assert len({row["prompt"] for row in rows}) == 96  # (no prompt cached from another)
+    assert guidellm_bench.mix_rows(96, 0.25, 128) == rows  # (the same every run)
+    args = parse("--rewrite-share", "0.25", "--slots", "8", "--output-tokens", "128")
+    assert guidellm_bench.server_ctx(args) == 8 * 768  # 448 + 128 + 128 a slot, in 256s
+    with pytest.raises(SystemExit):
+        parse("--rewrite-share", "1.5")

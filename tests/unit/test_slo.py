@@ -44,14 +44,14 @@ def test_an_interactive_job_is_never_held_to_less_than_its_lane(
             assert value == asked
 
 
-def test_a_heavy_job_may_loosen_its_lanes_objective_and_the_stall_is_interactive() -> None:
-    policy = SloPolicy(interactive_stall=1.5)
+def test_a_heavy_job_may_loosen_its_lanes_objective_and_the_gap_is_interactive() -> None:
+    policy = SloPolicy(interactive_gap_ms=400.0)
     heavy = policy.objectives(Lane.HEAVY, request=Objectives(60000.0, 0.0))
     assert heavy == Objectives(60000.0, DEFAULT_OBJECTIVES[Lane.HEAVY].tpot_ms)
     assert policy.objectives(Lane.INTERACTIVE, request=Objectives(5000.0, 20.0)) == Objectives(
         DEFAULT_OBJECTIVES[Lane.INTERACTIVE].ttft_ms, 20.0
     )
-    assert [policy.stall(lane) for lane in (None, *LANES)] == [1.5, 1.5, 0.0, 0.0]
+    assert [policy.gap_ms(lane) for lane in (None, *LANES)] == [400.0, 400.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize(
