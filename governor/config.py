@@ -405,7 +405,7 @@ class LanesSection:
         "lanes: the background lane's time-per-output-token objective; 0: none."
     )
     interactive_gap_ms: float = _opt(DEFAULT_GAP_MS, min=0)(
-        "llama: the longest pause between two tokens of a running interactive job (every job, without lanes) that feeding prompts may cause, and the longest a chat's first token waits on heavier prompts in its step; 0: its TTFT objective."
+        "llama: the longest pause between two tokens of a running interactive job (every job, without lanes) that feeding prompts may cause; 0: its TTFT objective."
     )
     overload_window: float = _opt(30.0, positive=True)(
         "lanes: seconds over which the overload signals are measured."

@@ -44,9 +44,10 @@ A step takes the largest budget of prompt tokens whose predicted step
   ``MAX_PASSED`` steps (the bound never grows enough: streams slower than their objective)
   takes any chunk, at least ``PREFILL_FLOOR`` tokens whatever the bound, so every prompt
   progresses.
-* **A chat's first token waits on less urgent prompts for its gap at most.** In a step that
-  ends an interactive prompt, heavy and background prompt tokens fill it only as far as the
-  chat's cap (``MARGIN * gap_s``, or the step without them where that is longer).
+* **A chat's first token waits on no less urgent prompt.** A step that ends an interactive
+  prompt carries no heavy or background prompt tokens (but those of a prompt passed over
+  ``MAX_PASSED`` steps), so a chat that arrives beside long rewrites gets its first token about
+  as soon as on an idle worker.
 
 So a long prompt slows the running chats by at most their banked time and their gap while it is
 fed, and a newly admitted interactive prompt waits at most for the step in progress.
@@ -413,16 +414,12 @@ class Scheduler:
         tokens")."""
         knee = min(self.knee, full)
         if bound is None:
-            return _prefill(pending, full, knee)
-        prefill = self._most(decodes, pending, full, knee, bound)
-        chats = [e.seq for e in prefill if e.sample and e.seq.priority == 0]
-        if chats and any(e.seq.priority > 0 for e in prefill):
-            # A chat's first token waits on less urgent prompts for its gap at most.
-            urgent = [e for e in prefill if e.seq.priority == 0]
-            limit = max(min(_cap(seq) for seq in chats), self.cost(decodes + urgent))
-            rest = [seq for seq in pending if seq.priority > 0]
-            left = full - sum(len(e.tokens) for e in urgent)
-            prefill = urgent + self._most(decodes + urgent, rest, left, knee, min(bound, limit))
+            prefill = _prefill(pending, full, knee)
+        else:
+            prefill = self._most(decodes, pending, full, knee, bound)
+        if any(e.sample and e.seq.priority == 0 for e in prefill):
+            # A chat's first token waits on no less urgent prompt (but one past its turns).
+            prefill = [e for e in prefill if e.seq.priority == 0 or e.seq.passed >= MAX_PASSED]
         if not prefill and pending[0].passed >= MAX_PASSED:
             # Past its turns and still no room: the floor, whatever the bound.
             prefill = _prefill(pending[:1], PREFILL_FLOOR, knee)

@@ -420,23 +420,28 @@ def prefill_tokens(entries: list[Entry]) -> int:
 
 
 def test_several_short_prompts_go_in_one_step_interactive_first_and_shortest_first() -> None:
-    """Nothing generating: one step takes every prompt that fits, a chat's before a rewrite's
-    and the shorter first; a prompt that would get less than the knee waits."""
+    """Nothing with an objective generating: one step takes every prompt that fits, the
+    shortest first, chats before heavier prompts (and alone: their first tokens wait on none);
+    a prompt that would get less than the knee waits."""
     s, cache = budgeted(costs(2, 3), slots=8, step_tokens=100)
-    s.knee = 30
-    s.submit(Sequence("rewrite", tuple(range(1000, 1040)), 4, priority=1))
+    s.knee = 90
+    s.submit(Sequence("rewrite", tuple(range(1000, 1200)), 4, priority=1))
     s.submit(Sequence("long chat", tuple(range(100, 150)), 4))
-    s.submit(Sequence("short chat", tuple(range(200, 220)), 4))
     s.submit(Sequence("heavy", tuple(range(300, 310)), 4, priority=1))
+    s.submit(Sequence("short chat", tuple(range(200, 220)), 4))
+    s.submit(Sequence("shortest chat", tuple(range(400, 410)), 4))
     entries = step_and_sample(s, cache)
-    # 20 + 50 whole; the rewrite's 30 would not end it and meets the knee, but "heavy" is
-    # shorter: 10 whole, and the 20 left are below the knee for the rewrite.
     assert [(e.seq.key, len(e.tokens), e.sample) for e in entries] == [
+        ("shortest chat", 10, True),
         ("short chat", 20, True),
         ("long chat", 50, True),
-        ("heavy", 10, True),
     ]
-    assert s.running["rewrite"].passed == 1
+    # The chats' tokens, then "heavy" whole; 87 tokens left would not end the rewrite and
+    # are below the knee: it waits.
+    entries = step_and_sample(s, cache)
+    prompts = [(e.seq.key, len(e.tokens)) for e in entries if e.start < len(e.seq.prompt)]
+    assert prompts == [("heavy", 10)]
+    assert s.running["rewrite"].passed == 2
 
 
 def test_a_chunk_below_the_knee_waits_while_the_chats_bank_the_time() -> None:
@@ -463,9 +468,10 @@ def test_a_chunk_below_the_knee_waits_while_the_chats_bank_the_time() -> None:
     assert fed(0.9) == 28
 
 
-def test_a_chats_first_token_waits_on_heavy_prompts_for_its_gap_at_most() -> None:
-    """Heavy streams generate, far ahead of their objectives: a step may take the full batch.
-    A chat's prompt goes first, and a rewrite's fills the step only to the chat's gap."""
+def test_a_chats_first_token_waits_on_no_heavy_prompt() -> None:
+    """Heavy streams generate, far ahead of their objectives: a step may take the full batch,
+    a rewrite's prompt fills it. A chat's prompt goes first, alone: the rewrite's tokens would
+    delay its first token; once the rewrite is past its turns, it goes first."""
     s, cache = budgeted(costs(2, 3), slots=6, step_tokens=512)
     for i in range(2):
         heavy = generating(s, cache, f"heavy{i}", tpot_s=1.0, ttft_s=15.0, priority=1)
@@ -473,14 +479,16 @@ def test_a_chats_first_token_waits_on_heavy_prompts_for_its_gap_at_most() -> Non
     s.submit(Sequence("rewrite", tuple(range(1000, 3000)), 4, priority=1))
     entries = s.plan(1.0)
     assert sum(len(e.tokens) for e in entries if e.seq.key == "rewrite") == 510  # the batch
-    # A gap of 300 ms: 2 + 3 x (2 + 50 + 37) = 269 ms would let in 37 tokens, below the knee.
-    s.submit(Sequence("chat", tuple(range(100, 150)), 4, gap_s=0.3))
+    s.submit(Sequence("chat", tuple(range(100, 150)), 4, gap_s=0.5))
     entries = s.plan(1.0)
     assert [(e.seq.key, len(e.tokens)) for e in entries] == [("chat", 50)]  # (heavies wait)
-    # A gap of 400 ms: 2 + 3 x (2 + 50 + 67) = 359 ms.
-    s.running["chat"].gap_s = 0.4
+    s.running["rewrite"].passed = MAX_PASSED  # past its turns: it goes first, whatever waits
     entries = s.plan(1.0)
-    assert [(e.seq.key, len(e.tokens)) for e in entries] == [("chat", 50), ("rewrite", 67)]
+    assert [(e.seq.key, len(e.tokens)) for e in entries if e.seq.prefilling] == [("rewrite", 510)]
+    # Nothing generating: the same.
+    for i in range(2):
+        s.remove(f"heavy{i}")
+    assert [(e.seq.key, len(e.tokens)) for e in s.plan(1.0)] == [("chat", 50)]
 
 
 def test_a_heavy_prompt_progresses_beside_a_stream_of_chats_with_tight_objectives() -> None:
