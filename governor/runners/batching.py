@@ -61,7 +61,7 @@ running sequences' reservations (each its prompt and ``max_new_tokens``, as admi
 them) would exceed ``cells``, the least recently used free slots are cleared, so a step never
 lacks room. And they are not free: with one pool of cells for all sequences, every token of
 every step attends over the span of cells in use (for a model as small as the embedded one,
-2,000 cells cost as much again as its weights), so the free slots keep ``keep`` cells at most
+attending over 2,000 cells costs about half what its weights do), so the free slots keep ``keep`` cells at most
 (the worker's: one job's context, ``n_ctx``; llama-server keeps one prompt a slot, but in a
 cache of its own that no other slot's tokens attend over).
 
