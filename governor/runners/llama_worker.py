@@ -59,9 +59,9 @@ sequence); greedy at temperature 0.
 **Several choices.** A job with ``n`` above 1 runs its first sequence alone until its prompt is
 in the cache; the step that samples its first token forks the others from it
 (:meth:`~.batching.Scheduler.fork`): they share the prompt's cells and sample their first
-tokens from the same logits. Each slot has ``MAX_N`` sequence ids for that (as far as
-llama.cpp's ``MAX_SEQUENCES`` allow; a fork that finds none free waits for one, and feeds the
-prompt's last token itself).
+tokens from the same logits. The slots share ``MAX_N - 1`` sequence ids for that (llama.cpp
+reserves a row of logits for each id: one job's choices always fit, and 8 slots take 25 ids,
+not 129); a fork that finds none free waits for one, and feeds the prompt's last token itself.
 
 **Log probabilities.** With ``logprobs`` (k), each sampled token's log probability and the k
 likeliest tokens' are read from the model's raw logits at its position (a log-softmax over the
@@ -267,8 +267,9 @@ class Model:
         if refusal is not None:
             ll.llama_model_free(self.model)
             raise Refused(refusal)
-        # Sequence ids: MAX_N for each admitted job (its choices), and the probe's.
-        self.slots = min(args.slots * MAX_N + PROBE_SLOTS, MAX_SEQUENCES)
+        # Sequence ids: one for each admitted job, MAX_N - 1 more that the jobs' further
+        # choices share (llama.cpp reserves a row of logits for each id), and the probe's.
+        self.slots = min(args.slots + MAX_N - 1 + PROBE_SLOTS, MAX_SEQUENCES)
         self.n_ctx, self.threads = args.n_ctx, args.threads  # (for the embedding context)
         self.batch_size = args.step_tokens + self.slots
         cparams = ll.llama_context_default_params()

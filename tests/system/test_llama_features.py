@@ -298,6 +298,19 @@ def test_many_choices_beside_other_jobs_all_finish(model: Model) -> None:
     assert [o.result["text"] for o in outcomes[1:]] == [alone.result["text"]] * 3
 
 
+def test_more_choices_than_the_slots_share_ids_for_wait_for_them_and_all_finish(
+    model: Model,
+) -> None:
+    """Two jobs of 16 greedy choices at once: 30 forks, more than the 15 sequence ids the slots
+    share for further choices. Those that find none wait for one, and every choice of both
+    says what one greedy run says alone."""
+    alone = model.run(prompt="The capital of France is", temperature=0.0, max_new_tokens=4)
+    spec = {"prompt": "The capital of France is", "n": 16, "temperature": 0.0, "max_new_tokens": 4}
+    for outcome in model.runs([spec, spec]):
+        assert [c["index"] for c in outcome.choices] == list(range(16))
+        assert {c["text"] for c in outcome.choices} == {alone.result["text"]}
+
+
 # Tools ---------------------------------------------------------------------------------------
 
 
