@@ -33,12 +33,12 @@ of every generating sequence and whole prompts or chunks of at least ``--min-chu
 cut to the time the generating sequences have banked against their ``tpot_ms`` and to their
 ``gap_ms`` (``ttft_ms`` without one): the step budget, in that module; the cells of ended
 sequences are kept for a later prompt with the same beginning, ``--n-ctx`` of them at most.
-``out`` holds, for each sequence that let out text in the step (or, with log probabilities, tokens), the job, the sequence's index ``i``
-among the job's ``n``, its text, and ``n``, how many tokens the job (all its sequences) has
-generated so far; ``f`` how many prompt tokens each job whose prompt is still being fed has in
-the cache, ``kv`` the cache cells held after it, ``acks`` how many cancels were handled since
-the last event. A job is done when
-all its sequences are, with each one's whole text and finish in ``choices`` (by index),
+``out`` holds, for each sequence that let out text in the step (or, with log probabilities,
+tokens), the job, the sequence's index ``i`` among the job's ``n``, its text, and ``n``, how
+many tokens the job (all its sequences) has generated so far; ``f`` how many prompt tokens each
+job whose prompt is still being fed has in the cache, ``kv`` the cache cells held after it,
+``acks`` how many cancels were handled since the last event. A job is done when all its
+sequences are, with each one's whole text and finish in ``choices`` (by index),
 ``completion_tokens`` over all of them, and ``cached_tokens``, how much of its prompt was
 already in the cache (a prefix kept from an earlier job, or shared); or with an ``error``.
 Requests are read between steps, in the order sent: a cancel stops its job before the next
