@@ -28,6 +28,7 @@ from .runners.batching import KNEE
 
 RUNNERS = ("llama", "http", "stub")
 KV_TYPES = ("f16", "q8_0")
+KV_LAYOUTS = ("pool", "slots")
 # Old keys, refused with what took their place.
 RENAMED = {
     "ttft_slo_ms": "now 'interactive_ttft_slo_ms'",
@@ -291,6 +292,9 @@ class RunnerSection:
     )
     kv_type: str = _opt("f16", choices=KV_TYPES)(
         "llama: the type of the KV cache's cells: f16, or q8_0 (8-bit, with flash attention: about half the memory a cell; on a CPU, long prompts are fed up to twice as slowly)."
+    )
+    kv_layout: str = _opt("pool", choices=KV_LAYOUTS)(
+        "llama: the KV cache's layout. pool: kv_capacity cells that every job takes its cells from (each token attends over the span of cells in use, every job's). slots: n_ctx cells for each slot and one more for the health probe, as llama-server -np has: each token attends over its own job's cells only, so steps cost less at many slots and long contexts, for (max_inflight + workers) * n_ctx cells of memory (kv_capacity unset); a job's further choices (n) wait for free slots."
     )
     n_gpu_layers: int = _opt(0, check=_gpu_layers)(
         "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only."
@@ -569,6 +573,8 @@ def _each_worker_has_a_slot_and_its_cache(c: Config) -> str | None:
         return "workers must not exceed max_inflight (each needs a slot)"
     if c.runner == "llama" and 0 < c.kv_capacity < c.n_ctx * c.workers:
         return "kv_capacity must hold n_ctx tokens in each worker's cache"
+    if c.runner == "llama" and c.kv_layout == "slots" and c.kv_capacity:
+        return "kv_layout slots gives each slot n_ctx cells: leave kv_capacity unset"
     return None
 
 

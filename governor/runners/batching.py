@@ -65,6 +65,13 @@ attending over 2,000 cells costs about half what its weights do), so the free sl
 (the worker's: one job's context, ``n_ctx``; llama-server keeps one prompt a slot, but in a
 cache of its own that no other slot's tokens attend over).
 
+**A stream a slot.** With a KV cache that gives each slot a stream of cells of its own (the
+worker's ``slots`` layout, llama-server's: each token attends over its own sequence's cells
+only), ``lowest`` is set: a sequence takes the lowest free slot, so that the running ones hold
+consecutive slots (llama.cpp runs a step in one pass for each run of consecutive streams), and
+a prefix another slot holds is copied into it (llama.cpp copies a stream whole; the cells past
+the prefix are then cleared). Kept cells then cost no other slot anything (``keep`` 0).
+
 **Forks.** A job's further choices (OpenAI's ``n``) are forked from its first sequence the step
 its prompt is whole in the cache: each shares all the prompt's cells and samples its first
 token from the same logits, so the prompt is computed and held once. Each still counts the
@@ -174,6 +181,7 @@ class Scheduler:
     costs: StepCosts = field(default_factory=StepCosts)
     knee: int = KNEE
     keep: int = 0  # the most cells the free slots keep for reuse (0: as many as fit)
+    lowest: bool = False  # a sequence takes the lowest free slot (a stream each: see above)
     running: dict[str, Sequence] = field(default_factory=dict)  # those with a slot
     waiting: list[Sequence] = field(default_factory=list)
     # Not stepped; each with its slot and cells while the cache allows (see the docstring).
@@ -277,7 +285,7 @@ class Scheduler:
             return False
         if self._here(seq.key):
             raise ValueError(f"sequence {seq.key!r} is already here")
-        slot = min(self._free, key=lambda s: (len(self.held[s]) > 0, self._free[s]))
+        slot = min(self._free, key=self._least_worth)
         self._truncate(slot, 0)
         self.cache.share(source.slot, slot, length)
         self.held[slot] = self.held[source.slot][:length]
@@ -304,7 +312,11 @@ class Scheduler:
     def _place(self, seq: Sequence) -> None:
         """The free slot to run ``seq`` in, and the prefix of its prompt already cached."""
         limit = len(seq.prompt) - 1  # (the last prompt token is fed, for its logits)
-        own = max(self._free, key=lambda s: (_common(self.held[s], seq.prompt), -self._free[s]))
+        own = (
+            min(self._free)
+            if self.lowest
+            else max(self._free, key=lambda s: (_common(self.held[s], seq.prompt), -self._free[s]))
+        )
         kept = min(_common(self.held[own], seq.prompt), limit)
         source, shared = own, kept
         for slot, tokens in enumerate(self.held):
@@ -316,8 +328,13 @@ class Scheduler:
         else:
             # Into the free slot least worth keeping: the least recently freed of those that
             # hold nothing of this prompt.
-            slot = min(
-                self._free, key=lambda s: (_common(self.held[s], seq.prompt) > 0, self._free[s])
+            slot = (
+                own
+                if self.lowest
+                else min(
+                    self._free,
+                    key=lambda s: (_common(self.held[s], seq.prompt) > 0, self._free[s]),
+                )
             )
             self._truncate(slot, 0)
             self.cache.share(source, slot, shared)
@@ -327,6 +344,11 @@ class Scheduler:
         seq.fed = len(self.held[slot])
         if not seq.recomputing:  # (what it found cached of the prompt it came with)
             seq.reused = seq.fed
+
+    def _least_worth(self, slot: int) -> tuple[int, int]:
+        """Free slots in the order they are taken for a fork: the lowest first where
+        ``lowest``, else those that keep nothing, then the least recently freed."""
+        return (slot, 0) if self.lowest else (len(self.held[slot]) > 0, self._free[slot])
 
     def _evict(self) -> None:
         """Clear free slots, least recently used first, until every running sequence's

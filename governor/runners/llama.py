@@ -105,6 +105,7 @@ class LlamaSettings:
     step_tokens: int = 256  # tokens per decode step
     min_chunk: int = KNEE  # the fewest tokens of a prompt's chunk (the batched runner's knee)
     kv_type: str = "f16"  # the cache's cells: f16 or q8_0
+    kv_layout: str = "pool"  # one pool of cells, or n_ctx of them for each slot (streams)
     max_new_tokens: int = 1024  # the ceiling a job may ask for
     job_timeout_s: float = 120.0  # a worker silent this long with jobs in hand is hung
     start_timeout_s: float = 120.0
@@ -115,16 +116,18 @@ class LlamaSettings:
         alone, and two long ones side by side) and ``n_ctx / AUTO_SHARE`` for each further
         slot: memory grows with the slots by a fraction of what a worst case for each would
         take (admission refuses, with ``kv_pressure``, a job whose reservation does not fit
-        beside the running ones')."""
+        beside the running ones'). In the ``slots`` layout, ``n_ctx`` for each slot."""
         caches = []
         for i in range(self.workers):
             slots = _share(self.slots, self.workers, i)
-            cells = (
-                _share(self.kv_cells, self.workers, i)
-                if self.kv_cells
-                else self.n_ctx * min(slots, AUTO_LONG)
-                + max(slots - AUTO_LONG, 0) * (self.n_ctx // AUTO_SHARE)
-            )
+            if self.kv_layout == "slots":
+                cells = self.n_ctx * slots
+            elif self.kv_cells:
+                cells = _share(self.kv_cells, self.workers, i)
+            else:
+                cells = self.n_ctx * min(slots, AUTO_LONG) + max(slots - AUTO_LONG, 0) * (
+                    self.n_ctx // AUTO_SHARE
+                )
             caches.append(CacheShape(cells, slots))
         return tuple(caches)
 
@@ -185,6 +188,8 @@ class WorkerProcess:
             str(s.threads),
             "--kv-type",
             s.kv_type,
+            "--kv-layout",
+            s.kv_layout,
             "--n-gpu-layers",
             str(s.n_gpu_layers),
             stdin=asyncio.subprocess.PIPE,

@@ -59,9 +59,20 @@ sequence); greedy at temperature 0.
 **Several choices.** A job with ``n`` above 1 runs its first sequence alone until its prompt is
 in the cache; the step that samples its first token forks the others from it
 (:meth:`~.batching.Scheduler.fork`): they share the prompt's cells and sample their first
-tokens from the same logits. The slots share ``MAX_N - 1`` sequence ids for that (llama.cpp
-reserves a row of logits for each id: one job's choices always fit, and 8 slots take 25 ids,
-not 129); a fork that finds none free waits for one, and feeds the prompt's last token itself.
+tokens from the same logits. In a pool the slots share ``MAX_N - 1`` sequence ids for that
+(llama.cpp reserves a row of logits for each id: one job's choices always fit, and 8 slots take
+25 ids, not 129); with a stream a slot there are none (each would hold ``--n-ctx`` cells), and
+the forks take free slots. A fork that finds no id free waits for one, and feeds the prompt's
+last token itself.
+
+**The cache's layout.** ``--kv-layout pool`` (the default): one pool of ``--cells`` cells that
+every sequence takes its cells from (llama.cpp's unified cache), a prefix two sequences share
+held once; every token attends over the span of cells in use. ``slots``: a stream of
+``--n-ctx`` cells for each slot and the probe (llama.cpp's cache with ``kv_unified`` off, as
+llama-server has it): a token attends over its own sequence's cells only, a shared prefix is
+copied from stream to stream, and ``cells`` in "ready" counts the slots' streams. llama.cpp
+runs a step in one pass for each run of consecutive streams, so the entries go in slot order
+and a sequence takes the lowest free slot (:class:`~.batching.Scheduler`'s ``lowest``).
 
 **Log probabilities.** With ``logprobs`` (k), each sampled token's log probability and the k
 likeliest tokens' are read from the model's raw logits at its position (a log-softmax over the
@@ -267,17 +278,24 @@ class Model:
         if refusal is not None:
             ll.llama_model_free(self.model)
             raise Refused(refusal)
-        # Sequence ids: one for each admitted job, MAX_N - 1 more that the jobs' further
-        # choices share (llama.cpp reserves a row of logits for each id), and the probe's.
-        self.slots = min(args.slots + MAX_N - 1 + PROBE_SLOTS, MAX_SEQUENCES)
+        # Sequence ids: one for each admitted job, the probe's, and in a pool MAX_N - 1 more
+        # that the jobs' further choices share (llama.cpp reserves a row of logits for each
+        # id; with a stream a slot, each id would hold n_ctx cells: choices wait for slots).
+        self.streams = args.kv_layout == "slots"
+        further = 0 if self.streams else MAX_N - 1
+        self.slots = min(args.slots + further + PROBE_SLOTS, MAX_SEQUENCES)
         self.n_ctx, self.threads = args.n_ctx, args.threads  # (for the embedding context)
         self.batch_size = args.step_tokens + self.slots
         cparams = ll.llama_context_default_params()
-        cparams.n_ctx = args.cells + PROBE_CELLS
         cparams.n_batch = cparams.n_ubatch = self.batch_size
         cparams.n_seq_max = self.slots
         cparams.n_threads = cparams.n_threads_batch = args.threads
-        cparams.kv_unified = True  # one pool of cells that any sequence may take
+        if self.streams:  # n_ctx cells for each id, that only its own tokens attend over
+            cparams.n_ctx = self.slots * args.n_ctx  # (llama.cpp rounds each stream up to 256)
+            cparams.kv_unified = False
+        else:  # one pool of cells that any sequence may take
+            cparams.n_ctx = args.cells + PROBE_CELLS
+            cparams.kv_unified = True
         if args.kv_type == "q8_0":  # (llama.cpp quantises the V cache only with flash attention)
             cparams.type_k = cparams.type_v = ll.GGML_TYPE_Q8_0
             cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -286,7 +304,10 @@ class Model:
         if not self.ctx:
             raise SystemExit("cannot create the llama.cpp context (out of memory?)")
         self.size = ll.llama_n_ctx(self.ctx)
-        self.cells = self.size - PROBE_CELLS
+        # (what admission may reserve: the slots' streams, or the pool but the probe's cells)
+        self.cells = (
+            self.size // self.slots * args.slots if self.streams else self.size - PROBE_CELLS
+        )
         self.memory = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(self.batch_size, 0, 1)
         self._piece = ctypes.create_string_buffer(256)
@@ -300,8 +321,9 @@ class Model:
     def decode(self, entries: list[Entry], *, preemptible: bool = False) -> tuple[int, list[int]]:
         """Run one step; returns llama_decode's status (2: preempted) and, per entry that
         samples, the index of its logits in the batch."""
-        batch, n, sampled = self.batch, 0, []
-        for entry in entries:
+        batch, n, at = self.batch, 0, {}
+        # (llama.cpp splits a step over streams into runs of consecutive ids: in their order)
+        for entry in sorted(entries, key=_slot) if self.streams else entries:
             slot = entry.seq.slot
             for i, token in enumerate(entry.tokens):
                 batch.token[n] = token
@@ -312,8 +334,9 @@ class Model:
                 n += 1
             if entry.sample:
                 batch.logits[n - 1] = 1
-                sampled.append(n - 1)
+                at[id(entry)] = n - 1
         batch.n_tokens = n
+        sampled = [at[id(entry)] for entry in entries if entry.sample]
         if not preemptible:
             return self.ll.llama_decode(self.ctx, batch), sampled
         # (A callback into Python at every operation of the graph: for long steps only.)
@@ -327,7 +350,11 @@ class Model:
         self.ll.llama_memory_seq_rm(self.memory, slot, start, -1)
 
     def share(self, source: int, slot: int, length: int) -> None:
-        self.ll.llama_memory_seq_cp(self.memory, source, slot, 0, length)
+        if self.streams:  # (llama.cpp copies a whole stream to another, replacing it)
+            self.ll.llama_memory_seq_cp(self.memory, source, slot, -1, -1)
+            self.forget(slot, length)
+        else:
+            self.ll.llama_memory_seq_cp(self.memory, source, slot, 0, length)
 
     def sampler(self, request: dict[str, Any], index: int = 0) -> Any:
         """The sampler chain of the request's ``index``-th sequence; None when its grammar
@@ -793,6 +820,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--kv-type", choices=("f16", "q8_0"), default="f16")
+    parser.add_argument("--kv-layout", choices=("pool", "slots"), default="pool")
     return parser.parse_args(argv)
 
 
@@ -807,7 +835,13 @@ def main(argv: list[str] | None = None) -> int:
         emit(out, {"ev": "refused", "error": str(exc)})
         return 2
     scheduler = Scheduler(
-        model.slots, args.step_tokens, model.size, model, knee=args.min_chunk, keep=args.n_ctx
+        model.slots,
+        args.step_tokens,
+        model.size,
+        model,
+        knee=args.min_chunk,
+        keep=0 if model.streams else args.n_ctx,  # (a slot's kept cells cost no other slot)
+        lowest=model.streams,
     )
     worker = Worker(model, scheduler, io.BytesIO())
     # The first evaluation after loading is slow (buffers are set up): pay it before "ready".
@@ -880,6 +914,10 @@ def calibrate(worker: Worker) -> None:
     worker.handle(greedy_request("calibration-2", second, 4))
     while worker.busy:
         worker.step()
+
+
+def _slot(entry: Entry) -> int:
+    return entry.seq.slot
 
 
 def _poll(inbox: queue.SimpleQueue[dict[str, Any]]) -> dict[str, Any] | None:

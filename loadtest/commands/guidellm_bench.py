@@ -149,8 +149,10 @@ def server_ctx(args: argparse.Namespace) -> int:
 def governor_command(args: argparse.Namespace, model: Path, port: int) -> list[str]:
     """The governor with llama-server's KV cache: as many cells (its ``-c``), each job's
     context as long as a llama-server slot's (a larger cache costs every decode step, so the
-    two are compared on equal memory)."""
+    two are compared on equal memory); with ``--kv-layout slots``, as llama-server has them,
+    a stream of that context for each slot (and one for the health probe)."""
     cells = server_ctx(args)
+    cache = ["--kv-capacity", str(cells)] if args.kv_layout == "pool" else ["--kv-layout", "slots"]
     return [
         sys.executable,
         "-m",
@@ -166,8 +168,7 @@ def governor_command(args: argparse.Namespace, model: Path, port: int) -> list[s
         "true",
         "--threads",
         str(args.threads),
-        "--kv-capacity",
-        str(cells),
+        *cache,
         "--n-ctx",
         str(cells // args.slots),
         "--http-listen",
@@ -614,6 +615,13 @@ def add_parser(commands: Any) -> None:
         help="the governor's --max-inflight and llama-server's -np",
     )
     parser.add_argument("--threads", type=positive_int, default=2, help="both servers' threads")
+    parser.add_argument(
+        "--kv-layout",
+        choices=("pool", "slots"),
+        default="pool",
+        help="the governor's KV cache: one pool of llama-server's cells, or a stream of a "
+        "slot's context for each slot, as llama-server has",
+    )
     parser.add_argument(
         "--server-ctx",
         type=positive_int,

@@ -538,3 +538,8 @@ def test_the_default_cache_takes_any_job_alone_and_grows_by_a_fraction_a_slot(
         )
     given_cells = LlamaSettings(model=Path("m.gguf"), n_ctx=n_ctx, slots=slots, kv_cells=9999)
     assert sum(c.cells for c in given_cells.caches()) == 9999
+    # A stream a slot: n_ctx cells for each slot of each worker (and a probe's in its worker).
+    streams = LlamaSettings(
+        model=Path("m.gguf"), n_ctx=n_ctx, slots=slots, workers=workers, kv_layout="slots"
+    )
+    assert [c.cells for c in streams.caches()] == [n_ctx * c.sequences for c in caches]

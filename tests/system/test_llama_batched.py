@@ -175,16 +175,19 @@ async def test_a_job_that_would_not_fit_the_cache_yields_kv_pressure(
     assert server.ledger.kv_reserved == 0
 
 
-async def test_a_shared_system_prompt_is_computed_once(make_server: ServerFactory) -> None:
+@pytest.mark.parametrize("layout", ["pool", "slots"])
+async def test_a_shared_system_prompt_is_computed_once(
+    make_server: ServerFactory, layout: str
+) -> None:
     system = Message("system", "You are a terse assistant who answers in one short sentence. " * 3)
 
     def chat(question: str) -> Any:
         return greedy(messages=(system, Message("user", question)), max_new_tokens=12)
 
-    fresh = await batched(make_server)
+    fresh = await batched(make_server, kv_layout=layout)
     async with await client_for(fresh) as client:
         cold = await client.generate(chat("What is the capital of Italy?"))
-    server = await batched(make_server)
+    server = await batched(make_server, kv_layout=layout)
     async with await client_for(server) as client:
         first = await client.generate(chat("Name a colour."))
         warm = await client.generate(chat("What is the capital of Italy?"))

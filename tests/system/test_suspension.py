@@ -32,7 +32,8 @@ LONG = 48  # the suspended job's tokens
 class WorkerPipe:
     """A worker process, spoken to over its pipes as the daemon does."""
 
-    def __init__(self, cells: int, slots: int = 2) -> None:
+    def __init__(self, cells: int, slots: int = 2, layout: str = "pool") -> None:
+        """``cells``: the pool's, and the longest job (in the ``slots`` layout, each slot's)."""
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -52,6 +53,8 @@ class WorkerPipe:
                 "1",
                 "--n-gpu-layers",
                 str(N_GPU_LAYERS),
+                "--kv-layout",
+                layout,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -16,7 +16,13 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from governor.runners.batching import (
     MARGIN,
@@ -192,8 +198,20 @@ class Batching(RuleBasedStateMachine):
         # Each sequence's prompt and the tokens it sampled: what its cells must come to hold.
         self.history: dict[str, list[int]] = {}
 
+    @initialize(streams=st.booleans())
+    def layout(self, streams: bool) -> None:
+        """A pool, its kept cells bounded; or a stream a slot: the lowest free slot first,
+        kept cells unbounded (they cost no other slot)."""
+        self.s.lowest = streams
+        if streams:
+            self.s.keep = 0
+
     def reserved(self) -> int:
         return sum(q.reservation for q in [*self.s.running.values(), *self.s.waiting])
+
+    def free(self) -> set[int]:
+        pinned = [q for q in self.s.suspended.values() if q.slot >= 0]
+        return set(range(self.slots)) - {q.slot for q in [*self.s.running.values(), *pinned]}
 
     @rule(
         prompt=st.one_of(
@@ -210,8 +228,11 @@ class Batching(RuleBasedStateMachine):
             return
         if self.reserved() + new.reservation > self.cells:
             return
+        free = self.free()
         self.s.submit(new)
         self.history[new.key] = list(prompt)
+        if self.s.lowest and free:
+            assert new.slot == min(free)
         if new.slot >= 0:
             # The cells it starts from hold its own prompt's first tokens.
             assert self.cache.tokens[new.slot] == list(new.prompt[: new.reused])
@@ -300,7 +321,7 @@ class Batching(RuleBasedStateMachine):
         held = sum(len(self.s.held[q.slot]) for q in pinned)
         reserved = sum(q.reservation for q in self.s.running.values())
         assert self.s.kept + held + reserved <= self.cells
-        assert self.s.kept <= self.s.keep
+        assert not self.s.keep or self.s.kept <= self.s.keep
         assert not self.s.waiting or len(self.s.running) == self.slots
 
     @invariant()

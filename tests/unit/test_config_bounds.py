@@ -118,6 +118,7 @@ def test_every_default_is_within_its_bounds() -> None:
         ({"tls_require_client_cert": True}, "^tls_require_client_cert needs tls_client_ca$"),
         ({"workers": 5, "max_inflight": 4}, r"^workers must not exceed max_inflight"),
         ({"kv_capacity": 2047}, "^kv_capacity must hold n_ctx tokens in each worker's cache$"),
+        ({"kv_layout": "slots", "kv_capacity": 8192}, "^kv_layout slots gives each slot n_ctx"),
         ({"lanes": True, "interactive_reserve": 4}, "^interactive_reserve must leave"),
         ({"fleet_timeout": 10.0}, "^fleet_timeout must be shorter than lease_ttl$"),
     ],

@@ -1,0 +1,110 @@
+"""The ``slots`` layout of the KV cache (``kv_layout``), on the real embedded model.
+
+Each slot (and the health probe) has a stream of ``n_ctx`` cells of its own, llama-server's
+layout: a job's tokens attend over its own cells only. A job says the same in either layout;
+every slot holds a whole context at once; a prompt's beginning that another slot holds is
+copied in (a stream is copied whole, then cut), not computed again; and a job's further
+choices, which have no ids of their own in this layout, wait for free slots and all finish."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from governor.runners.llama_worker import greedy_request
+
+from .test_suspension import PROMPT, WorkerPipe
+
+N_CTX = 512
+COMMON = PROMPT * 6
+LATER = [*COMMON, 2373, 30, 260]
+
+
+@pytest.fixture
+def slots() -> Iterator[WorkerPipe]:
+    pipe = WorkerPipe(N_CTX, slots=2, layout="slots")
+    try:
+        yield pipe
+    finally:
+        pipe.close()
+
+
+def finish(pipe: WorkerPipe, *keys: str) -> dict[str, dict[str, Any]]:
+    """Each job's "done" entry, once all of ``keys`` are done."""
+    done: dict[str, dict[str, Any]] = {}
+    while not set(keys) <= done.keys():
+        event = pipe.event()
+        if event["ev"] == "step":
+            for entry in event["done"]:
+                assert "error" not in entry, entry
+                done[entry["id"]] = entry
+    return done
+
+
+def alone(layout: str, tokens: list[int], max_new_tokens: int) -> str:
+    """The job's greedy text, run alone in a new worker."""
+    pipe = WorkerPipe(N_CTX, slots=2, layout=layout)
+    try:
+        pipe.send(greedy_request("alone", tokens, max_new_tokens))
+        return str(finish(pipe, "alone")["alone"]["choices"][0]["text"])
+    finally:
+        pipe.close()
+
+
+def test_a_job_says_the_same_in_either_layout() -> None:
+    assert alone("slots", PROMPT, 48) == alone("pool", PROMPT, 48)
+
+
+def test_every_slot_holds_a_whole_context_at_once(slots: WorkerPipe) -> None:
+    assert slots.cells == 2 * N_CTX
+    prompts = [PROMPT * 4, list(reversed(PROMPT)) * 4]
+    slots.send(
+        *(
+            greedy_request(f"j{i}", prompt, N_CTX - len(prompt))  # every cell of its slot
+            for i, prompt in enumerate(prompts)
+        )
+    )
+    done = finish(slots, "j0", "j1")
+    assert [done[f"j{i}"]["completion_tokens"] for i in range(2)] == [
+        N_CTX - len(prompt) for prompt in prompts
+    ]
+
+
+def later(first_suspended: bool) -> dict[str, Any]:
+    """The "done" of a job whose prompt begins with that of "first", which is either
+    suspended (holding its slot, so the beginning is copied in from it) or ended (so the job
+    takes its slot and finds the beginning there). Either way, "later" is stepped alone."""
+    pipe = WorkerPipe(N_CTX, slots=2, layout="slots")
+    try:
+        pipe.send(greedy_request("first", COMMON, 96))
+        if first_suspended:
+            while pipe.event().get("out") == []:  # (until "first" generates)
+                pass
+            pipe.send({"op": "suspend", "id": "first"}, greedy_request("later", LATER, 32))
+        else:
+            finish(pipe, "first")
+            pipe.send(greedy_request("later", LATER, 32))
+        return finish(pipe, "later")["later"]
+    finally:
+        pipe.close()
+
+
+def test_a_beginning_held_by_another_slot_is_copied_in_not_computed() -> None:
+    copied, kept = later(first_suspended=True), later(first_suspended=False)
+    assert copied["cached_tokens"] == kept["cached_tokens"] == len(COMMON)
+    assert copied["choices"] == kept["choices"]
+
+
+def test_further_choices_wait_for_free_slots_and_all_finish() -> None:
+    pipe = WorkerPipe(N_CTX, slots=1, layout="slots")  # two ids: the slot and the probe's
+    try:
+        pipe.send({**greedy_request("one", PROMPT, 16), "n": 1})
+        one = finish(pipe, "one")["one"]["choices"][0]["text"]
+        pipe.send({**greedy_request("three", PROMPT, 16), "n": 3})
+        done = finish(pipe, "three")["three"]
+    finally:
+        pipe.close()
+    assert [choice["text"] for choice in done["choices"]] == [one] * 3
+    assert done["completion_tokens"] == 3 * 16
