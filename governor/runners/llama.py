@@ -166,32 +166,28 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None and not self.killed
 
+    def _argv(self) -> list[str]:
+        """The worker's command line."""
+        s = self.settings
+        options = {
+            "model": s.model,
+            "cells": self.shape.cells,
+            "slots": self.shape.sequences,
+            "n-ctx": s.n_ctx,
+            "step-tokens": s.step_tokens,
+            "min-chunk": s.min_chunk,
+            "threads": s.threads,
+            "kv-type": s.kv_type,
+            "kv-layout": s.kv_layout,
+            "n-gpu-layers": s.n_gpu_layers,
+        }
+        argv = [sys.executable, "-m", "governor.runners.llama_worker"]
+        return argv + [arg for key, value in options.items() for arg in (f"--{key}", str(value))]
+
     async def start(self) -> None:
         s = self.settings
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "governor.runners.llama_worker",
-            "--model",
-            str(s.model),
-            "--cells",
-            str(self.shape.cells),
-            "--slots",
-            str(self.shape.sequences),
-            "--n-ctx",
-            str(s.n_ctx),
-            "--step-tokens",
-            str(s.step_tokens),
-            "--min-chunk",
-            str(s.min_chunk),
-            "--threads",
-            str(s.threads),
-            "--kv-type",
-            s.kv_type,
-            "--kv-layout",
-            s.kv_layout,
-            "--n-gpu-layers",
-            str(s.n_gpu_layers),
+            *self._argv(),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             limit=16 * 1024 * 1024,

@@ -290,12 +290,10 @@ class Model:
         cparams.n_batch = cparams.n_ubatch = self.batch_size
         cparams.n_seq_max = self.slots
         cparams.n_threads = cparams.n_threads_batch = args.threads
-        if self.streams:  # n_ctx cells for each id, that only its own tokens attend over
-            cparams.n_ctx = self.slots * args.n_ctx  # (llama.cpp rounds each stream up to 256)
-            cparams.kv_unified = False
-        else:  # one pool of cells that any sequence may take
-            cparams.n_ctx = args.cells + PROBE_CELLS
-            cparams.kv_unified = True
+        # A stream of n_ctx cells for each id, attended over by its own tokens only (llama.cpp
+        # rounds each up to 256), or one pool of cells that any sequence may take.
+        cparams.kv_unified = not self.streams
+        cparams.n_ctx = self.slots * args.n_ctx if self.streams else args.cells + PROBE_CELLS
         if args.kv_type == "q8_0":  # (llama.cpp quantises the V cache only with flash attention)
             cparams.type_k = cparams.type_v = ll.GGML_TYPE_Q8_0
             cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
