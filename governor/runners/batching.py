@@ -70,7 +70,7 @@ worker's ``slots`` layout, llama-server's: each token attends over its own seque
 only), ``lowest`` is set: a sequence takes the lowest free slot, so that the running ones hold
 consecutive slots (llama.cpp runs a step in one pass for each run of consecutive streams), and
 a prefix another slot holds is copied into it (llama.cpp copies a stream whole; the cells past
-the prefix are then cleared). Kept cells then cost no other slot anything (``keep`` 0).
+the prefix are then cleared), and a step's entries come in slot order. Kept cells then cost no other slot anything (``keep`` 0).
 
 **Forks.** A job's further choices (OpenAI's ``n``) are forked from its first sequence the step
 its prompt is whole in the cache: each shares all the prompt's cells and samples its first
@@ -346,8 +346,7 @@ class Scheduler:
             seq.reused = seq.fed
 
     def _least_worth(self, slot: int) -> tuple[int, int]:
-        """Free slots in the order they are taken for a fork: the lowest first where
-        ``lowest``, else those that keep nothing, then the least recently freed."""
+        """A fork's order of free slots: the lowest, or those keeping nothing, least recent."""
         return (slot, 0) if self.lowest else (len(self.held[slot]) > 0, self._free[slot])
 
     def _evict(self) -> None:
@@ -398,7 +397,11 @@ class Scheduler:
 
     def plan(self, now: float = 0.0) -> list[Entry]:
         """The next step's entries (empty when there is nothing to compute), planned at
-        ``now`` (the clock of the sequences' ``first_at``)."""
+        ``now`` (the clock of the sequences' ``first_at``); in slot order where ``lowest``."""
+        entries = self._planned(now)
+        return sorted(entries, key=_slot) if self.lowest else entries
+
+    def _planned(self, now: float) -> list[Entry]:
         entries = [
             Entry(seq, (seq.pending,), len(self.held[seq.slot]), True)
             for seq in self.running.values()
@@ -529,6 +532,10 @@ def _taken_first(seq: Sequence) -> tuple[int, int, int]:
 
 def _urgency(seq: Sequence) -> tuple[int, int]:
     return (seq.priority, seq.order)
+
+
+def _slot(entry: Entry) -> int:
+    return entry.seq.slot
 
 
 def _common(a: Tokens[int], b: Tokens[int]) -> int:

@@ -71,8 +71,8 @@ held once; every token attends over the span of cells in use. ``slots``: a strea
 ``--n-ctx`` cells for each slot and the probe (llama.cpp's cache with ``kv_unified`` off, as
 llama-server has it): a token attends over its own sequence's cells only, a shared prefix is
 copied from stream to stream, and ``cells`` in "ready" counts the slots' streams. llama.cpp
-runs a step in one pass for each run of consecutive streams, so the entries go in slot order
-and a sequence takes the lowest free slot (:class:`~.batching.Scheduler`'s ``lowest``).
+runs a step in one pass for each run of consecutive streams, so a sequence takes the lowest
+free slot and a step's entries come in slot order (:class:`~.batching.Scheduler`'s ``lowest``).
 
 **Log probabilities.** With ``logprobs`` (k), each sampled token's log probability and the k
 likeliest tokens' are read from the model's raw logits at its position (a log-softmax over the
@@ -319,9 +319,8 @@ class Model:
     def decode(self, entries: list[Entry], *, preemptible: bool = False) -> tuple[int, list[int]]:
         """Run one step; returns llama_decode's status (2: preempted) and, per entry that
         samples, the index of its logits in the batch."""
-        batch, n, at = self.batch, 0, {}
-        # (llama.cpp splits a step over streams into runs of consecutive ids: in their order)
-        for entry in sorted(entries, key=_slot) if self.streams else entries:
+        batch, n, sampled = self.batch, 0, []
+        for entry in entries:
             slot = entry.seq.slot
             for i, token in enumerate(entry.tokens):
                 batch.token[n] = token
@@ -332,9 +331,8 @@ class Model:
                 n += 1
             if entry.sample:
                 batch.logits[n - 1] = 1
-                at[id(entry)] = n - 1
+                sampled.append(n - 1)
         batch.n_tokens = n
-        sampled = [at[id(entry)] for entry in entries if entry.sample]
         if not preemptible:
             return self.ll.llama_decode(self.ctx, batch), sampled
         # (A callback into Python at every operation of the graph: for long steps only.)
@@ -912,10 +910,6 @@ def calibrate(worker: Worker) -> None:
     worker.handle(greedy_request("calibration-2", second, 4))
     while worker.busy:
         worker.step()
-
-
-def _slot(entry: Entry) -> int:
-    return entry.seq.slot
 
 
 def _poll(inbox: queue.SimpleQueue[dict[str, Any]]) -> dict[str, Any] | None:

@@ -246,6 +246,8 @@ class Batching(RuleBasedStateMachine):
         pending = [q for q in running if q.prefilling]
         entries = self.s.plan()
         assert entries, "sequences are running but the step is empty"
+        if self.s.lowest:  # (llama.cpp runs consecutive streams in one pass)
+            assert [e.seq.slot for e in entries] == sorted(e.seq.slot for e in entries)
         decodes = [e for e in entries if not e.seq.prefilling]
         assert sorted(e.seq.key for e in decodes) == sorted(
             q.key for q in running if q.pending >= 0
