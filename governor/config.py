@@ -464,7 +464,7 @@ class OpsSection:
         "A file holding a token that POST /drain must carry (Authorization: Bearer TOKEN), for pods where every container shares loopback; unset: loopback alone."
     )
     probe_interval: float = _opt(5.0, positive=True)(
-        "Seconds between readiness probes: one generated token through a worker, beside its jobs (or through the upstream)."
+        "Seconds between readiness probes: one generated token through a worker, in a step of its own between its jobs' steps (or through the upstream)."
     )
     probe_timeout: float = _opt(5.0, positive=True)(
         "Seconds a readiness probe may take before it counts as failed."

@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -146,6 +147,11 @@ class Sequence:
     first_at: float | None = None  # when its first token was sampled (plan's clock)
     last_at: float | None = None  # when its latest token was sampled (plan's clock)
     output_in_prompt: int = 0  # tokens it generated that a resume put in its prompt
+    # Stepped in steps of its own, and its cells cleared when it ends (the health probe):
+    # llama.cpp's numerics depend on a step's batch and, in a pool, on the cells a token goes
+    # to, so a probe that shared a job's steps, or left cells among the job's, could change
+    # the job's greedy text.
+    alone: bool = False
 
     @property
     def prefilling(self) -> bool:
@@ -222,7 +228,7 @@ class Scheduler:
         seq = self.running.pop(key, None) or self.suspended.pop(key, None)
         if seq is not None:
             if seq.slot >= 0:
-                if not keep:
+                if not keep or seq.alone:
                     self._truncate(seq.slot, 0)
                 self._free[seq.slot] = next(self._freed)
             self._assign()
@@ -397,17 +403,23 @@ class Scheduler:
 
     def plan(self, now: float = 0.0) -> list[Entry]:
         """The next step's entries (empty when there is nothing to compute), planned at
-        ``now`` (the clock of the sequences' ``first_at``); in slot order where ``lowest``."""
-        entries = self._planned(now)
-        return sorted(entries, key=_slot) if self.lowest else entries
+        ``now`` (the clock of the sequences' ``first_at``); in slot order where ``lowest``.
+        A sequence ``alone`` is stepped in steps of its own: when no other has anything to
+        compute, or once it has been passed over ``MAX_PASSED`` steps."""
+        alone = next((s for s in self.running.values() if s.alone and _due(s)), None)
+        if alone is None or alone.passed < MAX_PASSED:
+            entries = self._shared(now, [s for s in self.running.values() if not s.alone])
+            if alone is None or entries:
+                if alone is not None:
+                    alone.passed += 1
+                return sorted(entries, key=_slot) if self.lowest else entries
+        alone.passed = 0
+        return _prefill([alone], len(alone.prompt), 0) or _decodes([alone], self.held)
 
-    def _planned(self, now: float) -> list[Entry]:
-        entries = [
-            Entry(seq, (seq.pending,), len(self.held[seq.slot]), True)
-            for seq in self.running.values()
-            if seq.pending >= 0
-        ]
-        pending = sorted((s for s in self.running.values() if s.prefilling), key=_taken_first)
+    def _shared(self, now: float, running: list[Sequence]) -> list[Entry]:
+        """The step of the sequences that share steps (see ``plan``)."""
+        entries = _decodes(running, self.held)
+        pending = sorted((s for s in running if s.prefilling), key=_taken_first)
         if not pending:
             return entries
         full = max(self.step_tokens - len(entries), MIN_PREFILL)
@@ -441,7 +453,7 @@ class Scheduler:
         if bound is None:
             prefill = _prefill(pending, full, knee)
         else:
-            prefill = self._most(decodes, pending, full, knee, bound)
+            prefill = _most(self.cost, decodes, pending, full, knee, bound)
         if any(e.sample and e.seq.priority == 0 for e in prefill):
             # A chat's first token waits on no less urgent prompt (but one past its turns).
             prefill = [e for e in prefill if e.seq.priority == 0 or e.seq.passed >= MAX_PASSED]
@@ -449,20 +461,6 @@ class Scheduler:
             # Past its turns and still no room: the floor, whatever the bound.
             prefill = _prefill(pending[:1], PREFILL_FLOOR, knee)
         return prefill
-
-    def _most(
-        self, decodes: list[Entry], pending: list[Sequence], full: int, knee: int, bound: float
-    ) -> list[Entry]:
-        """The chunks of the largest budget (0 to ``full`` prompt tokens) whose step beside
-        ``decodes`` fits ``bound`` (the step grows with the budget: a bisection)."""
-        low, high = 0, full
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.cost(decodes + _prefill(pending, mid, knee)) <= bound:
-                low = mid
-            else:
-                high = mid - 1
-        return _prefill(pending, low, knee)
 
     def advance(self, entries: list[Entry]) -> None:
         """The step ran: its tokens are in the cache. (Sampling sets ``pending`` after.)"""
@@ -489,6 +487,31 @@ def _prefill(pending: list[Sequence], budget: int, knee: int) -> list[Entry]:
         entries.append(Entry(seq, seq.prompt[seq.fed : end], seq.fed, end == len(seq.prompt)))
         budget -= take
     return entries
+
+
+def _most(
+    cost: Callable[[list[Entry]], float],
+    decodes: list[Entry],
+    pending: list[Sequence],
+    full: int,
+    knee: int,
+    bound: float,
+) -> list[Entry]:
+    """The chunks of the largest budget (0 to ``full`` prompt tokens) whose step beside
+    ``decodes`` fits ``bound`` by ``cost`` (the step grows with the budget: a bisection)."""
+    low, high = 0, full
+    while low < high:
+        mid = (low + high + 1) // 2
+        if cost(decodes + _prefill(pending, mid, knee)) <= bound:
+            low = mid
+        else:
+            high = mid - 1
+    return _prefill(pending, low, knee)
+
+
+def _decodes(running: list[Sequence], held: list[list[int]]) -> list[Entry]:
+    """The generating sequences' entries: each its token sampled last."""
+    return [Entry(s, (s.pending,), len(held[s.slot]), True) for s in running if s.pending >= 0]
 
 
 def _banked(seq: Sequence, now: float) -> float:
@@ -532,6 +555,11 @@ def _taken_first(seq: Sequence) -> tuple[int, int, int]:
 
 def _urgency(seq: Sequence) -> tuple[int, int]:
     return (seq.priority, seq.order)
+
+
+def _due(seq: Sequence) -> bool:
+    """Whether ``seq`` has tokens to compute."""
+    return seq.prefilling or seq.pending >= 0
 
 
 def _slot(entry: Entry) -> int:

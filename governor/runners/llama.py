@@ -476,8 +476,9 @@ class LlamaRunner:
 
     async def probe(self) -> bool:
         """One greedy token on each worker in turn, in a sequence and cells kept for the probe
-        beside the admitted jobs': it shares their steps, never their slots. False while that
-        worker is being restarted, or another probe is running."""
+        beside the admitted jobs', stepped in steps of its own (sharing a job's would change its
+        numerics, and so perhaps its greedy text). False while that worker is being restarted,
+        or another probe is running."""
         worker = self._workers[self._probes % len(self._workers)]
         self._probes += 1
         if self._probing or worker is None or not worker.alive:
@@ -628,6 +629,7 @@ def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> dict[
         "tokens": job.tokens,
         "max_new_tokens": spec.max_new_tokens,
         "priority": job.priority,
+        "alone": job.priority == PROBE_PRIORITY,
         "ttft_ms": job.ttft_ms,
         "tpot_ms": job.tpot_ms,
         "gap_ms": job.gap_ms,

@@ -10,7 +10,9 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
              "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
              "stop": [str], "ignore_eos": bool, "n": int, "logprobs": int | null,
              "presence_penalty": float, "frequency_penalty": float, "repeat_penalty": float,
-             "logit_bias": [[int, float]], "grammar": str | null}
+             "logit_bias": [[int, float]], "grammar": str | null, "alone"?: bool}
+                                                                alone: stepped in steps of its
+                                                                own (the health probe)
             {"op": "cancel", "id": str}
             {"op": "suspend", "id": str}                        not stepped until resumed
             {"op": "resume", "id": str}
@@ -539,6 +541,7 @@ class Branch:
             tpot_s=request.get("tpot_ms", 0.0) / 1000,
             gap_s=request.get("gap_ms", 0.0) / 1000,
             ttft_s=request.get("ttft_ms", 0.0) / 1000,
+            alone=request.get("alone", False),
         )
         self.text = Text(request["stop"])
 

@@ -392,3 +392,38 @@ def test_short_prompts_that_arrive_together_are_fed_in_one_step() -> None:
         assert pipe.tokens["running"] < 64  # (it was generating all along)
     finally:
         pipe.close()
+
+
+def test_the_health_probe_is_stepped_alone_and_changes_no_greedy_text() -> None:
+    """llama.cpp's numerics depend on a step's batch, so a probe sharing a job's steps could
+    turn a greedy near-tie (a README chat at temperature 0 once went on for 128 tokens instead
+    of stopping, when a probe came by). Probes sent while a job generates each take a step of
+    their own (the job makes no token in the step that gives the probe its token), and the job
+    says what it says without them (each run in a fresh worker: no cells reused)."""
+    prompt = list(range(1000, 1040))
+    probe = {**greedy_request("probe", list(range(3000, 3006)), 1), "priority": 9, "alone": True}
+    pipe = WorkerPipe(1024, slots=2)
+    try:
+        pipe.run("job", prompt, 48, priority=0)
+        probed = 0
+        tokens = 0  # the job's, as of the step before
+        for finished in pipe.steps():
+            if "probe" in finished:
+                assert pipe.tokens["job"] == tokens, "the probe shared the job's step"
+                probed += 1
+            if "job" in finished:
+                break
+            tokens = pipe.tokens.get("job", 0)
+            if "probe" in finished or (tokens == 1 and not probed):
+                pipe.texts["probe"] = ""
+                pipe.send(probe)
+        beside = pipe.texts["job"]
+    finally:
+        pipe.close()
+    assert probed >= 3
+    pipe = WorkerPipe(1024, slots=2)
+    try:
+        pipe.run("job", prompt, 48, priority=0)
+        assert pipe.until_done("job") == beside
+    finally:
+        pipe.close()

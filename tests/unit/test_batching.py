@@ -185,6 +185,22 @@ def test_kept_cells_give_way_to_the_running_sequences_reservations() -> None:
     assert cache.in_use == 0
 
 
+def test_the_probe_takes_a_step_of_its_own_when_nothing_else_runs_or_past_its_turns() -> None:
+    s, cache = scheduler()
+    s.submit(seq("chat", [1, 2, 3], max_new=50))
+    run_step(s, cache)
+    probe = seq("probe", [4, 5], max_new=1, priority=9)
+    probe.alone = True
+    s.submit(probe)
+    steps = [[e.seq.key for e in run_step(s, cache)] for _ in range(MAX_PASSED + 1)]
+    assert steps == [["chat"]] * MAX_PASSED + [["probe"]]
+    assert "probe" not in s.running  # (its one token)
+    s.remove("chat")
+    s.submit(probe := seq("probe", [8, 9, 10], max_new=1, priority=9))
+    probe.alone = True
+    assert [(e.seq.key, e.tokens) for e in run_step(s, cache)] == [("probe", (8, 9, 10))]
+
+
 class Batching(RuleBasedStateMachine):
     """Any interleaving, with prompts from a tiny vocabulary so that prefixes are shared."""
 
@@ -220,10 +236,14 @@ class Batching(RuleBasedStateMachine):
         ),
         max_new=st.integers(1, 12),
         priority=st.integers(0, 2),
+        probe=st.integers(0, 4),
     )
-    def submit(self, prompt: list[int], max_new: int, priority: int) -> None:
-        # What admission guarantees: a slot and the job's whole reservation.
+    def submit(self, prompt: list[int], max_new: int, priority: int, probe: int) -> None:
+        # What admission guarantees: a slot and the job's whole reservation. (And the worker:
+        # one health probe at a time, stepped alone.)
         new = seq(f"q{next(self.keys)}", prompt, max_new, priority)
+        here = [*self.s.running.values(), *self.s.suspended.values(), *self.s.waiting]
+        new.alone = probe == 0 and not any(q.alone for q in here)
         if len(self.s.running) + len(self.s.waiting) >= self.slots:
             return
         if self.reserved() + new.reservation > self.cells:
@@ -241,11 +261,32 @@ class Batching(RuleBasedStateMachine):
     @precondition(lambda self: self.s.running)
     @rule(token=st.integers(1, 3), stop=st.booleans())
     def step(self, token: int, stop: bool) -> None:
-        running = list(self.s.running.values())
-        passed = {q.key: q.passed for q in running}
-        pending = [q for q in running if q.prefilling]
+        running = [q for q in self.s.running.values() if not q.alone]
+        alone = [q for q in self.s.running.values() if q.alone and (q.prefilling or q.pending >= 0)]
+        passed = {q.key: q.passed for q in self.s.running.values()}
         entries = self.s.plan()
         assert entries, "sequences are running but the step is empty"
+        if entries[0].seq.alone:  # a step of its own: when no other could run, or its turn
+            (entry,) = entries
+            q = entry.seq
+            assert entry.sample
+            assert entry.start == len(self.s.held[q.slot])
+            if q.prefilling:  # (its whole prompt, or what is left of it)
+                assert entry.start + len(entry.tokens) == len(q.prompt)
+            else:
+                assert entry.tokens == (q.pending,)
+            others = [q for q in running if q.prefilling or q.pending >= 0]
+            assert not others or passed[entry.seq.key] >= MAX_PASSED
+        else:
+            self.shared_step(entries, running, passed)
+            for q in alone:
+                assert q.passed == passed[q.key] + 1 <= MAX_PASSED
+        self.advance(entries, token, stop)
+
+    def shared_step(
+        self, entries: list[Entry], running: list[Sequence], passed: dict[str, int]
+    ) -> None:
+        pending = [q for q in running if q.prefilling]
         if self.s.lowest:  # (llama.cpp runs consecutive streams in one pass)
             assert [e.seq.slot for e in entries] == sorted(e.seq.slot for e in entries)
         decodes = [e for e in entries if not e.seq.prefilling]
@@ -262,6 +303,8 @@ class Batching(RuleBasedStateMachine):
             for e in prefills:
                 ends = e.start + len(e.tokens) == len(e.seq.prompt)
                 assert ends or len(e.tokens) >= knee or passed[e.seq.key] >= MAX_PASSED
+
+    def advance(self, entries: list[Entry], token: int, stop: bool) -> None:
         self.cache.decode(entries)
         self.s.advance(entries)
         assert self.cache.in_use <= self.cells
