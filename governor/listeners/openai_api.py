@@ -479,15 +479,20 @@ def _content(content: Any) -> str:
 # Answers -------------------------------------------------------------------------------------
 
 
-def usage(result: Mapping[str, Any]) -> dict[str, int]:
+def usage(result: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage: the counts, and the prompt tokens found in the cache where the runner
+    said (``prompt_tokens_details.cached_tokens``, as OpenAI reports its prompt caching)."""
     prompt, completion = result.get("prompt_tokens"), result.get("completion_tokens")
     prompt = prompt if isinstance(prompt, int) else 0
     completion = completion if isinstance(completion, int) else 0
-    return {
+    answer: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    if isinstance(cached := result.get("cached_tokens"), int):
+        answer["prompt_tokens_details"] = {"cached_tokens": cached}
+    return answer
 
 
 def finish_reason(choice: Mapping[str, Any]) -> str:

@@ -358,15 +358,21 @@ def whole_counts(body: bytes) -> dict[str, Any]:
 def token_counts(usage: Any, chunks: int) -> dict[str, Any]:
     """A result's ``prompt_tokens``, ``completion_tokens`` and ``counted``: the upstream's
     ``usage`` where it reported a count, else ``chunks`` (the streamed content chunks) for the
-    completion and null for the prompt. A usage of the wrong shape counts as none."""
+    completion and null for the prompt; and its ``cached_tokens`` where it reported them (in
+    ``prompt_tokens_details``, as llama-server and vLLM do). A usage of the wrong shape counts
+    as none."""
     reported = usage if isinstance(usage, dict) else {}
     prompt, completion = reported.get("prompt_tokens"), reported.get("completion_tokens")
     by_usage = _count(completion)
-    return {
+    counts = {
         "prompt_tokens": prompt if _count(prompt) else None,
         "completion_tokens": completion if by_usage else chunks,
         "counted": "usage" if by_usage else "chunks",
     }
+    details = reported.get("prompt_tokens_details")
+    if isinstance(details, dict) and _count(cached := details.get("cached_tokens")):
+        counts["cached_tokens"] = cached
+    return counts
 
 
 def _count(value: Any) -> bool:

@@ -25,7 +25,8 @@ Runs alternate (governor, llama-server, llama-server, governor, ...), ``--rounds
 that a drift of this shared machine falls on both. Each run sends one chat first (not counted:
 neither server's first-request costs fall in a run), then runs ``guidellm run`` with its
 concurrent profile: ``--concurrency`` streams, ``--requests`` requests in all, synthetic prompts
-of ``--prompt-tokens`` tokens, each asking for ``--output-tokens`` tokens (guidellm sends
+of ``--prompt-tokens`` tokens (after a prefix of ``--prefix-tokens`` that all share, where
+asked: a repeated system prompt), each asking for ``--output-tokens`` tokens (guidellm sends
 ``ignore_eos``, which both servers honour), streamed chat completions. guidellm first GETs
 ``/health`` and refuses a server that does not answer 200 (``--no-health-check`` turns that off).
 
@@ -70,7 +71,7 @@ from typing import Any
 from clients.helptext import RawDescriptionDefaultsHelpFormatter
 
 from ..support import llama_server
-from ..support.options import positive_float, positive_int, print_json
+from ..support.options import non_negative_int, positive_float, positive_int, print_json
 from ..support.processes import REPO, free_port, stop, wait_http_ready
 from ..support.stats import alternating, medians_by, ratio
 
@@ -135,12 +136,21 @@ def default_guidellm() -> str:
 # Command lines -----------------------------------------------------------------------------
 
 
+def synthetic(args: argparse.Namespace) -> dict[str, int]:
+    """guidellm's synthetic prompts: --prompt-tokens each, after the --prefix-tokens that all
+    share where asked (a system prompt every request repeats: what prefix reuse is for)."""
+    fields = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
+    if args.prefix_tokens:
+        fields |= {"prefix_tokens": args.prefix_tokens, "prefix_count": 1}
+    return fields
+
+
 def server_ctx(args: argparse.Namespace) -> int:
     """llama-server's ``-c``: ``--server-ctx``, else each of the slots room for a prompt of
     ``--prompt-tokens``, the chat template and ``--output-tokens``, in whole 256s."""
     if args.server_ctx is not None:
         return int(args.server_ctx)
-    prompt = MIX_PROMPT_TOKENS if args.rewrite_share else args.prompt_tokens
+    prompt = MIX_PROMPT_TOKENS if args.rewrite_share else args.prompt_tokens + args.prefix_tokens
     need: int = prompt + args.output_tokens + TEMPLATE_TOKENS
     slots: int = args.slots
     return slots * -(-need // 256) * 256
@@ -235,11 +245,7 @@ def guidellm_command(
         "--data",
         spec(kind="json_file", path=str(mix))
         if mix is not None
-        else spec(
-            kind="synthetic_text",
-            prompt_tokens=args.prompt_tokens,
-            output_tokens=args.output_tokens,
-        ),
+        else spec(kind="synthetic_text", **synthetic(args)),
         "--tokenizer",
         spec(
             kind="huggingface_auto", model=str(model.parent), load_kwargs={"gguf_file": model.name}
@@ -538,6 +544,7 @@ def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "requests": args.requests,
         "prompt_tokens": None if args.rewrite_share else args.prompt_tokens,
+        "prefix_tokens": args.prefix_tokens,
         "rewrite_share": args.rewrite_share,
         "output_tokens": args.output_tokens,
         "slots": args.slots,
@@ -593,6 +600,13 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--output-tokens", type=positive_int, default=64, help="tokens each request generates"
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        type=non_negative_int,
+        default=0,
+        help="a prefix of this many tokens before every synthetic prompt, the same for all "
+        "(a shared system prompt; 0: none)",
     )
     parser.add_argument(
         "--rewrite-share",

@@ -143,6 +143,29 @@ def test_echo_and_penalties(sdk: openai.OpenAI) -> None:
     assert "The sea is" + penalised.choices[0].text != plain.choices[0].text
 
 
+def test_a_repeated_system_prompt_is_reported_cached(sdk: openai.OpenAI) -> None:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: the second of two chats with the
+    same long system prompt finds it in the cache (the first found none of it)."""
+    system: Any = {"role": "system", "content": "You are a terse assistant for sailors. " * 20}
+    cached = []
+    for question in ("Name a knot.", "Name a sail."):
+        answer = sdk.chat.completions.create(
+            model="m",
+            messages=[system, {"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert answer.usage is not None
+        assert answer.usage.prompt_tokens_details is not None
+        cached.append(
+            (answer.usage.prompt_tokens_details.cached_tokens, answer.usage.prompt_tokens)
+        )
+    (first, _), (second, prompt) = cached
+    assert first is not None
+    assert second is not None
+    assert first < 100 < second < prompt, cached
+
+
 def test_embeddings_are_jobs_of_the_loaded_model(sdk: openai.OpenAI) -> None:
     """The SDK asks for base64 (and decodes it); a client that asks for floats gets floats:
     the same unit vectors, one a text, and the texts' tokens in the usage."""

@@ -120,6 +120,7 @@ class CountingUpstream(ThreadingHTTPServer):
 
     daemon_threads = True
     PROMPT_TOKENS = 7
+    CACHED_TOKENS = 5
 
     def __init__(self, usage: str) -> None:
         super().__init__(("127.0.0.1", 0), _CountingHandler)
@@ -146,7 +147,11 @@ class _CountingHandler(BaseHTTPRequestHandler):
         request = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
         self.server.bodies.append(request)
         n, mode = request["max_tokens"], self.server.usage
-        usage = {"prompt_tokens": self.server.PROMPT_TOKENS, "completion_tokens": n}
+        usage = {
+            "prompt_tokens": self.server.PROMPT_TOKENS,
+            "completion_tokens": n,
+            "prompt_tokens_details": {"cached_tokens": self.server.CACHED_TOKENS},
+        }
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.end_headers()
@@ -192,6 +197,7 @@ async def test_the_upstreams_usage_gives_the_counts(make_server: ServerFactory, 
         20,
         "usage",
     )
+    assert got["cached_tokens"] == CountingUpstream.CACHED_TOKENS
     assert got["text"] == "".join(f"t{i} " for i in range(20))
     # Asked for, or a server that follows OpenAI's API would send no usage in a stream.
     job = [b for b in upstream.bodies if b["max_tokens"] == 20]

@@ -325,6 +325,18 @@ def test_guidellm_runs_the_concurrent_profile_offline() -> None:
         parse("--no-health-check"), "http://h:1", MODEL, out
     )
     assert json.loads(flag(unchecked, "--backend"))["validate_backend"] is False
+    # A system prompt every request shares, and room for it in llama-server's slots.
+    shared = parse("--prefix-tokens", "512", "--slots", "4")
+    assert json.loads(
+        flag(guidellm_bench.guidellm_command(shared, "http://h:1", MODEL, out), "--data")
+    ) == {
+        "kind": "synthetic_text",
+        "prompt_tokens": 128,
+        "output_tokens": 64,
+        "prefix_tokens": 512,
+        "prefix_count": 1,
+    }
+    assert guidellm_bench.server_ctx(shared) == 4 * 1024
     env = guidellm_bench.guidellm_env(parse("--client-processes", "2"))
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
     assert env["GUIDELLM__MAX_WORKER_PROCESSES"] == "2"

@@ -31,6 +31,23 @@ def test_without_a_usable_usage_the_chunks_are_counted_and_the_prompt_is_null(us
     }
 
 
+@pytest.mark.parametrize(
+    ("details", "cached"),
+    [
+        ({"cached_tokens": 512}, 512),
+        ({"cached_tokens": 0}, 0),
+        ({"cached_tokens": "5"}, None),
+        ({"cached_tokens": -1}, None),
+        ({"cached_tokens": True}, None),
+        ({}, None),
+        ([], None),
+    ],
+)
+def test_the_upstreams_cached_prompt_tokens_are_passed_on(details: Any, cached: int | None) -> None:
+    usage = {"prompt_tokens": 600, "completion_tokens": 20, "prompt_tokens_details": details}
+    assert token_counts(usage, 19).get("cached_tokens") == cached
+
+
 def test_a_usage_without_the_prompt_leaves_the_prompt_null() -> None:
     counts = token_counts({"completion_tokens": 20}, 19)
     assert (counts["prompt_tokens"], counts["completion_tokens"]) == (None, 20)
