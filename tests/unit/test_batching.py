@@ -316,6 +316,7 @@ class Batching(RuleBasedStateMachine):
             if stop or q.generated >= q.max_new_tokens:
                 self.s.remove(q.key)
                 self.history.pop(q.key)
+                assert not (q.alone and self.cache.cells[q.slot]), "a probe left cells behind"
             else:
                 q.pending = token
                 self.history[q.key].append(token)
