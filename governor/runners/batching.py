@@ -70,7 +70,11 @@ worker's ``slots`` layout, llama-server's: each token attends over its own seque
 only), ``lowest`` is set: a sequence takes the lowest free slot, so that the running ones hold
 consecutive slots (llama.cpp runs a step in one pass for each run of consecutive streams), and
 a prefix another slot holds is copied into it (llama.cpp copies a stream whole; the cells past
-the prefix are then cleared), and a step's entries come in slot order. Kept cells then cost no other slot anything (``keep`` 0).
+the prefix are then cleared), and a step's entries come in slot order. A sequence being
+prefilled whose slot lies between two generating ones, and whose prompt gets no chunk in a
+step, is fed its next prompt token in it (a *bridge*, the one exception to the knee): a slot
+left out would split the step into two passes over the weights. Kept cells then cost no
+other slot anything (``keep`` 0).
 
 **Forks.** A job's further choices (OpenAI's ``n``) are forked from its first sequence the step
 its prompt is whole in the cache: each shares all the prompt's cells and samples its first
@@ -422,15 +426,17 @@ class Scheduler:
         pending = sorted((s for s in running if s.prefilling), key=_taken_first)
         if not pending:
             return entries
-        full = max(self.step_tokens - len(entries), MIN_PREFILL)
-        prefill = self._fill(entries, pending, full, self.bound(entries, now))
+        bridges = _bridges(entries, pending) if self.lowest else []
+        full = max(self.step_tokens - len(entries) - len(bridges), MIN_PREFILL)
+        prefill = self._fill(entries + bridges, pending, full, self.bound(entries, now))
         taken = {e.seq.key for e in prefill}
         for seq in pending:
             seq.passed = 0 if seq.key in taken else seq.passed + 1
+        bridges = [e for e in bridges if e.seq.key not in taken]
         if any(e.sample and e.seq.priority == 0 for e in prefill):
-            step = self.cost(entries + prefill)
+            step = self.cost(entries + bridges + prefill)
             entries = [e for e in entries if not _deferrable(e.seq, now, step)]
-        return entries + prefill
+        return entries + bridges + prefill
 
     def bound(self, decodes: list[Entry], now: float = 0.0) -> float | None:
         """The longest next step, planned at ``now``, that keeps the generating sequences
@@ -507,6 +513,23 @@ def _most(
         else:
             high = mid - 1
     return _prefill(pending, low, knee)
+
+
+def _bridges(decodes: list[Entry], pending: list[Sequence]) -> list[Entry]:
+    """With a stream a slot: the next prompt token of each sequence being prefilled whose slot
+    lies between two generating ones (and that has more than that token left, so that it
+    samples nothing). llama.cpp steps each run of consecutive streams in a pass of its own,
+    and every pass reads all the weights, so a slot left out of a step splits it in two (a
+    step of 7 decodes a sixth slower on the embedded model); one token keeps the run whole
+    for about a decode's cost, and feeds the prompt on."""
+    if not decodes:
+        return []
+    low, high = min(map(_slot, decodes)), max(map(_slot, decodes))
+    return [
+        Entry(seq, seq.prompt[seq.fed : seq.fed + 1], seq.fed, False)
+        for seq in pending
+        if low < seq.slot < high and len(seq.prompt) - seq.fed > 1
+    ]
 
 
 def _decodes(running: list[Sequence], held: list[list[int]]) -> list[Entry]:

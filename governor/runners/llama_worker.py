@@ -671,7 +671,8 @@ class Worker:
             if self.acks:
                 self._emit([], [])
             return
-        prefill = [e.seq for e in entries if e.seq.prefilling]
+        # (a prompt's single token, a bridge, makes no step worth preempting)
+        prefill = [e.seq for e in entries if e.seq.prefilling and len(e.tokens) > 1]
         preemptible = bool(prefill) and all(
             seq.priority > 0 and seq.preempted < MAX_PASSED for seq in prefill
         )

@@ -293,16 +293,29 @@ class Batching(RuleBasedStateMachine):
         assert sorted(e.seq.key for e in decodes) == sorted(
             q.key for q in running if q.pending >= 0
         )
-        assert sum(len(e.tokens) for e in entries) <= max(
-            self.step_tokens, len(decodes) + MIN_PREFILL
-        )
         prefills = [e for e in entries if e.seq.prefilling]
+        # With a stream a slot, a prompt whose slot lies between two generating ones is in
+        # every step (a bridge: one token, at least), so that no step splits in two passes.
+        generating = [q.slot for q in running if q.pending >= 0]
+        between = [
+            q
+            for q in pending
+            if self.s.lowest and min(generating, default=0) < q.slot < max(generating, default=0)
+        ]
+        bridged = [q for q in between if len(q.prompt) - q.fed > 1]
+        bridges = [e for e in prefills if e.seq in bridged and len(e.tokens) == 1]
+        stepped = {e.seq.key for e in prefills}
+        assert all(q.key in stepped for q in bridged), "a step split in two passes"
+        full = max(self.step_tokens - len(decodes) - len(bridged), MIN_PREFILL)
+        assert sum(len(e.tokens) for e in entries) <= len(decodes) + len(bridged) + full
         if pending:
             assert prefills, "prompts wait, nothing generates, and none was fed"
-            knee = min(self.s.knee, max(self.step_tokens - len(decodes), MIN_PREFILL))
+            knee = min(self.s.knee, full)
             for e in prefills:
                 ends = e.start + len(e.tokens) == len(e.seq.prompt)
-                assert ends or len(e.tokens) >= knee or passed[e.seq.key] >= MAX_PASSED
+                assert (
+                    ends or len(e.tokens) >= knee or passed[e.seq.key] >= MAX_PASSED or e in bridges
+                )
 
     def advance(self, entries: list[Entry], token: int, stop: bool) -> None:
         self.cache.decode(entries)
@@ -509,6 +522,34 @@ def test_several_short_prompts_go_in_one_step_interactive_first_and_shortest_fir
     prompts = [(e.seq.key, len(e.tokens)) for e in entries if e.start < len(e.seq.prompt)]
     assert prompts == [("heavy", 10)]
     assert s.running["rewrite"].passed == 2
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_a_prompt_between_generating_streams_is_fed_a_token_a_step_that_bridges_them(
+    streams: bool,
+) -> None:
+    """With a stream a slot, a prompt waiting for time to bank (on its chat's pace, a chunk of
+    the knee would not fit) but lying between two generating slots gets its next token in
+    the step, so that llama.cpp runs the step in one pass; with one pool, or above the
+    generating slots, it waits."""
+    s, cache = budgeted(costs(2, 3), slots=4, step_tokens=512)
+    s.lowest = streams
+    first = generating(s, cache, "first", tpot_s=0.1, gap_s=0.5, ttft_s=1.0)
+    s.submit(Sequence("rewrite", tuple(range(1000, 1400)), 4, priority=1))
+    last = generating(s, cache, "last", tpot_s=0.1, gap_s=0.5, ttft_s=1.0)
+    s.submit(Sequence("above", tuple(range(2000, 2400)), 4, priority=1))
+    first.first_at, first.generated = 0.0, 10  # on its pace at 0.9 s: no chunk of 64 fits
+    rewrite, above = s.running["rewrite"], s.running["above"]
+    assert (first.slot, rewrite.slot, last.slot, above.slot) == (0, 1, 2, 3)
+    entries = s.plan(0.9)
+    prompts = [(e.seq.key, e.tokens, e.start, e.sample) for e in entries if e.seq.prefilling]
+    assert prompts == ([("rewrite", (1000,), 0, False)] if streams else [])
+    if streams:
+        assert [e.seq.slot for e in entries] == [0, 1, 2]
+        cache.decode(entries)
+        s.advance(entries)
+        assert rewrite.fed == 1  # the bridge fed the prompt on
+        assert rewrite.passed == 1  # (not a turn: the prompt is still passed over)
 
 
 def test_a_chunk_below_the_knee_waits_while_the_chats_bank_the_time() -> None:
