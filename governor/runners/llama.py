@@ -248,6 +248,14 @@ class WorkerProcess:
                     continue
                 self.kill()
                 error = RunnerError(f"the worker {silent}; killed", NeedCode.RUNNER_TIMEOUT)
+                event(
+                    log,
+                    logging.WARNING,
+                    f"worker {self.index} {silent}: killed as hung",
+                    event="worker",
+                    worker=self.index,
+                    hung=silent,
+                )
                 break
             if not line:
                 break
