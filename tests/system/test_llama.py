@@ -344,6 +344,11 @@ async def test_a_hung_worker_fails_readiness_while_liveness_holds(
     # with none only between two, and only by a look that falls there: every 50 ms rather than
     # every second, and a grace of 2 s rather than 10, so that it is killed within seconds
     # (it took 13 to 30) of the readiness failure. A live worker confirms a cancel at once.
+    # llama.cpp's OpenMP threads spin at their barriers by default: on two busy cores (CI
+    # beside stress-ng) a probe's step then took over 13 s and the live replacement was killed
+    # as hung too. Waiting threads that sleep keep a live worker's steps short here; what the
+    # daemon should set is still to measure (on a quiet machine sleeping costs throughput).
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     grace = llama_runner.CANCEL_GRACE_S
     monkeypatch.setattr(llama_runner, "CANCEL_GRACE_S", 2.0)
     monkeypatch.setattr(llama_runner, "WATCH_S", 0.05)
