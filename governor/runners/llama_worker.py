@@ -543,6 +543,9 @@ class Branch:
             ttft_s=request.get("ttft_ms", 0.0) / 1000,
             alone=request.get("alone", False),
         )
+        if self.seq.ttft_s > 0:  # (its first token due since its client came)
+            waited_s = request.get("waited_ms", 0.0) / 1000
+            self.seq.first_due = time.perf_counter() + self.seq.ttft_s - waited_s
         self.text = Text(request["stop"])
 
 
