@@ -7,8 +7,7 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
              "ttft_ms": float, "tpot_ms": float, "gap_ms": float, "waited_ms": float,
-             "temperature": float,
-             "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
+             "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
              "stop": [str], "ignore_eos": bool, "n": int, "logprobs": int | null,
              "presence_penalty": float, "frequency_penalty": float, "repeat_penalty": float,
              "logit_bias": [[int, float]], "grammar": str | null, "alone"?: bool}
@@ -36,8 +35,8 @@ of every generating sequence and whole prompts or chunks of at least ``--min-chu
 cut to the time the generating sequences have banked against their ``tpot_ms`` and to their
 ``gap_ms`` (``ttft_ms`` without one, or for a sequence whose first token came later than
 ``ttft_ms`` after its client came, ``waited_ms`` before the request): the step budget, in that
-module; the cells of ended
-sequences are kept for a later prompt with the same beginning, ``--n-ctx`` of them at most.
+module. The cells of ended sequences are kept for a later prompt with the same beginning,
+``--n-ctx`` of them at most.
 ``out`` holds, for each sequence that let out text in the step (or, with log probabilities,
 tokens), the job, the sequence's index ``i`` among the job's ``n``, its text, and ``n``, how
 many tokens the job (all its sequences) has generated so far; ``f`` how many prompt tokens each

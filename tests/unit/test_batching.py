@@ -731,10 +731,10 @@ def test_every_stream_keeps_its_pace_and_gap_and_every_prompt_is_fed_in_chunks_p
     length arriving at any step, their clients having waited for them already or not: every
     stream whose first token came within its TTFT objective keeps its mean time per output
     token since its first within its TPOT objective (less the margin), and no gap between two
-    tokens of any stream is longer than its cap; every step holds every generating sequence's token (but for a less
-    urgent stream that gives its place to a chat's first token); every prompt is fed to its
-    end, each chunk at least the knee unless it ends the prompt or the prompt was passed over
-    ``MAX_PASSED`` times."""
+    tokens of any stream is longer than its cap; every step holds every generating sequence's
+    token (but for a less urgent stream that gives its place to a chat's first token); every
+    prompt is fed to its end, each chunk at least the knee unless it ends the prompt or the
+    prompt was passed over ``MAX_PASSED`` times."""
     s, cache = budgeted(costs(step_ms, token_ms, sample_ms), slots=16, step_tokens=step_tokens)
     s.knee = knee
     now = 0.0
