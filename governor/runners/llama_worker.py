@@ -54,11 +54,13 @@ Every step is timed, from its planning to its event, and the time taught to the 
 few calibration steps of known shape (prompts and generating sequences side by side) give the
 model its first figures on this model and device.
 
-Tokens are sampled by llama.cpp's own sampler chain, one per sequence, in the order of
-llama.cpp's common sampler: logit biases, penalties (repeat, frequency and presence, over the
-sequence's generated tokens), the grammar (GBNF text, checked by the daemon before admission),
-then top_k, top_p, min_p, temperature and a seeded draw (``seed + i`` for the job's ``i``-th
-sequence); greedy at temperature 0.
+Tokens are sampled in the order of llama.cpp's common sampler: logit biases, penalties
+(repeat, frequency and presence, over the sequence's generated tokens), the grammar (GBNF
+text, checked by the daemon before admission), then top_k, top_p, min_p, temperature and a
+seeded draw (``seed + i`` for the job's ``i``-th sequence); greedy at temperature 0. A sequence
+with biases, penalties or a grammar has llama.cpp's sampler chain; any other, the same
+distribution drawn from the tokens that can matter (:mod:`.sampling`: a tenth of the chain's
+time at a 49,152-token vocabulary).
 
 **Several choices.** A job with ``n`` above 1 runs its first sequence alone until its prompt is
 in the cache; the step that samples its first token forks the others from it
@@ -125,11 +127,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+import numpy.typing as npt
 import orjson
 
 from protocol.spec import MAX_N
 
 from .batching import KNEE, MAX_PASSED, Entry, Scheduler, Sequence
+from .sampling import NO_PENALTIES, Draws, penalties, plain
 from .stepcost import StepCosts
 
 PROBE_SLOTS = 1  # a sequence beyond the admitted ones, for the health probe
@@ -357,8 +361,18 @@ class Model:
             self.ll.llama_memory_seq_cp(self.memory, source, slot, 0, length)
 
     def sampler(self, request: dict[str, Any], index: int = 0) -> Any:
-        """The sampler chain of the request's ``index``-th sequence; None when its grammar
-        does not parse (the daemon checks it before admission: this is for safety)."""
+        """The sampler of the request's ``index``-th sequence: :class:`~.sampling.Draws` for a
+        plain one, else llama.cpp's chain; None when its grammar does not parse (the daemon
+        checks it before admission: this is for safety)."""
+        seed = request["seed"] + index if request["seed"] is not None else None
+        if plain(request):
+            return Draws(
+                temperature=request["temperature"],
+                top_k=request["top_k"],
+                top_p=request["top_p"],
+                min_p=request["min_p"],
+                seed=seed,
+            )
         ll = self.ll
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         for constraint in self._constraints(request):
@@ -377,7 +391,7 @@ class Model:
         if request["min_p"] > 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(request["min_p"], 1))
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(temperature))
-        seed = request["seed"] + index if request["seed"] is not None else random.randrange(2**31)
+        seed = seed if seed is not None else random.randrange(2**31)
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
         return chain
 
@@ -390,31 +404,33 @@ class Model:
                 *(ll.llama_logit_bias(t, b) for t, b in bias)
             )
             yield ll.llama_sampler_init_logit_bias(self.n_vocab, len(bias), entries)
-        penalties = (
-            request.get("repeat_penalty", 1.0),
-            request.get("frequency_penalty", 0.0),
-            request.get("presence_penalty", 0.0),
-        )
-        if penalties != (1.0, 0.0, 0.0):
+        if (weights := penalties(request)) != NO_PENALTIES:
             # Over all the tokens the sequence may generate (OpenAI's penalties count them all).
             window = request["max_new_tokens"]
-            yield ll.llama_sampler_init_penalties(self.n_vocab, window, *penalties)
+            yield ll.llama_sampler_init_penalties(self.n_vocab, window, *weights)
         if grammar := request.get("grammar"):
             yield ll.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
 
     def sample(self, chain: Any, index: int) -> int:
+        if isinstance(chain, Draws):
+            return chain(self.logits(index))
         return int(self.ll.llama_sampler_sample(chain, self.ctx, index))
 
     def free_sampler(self, chain: Any) -> None:
-        self.ll.llama_sampler_free(chain)
+        if not isinstance(chain, Draws):
+            self.ll.llama_sampler_free(chain)
+
+    def logits(self, index: int) -> npt.NDArray[np.float32]:
+        """The raw logits at the batch's ``index``-th token (a view, valid until the next
+        step)."""
+        row = self.ll.llama_get_logits_ith(self.ctx, index)
+        return np.ctypeslib.as_array(row, shape=(self.n_vocab,))
 
     def scores(self, index: int, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
         """The log probability of ``token`` at the batch's ``index``-th logits, and the ``top``
         likeliest tokens' (id, log probability), likeliest first: a log-softmax of the raw
         logits over the vocabulary."""
-        logits = np.ctypeslib.as_array(
-            self.ll.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,)
-        )
+        logits = self.logits(index)
         peak = float(logits.max())
         norm = peak + math.log(float(np.exp(logits - peak).sum(dtype=np.float64)))
         best = np.argpartition(logits, -top)[-top:] if top else np.zeros(0, dtype=np.intp)
