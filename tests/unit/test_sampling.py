@@ -36,7 +36,8 @@ def reference(
         ids = ids[logits[ids] >= logits.max() + math.log(min_p)]
     probs = np.zeros(len(logits))
     probs[ids] = np.exp((logits[ids].astype(np.float64) - logits.max()) / temperature)
-    return probs / probs.sum()
+    probs /= probs.sum()
+    return probs
 
 
 class Uniforms:
