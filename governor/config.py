@@ -356,7 +356,7 @@ class LanesSection:
     )
     interactive_reserve: int = _opt(1, min=0)("lanes: slots only interactive jobs may take.")
     preemption: bool = _opt(True)(
-        "lanes, llama runner: a chat takes a slot lent to heavy or background work back at once, by suspending that job (it resumes where it stopped when a slot frees), so the interactive reserve is lent whenever no chat waits. The http runner cannot suspend its upstream: there it has no effect."
+        "lanes, llama runner: a chat takes a slot lent to heavy or background work back at once, by suspending that job (it resumes where it stopped when a slot frees), so the interactive reserve is lent whenever no chat waits; past the reserve, a chat suspends only a job with no token out yet that was never suspended. The http runner cannot suspend its upstream: there it has no effect."
     )
     reserve_lend_after: float = _opt(0.0, min=0)(
         "lanes: seconds without an interactive job after which the reserve is lent to heavy and background work (without preemption, back for the next chat only as the lent jobs end); 0: at once with preemption, never without it."

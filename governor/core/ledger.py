@@ -26,7 +26,10 @@ the interactive reserve, its lane is under its quota, and its KV cells fit. In t
 The interactive reserve is lent at once, and taken back within a step: an interactive job that
 finds no slot while the reserve is owed to chats (fewer interactive slots taken than it) and no
 chat ahead of it is due suspends the newest running jobs of the lowest lanes until it has its
-slots; one that finds no room for its KV cells suspends such jobs until it has. A suspended job
+slots; one that finds no room for its KV cells suspends such jobs until it has. Beyond the
+reserve, such a chat suspends only jobs that have not generated a token yet and were never
+suspended (:func:`~.preemption.fresh`: a burst's rewrites that came in the same instant as its
+chats do not keep the chats waiting; a job is suspended so once at most). A suspended job
 holds no slot and no reserved cells (its runner keeps its cells while its cache has room, else
 computes them again), stays admitted (one terminal frame, whatever happens), and is resumed,
 oldest first and before any newer job of a lower lane starts, as soon as a slot it may take and
@@ -96,6 +99,7 @@ class Slot:
     __slots__ = (
         "_ledger",
         "_released",
+        "begun",
         "demand",
         "expected_s",
         "fed_from",
@@ -136,6 +140,7 @@ class Slot:
         self.pause: Pause | None = None
         self.suspended_at: float | None = None  # since when, while suspended
         self.pauses: list[tuple[float, float]] = []  # (from, to) of each suspension past
+        self.begun = False  # its first token generated (the execution says so)
         self._released = False
 
     @property
@@ -492,7 +497,8 @@ class SlotLedger(SlotPool):
         later = sum(slot.width for slot in self._suspended) if rank > 0 else 0
         victims: list[Slot] = []
         if usable - width < due and due == 0 and rank == 0:
-            victims = slot_victims(self._running, width - usable) if self.lanes.owes(width) else []
+            lent = self.lanes.owes(width)
+            victims = slot_victims(self._running, width - usable, lent=lent)
             self._suspend(victims, now)
         if (usable - width < due and not victims) or later:
             hint_ms, promise = self.hints.place(now, promise, rank, size, later)

@@ -5,6 +5,8 @@ changed here; the ledger suspends the jobs chosen (see its "Preemption" paragrap
 be suspended when it has a :class:`~governor.runners.base.Pause` (the ledger gives one to
 every job below the interactive lane on a runner that suspends jobs). The newest job of the
 lowest lane goes first: it has done the least work, and its lane's objectives are the loosest.
+Beyond the reserve, a chat suspends only **fresh** jobs: none of their tokens generated yet,
+never suspended before (they came in the same instant as the chat, or just before it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ class Suspendable(Protocol):
     pause: Pause | None
     kv_cache: int | None
     kv_tokens: int
+    begun: bool
+
+
+def fresh(job: Suspendable) -> bool:
+    """No token of the job's generated yet, and never suspended: a chat's slot may come from
+    it beyond the reserve (its client has seen nothing; it is suspended once at most so)."""
+    return not job.begun and job.pause is not None and not job.pause.suspensions
 
 
 J = TypeVar("J", bound=Suspendable)
@@ -37,15 +46,16 @@ def victim_order(job: Suspendable) -> tuple[int, float]:
     return (-rank, -job.started)
 
 
-def slot_victims(running: Iterable[J], short: int) -> list[J]:
+def slot_victims(running: Iterable[J], short: int, *, lent: bool) -> list[J]:
     """The jobs to suspend for ``short`` slots: the first that hold that many, in
-    :func:`victim_order`; none where all of them hold fewer."""
+    :func:`victim_order`, of those holding a ``lent`` slot (any that may be suspended: the
+    reserve is owed) or else the :func:`fresh` ones; none where all of them hold fewer."""
     victims: list[J] = []
     held = 0
     for job in sorted(running, key=victim_order):
         if held >= short:
             break
-        if job.pause is not None:
+        if job.pause is not None and (lent or fresh(job)):
             victims.append(job)
             held += job.width
     return victims if held >= short else []

@@ -202,6 +202,35 @@ async def test_a_chat_takes_a_lent_slot_back_at_once_and_the_lent_job_resumes(
     assert (ledger.taken, ledger.inflight, ledger.suspended, ledger.kv_reserved) == (0, 0, 0, 0)
 
 
+async def test_past_the_reserve_a_chat_takes_no_slot_from_a_job_that_has_begun(
+    make_server: ServerFactory,
+) -> None:
+    """Both slots run heavy jobs whose tokens have begun (the execution says so at the first
+    token): the first chat takes the lent reserve back, the second is refused."""
+    server = await lent_server(make_server)
+    ledger = server.ledger
+    running = ledger._running  # (the slots running, to see their first tokens come)
+    async with await client_for(server) as a, await client_for(server) as b:
+        first = asyncio.ensure_future(a.generate(heavy("Once upon a time")))
+        await wait_until(lambda: ledger.taken == 1, timeout=30)
+        lent = asyncio.ensure_future(b.generate(heavy("The history of Rome")))
+        await wait_until(lambda: ledger.taken == 2, timeout=30)
+        await wait_until(lambda: all(slot.begun for slot in running), timeout=30)
+        async with await client_for(server) as c, await client_for(server) as d:
+            chat = asyncio.ensure_future(
+                c.generate(greedy("Hello", max_new_tokens=32, ignore_eos=True), retry=NO_RETRY)
+            )
+            await wait_until(lambda: ledger.suspended == 1, timeout=10)
+            second = await d.generate(greedy("Hi", max_new_tokens=4), retry=NO_RETRY)
+            assert not second.done
+            assert second.reply.need_code == "server_busy", second.reply
+            assert ledger.suspensions["heavy"] == 1
+            assert (await chat).done
+        for result in await asyncio.gather(first, lent):
+            assert result.done, result.reply
+    assert (ledger.taken, ledger.inflight, ledger.suspended, ledger.kv_reserved) == (0, 0, 0, 0)
+
+
 async def test_a_client_that_leaves_while_its_job_is_suspended_frees_everything(
     make_server: ServerFactory,
 ) -> None:

@@ -154,9 +154,12 @@ def test_a_chat_is_admitted_at_once_by_suspending_one_job(
 def test_a_second_chat_while_the_first_holds_the_reserve_is_refused(
     clock: FakeClock, cap: int, lanes: list[Lane], victim: int
 ) -> None:
+    """... once every job left running has generated a token (see the next test)."""
     ledger = make(clock, cap)
     jobs = [take(clock, ledger, lane) for lane in lanes]
     assert isinstance(ask(ledger, CHAT), Slot)
+    for slot in jobs:
+        slot.begun = True
     clock.now += STEP
     assert ledger.lane_inflight[CHAT] == ledger.policy.interactive_reserve  # type: ignore[union-attr]
     refusal = refused(ask(ledger, CHAT))
@@ -165,6 +168,31 @@ def test_a_second_chat_while_the_first_holds_the_reserve_is_refused(
     assert sum(ledger.suspensions.values()) == 1
     assert [slot.suspended for slot in jobs] == [i == victim for i in range(cap)]
     assert (ledger.taken, ledger.inflight) == (cap, cap + 1)
+
+
+def test_beyond_the_reserve_chats_take_slots_from_fresh_jobs_once_each(clock: FakeClock) -> None:
+    """Four heavy jobs, the first two with a token generated: the first chat takes the reserve
+    back from the newest; the next from the newest job still fresh (none of its tokens yet,
+    never suspended); a third finds none. The job suspended for the reserve, resumed, is no
+    longer fresh: a chat beyond the reserve leaves it be."""
+    ledger = make(clock, 4)
+    jobs = [take(clock, ledger, HEAVY) for _ in range(4)]
+    jobs[0].begun = jobs[1].begun = True
+    first = take(clock, ledger, CHAT)
+    assert [slot.suspended for slot in jobs] == [False, False, False, True]
+    second = take(clock, ledger, CHAT)
+    assert [slot.suspended for slot in jobs] == [False, False, True, True]
+    third = refused(ask(ledger, CHAT))
+    assert (ledger.taken, ledger.suspended, ledger.lane_inflight[CHAT]) == (4, 2, 2)
+    assert third.promise is not None
+    ledger.withdraw(third.promise)  # (its client went elsewhere: no chat in line)
+    first.release()
+    second.release()  # (both suspended jobs resume, the older first)
+    assert not any(slot.suspended for slot in jobs)
+    take(clock, ledger, CHAT)  # (the reserve: owed again)
+    assert [slot.suspended for slot in jobs] == [False, False, False, True]
+    refused(ask(ledger, CHAT))  # (jobs[2] was suspended once already)
+    assert [slot.pause.suspensions for slot in jobs if slot.pause] == [0, 0, 1, 2]
 
 
 @pytest.mark.parametrize(("cap", "lanes", "victim"), VICTIMS)
@@ -609,6 +637,14 @@ class Preemption(RuleBasedStateMachine):
             returning = None
         chats_before = ledger.lane_inflight[CHAT]
         counts = self.times_suspended()
+        # (what a chat may suspend for a slot: any job below it while the reserve is owed,
+        # else the fresh ones: no token generated, never suspended)
+        owed = ledger.policy is not None and chats_before < ledger.policy.interactive_reserve
+        eligible = [
+            s
+            for s in self.running()
+            if s.pause is not None and (owed or (not s.begun and not s.pause.suspensions))
+        ]
         decision = ask(ledger, lane, cells, width, returning)
         victims = [
             s
@@ -626,14 +662,16 @@ class Preemption(RuleBasedStateMachine):
                 assert not victims
             elif victims:
                 # Owed the reserve (chats_before counts the chats before this one; a chat at
-                # the reserve may still suspend for its cells), and the victims are the first
-                # in the order: the lowest lanes, the newest.
+                # the reserve may still suspend for its cells), or every victim fresh; and the
+                # victims are the first in the order of those it may suspend: the lowest
+                # lanes, the newest.
                 policy = ledger.policy
                 assert policy is not None
-                assert chats_before <= policy.interactive_reserve
+                if chats_before > policy.interactive_reserve or not owed:
+                    assert all(counts[id(v)] == 0 and not v.begun for v in victims)
                 later = max(victim_order(v) for v in victims)
                 for other in self.running():
-                    if other.pause is not None:
+                    if other in eligible:
                         assert victim_order(other) >= later
             self.jobs.append(decision)
             self.every.append(decision)
@@ -643,19 +681,13 @@ class Preemption(RuleBasedStateMachine):
             if lane != CHAT:
                 assert not victims  # (only a chat suspends)
             if decision.need_code == NeedCode.SERVER_BUSY and lane == CHAT:
-                # Refused a slot: not owed the reserve, or a chat ahead of it is due, or too
-                # little to suspend (a refusal for a slot changes nothing: the state now is the
-                # one it was decided on).
-                policy = ledger.policy
-                assert policy is not None
+                # Refused a slot: a chat ahead of it is due, or too little it may suspend (a
+                # refusal for a slot changes nothing: the state now is the one it was decided
+                # on).
                 hold = ledger.estimates.hold()
                 assert (
-                    chats_before >= policy.interactive_reserve
-                    or ledger.line.due_ahead(self.clock.now, decision.promise, 0, hold) > 0
-                    or ledger.cap
-                    - ledger.taken
-                    + sum(s.width for s in self.running() if s.pause is not None)
-                    < 1
+                    ledger.line.due_ahead(self.clock.now, decision.promise, 0, hold) > 0
+                    or ledger.cap - ledger.taken + sum(s.width for s in eligible) < 1
                 )
             if decision.need_code == NeedCode.LANE_FULL and lane != CHAT:
                 # The reserve is lent at once: kept only while a chat waits in line.
@@ -690,6 +722,13 @@ class Preemption(RuleBasedStateMachine):
         assert self.ledger.taken == taken + sum(s.width for s in resumed)
         assert self.ledger.kv_reserved == reserved + sum(s.kv_tokens for s in resumed)
         self.check_resumed_oldest_first(waiting)
+
+    @precondition(lambda self: bool(self.running()))
+    @rule(index=st.integers(0, 50))
+    def first_token(self, index: int) -> None:
+        """A running job generates its first token (it is no longer fresh)."""
+        running = self.running()
+        running[index % len(running)].begun = True
 
     @rule(seconds=st.floats(0.0, 3.0))
     def wait(self, seconds: float) -> None:
