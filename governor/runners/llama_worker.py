@@ -58,9 +58,9 @@ Tokens are sampled in the order of llama.cpp's common sampler: logit biases, pen
 (repeat, frequency and presence, over the sequence's generated tokens), the grammar (GBNF
 text, checked by the daemon before admission), then top_k, top_p, min_p, temperature and a
 seeded draw (``seed + i`` for the job's ``i``-th sequence); greedy at temperature 0. A sequence
-with biases, penalties or a grammar has llama.cpp's sampler chain; any other, the same
-distribution drawn from the tokens that can matter (:mod:`.sampling`: a tenth of the chain's
-time at a 49,152-token vocabulary).
+with biases, penalties, a grammar, top_k or top_p has llama.cpp's sampler chain; any other, the
+same distribution drawn from the tokens that can matter (:mod:`.sampling`: a tenth to two
+thirds of the chain's time at a 49,152-token vocabulary).
 
 **Several choices.** A job with ``n`` above 1 runs its first sequence alone until its prompt is
 in the cache; the step that samples its first token forks the others from it
@@ -366,13 +366,7 @@ class Model:
         checks it before admission: this is for safety)."""
         seed = request["seed"] + index if request["seed"] is not None else None
         if plain(request):
-            return Draws(
-                temperature=request["temperature"],
-                top_k=request["top_k"],
-                top_p=request["top_p"],
-                min_p=request["min_p"],
-                seed=seed,
-            )
+            return Draws(temperature=request["temperature"], min_p=request["min_p"], seed=seed)
         ll = self.ll
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         for constraint in self._constraints(request):

@@ -14,6 +14,12 @@ processes, no protocol), a unified KV cache shared by every sequence.
   cache rolled back between repeats so that each sees the same state. It says how large a
   prompt chunk one step of a batched runner can take before the running sequences notice.
 
+* ``--sampling``: what drawing one token for each of 8 sequences costs, after a step that
+  gave each its logits (prompts of random words: a model unsure of its next token, the
+  governor's dearer case): llama.cpp's sampler chain against the governor's draws
+  (:mod:`governor.runners.sampling`), with OpenAI's defaults (temperature 1), with min_p, and
+  greedy; the median of ``--repeats`` rounds of ``--steps`` draws each.
+
 One ``llama_decode`` is one graph evaluation: ``n_ubatch`` is set to ``n_batch``, which holds
 the largest batch asked for. On a machine shared with other work, each round (all of the
 prefill runs count as one) first waits (``--wait-quiet``) for other processes to leave the
@@ -219,6 +225,72 @@ def prefill_times(engine: Engine, chunks: Sequence[int], repeats: int) -> list[d
     return rows
 
 
+# (name, temperature, min_p): what the governor draws itself (top_k and top_p: the chain)
+SAMPLINGS = (
+    ("OpenAI's defaults", 1.0, 0.0),
+    ("temperature 0.7, min_p 0.05", 0.7, 0.05),
+    ("greedy", 0.0, 0.0),
+)
+
+
+def sampling_times(engine: Engine, steps: int, repeats: int) -> list[dict[str, Any]]:
+    """Per sampling setting: the median time of RUNNING draws, by llama.cpp's chain and by
+    the governor's draws, each from the logits of a step of RUNNING prompts."""
+    from governor.runners.sampling import Draws
+
+    lib = engine.lib
+    engine.clear()
+    by_seq = prompts(engine, RUNNING)
+    engine.decode([(tokens[-1], len(tokens), s, True) for s, tokens in by_seq.items()])
+    n_vocab = lib.llama_vocab_n_tokens(engine.vocab)
+    rows = []
+    for name, temperature, min_p in SAMPLINGS:
+        chains = [_chain(lib, temperature, min_p, s) for s in range(RUNNING)]
+        draws = [Draws(temperature=temperature, min_p=min_p, seed=s) for s in range(RUNNING)]
+
+        row: dict[str, Any] = {"sampling": name}
+        for key, draw_all in (
+            ("chain_ms", functools.partial(_by_chain, engine, chains)),
+            ("draws_ms", functools.partial(_by_draws, engine, draws, n_vocab)),
+        ):
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                for _ in range(steps):
+                    draw_all()
+                times.append((time.perf_counter() - started) / steps * 1000)
+            row[key] = round(statistics.median(times), 3)
+        rows.append(row)
+        for chain in chains:
+            lib.llama_sampler_free(chain)
+    return rows
+
+
+def _by_chain(engine: Engine, chains: list[Any]) -> None:
+    for i, chain in enumerate(chains):
+        engine.lib.llama_sampler_sample(chain, engine.ctx, i)
+
+
+def _by_draws(engine: Engine, draws: list[Any], n_vocab: int) -> None:
+    import numpy as np
+
+    for i, draw in enumerate(draws):
+        draw(np.ctypeslib.as_array(engine.lib.llama_get_logits_ith(engine.ctx, i), (n_vocab,)))
+
+
+def _chain(lib: Any, temperature: float, min_p: float, seed: int) -> Any:
+    """llama.cpp's chain as the governor's worker makes it for these settings."""
+    chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+    if temperature <= 0:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+        return chain
+    if min_p > 0:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(min_p, 1))
+    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(temperature))
+    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
+    return chain
+
+
 def quietly(measure: Callable[[], dict[str, Any]], wait_s: float, attempts: int) -> dict[str, Any]:
     """``measure()`` once the machine is quiet (waiting ``wait_s`` at most), again while other
     processes were busy during it (``attempts`` in all); the run they disturbed least, with
@@ -257,13 +329,18 @@ def add_parser(commands: Any) -> None:
         "--prefill", action="store_true", help="time prefill chunks instead of decode rounds"
     )
     parser.add_argument(
+        "--sampling",
+        action="store_true",
+        help="time the draws of 8 sequences' tokens (llama.cpp's chain, the governor's) instead",
+    )
+    parser.add_argument(
         "--chunks",
         type=positive_ints,
         default=CHUNKS,
         help="--prefill: chunk sizes in tokens",
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=7, help="--prefill: runs per median"
+        "--repeats", type=positive_int, default=7, help="--prefill, --sampling: runs per median"
     )
     parser.add_argument(
         "--wait-quiet",
@@ -286,7 +363,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     model = args.model or embedded_model_path()
     chunks = args.chunks if args.prefill else ()
-    streams = () if args.prefill else args.streams
+    streams = () if args.prefill or args.sampling else args.streams
     n_seq_max = max(max(streams, default=1), RUNNING + 1)
     # (n_batch bounds the outputs of a batch too: one per sequence must fit.)
     n_batch = max(max(chunks, default=0) + RUNNING, n_seq_max, 4 * PROMPT_TOKENS)
@@ -308,7 +385,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     patience = (args.wait_quiet, args.attempts)
     try:
-        if args.prefill:
+        if args.sampling:
+            report["repeats"], report["steps"], report["running"] = (
+                args.repeats,
+                args.steps,
+                RUNNING,
+            )
+            run = quietly(
+                lambda: {"rows": sampling_times(engine, args.steps, args.repeats)}, *patience
+            )
+            report["sampling"], report["others_cpu"] = run["rows"], run["others_cpu"]
+        elif args.prefill:
             report["repeats"] = args.repeats
             report["running"] = RUNNING
             run = quietly(lambda: {"rows": prefill_times(engine, chunks, args.repeats)}, *patience)
@@ -330,6 +417,20 @@ def render(report: dict[str, Any]) -> list[str]:
         f"{report['model']}, {report['threads']} thread(s), n_gpu_layers "
         f"{report['n_gpu_layers']}, n_ctx {report['n_ctx']} (unified KV), n_batch {report['n_batch']}"
     )
+    if "sampling" in report:
+        lines = [
+            head,
+            f"{report['running']} draws, each from its own sequence's logits, median of "
+            f"{report['repeats']} rounds of {report['steps']}",
+            f"{'sampling':<26} {'chain ms':>9} {'draws ms':>9} {'ratio':>6}",
+        ]
+        for row in report["sampling"]:
+            ratio = row["draws_ms"] / row["chain_ms"] if row["chain_ms"] else 0.0
+            lines.append(
+                f"{row['sampling']:<26} {row['chain_ms']:>9.3f} {row['draws_ms']:>9.3f} "
+                f"{ratio:>6.2f}"
+            )
+        return [*lines, _others(report)]
     if "prefill" in report:
         lines = [
             head,

@@ -104,6 +104,19 @@ def test_ceiling_options() -> None:
     assert args.chunks == (16, 512)
 
 
+def test_ceiling_sampling_times_the_chain_and_the_draws_on_the_real_model() -> None:
+    args = build_parser().parse_args(
+        ["ceiling", "--sampling", "--steps", "3", "--repeats", "2", "--wait-quiet", "0"]
+    )
+    report = ceiling.measure(args)
+    assert [row["sampling"] for row in report["sampling"]] == [s[0] for s in ceiling.SAMPLINGS]
+    for row in report["sampling"]:
+        assert row["chain_ms"] > 0
+        assert row["draws_ms"] > 0
+    assert "decode" not in report
+    assert any("draws ms" in line for line in ceiling.render(report))
+
+
 def test_ceiling_context_fits_the_largest_round_and_the_prefill_runs() -> None:
     n_ctx = ceiling.context_size((1, 4, 8, 16), 128, ())
     assert n_ctx % 256 == 0
