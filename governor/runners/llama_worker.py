@@ -172,6 +172,23 @@ def context_refusal(n_ctx: int, n_ctx_train: int, model: str) -> str | None:
     return None
 
 
+def add_draw(ll: Any, chain: Any, request: dict[str, Any], seed: int) -> None:
+    """End llama.cpp's sampler ``chain`` with the request's draw: greedy at temperature 0, else
+    top_k, top_p, min_p (each when asked for), the temperature and a draw seeded by ``seed``."""
+    temperature = request["temperature"]
+    if temperature <= 0:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+        return
+    if request["top_k"] > 0:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(request["top_k"]))
+    if request["top_p"] < 1:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(request["top_p"], 1))
+    if request["min_p"] > 0:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(request["min_p"], 1))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(temperature))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+
+
 def emit(out: BinaryIO, event: dict[str, Any]) -> None:
     out.write(orjson.dumps(event) + b"\n")
     out.flush()
@@ -374,19 +391,7 @@ class Model:
                 ll.llama_sampler_free(chain)
                 return None
             ll.llama_sampler_chain_add(chain, constraint)
-        temperature = request["temperature"]
-        if temperature <= 0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
-            return chain
-        if request["top_k"] > 0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(request["top_k"]))
-        if request["top_p"] < 1:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(request["top_p"], 1))
-        if request["min_p"] > 0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(request["min_p"], 1))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(temperature))
-        seed = seed if seed is not None else random.randrange(2**31)
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+        add_draw(ll, chain, request, seed if seed is not None else random.randrange(2**31))
         return chain
 
     def _constraints(self, request: dict[str, Any]) -> Iterator[Any]:

@@ -280,14 +280,11 @@ def _by_draws(engine: Engine, draws: list[Any], n_vocab: int) -> None:
 
 def _chain(lib: Any, temperature: float, min_p: float, seed: int) -> Any:
     """llama.cpp's chain as the governor's worker makes it for these settings."""
+    from governor.runners.llama_worker import add_draw
+
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-    if temperature <= 0:
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
-        return chain
-    if min_p > 0:
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(min_p, 1))
-    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(temperature))
-    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
+    request = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": min_p}
+    add_draw(lib, chain, request, seed)
     return chain
 
 
