@@ -73,10 +73,12 @@ cache of its own that no other slot's tokens attend over).
 
 **A stream a slot.** With a KV cache that gives each slot a stream of cells of its own (the
 worker's ``slots`` layout, llama-server's: each token attends over its own sequence's cells
-only), ``lowest`` is set: a sequence takes the lowest free slot, so that the running ones hold
-consecutive slots (llama.cpp runs a step in one pass for each run of consecutive streams), and
-a prefix another slot holds is copied into it (llama.cpp copies a stream whole; the cells past
-the prefix are then cleared), and a step's entries come in slot order. A sequence being
+only), ``lowest`` is set: a sequence takes the lowest free slot (the health probe, stepped
+alone, the highest: a job placed above it would run above a hole once the probe ends), so that
+the running ones hold consecutive slots (llama.cpp runs a step in one pass for each run of
+consecutive streams), a prefix another slot holds is copied into it (llama.cpp copies a
+stream whole; the cells past the prefix are then cleared), and a step's entries come in slot
+order. A sequence being
 prefilled whose slot lies between two generating ones, and whose prompt gets no chunk in a
 step, is fed its next prompt token in it (a *bridge*, the one exception to the knee): a slot
 left out would split the step into two passes over the weights. Kept cells then cost no
@@ -330,7 +332,7 @@ class Scheduler:
         """The free slot to run ``seq`` in, and the prefix of its prompt already cached."""
         limit = len(seq.prompt) - 1  # (the last prompt token is fed, for its logits)
         own = (
-            min(self._free)
+            (max(self._free) if seq.alone else min(self._free))
             if self.lowest
             else max(self._free, key=lambda s: (_common(self.held[s], seq.prompt), -self._free[s]))
         )

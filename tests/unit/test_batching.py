@@ -251,8 +251,8 @@ class Batching(RuleBasedStateMachine):
         free = self.free()
         self.s.submit(new)
         self.history[new.key] = list(prompt)
-        if self.s.lowest and free:
-            assert new.slot == min(free)
+        if self.s.lowest and free:  # (the probe the highest: no job's slot lies above it)
+            assert new.slot == (max(free) if new.alone else min(free))
         if new.slot >= 0:
             # The cells it starts from hold its own prompt's first tokens.
             assert self.cache.tokens[new.slot] == list(new.prompt[: new.reused])
