@@ -81,8 +81,10 @@ stream whole; the cells past the prefix are then cleared), and a step's entries 
 order. A sequence being
 prefilled whose slot lies between two generating ones, and whose prompt gets no chunk in a
 step, is fed its next prompt token in it (a *bridge*, the one exception to the knee): a slot
-left out would split the step into two passes over the weights. Kept cells then cost no
-other slot anything (``keep`` 0).
+left out would split the step into two passes over the weights. For the same reason, a slot
+that stays free below a running sequence for ``SETTLE`` steps (no job came for it: the last
+of a burst) takes the topmost running sequence, its stream copied down. Kept cells then cost
+no other slot anything (``keep`` 0).
 
 **Forks.** A job's further choices (OpenAI's ``n``) are forked from its first sequence the step
 its prompt is whole in the cache: each shares all the prompt's cells and samples its first
@@ -121,6 +123,7 @@ MAX_PASSED = 8  # steps a pending prompt may be passed over before it takes any 
 MIN_PREFILL = 16  # prompt tokens a step takes, at least, even when decodes fill step_tokens
 PREFILL_FLOOR = 1  # prompt tokens a step takes, at least, once a prompt is past its turns
 KNEE = 64  # the fewest tokens of a prompt that does not end in a step (see the docstring)
+SETTLE = 3  # steps a free slot stays below a running one before the topmost moves into it
 MARGIN = 0.9  # steps are planned to this share of a TPOT objective: predictions err
 
 
@@ -209,6 +212,7 @@ class Scheduler:
     _free: dict[int, int] = field(default_factory=dict)  # free slot: when it was freed
     _order: itertools.count[int] = field(default_factory=itertools.count)
     _freed: itertools.count[int] = field(default_factory=itertools.count)
+    _holed: int = 0  # consecutive plans with a free slot below a running one (``lowest``)
 
     def __post_init__(self) -> None:
         if min(self.slots, self.step_tokens, self.cells, self.knee) < 1:
@@ -419,6 +423,8 @@ class Scheduler:
         ``now`` (the clock of the sequences' ``first_at``); in slot order where ``lowest``.
         A sequence ``alone`` is stepped in steps of its own: when no other has anything to
         compute, or once it has been passed over ``MAX_PASSED`` steps."""
+        if self.lowest:
+            self._settle()
         alone = next((s for s in self.running.values() if s.alone and _due(s)), None)
         if alone is None or alone.passed < MAX_PASSED:
             entries = self._shared(now, [s for s in self.running.values() if not s.alone])
@@ -428,6 +434,27 @@ class Scheduler:
                 return sorted(entries, key=_slot) if self.lowest else entries
         alone.passed = 0
         return _prefill([alone], len(alone.prompt), 0) or _decodes([alone], self.held)
+
+    def _settle(self) -> None:
+        """With a stream a slot: once a free slot has stayed below a running sequence for
+        ``SETTLE`` plans (no job came to take it: the last of a burst), the topmost running
+        sequence moves into the lowest such slot, its stream copied there, so that the steps
+        run in one pass again."""
+        top = max((s for s in self.running.values() if not s.alone), key=_slot_of, default=None)
+        holes = [slot for slot in self._free if top is not None and slot < top.slot]
+        self._holed = self._holed + 1 if holes else 0
+        if top is None or self._holed < SETTLE:
+            return
+        self._holed = 0
+        slot, source = min(holes), top.slot
+        self._truncate(slot, 0)
+        if self.held[source]:
+            self.cache.share(source, slot, len(self.held[source]))
+            self.held[slot], self.held[source] = self.held[source], []
+            self.cache.forget(source, 0)
+        del self._free[slot]
+        self._free[source] = next(self._freed)
+        top.slot = slot
 
     def _shared(self, now: float, running: list[Sequence]) -> list[Entry]:
         """The step of the sequences that share steps (see ``plan``)."""
@@ -600,6 +627,10 @@ def _urgency(seq: Sequence) -> tuple[int, int]:
 def _due(seq: Sequence) -> bool:
     """Whether ``seq`` has tokens to compute."""
     return seq.prefilling or seq.pending >= 0
+
+
+def _slot_of(seq: Sequence) -> int:
+    return seq.slot
 
 
 def _slot(entry: Entry) -> int:

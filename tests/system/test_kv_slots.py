@@ -2,9 +2,10 @@
 
 Each slot (and the health probe) has a stream of ``n_ctx`` cells of its own, llama-server's
 layout: a job's tokens attend over its own cells only. A job says the same in either layout;
-every slot holds a whole context at once; a prompt's beginning that another slot holds is
-copied in (a stream is copied whole, then cut), not computed again; and a job's further
-choices, which have no ids of their own in this layout, wait for free slots and all finish."""
+every slot holds a whole context at once; a job moved down into a freed slot goes on as it
+would have; a prompt's beginning that another slot holds is copied in (a stream is copied
+whole, then cut), not computed again; and a job's further choices, which have no ids of their
+own in this layout, wait for free slots and all finish."""
 
 from __future__ import annotations
 
@@ -55,6 +56,23 @@ def alone(layout: str, tokens: list[int], max_new_tokens: int) -> str:
 
 def test_a_job_says_the_same_in_either_layout() -> None:
     assert alone("slots", PROMPT, 48) == alone("pool", PROMPT, 48)
+
+
+def test_a_job_moved_down_into_a_freed_slot_says_what_it_says_alone() -> None:
+    """The job in the lowest slot ends first and none comes for its slot: the topmost job
+    moves down into it (its stream copied), and goes on as if it had not moved."""
+    pipe = WorkerPipe(N_CTX, slots=3, layout="slots")
+    try:
+        backwards = list(reversed(PROMPT))
+        pipe.send(
+            greedy_request("short", backwards, 2),
+            greedy_request("middle", backwards * 2, 48),
+            greedy_request("top", PROMPT, 48),
+        )
+        done = finish(pipe, "short", "middle", "top")
+    finally:
+        pipe.close()
+    assert done["top"]["choices"][0]["text"] == alone("slots", PROMPT, 48)
 
 
 def test_every_slot_holds_a_whole_context_at_once(slots: WorkerPipe) -> None:

@@ -28,6 +28,7 @@ from governor.runners.batching import (
     MARGIN,
     MAX_PASSED,
     MIN_PREFILL,
+    SETTLE,
     Entry,
     Scheduler,
     Sequence,
@@ -211,6 +212,9 @@ class Batching(RuleBasedStateMachine):
         self.s.keep = 30  # (kept cells: less than the cache holds)
         self.keys = itertools.count()
         self.tokens_fed: dict[str, int] = {}
+        # The free slots below a running sequence's at the last step, and in how many steps
+        # in a row they were the same.
+        self.holes: tuple[frozenset[int], int] = (frozenset(), 0)
         # Each sequence's prompt and the tokens it sampled: what its cells must come to hold.
         self.history: dict[str, list[int]] = {}
 
@@ -281,6 +285,12 @@ class Batching(RuleBasedStateMachine):
             self.shared_step(entries, running, passed)
             for q in alone:
                 assert q.passed == passed[q.key] + 1 <= MAX_PASSED
+        if self.s.lowest:  # (a hole splits a step in passes: the last of a burst move down)
+            top = max((q.slot for q in self.s.running.values() if not q.alone), default=-1)
+            holes = frozenset(self.free() & set(range(top)))
+            last, steps = self.holes
+            self.holes = (holes, steps + 1 if holes and holes == last else int(bool(holes)))
+            assert self.holes[1] < SETTLE, "a hole below a running slot stayed"
         self.advance(entries, token, stop)
 
     def shared_step(
@@ -550,6 +560,27 @@ def test_a_prompt_between_generating_streams_is_fed_a_token_a_step_that_bridges_
         s.advance(entries)
         assert rewrite.fed == 1  # the bridge fed the prompt on
         assert rewrite.passed == 1  # (not a turn: the prompt is still passed over)
+
+
+def test_with_a_stream_a_slot_the_last_of_a_burst_move_down_into_a_hole_that_stays() -> None:
+    """The sequence in slot 1 ends and no job comes for its slot: after ``SETTLE`` steps
+    with the hole, the topmost sequence moves into it, its cells copied there, and goes on
+    where it was; the steps run on consecutive slots again. A hole that a job fills at once
+    moves nothing."""
+    s, cache = scheduler(slots=4, step_tokens=64)
+    s.lowest = True
+    for key, prompt in (("a", [1, 2]), ("b", [3, 4, 5]), ("c", [6, 7, 8, 9])):
+        s.submit(seq(key, prompt, max_new=40))
+    run_step(s, cache)
+    s.remove("b")
+    s.submit(seq("d", [5, 5], max_new=40))  # (takes slot 1 at once)
+    s.remove("d")
+    c = s.running["c"]
+    slots = [[e.seq.slot for e in run_step(s, cache)] for _ in range(SETTLE + 1)]
+    assert slots == [[0, 2]] * (SETTLE - 1) + [[0, 1]] * 2
+    assert c.slot == 1
+    assert cache.tokens[1] == [6, 7, 8, 9] + [7] * (SETTLE + 1) == s.held[1]
+    assert cache.tokens[2] == [] == s.held[2]
 
 
 def test_a_chunk_below_the_knee_waits_while_the_chats_bank_the_time() -> None:
