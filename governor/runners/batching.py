@@ -78,10 +78,10 @@ alone, the highest: a job placed above it would run above a hole once the probe 
 the running ones hold consecutive slots (llama.cpp runs a step in one pass for each run of
 consecutive streams), a prefix another slot holds is copied into it (llama.cpp copies a
 stream whole; the cells past the prefix are then cleared), and a step's entries come in slot
-order. A sequence being
-prefilled whose slot lies between two generating ones, and whose prompt gets no chunk in a
-step, is fed its next prompt token in it (a *bridge*, the one exception to the knee): a slot
-left out would split the step into two passes over the weights. For the same reason, a slot
+order. A sequence being prefilled whose slot lies between two generating ones, and whose
+prompt gets no chunk in a step, is fed its next prompt token in it (a *bridge*, the one
+exception to the knee): a slot left out would split the step into two passes over the
+weights. For the same reason, a slot
 that stays free below a running sequence for ``SETTLE`` steps (no job came for it: the last
 of a burst) takes the topmost running sequence, its stream copied down. Kept cells then cost
 no other slot anything (``keep`` 0).
@@ -441,7 +441,7 @@ class Scheduler:
         sequence moves into the lowest such slot, its stream copied there, so that the steps
         run in one pass again."""
         top = max((s for s in self.running.values() if not s.alone), key=_slot_of, default=None)
-        holes = [slot for slot in self._free if top is not None and slot < top.slot]
+        holes = [slot for slot in self._free if slot < top.slot] if top is not None else []
         self._holed = self._holed + 1 if holes else 0
         if top is None or self._holed < SETTLE:
             return

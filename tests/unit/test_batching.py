@@ -563,23 +563,25 @@ def test_a_prompt_between_generating_streams_is_fed_a_token_a_step_that_bridges_
 
 
 def test_with_a_stream_a_slot_the_last_of_a_burst_move_down_into_a_hole_that_stays() -> None:
-    """The sequence in slot 1 ends and no job comes for its slot: after ``SETTLE`` steps
-    with the hole, the topmost sequence moves into it, its cells copied there, and goes on
-    where it was; the steps run on consecutive slots again. A hole that a job fills at once
-    moves nothing."""
+    """A hole that a job fills at once moves nothing. The sequence in slot 1 ends and no job
+    comes for its slot: after ``SETTLE`` steps with the hole, the topmost sequence moves into
+    it, its cells copied there, and goes on where it was, on consecutive slots again."""
     s, cache = scheduler(slots=4, step_tokens=64)
     s.lowest = True
     for key, prompt in (("a", [1, 2]), ("b", [3, 4, 5]), ("c", [6, 7, 8, 9])):
         s.submit(seq(key, prompt, max_new=40))
+    c = s.running["c"]
     run_step(s, cache)
     s.remove("b")
     s.submit(seq("d", [5, 5], max_new=40))  # (takes slot 1 at once)
+    for _ in range(SETTLE + 1):
+        run_step(s, cache)
+    assert c.slot == 2
     s.remove("d")
-    c = s.running["c"]
     slots = [[e.seq.slot for e in run_step(s, cache)] for _ in range(SETTLE + 1)]
     assert slots == [[0, 2]] * (SETTLE - 1) + [[0, 1]] * 2
     assert c.slot == 1
-    assert cache.tokens[1] == [6, 7, 8, 9] + [7] * (SETTLE + 1) == s.held[1]
+    assert cache.tokens[1] == [6, 7, 8, 9] + [7] * 2 * (SETTLE + 1) == s.held[1]
     assert cache.tokens[2] == [] == s.held[2]
 
 
