@@ -424,7 +424,7 @@ class Scheduler:
         A sequence ``alone`` is stepped in steps of its own: when no other has anything to
         compute, or once it has been passed over ``MAX_PASSED`` steps."""
         if self.lowest:
-            self._settle()
+            _settle(self)
         alone = next((s for s in self.running.values() if s.alone and _due(s)), None)
         if alone is None or alone.passed < MAX_PASSED:
             entries = self._shared(now, [s for s in self.running.values() if not s.alone])
@@ -434,27 +434,6 @@ class Scheduler:
                 return sorted(entries, key=_slot) if self.lowest else entries
         alone.passed = 0
         return _prefill([alone], len(alone.prompt), 0) or _decodes([alone], self.held)
-
-    def _settle(self) -> None:
-        """With a stream a slot: once a free slot has stayed below a running sequence for
-        ``SETTLE`` plans (no job came to take it: the last of a burst), the topmost running
-        sequence moves into the lowest such slot, its stream copied there, so that the steps
-        run in one pass again."""
-        top = max((s for s in self.running.values() if not s.alone), key=_slot_of, default=None)
-        holes = [slot for slot in self._free if slot < top.slot] if top is not None else []
-        self._holed = self._holed + 1 if holes else 0
-        if top is None or self._holed < SETTLE:
-            return
-        self._holed = 0
-        slot, source = min(holes), top.slot
-        self._truncate(slot, 0)
-        if self.held[source]:
-            self.cache.share(source, slot, len(self.held[source]))
-            self.held[slot], self.held[source] = self.held[source], []
-            self.cache.forget(source, 0)
-        del self._free[slot]
-        self._free[source] = next(self._freed)
-        top.slot = slot
 
     def _shared(self, now: float, running: list[Sequence]) -> list[Entry]:
         """The step of the sequences that share steps (see ``plan``)."""
@@ -627,6 +606,28 @@ def _urgency(seq: Sequence) -> tuple[int, int]:
 def _due(seq: Sequence) -> bool:
     """Whether ``seq`` has tokens to compute."""
     return seq.prefilling or seq.pending >= 0
+
+
+def _settle(s: Scheduler) -> None:
+    """With a stream a slot: once a free slot has stayed below a running sequence for
+    ``SETTLE`` plans (no job came to take it: the last of a burst), the topmost running
+    sequence moves into the lowest such slot, its stream copied there, so that the steps run
+    in one pass again."""
+    top = max((q for q in s.running.values() if not q.alone), key=_slot_of, default=None)
+    holes = [slot for slot in s._free if slot < top.slot] if top is not None else []
+    s._holed = s._holed + 1 if holes else 0
+    if top is None or s._holed < SETTLE:
+        return
+    s._holed = 0
+    slot, source = min(holes), top.slot
+    s._truncate(slot, 0)
+    if s.held[source]:
+        s.cache.share(source, slot, len(s.held[source]))
+        s.held[slot], s.held[source] = s.held[source], []
+        s.cache.forget(source, 0)
+    del s._free[slot]
+    s._free[source] = next(s._freed)
+    top.slot = slot
 
 
 def _slot_of(seq: Sequence) -> int:
