@@ -81,10 +81,9 @@ stream whole; the cells past the prefix are then cleared), and a step's entries 
 order. A sequence being prefilled whose slot lies between two generating ones, and whose
 prompt gets no chunk in a step, is fed its next prompt token in it (a *bridge*, the one
 exception to the knee): a slot left out would split the step into two passes over the
-weights. For the same reason, a slot
-that stays free below a running sequence for ``SETTLE`` steps (no job came for it: the last
-of a burst) takes the topmost running sequence, its stream copied down. Kept cells then cost
-no other slot anything (``keep`` 0).
+weights. For the same reason, a slot that stays free below a running sequence for ``SETTLE``
+steps (no job came for it: the last of a burst) takes the topmost running sequence, its
+stream copied down. Kept cells then cost no other slot anything (``keep`` 0).
 
 **Forks.** A job's further choices (OpenAI's ``n``) are forked from its first sequence the step
 its prompt is whole in the cache: each shares all the prompt's cells and samples its first
@@ -309,9 +308,7 @@ class Scheduler:
         if self._here(seq.key):
             raise ValueError(f"sequence {seq.key!r} is already here")
         slot = min(self._free, key=self._least_worth)
-        self._truncate(slot, 0)
-        self.cache.share(source.slot, slot, length)
-        self.held[slot] = self.held[source.slot][:length]
+        self._copy(source.slot, slot, length)
         del self._free[slot]
         seq.order = next(self._order)
         seq.slot = slot
@@ -359,9 +356,7 @@ class Scheduler:
                     key=lambda s: (_common(self.held[s], seq.prompt) > 0, self._free[s]),
                 )
             )
-            self._truncate(slot, 0)
-            self.cache.share(source, slot, shared)
-            self.held[slot] = self.held[source][:shared]
+            self._copy(source, slot, shared)
         del self._free[slot]
         seq.slot = slot
         seq.fed = len(self.held[slot])
@@ -393,6 +388,12 @@ class Scheduler:
     def _pinned(self) -> list[Sequence]:
         """The suspended sequences that hold slots, the first to give theirs up last."""
         return sorted((seq for seq in self.suspended.values() if seq.slot >= 0), key=_urgency)
+
+    def _copy(self, source: int, slot: int, length: int) -> None:
+        """Put the first ``length`` cells of ``source`` in ``slot``, in place of its own."""
+        self._truncate(slot, 0)
+        self.cache.share(source, slot, length)
+        self.held[slot] = self.held[source][:length]
 
     def _truncate(self, slot: int, length: int) -> None:
         if len(self.held[slot]) > length:
@@ -622,9 +623,8 @@ def _settle(s: Scheduler) -> None:
     slot, source = min(holes), top.slot
     s._truncate(slot, 0)
     if s.held[source]:
-        s.cache.share(source, slot, len(s.held[source]))
-        s.held[slot], s.held[source] = s.held[source], []
-        s.cache.forget(source, 0)
+        s._copy(source, slot, len(s.held[source]))
+        s._truncate(source, 0)
     del s._free[slot]
     s._free[source] = next(s._freed)
     top.slot = slot
