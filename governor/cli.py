@@ -18,7 +18,7 @@ import signal
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the daemon",
-        description="Run the governor daemon. Flags override the --config file's keys.",
+        description="Run the governor daemon. Its settings: the defaults, then the --config "
+        "file's keys, then environment variables named GOVERNOR_ and the key in capitals "
+        "(GOVERNOR_MAX_INFLIGHT=8), then these flags.",
     )
     serve.add_argument("--config", type=Path, help="TOML file with the same keys as these flags")
     for section in SECTIONS:
@@ -247,9 +249,31 @@ def _read_token(path: Path) -> str:
     return token
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
+# Environment variables that set a key: the prefix and the key in capitals.
+ENV_PREFIX = "GOVERNOR_"
+
+
+def environment_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The keys set in the environment (``GOVERNOR_MAX_INFLIGHT=8``), each read as its flag
+    reads its text. Other ``GOVERNOR_`` variables (a client's ``GOVERNOR_API_KEY``, the
+    build's) name no key and are left alone."""
+    values: dict[str, Any] = {}
+    for f in CLI_FIELDS:
+        name = ENV_PREFIX + f.name.upper()
+        if name in environ:
+            try:
+                values[f.name] = _TYPES[str(f.type)](environ[name])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise ConfigError(f"{name}: {exc}") from None
+    return values
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = {}) -> Config:
+    """The settings: the defaults, then the --config file's keys, then the environment's
+    ``GOVERNOR_`` variables, then the flags."""
     overrides: dict[str, Any] = {
-        f.name: getattr(args, f.name) for f in CLI_FIELDS if getattr(args, f.name) is not None
+        **environment_values(environ),
+        **{f.name: getattr(args, f.name) for f in CLI_FIELDS if getattr(args, f.name) is not None},
     }
     if args.config is not None:
         return Config.load(args.config, overrides)
@@ -322,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "model-path":
         return model_path()
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, os.environ)
     except ConfigError as exc:
         print(f"governor: {exc}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ import redis as redis_client
 import yaml  # type: ignore[import-untyped]  # types-PyYAML would be one more test dependency
 from prometheus_client.parser import text_string_to_metric_families
 
-from governor.cli import build_parser
+from governor.cli import build_parser, config_from_args
 from governor.config import Config, parse_address
 from governor.listeners.admin import READY_TIMEOUT_S
 from loadtest.support.processes import free_port
@@ -685,7 +685,7 @@ def test_a_drain_takes_the_pod_out_of_the_service_promptly() -> None:
 # --- the image ----------------------------------------------------------------------------------
 
 
-def test_dockerfile_serves_the_mounted_config_as_the_pods_user() -> None:
+def test_dockerfile_serves_every_interface_and_the_pod_its_mounted_config() -> None:
     instructions = dockerfile_instructions()
 
     def last(word: str) -> str:
@@ -694,19 +694,29 @@ def test_dockerfile_serves_the_mounted_config_as_the_pods_user() -> None:
     entrypoint: list[str] = json.loads(last("ENTRYPOINT"))
     cmd: list[str] = json.loads(last("CMD"))
     assert entrypoint == ["/opt/governor/.venv/bin/governor"]
+    env = dict(
+        pair.split("=", 1) for w, rest in instructions if w == "ENV" for pair in shlex.split(rest)
+    )
+    # The preStop hook runs `governor` from PATH.
+    assert env["PATH"].startswith("/opt/governor/.venv/bin:")
+    # `docker run IMAGE` serves the embedded model on every interface, its ports exposed.
     args = parse_cli(cmd)
     assert args.command == "serve"
-    _, mounted = configmap_toml()
-    assert args.config == mounted
+    assert args.config is None
+    served = config_from_args(args, env)
+    addresses = [served.listen_address, served.http_address, served.metrics_address]
+    assert all(a is not None and a[0] == "0.0.0.0" for a in addresses), addresses
+    exposed = {int(port) for port in last("EXPOSE").split()}
+    assert exposed == {a[1] for a in addresses if a is not None}
+    # The pod serves its mounted config, on ports the image exposes.
     governor = container("governor")
     assert "command" not in governor, "the image's ENTRYPOINT runs the governor"
-    # The preStop hook runs `governor` from PATH.
-    env = " ".join(rest for w, rest in instructions if w == "ENV")
-    assert re.search(r"PATH=/opt/governor/\.venv/bin:", env)
+    _, mounted = configmap_toml()
+    assert parse_cli(governor["args"]).config == mounted
     config = configmap_config()
-    exposed = {int(port) for port in last("EXPOSE").split()}
     assert config.metrics_address is not None
-    assert exposed == {config.listen_address[1], config.metrics_address[1]}
+    assert config.http_address is not None
+    assert {config.listen_address[1], config.http_address[1], config.metrics_address[1]} <= exposed
     user = last("USER")
     assert user.isdigit(), "a numeric UID lets runAsNonRoot check it"
     assert int(user) != 0

@@ -89,6 +89,42 @@ def test_every_field_is_a_flag_and_flags_override_the_file(tmp_path: Path) -> No
     assert config.stub_ms == Config().stub_ms  # untouched keys keep their defaults
 
 
+def test_the_environment_sets_keys_between_the_file_and_the_flags(tmp_path: Path) -> None:
+    config_file = tmp_path / "g.toml"
+    config_file.write_text('max_inflight = 2\nidle_timeout = 5\nlisten = "127.0.0.1:7000"\n')
+    environ = {
+        "GOVERNOR_MAX_INFLIGHT": "3",
+        "GOVERNOR_IDLE_TIMEOUT": "7.5",
+        "GOVERNOR_LANES": "on",
+        "GOVERNOR_HTTP_LISTEN": "0.0.0.0:8000",
+        "GOVERNOR_API_KEY": "a client's key, not a setting",
+        "MAX_INFLIGHT": "5",  # (no prefix: not ours)
+    }
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--config", str(config_file), "--idle-timeout", "9"])
+    config = config_from_args(args, environ)
+    assert config.max_inflight == 3  # the environment over the file
+    assert config.idle_timeout == 9.0  # the flag over the environment
+    assert config.lanes is True
+    assert config.http_listen == "0.0.0.0:8000"
+    assert config.listen == "127.0.0.1:7000"  # the file's, where the environment says nothing
+    assert config_from_args(parser.parse_args(["serve"]), environ).max_inflight == 3
+
+
+@pytest.mark.parametrize(
+    ("variable", "text", "message"),
+    [
+        ("GOVERNOR_MAX_INFLIGHT", "four", "GOVERNOR_MAX_INFLIGHT: invalid literal"),
+        ("GOVERNOR_LANES", "maybe", "GOVERNOR_LANES: 'maybe' is not true or false"),
+        ("GOVERNOR_MAX_INFLIGHT", "0", "max_inflight must be at least 1"),
+    ],
+)
+def test_a_bad_environment_value_is_refused_by_name(variable: str, text: str, message: str) -> None:
+    args = build_parser().parse_args(["serve"])
+    with pytest.raises(ConfigError, match=message):
+        config_from_args(args, {variable: text})
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
