@@ -85,6 +85,20 @@ KEY_HASH_DESCRIPTION = (
 )
 
 
+def _metavar(f: dataclasses.Field[Any]) -> str:
+    """What a flag takes, as its help shows it: its choices, true or false, an address, a
+    number of milliseconds; else its key in capitals."""
+    if f.metadata["choices"]:
+        return "{" + ",".join(f.metadata["choices"]) + "}"
+    if str(f.type) == "bool":
+        return "{true,false}"
+    if f.name.endswith("listen"):
+        return "HOST:PORT"
+    if f.name.endswith("_ms"):
+        return "MS"
+    return f.name.upper()
+
+
 def _help(f: dataclasses.Field[Any]) -> str:
     """A flag's help: its key's text and its one default (argparse formats a help with %)."""
     return f"{f.metadata['help']} (default: {default_text(f)})".replace("%", "%%")
@@ -110,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                 dest=f.name,
                 type=_TYPES[str(f.type)],
                 default=None,
-                metavar=f.name.upper(),
+                metavar=_metavar(f),
                 help=_help(f),
             )
     _add_drain(commands)

@@ -14,6 +14,7 @@ import pytest
 from clients.cli import build_parser as client_parser
 from clients.helptext import DefaultsHelpFormatter, plain, shown_default
 from governor.cli import build_parser as governor_parser
+from governor.config import CLI_FIELDS
 from loadtest.cli import build_parser as loadtest_parser
 
 WIDE = 100_000  # no wrapping: a default or a citation is never cut in two
@@ -161,3 +162,13 @@ def test_plain_takes_the_markup_out() -> None:
     parser.add_argument("--n", type=int, default=4, help="``N`` things")
     assert "p: x.y" in parser.format_help()
     assert "N things (default: 4)" in parser.format_help()
+
+
+def test_serve_shows_each_flags_choices_and_booleans_as_true_or_false() -> None:
+    serve = formatted(PARSERS["governor serve"])
+    for f in CLI_FIELDS:
+        flag = "--" + f.name.replace("_", "-")
+        if f.metadata["choices"]:
+            assert f"{flag} {{{','.join(f.metadata['choices'])}}}" in serve, flag
+        elif str(f.type) == "bool":
+            assert f"{flag} {{true,false}}" in serve, flag
