@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(commands: argparse._SubParsersAction[HelpParser]) -> None:
     """The ``generate`` command and its options."""
     generate = commands.add_parser(
-        "generate", help="run an inference job and print its text (needs the llama runner)"
+        "generate", help="run an inference job and print its text (the llama or http runner)"
     )
     generate.add_argument("prompt", help="the prompt, or with --chat the user's message")
     generate.add_argument("--chat", action="store_true", help="send it as a chat message")

@@ -1,9 +1,11 @@
-"""The daemon's one typed configuration: defaults, then a TOML file, then command-line flags.
+"""The daemon's one typed configuration: defaults, then a TOML file, then the environment, then
+command-line flags.
 
-Every field but ``tenants`` (TOML tables only) is a TOML key of the same name and a flag with
-dashes for underscores (``max_inflight`` is ``--max-inflight``). Its declaration holds its default,
-its bounds and its help text, once: the help feeds both ``governor serve --help`` and the README's
-configuration reference (a test keeps the two equal), the bounds :meth:`Config.__post_init__`'s
+Every field but ``tenants`` (TOML tables only) is a TOML key of the same name, a flag with
+dashes for underscores (``max_inflight`` is ``--max-inflight``) and an environment variable
+(``GOVERNOR_MAX_INFLIGHT``, read by :mod:`governor.cli`). Its declaration holds its default,
+its bounds and its help text, once: the help feeds both ``governor serve --help`` and
+docs/CONFIG.md's configuration reference (a test keeps the two equal), the bounds :meth:`Config.__post_init__`'s
 one loop over the fields. The rules between fields follow the class, each a named function.
 """
 
@@ -73,7 +75,7 @@ def _opt(
     check: Callable[[str, Any], str | None] | None = None,
 ) -> Callable[[str], Any]:
     """A field, declared as ``_opt(default, **bounds)(help)``: its first line holds the key's
-    type, default and bounds, then its help text (for ``--help`` and the README's table).
+    type, default and bounds, then its help text (for ``--help`` and docs/CONFIG.md's table).
 
     :meth:`Config.__post_init__` holds every value but None (unset) to its bounds: ``min`` and
     ``max`` inclusive, ``positive`` above 0, ``choices`` the words it may be, ``check`` a test
@@ -658,7 +660,7 @@ def _tenants(value: Any, source: str) -> tuple[TenantConfig, ...]:
     return tuple(tenants)
 
 
-# The sections, in the order of ``governor serve --help`` and the README's tables: the
+# The sections, in the order of ``governor serve --help`` and docs/CONFIG.md's tables: the
 # config's bases, which list them last first.
 SECTIONS: tuple[type, ...] = tuple(reversed(Config.__bases__))
 FIELDS = dataclasses.fields(Config)
@@ -668,7 +670,7 @@ CLI_FIELDS = tuple(f for f in FIELDS if f.name != "tenants")
 
 def default_text(f: dataclasses.Field[Any]) -> str:
     """A field's default as its TOML value is written (``4``, ``true``, ``"llama"``), or
-    ``unset``; the one rendering of it, in ``governor serve --help`` and the README's table."""
+    ``unset``; the one rendering of it, in ``governor serve --help`` and docs/CONFIG.md's table."""
     if f.default is None:
         return "unset"
     if isinstance(f.default, bool):
@@ -689,7 +691,7 @@ def section_title(section: type) -> str:
 
 
 def reference_markdown() -> str:
-    """The README's configuration tables, a section each, from the fields themselves."""
+    """docs/CONFIG.md's configuration tables, a section each, from the fields themselves."""
     parts = []
     for section in SECTIONS:
         rows = [

@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = HelpParser(
         prog="python -m loadtest",
         description="Load tests for the governor (and its queueing baseline). Every run is "
-        "bounded by --timeout and connects only to --addr (or --openai); with --json, the last "
-        "line of stdout is the run's report as JSON.",
+        "bounded in count and time (the traffic commands' --timeout, the benchmarks' rounds and "
+        "their own limits) and connects only to --addr, --openai or the loopback servers it "
+        "starts; with --json, the last line of stdout is the run's report as JSON.",
     )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=CommandParser

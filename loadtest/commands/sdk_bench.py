@@ -13,7 +13,8 @@ Servers, each started here on a free loopback port for its run and stopped by it
 
 * ``governor``: ``governor serve --runner llama --max-inflight K --threads T --http-listen ...``
   on the embedded model (``--runner stub`` for a quick run without the model): when its K slots
-  are taken it answers 429 with its hint, and the SDK retries;
+  are taken a request waits at the door for its turn, within the daemon's ``max_wait`` (30 s);
+  one whose turn is further off is answered 429 with its hint, which the SDK retries;
 * ``baseline`` (``--baseline``): ``llama-cpp-python``'s own server on the same model
   (:mod:`loadtest.support.baseline_server`), which queues every request and runs one at a time;
   or ``llama-server``, llama.cpp's own (:mod:`loadtest.support.llama_server`) with

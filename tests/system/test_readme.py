@@ -1,7 +1,8 @@
-"""The README, run as written: its fenced blocks in order, each as its marker says.
+"""The README and the guides in docs/, run as written: each document's fenced blocks in order,
+each as its marker says, in a session of its own (a reader follows one document at a time).
 
-Every fenced block of README.md has a marker, an HTML comment on the line before it (a reader
-never sees it):
+Every fenced block of these documents has a marker, an HTML comment on the line before it (a
+reader never sees it):
 
 * ``<!-- readme: run -->``: shell commands, run by bash from the repository's root, one after
   another. A line ending in ``&`` starts a background process (in a process group of its own)
@@ -40,8 +41,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+# The documents whose commands a reader runs; the others (the protocol, the fleet, the
+# benchmarks) quote commands and answers without markers.
+DOCUMENTS = (
+    "README.md",
+    "docs/OPENAI.md",
+    "docs/LOADTEST.md",
+    "docs/OPERATIONS.md",
+    "docs/CONFIG.md",
+    "CONTRIBUTING.md",
+)
+README_MAX_LINES = 300
 PORTS = (6379, 7777, 7778, 8000, 8080, 9464)
 HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
 MARKER = re.compile(r"^<!-- readme: (\w+)\s*(.*?)\s*-->$")
@@ -56,31 +69,34 @@ class Block:
     kind: str
     arg: str
     text: str
-    line: int  # of the marker, in README.md
+    line: int  # of the marker, in its document
+    where: str = ""  # the document and that line, for messages
 
 
-def blocks(readme: str) -> list[Block]:
-    """The marked blocks in order; a fenced block without a marker fails the test."""
-    lines = readme.splitlines()
+def blocks(text: str, name: str = "README.md") -> list[Block]:
+    """The marked blocks of the document ``name`` in order; a fenced block without a marker
+    fails the test."""
+    lines = text.splitlines()
     found: list[Block] = []
     i = 0
     while i < len(lines):
         marker = MARKER.match(lines[i].strip())
         if marker:
             kind, arg = marker[1], marker[2]
-            assert kind in KINDS, f"README.md:{i + 1}: unknown marker {kind!r}"
+            assert kind in KINDS, f"{name}:{i + 1}: unknown marker {kind!r}"
             if kind == "stop":
-                found.append(Block(kind, arg, "", i + 1))
+                found.append(Block(kind, arg, "", i + 1, f"{name}:{i + 1}"))
                 i += 1
                 continue
             fenced = i + 1 < len(lines) and FENCE.match(lines[i + 1])
-            assert fenced, f"README.md:{i + 1}: a {kind} marker not right before a fenced block"
+            assert fenced, f"{name}:{i + 1}: a {kind} marker not right before a fenced block"
             end = next(j for j in range(i + 2, len(lines)) if FENCE.match(lines[j]))
-            found.append(Block(kind, arg, "\n".join(lines[i + 2 : end]) + "\n", i + 1))
+            text = "\n".join(lines[i + 2 : end]) + "\n"
+            found.append(Block(kind, arg, text, i + 1, f"{name}:{i + 1}"))
             i = end + 1
             continue
         assert not FENCE.match(lines[i]), (
-            f"README.md:{i + 1}: a fenced block without a readme marker (see {__name__})"
+            f"{name}:{i + 1}: a fenced block without a readme marker (see {__name__})"
         )
         i += 1
     return found
@@ -163,7 +179,7 @@ class Session:
             first, newline, rest = command.partition("\n")
             code = first.partition(" #")[0].rstrip() + newline + rest
             if code.endswith("&"):
-                name = f"README.md:{block.line}+{n}"
+                name = f"{block.where}+{n}"
                 log, rc = (
                     self.logs / f"bg{block.line}-{n}.log",
                     self.logs / f"bg{block.line}-{n}.rc",
@@ -195,7 +211,7 @@ class Session:
         self._note_background()
         out = proc.stdout
         assert proc.returncode == 0, (
-            f"README.md:{block.line}: the block failed (exit {proc.returncode}, "
+            f"{block.where}: the block failed (exit {proc.returncode}, "
             f"{time.monotonic() - started:.1f} s):\n{out[-4000:]}\n{self.background_logs()}"
         )
         return out
@@ -269,14 +285,22 @@ def matches(expected: str, printed: str) -> str | None:
     return None
 
 
-def test_the_readme_runs_as_written(tmp_path: Path) -> None:
+def test_the_readme_fits_a_screen_of_paths() -> None:
+    """At most README_MAX_LINES lines: what it is, the two commands and a path per kind of
+    user; reference lives in docs/."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move reference to docs/"
+
+
+@pytest.mark.parametrize("name", DOCUMENTS)
+def test_the_document_runs_as_written(name: str, tmp_path: Path) -> None:
     session = Session(free_ports(), tmp_path)
     last = ""
     problems: list[str] = []
     try:
-        for block in blocks(README.read_text()):
+        for block in blocks((ROOT / name).read_text(), name):
             if block.kind == "skip":
-                assert block.arg, f"README.md:{block.line}: a skip says why"
+                assert block.arg, f"{block.where}: a skip says why"
             elif block.kind == "file":
                 path = ROOT / block.arg
                 path.write_text(session.rewrite(block.text))
@@ -291,7 +315,7 @@ def test_the_readme_runs_as_written(tmp_path: Path) -> None:
                 last = session.run(block, [str(ROOT / ".venv/bin/python"), str(program)])
             elif block.kind == "output":
                 why = matches(session.rewrite(block.text), last)
-                assert why is None, f"README.md:{block.line}: {why}; printed:\n{last[-4000:]}"
+                assert why is None, f"{block.where}: {why}; printed:\n{last[-4000:]}"
             elif block.kind == "stop":
                 problems += session.stop()
                 assert not problems, "\n".join(problems)

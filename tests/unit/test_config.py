@@ -1,4 +1,4 @@
-"""Configuration: parsing, validation, flags mapping 1:1 onto keys, and the README's table."""
+"""Configuration: parsing, validation, flags mapping 1:1 onto keys, and docs/CONFIG.md's tables."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from governor.config import (
 )
 from governor.core.policy import Lane
 from governor.core.slo import Objectives, SloPolicy
+from governor.core.tenants import TenantConfig
 from loadtest.support.options import parse_addr
 from protocol import addresses
 
@@ -171,9 +172,12 @@ def test_missing_config_file(tmp_path: Path) -> None:
         Config.load(tmp_path / "absent.toml")
 
 
-def test_readme_configuration_table_matches_the_code() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert reference_markdown() in readme
+def test_the_configuration_reference_matches_the_code() -> None:
+    reference = (ROOT / "docs" / "CONFIG.md").read_text()
+    assert reference_markdown() in reference
+    tenants = reference.split("\n## Tenants\n", 1)[1]
+    listed = set(re.findall(r"`(\w+)`", "".join(re.findall(r"^\| ([^|]+) \|", tenants, re.M))))
+    assert listed == {f.name for f in dataclasses.fields(TenantConfig)}
 
 
 def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

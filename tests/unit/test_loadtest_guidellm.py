@@ -349,7 +349,7 @@ def test_the_bench_venv_installs_the_bench_extra_and_the_tests_do_not() -> None:
     assert extras["bench"] == list(guidellm_bench.BENCH_REQUIREMENTS)
     assert all(f"'{r}'" in guidellm_bench.SETUP_VENV for r in extras["bench"])
     assert ".venv-bench" in guidellm_bench.SETUP_VENV
-    assert guidellm_bench.SETUP_VENV in (ROOT / "README.md").read_text()
+    assert guidellm_bench.SETUP_VENV in (ROOT / "docs" / "LOADTEST.md").read_text()
     assert not any("guidellm" in r or "bench" in r for r in extras["test"] + extras["loadtest"])
 
 
