@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from typing import Any
 
 # :role:`target`, :role:`~a.b.name` (shown: name) and :role:`text <target>` (shown: text).
@@ -77,6 +78,44 @@ class RawDescriptionDefaultsHelpFormatter(
     """:class:`DefaultsHelpFormatter`, with the description's lines printed as written."""
 
 
+class _Renamed(argparse.Action):
+    """An option's old spelling: still taken, with a warning naming the new one."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: {option_string} is deprecated and goes in the next release: "
+            f"use {self.new}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str, action: argparse.Action
+) -> None:
+    """Take ``old``, an option renamed ``action``'s first spelling, for one more release: it
+    sets the same value, warns on stderr and is left out of ``--help``."""
+    kwargs: dict[str, Any] = {"type": action.type} if action.type is not None else {}
+    parser.add_argument(
+        old,
+        dest=action.dest,
+        action=_Renamed,
+        new=action.option_strings[0],
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )
+
+
 class HelpParser(argparse.ArgumentParser):
     """A parser whose help shows the defaults (:class:`DefaultsHelpFormatter`, or a subclass
     asked for); given as ``parser_class`` to ``add_subparsers``, every subcommand's too."""
@@ -90,6 +129,7 @@ __all__ = [
     "DefaultsHelpFormatter",
     "HelpParser",
     "RawDescriptionDefaultsHelpFormatter",
+    "add_renamed",
     "default_text",
     "plain",
     "shown_default",

@@ -32,6 +32,6 @@ for i in $(seq 1 120); do curl -s -o /dev/null -w '%{http_code}' 127.0.0.1:9481/
 echo "== ready again after the replacement (waited ~$((i/2)) s)"; curl -s -w ' [%{http_code}]\n' 127.0.0.1:9481/healthz/ready
 echo "== new worker pids: $(pgrep -P $PID -f llama_worker | tr '\n' ' ')"
 curl -s 127.0.0.1:9481/metrics > $OUT/metrics.txt
-echo "== drain"; .venv/bin/governor drain --metrics-addr 127.0.0.1:9481 --wait 10; echo "exit $?"
+echo "== drain"; .venv/bin/governor drain --metrics-listen 127.0.0.1:9481 --wait 10; echo "exit $?"
 echo "== ready while draining"; curl -s -w ' [%{http_code}]\n' 127.0.0.1:9481/healthz/ready
 kill -TERM $PID; wait $PID; echo "daemon exit $?"

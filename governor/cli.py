@@ -12,6 +12,7 @@ import gc
 import getpass
 import logging
 import os
+import re
 import resource
 import secrets
 import signal
@@ -24,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from clients.helptext import add_renamed
 from protocol.frames import MAX_ID_CHARS
 
 from . import __version__
@@ -85,18 +87,30 @@ KEY_HASH_DESCRIPTION = (
 )
 
 
+# Keys that name a file, and keys that are a URL.
+_FILES = ("model", "fallback_model", "tls_cert", "tls_key", "tls_client_ca", "drain_token_file")
+_URLS = ("upstream", "redis_url")
+
+
 def _metavar(f: dataclasses.Field[Any]) -> str:
     """What a flag takes, as its help shows it: its choices, true or false, an address, a
-    number of milliseconds; else its key in capitals."""
+    file, a URL, or its unit (MS, SECONDS, BYTES); else N for a count, its key in capitals."""
+    kind, help_text = str(f.type), f.metadata["help"]
     if f.metadata["choices"]:
         return "{" + ",".join(f.metadata["choices"]) + "}"
-    if str(f.type) == "bool":
+    if kind == "bool":
         return "{true,false}"
-    if f.name.endswith("listen"):
-        return "HOST:PORT"
-    if f.name.endswith("_ms"):
-        return "MS"
-    return f.name.upper()
+    named = {"listen": "HOST:PORT", "_ms": "MS", "_bytes": "BYTES"}
+    for suffix, metavar in named.items():
+        if f.name.endswith(suffix):
+            return metavar
+    if f.name in _FILES:
+        return "FILE"
+    if f.name in _URLS:
+        return "URL"
+    if kind == "float" and re.search(r"\bseconds\b", help_text, re.IGNORECASE):
+        return "SECONDS"
+    return "N" if kind == "int" else f.name.upper()
 
 
 def _help(f: dataclasses.Field[Any]) -> str:
@@ -115,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         "file's keys, then environment variables named GOVERNOR_ and the key in capitals "
         "(GOVERNOR_MAX_INFLIGHT=8), then these flags.",
     )
-    serve.add_argument("--config", type=Path, help="TOML file with the same keys as these flags")
+    serve.add_argument(
+        "--config", type=Path, metavar="FILE", help="TOML file with the same keys as these flags"
+    )
     for section in SECTIONS:
         group = serve.add_argument_group(section_title(section), section.__doc__)
         for f in section_fields(section):
@@ -157,11 +173,13 @@ def _add_drain(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "once when no job runs): in Kubernetes the kubelet sends it when this preStop hook "
         "returns; by hand, send it yourself (systemctl stop, kill -TERM).",
     )
-    drain.add_argument(
-        "--metrics-addr",
+    listen = drain.add_argument(
+        "--metrics-listen",
         default="127.0.0.1:9464",
+        metavar="HOST:PORT",
         help="the daemon's metrics_listen address (default: %(default)s)",
     )
+    add_renamed(drain, "--metrics-addr", listen)
     drain.add_argument(
         "--wait",
         type=float,
@@ -230,7 +248,7 @@ def _key_to_hash() -> str:
 def drain(address: str, wait: float, token_file: Path | None = None) -> int:
     headers: dict[str, str] = {}
     try:
-        host, port = parse_address(address, what="--metrics-addr", allow_port_zero=False)
+        host, port = parse_address(address, what="--metrics-listen", allow_port_zero=False)
         if token_file is not None:
             headers["Authorization"] = f"Bearer {_read_token(token_file)}"
     except ConfigError as exc:
@@ -354,7 +372,7 @@ async def serve(config: Config) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "drain":
-        return drain(args.metrics_addr, args.wait, args.token_file)
+        return drain(args.metrics_listen, args.wait, args.token_file)
     if args.command == "key-hash":
         return key_hash(args.new)
     if args.command == "model-path":

@@ -13,7 +13,7 @@ Kinds (each bounded by ``--hold`` seconds, to 127.0.0.1 only):
 - ``typo``: a misconfigured client: each second a new connection sends four jobs with a wrong
   key in one write (run the daemon with a tenant declared).
 - ``tiny-chunks``: 8 connections each upload 65,535 chunks of 2 bytes and never the last one.
-- ``admin-trickle``: ``--clients`` connections to the HTTP listener (``--metrics-addr``), each
+- ``admin-trickle``: ``--clients`` connections to the HTTP listener (``--metrics-listen``), each
   sending its request head a byte every 3 s; reports the daemon's threads.
 - ``metrics-flood``: ``GET /metrics`` at ``--rate`` a second (8 clients, one request per
   connection) on the HTTP listener.
@@ -37,6 +37,7 @@ import socket
 import time
 from typing import Any
 
+from clients.helptext import add_renamed
 from governor.core.sources import KEY_TURN_FAR
 from protocol.codes import Receipt, Status, Verb
 from protocol.errors import ReplyInvalid
@@ -78,9 +79,13 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--bystander", default="127.0.0.2", help="the bystander's source address")
     add_key_arguments(parser)  # the bystander's key, as the traffic commands take theirs
-    parser.add_argument(
-        "--metrics-addr", type=parse_addr, metavar="HOST:PORT", help="the HTTP listener"
+    listen = parser.add_argument(
+        "--metrics-listen",
+        type=parse_addr,
+        metavar="HOST:PORT",
+        help="the HTTP listener (the daemon's metrics_listen)",
     )
+    add_renamed(parser, "--metrics-addr", listen)
     parser.add_argument(
         "--rate", type=positive_float, default=1227.0, help="metrics-flood: requests per second"
     )
@@ -353,15 +358,15 @@ def threads(pid: int | None) -> int | None:
     return None if pid is None else proc_status(pid, "Threads")
 
 
-def metrics_addr(args: argparse.Namespace) -> tuple[str, int]:
-    if args.metrics_addr is None:
-        raise SystemExit(f"loadtest attack {args.kind}: --metrics-addr is needed")
-    addr: tuple[str, int] = args.metrics_addr
+def metrics_listen(args: argparse.Namespace) -> tuple[str, int]:
+    if args.metrics_listen is None:
+        raise SystemExit(f"loadtest attack {args.kind}: --metrics-listen is needed")
+    addr: tuple[str, int] = args.metrics_listen
     return addr
 
 
 async def admin_trickle(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
-    host, port = metrics_addr(args)
+    host, port = metrics_listen(args)
     head = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
 
     async def connect() -> asyncio.StreamWriter | None:
@@ -387,7 +392,7 @@ async def admin_trickle(args: argparse.Namespace, stop: asyncio.Event) -> dict[s
 
 
 async def metrics_flood(args: argparse.Namespace, stop: asyncio.Event) -> dict[str, Any]:
-    host, port = metrics_addr(args)
+    host, port = metrics_listen(args)
     request = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
     statuses: collections.Counter[str] = collections.Counter()
     started = time.monotonic()

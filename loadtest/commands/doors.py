@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from clients.client import DEFAULT_MAX_WAIT_S, RetryPolicy
-from clients.helptext import RawDescriptionDefaultsHelpFormatter
+from clients.helptext import RawDescriptionDefaultsHelpFormatter, add_renamed
 from governor.runners.llama import embedded_model_path
 
 from ..support import llama_server
 from ..support.connections import Endpoint
 from ..support.driver import open_loop
-from ..support.options import positive_ints, print_json
+from ..support.options import positive_float, positive_ints, print_json
 from ..support.processes import REPO, free_port, stop, wait_http_ready, wait_listening
 from ..support.stats import percentile
 from ..support.targets import GovernorTarget, OpenAITarget, Outcome, Shape, Target
@@ -70,7 +70,13 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--max-wait", type=float, default=DEFAULT_MAX_WAIT_S, help="tcp-wait's max_wait, seconds"
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="one round's bound")
+    add_renamed(
+        parser,
+        "--timeout",
+        parser.add_argument(
+            "--round-timeout", type=positive_float, default=300.0, help="seconds a round may take"
+        ),
+    )
     parser.add_argument(
         "--llama-server", type=Path, default=llama_server.default_binary(), help="its binary"
     )
@@ -149,7 +155,7 @@ async def _rounds(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, 
                     _target(way, ports, shape, args.max_wait),
                     [Request(0.0, "stream", 0, args.max_new_tokens) for _ in range(n)],
                     connections=n,
-                    timeout_s=args.timeout,
+                    timeout_s=args.round_timeout,
                     sample_s=1.0,
                     label=f"{way} x{n} round {r + 1}",
                 )

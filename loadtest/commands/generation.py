@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.client import DEFAULT_MAX_WAIT_S, ClientError, RetryPolicy
-from clients.helptext import RawDescriptionDefaultsHelpFormatter
+from clients.helptext import RawDescriptionDefaultsHelpFormatter, add_renamed
 
 from ..support import baseline_server, llama_server
 from ..support.connections import Endpoint, StartError, run_loop
@@ -549,7 +549,7 @@ async def measure_target(
         try:
             warm = Shape(temperature=0.0, prompts=tuple(story(10_000 + i) for i in range(slots)))
             await _round(
-                inst, warm, _requests("warmup", slots, WARMUP_TOKENS), args.timeout, "warm"
+                inst, warm, _requests("warmup", slots, WARMUP_TOKENS), args.round_timeout, "warm"
             )
             at_slots = Memory.of(inst.proc.pid)
             if "throughput" in want:
@@ -561,7 +561,7 @@ async def measure_target(
                     inst,
                     [question(k) for k in range(args.chats)],
                     args.chat_tokens,
-                    args.timeout,
+                    args.round_timeout,
                     cold=False,
                 )
                 result["idle"] = {**ttft_row(outcomes), "others_cpu": window.others()}
@@ -579,7 +579,9 @@ async def measure_target(
         inst = await start(name, settings, slots=1, lanes=False, log=logs / f"{name}-one.log")
         try:
             warm = Shape(temperature=0.0, prompts=(story(20_000),))
-            await _round(inst, warm, _requests("warmup", 1, WARMUP_TOKENS), args.timeout, "warm")
+            await _round(
+                inst, warm, _requests("warmup", 1, WARMUP_TOKENS), args.round_timeout, "warm"
+            )
             at_one = Memory.of(inst.proc.pid)
         finally:
             stop(inst.proc, 15.0)
@@ -610,7 +612,7 @@ async def measure_throughput(
                 inst,
                 shape,
                 _requests("stream", n, args.max_new_tokens),
-                args.timeout,
+                args.round_timeout,
                 f"{name} x{n}",
             )
             row = {**throughput_row(n, outcomes, seconds), "others_cpu": window.others()}
@@ -644,7 +646,7 @@ async def measure_burst(
             inst,
             [question(asked + k) for k in range(IDLE_IN_BURST)],
             args.chat_tokens,
-            args.timeout,
+            args.round_timeout,
             cold=True,
         )
         asked += IDLE_IN_BURST
@@ -666,7 +668,7 @@ async def measure_burst(
                 inst.target(shape, cold=True),
                 requests,
                 connections=len(requests),
-                timeout_s=args.timeout,
+                timeout_s=args.round_timeout,
                 sample_s=SAMPLE_S,
                 label=f"{name} {label} x{slots}",
             )
@@ -947,7 +949,13 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
         default=0.2,
         help="seconds from the rewrites to the chats",
     )
-    parser.add_argument("--timeout", type=positive_float, default=300.0, help="seconds a round")
+    add_renamed(
+        parser,
+        "--timeout",
+        parser.add_argument(
+            "--round-timeout", type=positive_float, default=300.0, help="seconds a round may take"
+        ),
+    )
     parser.add_argument(
         "--wait-quiet",
         type=float,

@@ -3,7 +3,7 @@ server, side by side in one run.
 
 N clients, each an ``openai.AsyncOpenAI`` with the SDK's defaults (two retries, which sleep a
 429's ``retry-after-ms``, unless ``--max-retries``: 0 is a client that never retries, as most
-scripts and tools are; its own timeout unless ``--timeout``), start together and each send
+scripts and tools are; its own timeout unless ``--request-timeout``), start together and each send
 ``--requests-per-client`` streamed chat completions one after the other: a short question that
 differs per request (by its number only, so that each is as much work), ``--max-tokens`` new
 tokens, temperature 0, a seed, ``include_usage``. Nothing here retries or paces them: what is
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clients.helptext import RawDescriptionDefaultsHelpFormatter
+from clients.helptext import RawDescriptionDefaultsHelpFormatter, add_renamed
 
 from ..support import baseline_server, llama_server
 from ..support.connections import run_loop
@@ -249,7 +249,9 @@ async def model_of(url: str, args: argparse.Namespace) -> str:
     job's expected time from the jobs before it, and its hints follow."""
     import openai
 
-    async with openai.AsyncOpenAI(base_url=url, api_key=API_KEY, **_timeout(args.timeout)) as probe:
+    async with openai.AsyncOpenAI(
+        base_url=url, api_key=API_KEY, **_timeout(args.request_timeout)
+    ) as probe:
         model = (await probe.models.list()).data[0].id
         record = Record(0.0)
         warmup = args.clients * args.requests_per_client  # (a question no request asks)
@@ -300,7 +302,7 @@ async def load(url: str, args: argparse.Namespace) -> Load:
             api_key=API_KEY,
             http_client=openai.DefaultAsyncHttpxClient(event_hooks={"response": [seen(i)]}),
             max_retries=max_retries(args),
-            **_timeout(args.timeout),
+            **_timeout(args.request_timeout),
         )
         for i in range(args.clients)
     ]
@@ -416,7 +418,7 @@ async def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         "max_inflight": args.max_inflight,
         "threads": args.threads,
         "n_ctx": args.n_ctx,
-        "timeout": args.timeout,
+        "timeout": args.request_timeout,
         "sdk": f"openai {openai.__version__}",
         "sdk_max_retries": max_retries(args),
         "baseline": baseline(args),
@@ -467,10 +469,14 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--threads", type=positive_int, default=2, help="both servers' threads")
     parser.add_argument("--n-ctx", type=positive_int, default=2048, help="both servers' n_ctx")
-    parser.add_argument(
+    add_renamed(
+        parser,
         "--timeout",
-        type=positive_float,
-        help="seconds a request may take, the SDK's timeout (default: the SDK's own)",
+        parser.add_argument(
+            "--request-timeout",
+            type=positive_float,
+            help="seconds a request may take, the SDK's timeout (default: the SDK's own)",
+        ),
     )
     parser.add_argument(
         "--run-timeout",

@@ -236,7 +236,7 @@ async def test_governor_drain_sends_its_token_file(
     token_file = tmp_path / "drain-token"
     token_file.write_text("s3cret-token\n")
     server, (host, port) = await admin_server(make_server, drain_token_file=str(token_file))
-    argv = ["drain", "--metrics-addr", f"{host}:{port}", "--wait", "1"]
+    argv = ["drain", "--metrics-listen", f"{host}:{port}", "--wait", "1"]
     assert await asyncio.to_thread(cli.main, argv) == 1  # 401
     assert not server.ledger.draining
     assert await asyncio.to_thread(cli.main, [*argv, "--token-file", str(token_file)]) == 0

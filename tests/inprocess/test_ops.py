@@ -331,7 +331,7 @@ def metrics_addr(d: Daemon) -> str:
 
 def governor_drain(addr: str, wait: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "governor", "drain", "--metrics-addr", addr, "--wait", str(wait)],
+        [sys.executable, "-m", "governor", "drain", "--metrics-listen", addr, "--wait", str(wait)],
         capture_output=True,
         text=True,
         timeout=60,

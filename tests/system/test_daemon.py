@@ -173,7 +173,7 @@ def test_governor_drain_leaves_the_daemon_up_until_sigterm_stops_it_at_once(
                 if (await probe.ping()).receipt("backend.inflight") == 1:
                     break
             drained = await asyncio.to_thread(
-                cli_of, "governor", "drain", "--metrics-addr", addr, "--wait", "30"
+                cli_of, "governor", "drain", "--metrics-listen", addr, "--wait", "30"
             )
             assert drained.returncode == 0, drained
             assert orjson.loads(drained.stdout) == {

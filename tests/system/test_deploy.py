@@ -498,7 +498,7 @@ def test_prestop_hook_drains_a_daemon_on_the_configmap_config(
     assert status == 200
 
     command = list(governor["lifecycle"]["preStop"]["exec"]["command"])
-    command[command.index("--metrics-addr") + 1] = metrics_address(d)
+    command[command.index("--metrics-listen") + 1] = metrics_address(d)
     hook = subprocess.run(
         [sys.executable, "-m", "governor", *command[1:]],
         capture_output=True,

@@ -73,7 +73,7 @@ def test_port_zero_is_for_listening_not_for_connecting() -> None:
 
 def test_governor_drain_refuses_port_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert drain("127.0.0.1:0", 1.0) == 1
-    assert capsys.readouterr().err == "governor: --metrics-addr '127.0.0.1:0' is not HOST:PORT\n"
+    assert capsys.readouterr().err == "governor: --metrics-listen '127.0.0.1:0' is not HOST:PORT\n"
 
 
 def test_every_field_is_a_flag_and_flags_override_the_file(tmp_path: Path) -> None:

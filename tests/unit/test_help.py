@@ -164,7 +164,7 @@ def test_plain_takes_the_markup_out() -> None:
     assert "N things (default: 4)" in parser.format_help()
 
 
-def test_serve_shows_each_flags_choices_and_booleans_as_true_or_false() -> None:
+def test_serve_shows_each_flags_choices_booleans_and_units() -> None:
     serve = formatted(PARSERS["governor serve"])
     for f in CLI_FIELDS:
         flag = "--" + f.name.replace("_", "-")
@@ -172,3 +172,28 @@ def test_serve_shows_each_flags_choices_and_booleans_as_true_or_false() -> None:
             assert f"{flag} {{{','.join(f.metadata['choices'])}}}" in serve, flag
         elif str(f.type) == "bool":
             assert f"{flag} {{true,false}}" in serve, flag
+        units = {"_timeout": "SECONDS", "_ms": "MS", "_bytes": "BYTES", "listen": "HOST:PORT"}
+        for suffix, unit in units.items():
+            if f.name.endswith(suffix):
+                assert f"{flag} {unit}" in serve, flag
+
+
+def test_a_renamed_option_still_works_for_a_release_and_says_its_new_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = governor_parser().parse_args(["drain", "--metrics-addr", "127.0.0.1:9"])
+    assert args.metrics_listen == "127.0.0.1:9"
+    assert "--metrics-addr is deprecated" in capsys.readouterr().err
+    assert "--metrics-addr" not in formatted(PARSERS["governor drain"])
+    bench = loadtest_parser().parse_args(["sdk-bench", "--timeout", "7"])
+    assert bench.request_timeout == 7.0
+    assert "use --request-timeout" in capsys.readouterr().err
+
+
+def test_timeout_is_always_the_whole_call_or_run() -> None:
+    """One meaning of --timeout across the CLIs: the bound on the whole command; a round's, a
+    run's or a request's bound has a name of its own."""
+    for prog, parser in PARSERS.items():
+        for action in parser._actions:
+            if "--timeout" in action.option_strings and action.help != argparse.SUPPRESS:
+                assert re.search(r"\bwhole (call|run)\b", action.help or ""), prog
