@@ -3,7 +3,7 @@
 A sidecar relays one event per generated token, so what its client costs per read is paid
 once a token: httpx's stack (httpcore's pool, anyio's streams, sniffio's look-ups) took most
 of the governor's CPU per relayed event, and asyncio's streams a fifth of what was left
-(``docs/BENCHMARKS.md``). This client is what the ``http`` runner needs and no more: one
+(``CHANGELOG.md``, 2026-11-27). This client is what the ``http`` runner needs and no more: one
 request at a time per connection; h11 (the front door's parser) for the heads and for bodies
 of a known length; a chunked body (every stream) decoded by :class:`~.framing.Chunks`, and a
 stream's pieces handed on in the connection's own callback (:meth:`Answer.pump`); idle

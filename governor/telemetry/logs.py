@@ -10,7 +10,7 @@ change (``readiness``, ``liveness``, ``breaker``, ``overload``, ``worker``, ``dr
 and with ``text`` the fields follow the message as ``key=value``.
 
 Every job writes a line, so what a line costs the event loop is kept to formatting it
-(``docs/BENCHMARKS.md`` measures it): :func:`event` builds the line itself, with no
+(``docs/BENCHMARKS.md`` gives its share of a job, ``CHANGELOG.md`` what batching it saved): :func:`event` builds the line itself, with no
 ``logging.LogRecord``, and appends it to the :class:`LineWriter`'s buffer. A writer thread
 takes whatever has piled up and writes it in one call, so a stderr pipe that a log collector
 drains slowly never stalls admission; the loop never waits on a lock or wakes the thread for

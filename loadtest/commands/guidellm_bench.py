@@ -103,8 +103,8 @@ COMPARED = (
     "latency_p99_ms",
 )
 COUNTS = ("successful", "errored", "incomplete")
-# The targets: the governor over llama-server (docs/BENCHMARKS.md, "The batched runner at every
-# load"): output at least as fast, the slowest first tokens no later, and with a mix of chats
+# The targets: the governor over llama-server (docs/BENCHMARKS.md, "The batched runner against
+# llama-server"): output at least as fast, the slowest first tokens no later, and with a mix of chats
 # and rewrites half again as many requests within a chat's objectives.
 MIN_OUTPUT_RATIO = 1.0
 MAX_TTFT_P99_RATIO = 1.0
