@@ -19,8 +19,9 @@ reader never sees it):
 * ``<!-- readme: skip WHY -->``: not run (GPU and Kubernetes blocks, and the test command,
   which runs this test).
 
-And, with no block, ``<!-- readme: stop -->``: the background processes get SIGINT (Ctrl-C),
-must exit within a minute, and a ``governor serve`` among them must exit 0.
+And, with no block, ``<!-- readme: stop -->`` (a line of its own, or the end of a line of text
+that says to stop them): the background processes get SIGINT (Ctrl-C), must exit within a
+minute, and a ``governor serve`` among them must exit 0.
 
 So that a busy port never fails it, the test moves the README's ports (6379, 7777, 7778, 8000, 8080,
 9464) to free ones, and gives ``governor serve`` its ``--listen``, ``governor-cli`` and the traffic
@@ -55,10 +56,20 @@ DOCUMENTS = (
     "CONTRIBUTING.md",
 )
 README_MAX_LINES = 300
+# The README's paths, one per kind of user, and the lines within which each shows a success.
+PATHS = (
+    "Two commands, and a first job",
+    "Writing a TCP client",
+    "Load tests",
+    "As a sidecar",
+    "Operating it",
+)
+PATHS_WITHIN = 150
 PORTS = (6379, 7777, 7778, 8000, 8080, 9464)
 HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
 MARKER = re.compile(r"^<!-- readme: (\w+)\s*(.*?)\s*-->$")
 FENCE = re.compile(r"^```")
+STOP = "<!-- readme: stop -->"
 KINDS = {"run", "output", "python", "file", "skip", "stop"}
 BLOCK_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
@@ -81,6 +92,8 @@ def blocks(text: str, name: str = "README.md") -> list[Block]:
     i = 0
     while i < len(lines):
         marker = MARKER.match(lines[i].strip())
+        if not marker and lines[i].rstrip().endswith(STOP):
+            marker = MARKER.match(STOP)
         if marker:
             kind, arg = marker[1], marker[2]
             assert kind in KINDS, f"{name}:{i + 1}: unknown marker {kind!r}"
@@ -290,6 +303,16 @@ def test_the_readme_fits_a_screen_of_paths() -> None:
     user; reference lives in docs/."""
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move reference to docs/"
+
+
+def test_each_path_of_the_readme_succeeds_on_its_first_screens() -> None:
+    """Each kind of user finds a command's output (a success, which the run test checks)
+    within the README's first PATHS_WITHIN lines."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    for path in PATHS:
+        start = lines.index(f"## {path}")
+        first = next(i for i in range(start, len(lines)) if lines[i] == "<!-- readme: output -->")
+        assert first < PATHS_WITHIN, f"{path!r}: its first output is at line {first + 1}"
 
 
 @pytest.mark.parametrize("name", DOCUMENTS)
