@@ -23,7 +23,7 @@ during the measures. Measures (``--measures``):
   questions through the chat template, ``--chat-tokens`` new tokens, streamed), from the
   client's send to the first non-empty delta; p50 and p90.
 * ``burst``: chats beside long rewrites, for each S of ``--burst-slots``, on a target started
-  with S slots (llama-server also gets ``cache_prompt`` false; governors get ``--lanes on``):
+  with S slots (llama-server also gets ``cache_prompt`` false; governors get ``--lanes true``):
   3 chats one after another (the idle reference), then four rounds, each of distinct chats
   (distinct questions through the chat template, ``--chat-tokens`` new tokens, streamed) and
   rewrites of about ``--rewrite-tokens`` prompt tokens (distinct, sharing no prefix, through

@@ -519,7 +519,7 @@ def add_parser(commands: Any) -> None:
         "--governor-arg",
         action="append",
         default=[],
-        help="one more argument for governor serve (repeat it), e.g. --lanes=on",
+        help="one more argument for governor serve (repeat it), e.g. --lanes=true",
     )
     parser.add_argument(
         "--out", type=Path, metavar="DIR", help="write sdk-bench.json and the servers' logs here"
