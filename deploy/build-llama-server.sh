@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own llama-server, for side-by-side benchmarks (python -m loadtest generation).
+# Build llama.cpp's own llama-server, for side-by-side benchmarks (python -m loadtest bench generation).
 # Not part of the default set-up: deploy/setup.sh does not call this.
 #
 #   deploy/build-llama-server.sh        build once, print the binary's path on the last line

@@ -4,7 +4,7 @@
 #   deploy/setup.sh           the daemon, and the load tester with its plots and baseline; the
 #                             hot path compiled with mypyc (deploy/compile.py) where it can be
 #   deploy/setup.sh --test    ... and the test and lint tools, and Debian's redis-server (the
-#                             fleet's tests and `loadtest fleet` start their own), curl and
+#                             fleet's tests and `loadtest bench fleet` start their own), curl and
 #                             openssl (the README's test runs them; as root)
 #
 # GOVERNOR_PURE=1 leaves the hot path in pure Python (and removes an earlier build of it).

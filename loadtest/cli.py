@@ -1,9 +1,14 @@
-"""``python -m loadtest``: one subcommand per module of :mod:`loadtest.commands`.
+"""``python -m loadtest``: one subcommand per module of :mod:`loadtest.commands` (the user's
+tools), and the group ``bench``, one subcommand per module of :mod:`loadtest.bench` (the
+project's own benchmarks).
 
 A command module provides :class:`Command`'s two functions: ``add_parser`` registers its
 subparser (on which it sets nothing: dispatch is by name, through :data:`COMMANDS`), and ``run``
 takes the parsed arguments and returns the exit status. Adding a command is adding its module
-and one entry in :data:`REGISTERED`.
+and one entry in :data:`REGISTERED` (a tool) or :data:`BENCHMARKS` (a benchmark).
+
+A benchmark's old top-level spelling (``python -m loadtest peer``) still runs it for one
+release, left out of ``--help``, with a warning on stderr naming the new one.
 """
 
 from __future__ import annotations
@@ -14,13 +19,9 @@ from typing import Any, Protocol
 
 from clients.helptext import HelpParser
 
-from .commands import (
+from .bench import (
     admission,
-    attack,
-    baseline,
-    burst,
     ceiling,
-    compare,
     door_refusal,
     doors,
     fleet_bench,
@@ -28,20 +29,18 @@ from .commands import (
     generation,
     guidellm_bench,
     hotpath,
-    idle,
     lanes,
-    mix,
     overhead,
     peer,
     preemption,
-    rate,
-    replay,
     sdk_bench,
     sidecar,
-    soak,
     tls_cost,
 )
+from .commands import attack, baseline, burst, compare, idle, mix, rate, replay, soak
 from .support.options import CommandParser
+
+GROUP = "bench"
 
 
 class Command(Protocol):
@@ -52,7 +51,7 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
-# Every command, in the order ``--help`` lists them. The annotation is where mypy checks each
+# The user's tools, in the order ``--help`` lists them. The annotation is where mypy checks each
 # module against the Protocol.
 REGISTERED: tuple[Command, ...] = (
     burst,
@@ -62,13 +61,16 @@ REGISTERED: tuple[Command, ...] = (
     compare,
     baseline,
     idle,
+    soak,
+    attack,
+)
+# The project's benchmarks, ``bench COMMAND``, in the order ``bench --help`` lists them.
+BENCHMARKS: tuple[Command, ...] = (
     admission,
     overhead,
     lanes,
     peer,
     hotpath,
-    soak,
-    attack,
     tls_cost,
     ceiling,
     generation,
@@ -81,29 +83,58 @@ REGISTERED: tuple[Command, ...] = (
     doors,
     preemption,
 )
-COMMANDS: dict[str, Command] = {c.NAME: c for c in REGISTERED}
+COMMANDS: dict[str, Command] = {c.NAME: c for c in (*REGISTERED, *BENCHMARKS)}
+
+
+class _OldSpellings:
+    """Where a benchmark registers its old top-level spelling: the same options, no entry in
+    ``--help``, and a warning naming ``bench NAME`` when it is used."""
+
+    def __init__(self, commands: Any) -> None:
+        self._commands = commands
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        kwargs.pop("help", None)  # an entry without help is left out of the listing
+        return self._commands.add_parser(name, renamed_to=f"{GROUP} {name}", **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = HelpParser(
         prog="python -m loadtest",
-        description="Load tests for the governor (and its queueing baseline). Every run is "
-        "bounded in count and time (the traffic commands' --timeout, the benchmarks' rounds and "
-        "their own limits) and connects only to --addr, --openai or the loopback servers it "
-        "starts; with --json, the last line of stdout is the run's report as JSON.",
+        description="Load tests for the governor (and its queueing baseline), and under "
+        f"'{GROUP}' the project's own benchmarks, which start the servers they measure. Every "
+        "run is bounded in count and time (the traffic commands' --timeout, the benchmarks' "
+        "rounds and their own limits) and connects only to --addr, --openai or the loopback "
+        "servers it starts; with --json, the last line of stdout is the run's report as JSON.",
     )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
     )
     for command in REGISTERED:
         command.add_parser(commands)
+    bench = commands.add_parser(
+        GROUP,
+        group=True,
+        help="the project's benchmarks: the governor against a peer, its costs, its ceilings",
+        description="The project's own benchmarks: each starts the servers it measures (the "
+        "governor, a peer to compare it with, a model server) on loopback ports of its own. "
+        "docs/BENCHMARKS.md has their latest figures.",
+    )
+    benchmarks = bench.add_subparsers(
+        dest="benchmark", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
+    old_spellings = _OldSpellings(commands)
+    for command in BENCHMARKS:
+        command.add_parser(benchmarks)
+        command.add_parser(old_spellings)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    name = args.benchmark if args.command == GROUP else args.command
     try:
-        return COMMANDS[args.command].run(args)
+        return COMMANDS[name].run(args)
     except KeyboardInterrupt:
         print("loadtest: interrupted", file=sys.stderr)
         return 130

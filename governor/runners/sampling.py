@@ -17,7 +17,7 @@ takes the same distribution from the tokens that can matter:
 
 8 draws at temperature 1 from a confident model's logits: 0.5 ms; one draw in a generation from
 random words (heads of 26,000 tokens), 0.35 to 0.42 ms against the chain's 0.56 to 0.65 (`python
--m loadtest ceiling --sampling` measures both). The draws follow the chain's distribution (min_p,
+-m loadtest bench ceiling --sampling` measures both). The draws follow the chain's distribution (min_p,
 temperature, then a draw, as llama.cpp's common sampler has them), not a truncated one; only
 the random stream differs (numpy's, seeded by the same seed). Greedy (temperature 0) is the
 chain's: the first likeliest token. Requests with logit biases, penalties, a grammar, top_k or

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
+from ..support.arguments import add_model, add_n_ctx, add_threads
 from ..support.baseline_server import start
 from ..support.options import positive_int
 from ..support.processes import stop
@@ -27,14 +27,9 @@ def add_parser(commands: Any) -> None:
         NAME, help="run the queueing baseline: llama-cpp-python's server", description=__doc__
     )
     parser.add_argument("--port", type=positive_int, default=8000, help="its port on 127.0.0.1")
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=2,
-        help="n_threads: give it the cores the governor's workers share",
-    )
-    parser.add_argument("--n-ctx", type=positive_int, default=2048, help="its context size")
-    parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
+    add_threads(parser, default=2, text="n_threads: give it the cores the governor's workers share")
+    add_n_ctx(parser, text="its context size")
+    add_model(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,9 +4,10 @@
 admitted scenario and nothing else: a manifest with ``clarify ok``, its one chunk (decoded and
 checked against its sha256 and the manifest's) with ``confirm done``, both as long as the
 governor's replies (the same receipts, a result). No admission, no runner, no task, no metrics,
-no log: the event loop, the two socket reads and writes, the JSON and the hash. ``loadtest peer
---floor`` runs it beside the governor and heptaminid, so that the governor's CPU time per job
-can be read against what is left once everything it decides is taken away.
+no log: the event loop, the two socket reads and writes, the JSON and the hash.
+``loadtest bench peer --floor`` runs it beside the governor and heptaminid, so that the
+governor's CPU time per job can be read against what is left once everything it decides is
+taken away.
 
 It is a measuring stick, not a server: anything else it is sent closes the connection.
 """

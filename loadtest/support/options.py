@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from clients.helptext import HelpParser
@@ -85,15 +86,33 @@ def positive_ints(text: str) -> tuple[int, ...]:
 
 
 class CommandParser(HelpParser):
-    """A command's parser: its help shows the defaults, and every command takes ``--json``."""
+    """A command's parser: its help shows the defaults, and every command takes ``--json``.
 
-    def __init__(self, **kwargs: Any) -> None:
+    ``group``: the parser of a group of commands (``bench``), which takes no ``--json`` of its
+    own. ``renamed_to``: this parser is a moved command's old spelling, kept for one release;
+    taking it says the new one on stderr (``--help`` included)."""
+
+    def __init__(
+        self, *, group: bool = False, renamed_to: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.add_argument(
-            "--json",
-            action="store_true",
-            help="end stdout with the run's report as one line of JSON, for scripts",
-        )
+        self.renamed_to = renamed_to
+        if not group:
+            self.add_argument(
+                "--json",
+                action="store_true",
+                help="end stdout with the run's report as one line of JSON, for scripts",
+            )
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self.renamed_to is not None:
+            program, _, old = self.prog.rpartition(" ")
+            print(
+                f"{program}: {old!r} is now {self.renamed_to!r}; the old name goes in the next "
+                "release",
+                file=sys.stderr,
+            )
+        return super().parse_known_args(args, namespace)
 
 
 def print_json(args: argparse.Namespace, report: Any) -> None:

@@ -1,6 +1,6 @@
 """The load tests through the governor's OpenAI-compatible front door: ``--openai`` honouring its
 refusals (429 with ``retry-after-ms``) as yields, on an in-process governor with the stub runner;
-and ``loadtest sdk-bench``, the official SDK's clients against a governor it starts itself."""
+and ``loadtest bench sdk-bench``, the official SDK's clients against a governor it starts itself."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 
 from clients.client import NO_RETRY, RetryPolicy
 from governor.core.tenants import TenantConfig, key_sha256
+from loadtest.bench.sdk_bench import clients as sdk_clients
+from loadtest.bench.sdk_bench import rows
 from loadtest.cli import build_parser
-from loadtest.commands import sdk_bench
 from loadtest.support.connections import retry_policy
 from loadtest.support.driver import Run, open_loop
 from loadtest.support.stats import alternating
@@ -198,20 +199,20 @@ def test_runs_alternate() -> None:
 
 
 def test_prompts_differ_and_are_as_long() -> None:
-    prompts = [sdk_bench.prompt(k) for k in range(50)]
+    prompts = [sdk_clients.prompt(k) for k in range(50)]
     assert len(set(prompts)) == 50
     assert len({len(p) for p in prompts}) == 1
 
 
 def test_a_runs_figures_and_the_ratios() -> None:
-    run = sdk_bench.Load(wall_s=2.0)
+    run = sdk_clients.Load(wall_s=2.0)
     run.records = [
-        sdk_bench.Record(0.0, first_s=0.1, end_s=0.5, tokens=8, usage=True),
-        sdk_bench.Record(0.0, first_s=0.3, end_s=1.0, tokens=8, usage=True),
-        sdk_bench.Record(0.0, end_s=0.2, error="RateLimitError"),
+        sdk_clients.Record(0.0, first_s=0.1, end_s=0.5, tokens=8, usage=True),
+        sdk_clients.Record(0.0, first_s=0.3, end_s=1.0, tokens=8, usage=True),
+        sdk_clients.Record(0.0, end_s=0.2, error="RateLimitError"),
     ]
     run.statuses.update({200: 2, 429: 3})
-    row = sdk_bench.run_row("governor", run)
+    row = rows.run_row("governor", run)
     assert (row["sent"], row["ok"], row["failed"]) == (3, 2, 1)
     assert row["failed_by"] == {"RateLimitError": 1}
     assert row["goodput_rps"] == 1.0
@@ -221,11 +222,11 @@ def test_a_runs_figures_and_the_ratios() -> None:
     assert (row["http_429"], row["absorbed_429"], row["sdk_retries"]) == (3, 2, 2)
 
     slower = {**row, "server": "baseline", "goodput_rps": 0.5, "ttft_p99_ms": 600.0}
-    summary = sdk_bench.summarize([row, slower])
+    summary = rows.summarize([row, slower])
     assert summary["median"]["governor"]["goodput_rps"] == 1.0
     assert summary["governor_over_baseline"]["goodput_rps"] == 2.0
     assert summary["governor_over_baseline"]["ttft_p99_ms"] == 0.5
-    assert "governor_over_baseline" not in sdk_bench.summarize([row])
+    assert "governor_over_baseline" not in rows.summarize([row])
 
 
 def test_sdk_bench_on_the_stub_absorbs_429s(tmp_path: Path) -> None:
@@ -236,6 +237,7 @@ def test_sdk_bench_on_the_stub_absorbs_429s(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "loadtest",
+            "bench",
             "sdk-bench",
             "--runner",
             "stub",
@@ -286,6 +288,7 @@ def test_door_refusal_measures_a_no_wait_429_against_the_cheapest_answer() -> No
             sys.executable,
             "-m",
             "loadtest",
+            "bench",
             "door-refusal",
             "--requests",
             "50",

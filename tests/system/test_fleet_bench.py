@@ -1,4 +1,5 @@
-"""``loadtest fleet-bench`` on small settings: real replicas, a real Redis, the invariants held."""
+"""``loadtest bench fleet-bench`` on small settings: real replicas, a real Redis, the invariants
+held."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import uvloop
 
-from loadtest.commands import fleet_bench
+from loadtest.bench import fleet_bench
 
 
 def settings(**overrides: object) -> argparse.Namespace:

@@ -456,6 +456,7 @@ def test_overhead_benchmark_command() -> None:
             sys.executable,
             "-m",
             "loadtest",
+            "bench",
             "overhead",
             "--runs",
             "1",

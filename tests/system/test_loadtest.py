@@ -593,6 +593,7 @@ def test_admission_timing_command() -> None:
             sys.executable,
             "-m",
             "loadtest",
+            "bench",
             "admission",
             "--iterations",
             "2000",
@@ -648,7 +649,9 @@ def test_attack_lockout_leaves_the_bystander_served(
 
 
 def test_tls_cost_answers_every_job_of_both_modes() -> None:
-    report = loadtest_json("tls-cost", "--runs", "1", "--scenarios", "yield", "--jobs", "10")
+    report = loadtest_json(
+        "bench", "tls-cost", "--runs", "1", "--scenarios", "yield", "--jobs", "10"
+    )
     yielded = report["yield"]
     assert yielded["median"]["plain"]["cpu_us_per_job"] > 0
     assert yielded["median"]["tls"]["cpu_us_per_job"] > 0

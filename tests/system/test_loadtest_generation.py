@@ -1,5 +1,5 @@
-"""``loadtest generation`` and ``loadtest ceiling``: their options, target command lines, the
-summaries they print, and the PSS reader, with no process started and no model loaded."""
+"""``loadtest bench generation`` and ``loadtest bench ceiling``: their options, target command
+lines, the summaries they print, and the PSS reader, with no process started and no model loaded."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.bench import ceiling, generation
+from loadtest.bench.generation import prompts as texts
+from loadtest.bench.generation import report as tables
+from loadtest.bench.generation import rows, servers
 from loadtest.cli import build_parser
-from loadtest.commands import ceiling, generation
 from loadtest.support import baseline_server, llama_server
 from loadtest.support.machine import others_share, parse_busy_s
 from loadtest.support.options import positive_ints
@@ -20,7 +23,7 @@ from loadtest.support.stats import ratio
 from loadtest.support.targets import ABORTED, DONE, ERROR, TIMED_OUT, Outcome, Shape
 from loadtest.support.workload import Request
 
-SETTINGS = generation.Settings(
+SETTINGS = servers.Settings(
     model=Path("/models/m.gguf"),
     threads=2,
     n_ctx=2048,
@@ -70,7 +73,7 @@ def test_positive_ints_keeps_order_and_refuses_zero_repeats_and_words() -> None:
 
 
 def test_generation_defaults_and_choices() -> None:
-    args = build_parser().parse_args(["generation"])
+    args = build_parser().parse_args(["bench", "generation"])
     assert args.targets == ("governor", "per-process", "llama-server")
     assert args.measures == generation.MEASURES
     assert args.streams == (1, 4, 8, 16)
@@ -80,12 +83,21 @@ def test_generation_defaults_and_choices() -> None:
     assert args.threads == 2
     assert args.llama_server == llama_server.default_binary()
     args = build_parser().parse_args(
-        ["generation", "--targets", "llama-server,governor", "--measures", "burst", "--slots", "4"]
+        [
+            "bench",
+            "generation",
+            "--targets",
+            "llama-server,governor",
+            "--measures",
+            "burst",
+            "--slots",
+            "4",
+        ]
     )
     assert args.targets == ("llama-server", "governor")
     assert args.measures == ("burst",)
     assert args.slots == 4
-    parse = generation.parse_choices(generation.TARGETS)
+    parse = generation.parse_choices(servers.TARGETS)
     for bad in ("vllm", "governor,governor", ","):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
@@ -97,16 +109,16 @@ def test_default_llama_server_follows_xdg_cache_home(monkeypatch: pytest.MonkeyP
 
 
 def test_ceiling_options() -> None:
-    args = build_parser().parse_args(["ceiling"])
+    args = build_parser().parse_args(["bench", "ceiling"])
     assert (args.streams, args.steps, args.threads, args.prefill) == ((1, 4, 8, 16), 128, 2, False)
-    args = build_parser().parse_args(["ceiling", "--prefill", "--chunks", "16,512"])
+    args = build_parser().parse_args(["bench", "ceiling", "--prefill", "--chunks", "16,512"])
     assert args.prefill
     assert args.chunks == (16, 512)
 
 
 def test_ceiling_sampling_times_the_chain_and_the_draws_on_the_real_model() -> None:
     args = build_parser().parse_args(
-        ["ceiling", "--sampling", "--steps", "3", "--repeats", "2", "--wait-quiet", "0"]
+        ["bench", "ceiling", "--sampling", "--steps", "3", "--repeats", "2", "--wait-quiet", "0"]
     )
     report = ceiling.measure(args)
     assert [row["sampling"] for row in report["sampling"]] == [s[0] for s in ceiling.SAMPLINGS]
@@ -133,7 +145,7 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def test_governor_runs_one_worker_with_every_slot() -> None:
-    argv = generation.command("governor", SETTINGS, slots=16, lanes=False, port=7000)
+    argv = servers.command("governor", SETTINGS, slots=16, lanes=False, port=7000)
     assert argv[:4] == [sys.executable, "-m", "governor", "serve"]
     assert flag(argv, "--max-inflight") == "16"
     assert flag(argv, "--workers") == "1"
@@ -146,7 +158,7 @@ def test_governor_runs_one_worker_with_every_slot() -> None:
 
 
 def test_per_process_runs_a_worker_per_slot_and_lanes_when_asked() -> None:
-    argv = generation.command("per-process", SETTINGS, slots=8, lanes=True, port=7000)
+    argv = servers.command("per-process", SETTINGS, slots=8, lanes=True, port=7000)
     assert flag(argv, "--max-inflight") == "8"
     assert flag(argv, "--workers") == "8"
     assert flag(argv, "--threads") == "0"  # the governor's own share of the cores
@@ -154,7 +166,7 @@ def test_per_process_runs_a_worker_per_slot_and_lanes_when_asked() -> None:
 
 
 def test_llama_server_gets_its_slots_a_shared_cache_and_loopback() -> None:
-    argv = generation.command("llama-server", SETTINGS, slots=16, lanes=True, port=7001)
+    argv = servers.command("llama-server", SETTINGS, slots=16, lanes=True, port=7001)
     assert argv[0] == "/bin/llama-server"
     assert flag(argv, "-np") == "16"
     assert "-kvu" in argv
@@ -165,25 +177,25 @@ def test_llama_server_gets_its_slots_a_shared_cache_and_loopback() -> None:
 
 
 def test_llama_cpp_python_is_the_baseline_command() -> None:
-    argv = generation.command("llama-cpp-python", SETTINGS, slots=4, lanes=False, port=7002)
+    argv = servers.command("llama-cpp-python", SETTINGS, slots=4, lanes=False, port=7002)
     assert argv == baseline_server.command(SETTINGS.model, 7002, threads=2, n_ctx=2048)
     with pytest.raises(ValueError, match="vllm"):
-        generation.command("vllm", SETTINGS, slots=4, lanes=False, port=7002)
+        servers.command("vllm", SETTINGS, slots=4, lanes=False, port=7002)
 
 
 # prompts ----------------------------------------------------------------------------------
 
 
 def test_prompts_are_distinct() -> None:
-    assert len({generation.question(k) for k in range(100)}) == 100
-    assert len({generation.story(k) for k in range(100)}) == 100
+    assert len({texts.question(k) for k in range(100)}) == 100
+    assert len({texts.story(k) for k in range(100)}) == 100
 
 
 def test_rewrite_prompts_reach_their_length_and_start_apart() -> None:
     def words(text: str) -> int:
         return len(text.split())
 
-    prompts = generation.rewrite_prompts(2, 1400, words)
+    prompts = texts.rewrite_prompts(2, 1400, words)
     assert [n for _, n in prompts] == [words(text) for text, _ in prompts]
     assert all(n >= 1400 for _, n in prompts)
     first, second = (text.split("\n\n")[1] for text, _ in prompts)
@@ -206,7 +218,7 @@ def test_throughput_is_tokens_over_wall_time() -> None:
         outcome("stream", tokens=100, first=1.0, end=4.0),
         outcome("stream", TIMED_OUT, tokens=12, first=2.0),
     ]
-    row = generation.throughput_row(3, outcomes, 4.0)
+    row = rows.throughput_row(3, outcomes, 4.0)
     assert row["tokens"] == 240
     assert row["tokens_per_s"] == 60.0
     assert (row["tokens_min"], row["tokens_max"]) == (12, 128)
@@ -217,7 +229,7 @@ def test_throughput_is_tokens_over_wall_time() -> None:
 def test_idle_ttft_percentiles_by_nearest_rank() -> None:
     outcomes = [outcome("chat", first=ms / 1000, end=1.0) for ms in range(10, 110, 10)]
     outcomes.append(outcome("chat", ERROR))
-    row = generation.ttft_row(outcomes)
+    row = rows.ttft_row(outcomes)
     assert row == {"n": 10, "p50_ms": 50.0, "p90_ms": 90.0, "lost": 1}
 
 
@@ -231,7 +243,7 @@ def test_round_row_and_the_ratios_the_targets_are_set_on() -> None:
         ),
         outcome("chat", TIMED_OUT, sent=0.2),
     ]
-    row = generation.round_row(beside)
+    row = rows.round_row(beside)
     assert row["chats"] == 4
     assert (row["ttft_p50_ms"], row["ttft_p99_ms"]) == (200.0, 400.0)
     assert (row["tpot_p50_ms"], row["tpot_p99_ms"]) == (100.0, 100.0)  # 1.5 s over 15 tokens
@@ -240,26 +252,22 @@ def test_round_row_and_the_ratios_the_targets_are_set_on() -> None:
     assert row["rewrite_end_s"] == [6.5, None]
     assert row["rewrite_tokens"] == [128, 0]
     assert row["lost"] == 1  # the timed-out chat; an abort is an answer
-    alone = generation.round_row(
-        [outcome("chat", first=0.1, end=0.85, tokens=16) for _ in range(3)]
-    )
+    alone = rows.round_row([outcome("chat", first=0.1, end=0.85, tokens=16) for _ in range(3)])
     assert (alone["ttft_p99_ms"], alone["tpot_p99_ms"], alone["e2e_p99_ms"]) == (100, 50, 850)
-    ratios = generation.burst_ratios(
-        {"alone": alone, "beside": row, "alone_all": alone, "over": row}
-    )
+    ratios = rows.burst_ratios({"alone": alone, "beside": row, "alone_all": alone, "over": row})
     assert ratios == {
         "beside_ttft": 4.0,
         "beside_tpot": 2.0,
         "over_tpot": 2.0,
         "over_ttft": round(400 / 950, 3),
     }
-    assert generation.burst_ratios({})["over_ttft"] is None
+    assert rows.burst_ratios({})["over_ttft"] is None
 
 
 def test_memory_ratio() -> None:
-    slots = generation.Memory(4096 * 1024, 3072 * 1024, 17)
-    one = generation.Memory(1024**2, 512 * 1024, 2)
-    assert generation.memory_row(slots, one) == {
+    slots = rows.Memory(4096 * 1024, 3072 * 1024, 17)
+    one = rows.Memory(1024**2, 512 * 1024, 2)
+    assert rows.memory_row(slots, one) == {
         "pss_slots_mib": 4096.0,
         "pss_anon_slots_mib": 3072.0,
         "processes_slots": 17,
@@ -269,7 +277,7 @@ def test_memory_ratio() -> None:
         "ratio": 4.0,
         "anon_ratio": 6.0,
     }
-    unread = generation.memory_row(generation.Memory(None, None, 0), one)
+    unread = rows.memory_row(rows.Memory(None, None, 0), one)
     assert unread["ratio"] is None
     assert unread["anon_ratio"] is None
     assert ratio(1.0, 0.0) is None
@@ -294,25 +302,23 @@ def test_render_has_a_row_per_target_and_measure() -> None:
         "notes": ["llama-server skipped"],
         "targets": {
             "governor": {
-                "throughput": [generation.throughput_row(1, [outcome("s", tokens=128)], 2.0)],
-                "idle": generation.ttft_row([outcome("chat", first=0.1)]),
+                "throughput": [rows.throughput_row(1, [outcome("s", tokens=128)], 2.0)],
+                "idle": rows.ttft_row([outcome("chat", first=0.1)]),
             },
             "per-process": {
-                "memory": generation.memory_row(
-                    generation.Memory(2048, 1024, 5), generation.Memory(1024, 512, 2)
-                ),
+                "memory": rows.memory_row(rows.Memory(2048, 1024, 5), rows.Memory(1024, 512, 2)),
                 "bursts": [
                     {
                         "slots": 8,
-                        "rounds": {"beside": generation.round_row(beside)},
-                        "ratios": generation.burst_ratios({}),
+                        "rounds": {"beside": rows.round_row(beside)},
+                        "ratios": rows.burst_ratios({}),
                         "others_cpu": 0.02,
                     }
                 ],
             },
         },
     }
-    text = "\n".join(generation.render(report))
+    text = "\n".join(tables.render(report))
     assert "64.0 [128-128]" in text
     assert "   beside " in text  # the round
     assert "6.5, -" in text  # its rewrites' ends

@@ -1,4 +1,4 @@
-"""``loadtest peer`` end to end: real daemons, the real burst.py, every daemon stopped.
+"""``loadtest bench peer`` end to end: real daemons, the real burst.py, every daemon stopped.
 
 heptaminid itself is built outside this repository, so a stand-in takes its place: a script
 that reads heptaminid's flags and becomes (``exec``) a governor with the same cap and stub.
@@ -36,7 +36,8 @@ def test_cpu_seconds_grow_with_work() -> None:
 
 
 def peer(tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """``loadtest peer`` with the stand-in for heptaminid (it logs its PIDs to tmp_path/pids)."""
+    """``loadtest bench peer`` with the stand-in for heptaminid (it logs its PIDs to
+    tmp_path/pids)."""
     stand_in = tmp_path / "heptaminid"
     stand_in.write_text(STAND_IN.format(python=sys.executable, pids=str(tmp_path / "pids")))
     stand_in.chmod(0o755)
@@ -44,6 +45,7 @@ def peer(tmp_path: Path, *args: str, check: bool = True) -> subprocess.Completed
         sys.executable,
         "-m",
         "loadtest",
+        "bench",
         "peer",
         "--heptaminid",
         str(stand_in),
@@ -122,9 +124,9 @@ def test_a_baseline_tree_s_governor_joins_the_rotation(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not DEFAULT_BURST.exists(), reason="needs ../shared/bench/burst.py")
 def test_hotpath_samples_the_admitted_path_step_by_step_and_stops_its_daemon() -> None:
-    """``loadtest hotpath``: a real daemon under burst.py, sampled by py-spy; the steps of the
+    """``loadtest bench hotpath``: a real daemon under burst.py, sampled by py-spy; the steps of the
     path each get a share, and the table adds up to the CPU measured a job."""
-    command = [sys.executable, "-m", "loadtest", "hotpath", "--duration", "2", "--json"]
+    command = [sys.executable, "-m", "loadtest", "bench", "hotpath", "--duration", "2", "--json"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     summary = orjson.loads(out.stdout.strip().splitlines()[-1])
     assert summary["jobs"] > 0

@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from loadtest.commands.sidecar import NAMED, WEATHER, Started
+from loadtest.bench.sidecar import NAMED, WEATHER, Started
 
 OSLO: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
 PERSON: Any = {

@@ -1,5 +1,5 @@
 """The sidecar in front of real servers: each of OpenAI's request features gets the same kind
-of answer through the governor as from the server directly (``loadtest sidecar``'s rows, with
+of answer through the governor as from the server directly (``loadtest bench sidecar``'s rows, with
 the official SDK): llama-cpp-python's server, and llama.cpp's llama-server where
 ``deploy/build-llama-server.sh`` has built it. Every server is stopped by its own PID."""
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtest.commands import sidecar
+from loadtest.bench import sidecar
 from loadtest.support import llama_server
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.commands.soak import FAULTS
+from loadtest.commands.soak.load import FAULTS
 
 
 @pytest.mark.slow
@@ -58,7 +58,7 @@ def test_a_short_soak_injects_every_fault_and_leaks_nothing() -> None:
 
 
 def test_memory_is_flat_when_it_swings_and_growing_when_it_trends() -> None:
-    from loadtest.commands.soak import Sample, memory_verdict
+    from loadtest.commands.soak.samples import Sample, memory_verdict
 
     def samples(rss: list[int]) -> list[Sample]:
         return [Sample(10.0 * i, kib, 0, 0, 0) for i, kib in enumerate(rss)]

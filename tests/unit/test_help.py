@@ -93,7 +93,7 @@ def missing_defaults(parser: argparse.ArgumentParser) -> list[str]:
 def test_every_program_and_command_is_walked() -> None:
     assert {"governor", "governor serve", "governor drain"} <= set(PARSERS)
     assert {"governor-cli", "governor-cli ping", "governor-cli generate"} <= set(PARSERS)
-    assert {"python -m loadtest", "python -m loadtest fleet"} <= set(PARSERS)
+    assert {"python -m loadtest", "python -m loadtest bench fleet"} <= set(PARSERS)
     assert len(PARSERS) > 25
 
 
@@ -185,7 +185,7 @@ def test_a_renamed_option_still_works_for_a_release_and_says_its_new_name(
     assert args.metrics_listen == "127.0.0.1:9"
     assert "--metrics-addr is deprecated" in capsys.readouterr().err
     assert "--metrics-addr" not in formatted(PARSERS["governor drain"])
-    bench = loadtest_parser().parse_args(["sdk-bench", "--timeout", "7"])
+    bench = loadtest_parser().parse_args(["bench", "sdk-bench", "--timeout", "7"])
     assert bench.request_timeout == 7.0
     assert "use --request-timeout" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""``loadtest fleet``: its verdicts on made-up samples, then one short run of both phases on
+"""``loadtest bench fleet``: its verdicts on made-up samples, then one short run of both phases on
 real ``governor serve`` processes and a real Redis (stopped by their PIDs).
 
 The run's assertions are the command's own invariants and inequalities that hold by
@@ -12,9 +12,13 @@ import json
 
 import pytest
 
+from loadtest.bench import fleet_faults
+from loadtest.bench.fleet_faults import kill as kill_phase
+from loadtest.bench.fleet_faults import leases as lease_store
+from loadtest.bench.fleet_faults import storm
+from loadtest.bench.fleet_faults.kill import JobRecord
+from loadtest.bench.fleet_faults.leases import Leases, Round
 from loadtest.cli import build_parser
-from loadtest.commands import fleet_faults
-from loadtest.commands.fleet_faults import JobRecord, Leases, Round
 from loadtest.support.connections import run_loop
 from loadtest.support.replicas import Gauges, by_label, gauges_from, parse_metrics, total
 from protocol.codes import Status, Verb
@@ -44,10 +48,10 @@ def test_metrics_text_is_read_by_name_and_label() -> None:
 
 
 def test_live_leases_are_counted_by_their_replica_on_redis_clock() -> None:
-    assert fleet_faults.lease_owner(b"r1/abc123:42") == "r1"
-    assert fleet_faults.lease_owner("r0:7") == "r0"
+    assert lease_store.lease_owner(b"r1/abc123:42") == "r1"
+    assert lease_store.lease_owner("r0:7") == "r0"
     # Redis's clock at 10.000 s: an expiry at or before it is dead (RedisStore.inflight).
-    read = fleet_faults.leases_from(
+    read = lease_store.leases_from(
         1.0,
         (10, 0),
         [(b"r0/a:1", 10_500.0), (b"r0/a:2", 12_000.0), (b"r1/b:1", 10_000.0), (b"r2/c:9", 9.0)],
@@ -67,13 +71,13 @@ def rounds(*sums: int, redis: int = 0, cap: int = 4) -> list[Round]:
 
 
 def test_the_cap_is_judged_on_the_store_and_the_jobs_running_not_on_gauges_read_apart() -> None:
-    apart = fleet_faults.cap_verdict(rounds(4, 5, 5, 4), 4, {"r1": 8}, jobs_at_once=4)
+    apart = kill_phase.cap_verdict(rounds(4, 5, 5, 4), 4, {"r1": 8}, jobs_at_once=4)
     assert apart["max_replicas_sum"] == 5  # (reported: a hand-off caught between reads)
     assert apart["rounds_replicas_sum_over_cap"] == 2
     assert apart["held"]
-    assert not fleet_faults.cap_verdict(rounds(4), 4, {"r1": 8}, jobs_at_once=5)["held"]
-    assert not fleet_faults.cap_verdict(rounds(4, redis=5), 4, {"r1": 8}, jobs_at_once=4)["held"]
-    assert not fleet_faults.cap_verdict(rounds(4, 4), 4, {"r1": 3}, jobs_at_once=4)["held"]
+    assert not kill_phase.cap_verdict(rounds(4), 4, {"r1": 8}, jobs_at_once=5)["held"]
+    assert not kill_phase.cap_verdict(rounds(4, redis=5), 4, {"r1": 8}, jobs_at_once=4)["held"]
+    assert not kill_phase.cap_verdict(rounds(4, 4), 4, {"r1": 3}, jobs_at_once=4)["held"]
 
 
 def job_line(end: str, e2e_ms: float, event: str = "job") -> str:
@@ -88,12 +92,12 @@ def test_the_jobs_running_at_once_are_read_from_the_job_log_lines() -> None:
         job_line("2026-11-27T18:00:01.995+00:00", 1000),  # 0.995 to 1.995: a hand-off, 5 ms
         job_line("2026-11-27T18:00:03.000+00:00", 100, event="drain"),
     ]
-    intervals = fleet_faults.job_intervals(lines)
+    intervals = kill_phase.job_intervals(lines)
     assert len(intervals) == 3
     assert intervals[0][1] - intervals[0][0] == pytest.approx(1.0)
-    assert fleet_faults.most_at_once(intervals, 0.0) == 3  # the hand-off overlaps by 5 ms
-    assert fleet_faults.most_at_once(intervals, 0.01) == 2  # within the log's precision
-    assert fleet_faults.most_at_once([(0.0, 1.0), (0.2, 0.8), (0.3, 0.9)], 0.01) == 3
+    assert kill_phase.most_at_once(intervals, 0.0) == 3  # the hand-off overlaps by 5 ms
+    assert kill_phase.most_at_once(intervals, 0.01) == 2  # within the log's precision
+    assert kill_phase.most_at_once([(0.0, 1.0), (0.2, 0.8), (0.3, 0.9)], 0.01) == 3
 
 
 def lease_reads(*reads: tuple[int, int, int]) -> list[Round]:
@@ -106,7 +110,7 @@ def lease_reads(*reads: tuple[int, int, int]) -> list[Round]:
 
 def test_the_killed_replicas_leases_must_leave_within_the_ttl() -> None:
     kill = 100_000
-    freed = fleet_faults.freed_verdict(
+    freed = kill_phase.freed_verdict(
         lease_reads((99_990, 3, 101_500), (100_010, 3, 101_500), (101_490, 1, 101_500),
                     (101_510, 0, 0)),
         "r0", kill, 2.0, 0.02,
@@ -116,10 +120,10 @@ def test_the_killed_replicas_leases_must_leave_within_the_ttl() -> None:
     assert freed["last_seen_live_after_s"] == 1.49
     assert freed["first_seen_free_after_s"] == 1.51
     assert freed["held"]
-    late = fleet_faults.freed_verdict(lease_reads((100_010, 2, 103_000), (102_500, 2, 103_000),
+    late = kill_phase.freed_verdict(lease_reads((100_010, 2, 103_000), (102_500, 2, 103_000),
                                            (103_010, 0, 0)), "r0", kill, 2.0, 0.02)  # fmt: skip
     assert not late["held"]
-    never = fleet_faults.freed_verdict(lease_reads((100_010, 2, 103_000)), "r0", kill, 2.0, 0.02)
+    never = kill_phase.freed_verdict(lease_reads((100_010, 2, 103_000)), "r0", kill, 2.0, 0.02)
     assert not never["gone_at_end"]
     assert not never["held"]
 
@@ -142,28 +146,26 @@ def test_every_admitted_job_ends_with_a_terminal_frame_or_with_the_killed_replic
         job("abort:cancelled", replica="r1"),
         job("no_replica", admitted=None),
     ]
-    verdict = fleet_faults.jobs_verdict(good, "r0", kill_t, victim_slots=2)
+    verdict = kill_phase.jobs_verdict(good, "r0", kill_t, victim_slots=2)
     assert verdict["held"]
     assert verdict["admitted"] == 4
     assert verdict["terminal"] == 3
     assert verdict["lost_with_killed"] == 1
     assert verdict["moved_off_killed"] == 1
     assert verdict["done_after_kill_by_replica"] == {"r1": 1, "r2": 1}
-    hung = fleet_faults.jobs_verdict([*good, job("timeout")], "r0", kill_t, 2)
+    hung = kill_phase.jobs_verdict([*good, job("timeout")], "r0", kill_t, 2)
     assert hung["timed_out"] == 1
     assert not hung["held"]
-    lost_late = fleet_faults.jobs_verdict([*good, job("lost", admitted=2.5)], "r0", kill_t, 2)
+    lost_late = kill_phase.jobs_verdict([*good, job("lost", admitted=2.5)], "r0", kill_t, 2)
     assert not lost_late["held"]  # admitted after the kill: it ran on a survivor
-    too_many = fleet_faults.jobs_verdict([*good, job("lost"), job("lost")], "r0", kill_t, 2)
+    too_many = kill_phase.jobs_verdict([*good, job("lost"), job("lost")], "r0", kill_t, 2)
     assert not too_many["held"]
-    nobody_moved = fleet_faults.jobs_verdict(
-        [job("done", replica="r1", ended=1.0)], "r0", kill_t, 2
-    )
+    nobody_moved = kill_phase.jobs_verdict([job("done", replica="r1", ended=1.0)], "r0", kill_t, 2)
     assert not nobody_moved["held"]
 
 
 def test_a_call_is_wasted_when_its_backend_failed() -> None:
-    tally = fleet_faults.Tally()
+    tally = storm.Tally()
     for status, need, error in (
         (Status.DONE, None, None),
         (Status.ABORT, "backend_error", "backend_error"),
@@ -193,12 +195,12 @@ def test_each_check_that_failed_is_named() -> None:
 
 
 def test_the_command_is_registered_with_its_defaults() -> None:
-    args = build_parser().parse_args(["fleet"])
+    args = build_parser().parse_args(["bench", "fleet"])
     assert args.phase == "both"
     assert args.policies == ["naive", "breaker", "breaker-shared"]
     assert (args.replicas, args.clients, args.tries, args.lease_ttl) == (4, 32, 5, 2.0)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["fleet", "--policies", "naive,hedged"])
+        build_parser().parse_args(["bench", "fleet", "--policies", "naive,hedged"])
 
 
 def small_run() -> argparse.Namespace:

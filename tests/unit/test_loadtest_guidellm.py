@@ -1,4 +1,4 @@
-"""``loadtest guidellm-bench``: guidellm's reports read into rows, the summary and the front door's
+"""``loadtest bench guidellm-bench``: guidellm's reports read into rows, the summary and the front door's
 targets, and the command line each server and guidellm get, with no process started.
 
 The reports are real ones (guidellm 0.8.1, 32 requests, 16 streams, 128 prompt and 64 output
@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
+from loadtest.bench import guidellm_bench
+from loadtest.bench.guidellm_bench import argv as command_lines
+from loadtest.bench.guidellm_bench import rows
 from loadtest.cli import build_parser
-from loadtest.commands import guidellm_bench
 from loadtest.support import llama_server
 from loadtest.support.stats import alternating
 
@@ -119,7 +121,7 @@ RuntimeError: Backend validation request failed. Could not connect to the server
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["guidellm-bench", *argv])
+    return build_parser().parse_args(["bench", "guidellm-bench", *argv])
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -130,7 +132,7 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def test_a_run_with_429s_reads_as_errored_by_status() -> None:
-    row = guidellm_bench.run_row("governor", GOVERNOR)
+    row = rows.run_row("governor", GOVERNOR)
     assert row == {
         "server": "governor",
         "requests": 32,
@@ -159,7 +161,7 @@ def test_a_run_with_429s_reads_as_errored_by_status() -> None:
 
 
 def test_a_clean_run_and_one_with_nothing_done() -> None:
-    row = guidellm_bench.run_row("llama-server", LLAMA_SERVER)
+    row = rows.run_row("llama-server", LLAMA_SERVER)
     assert (row["successful"], row["errored"], row["errored_by"]) == (32, 0, {})
     assert (row["ttft_p99_ms"], row["latency_p50_ms"]) == (18400.5, 12524.6)
     refused = report(
@@ -173,37 +175,37 @@ def test_a_clean_run_and_one_with_nothing_done() -> None:
         latency=(0, 0.0, 0.0),
         errors=[ERROR_429] * 16,
     )
-    row = guidellm_bench.run_row("governor", refused)
+    row = rows.run_row("governor", refused)
     assert row["output_tok_s"] == 0.0  # a real zero, not a missing figure
     assert row["ttft_p99_ms"] is None
     assert row["latency_p50_ms"] is None
 
 
 def test_errors_get_short_names() -> None:
-    assert guidellm_bench.error_kind(ERROR_429) == "HTTP 429"
-    assert guidellm_bench.error_kind("ReadTimeout('timed out')\nmore") == "ReadTimeout('timed out')"
-    assert guidellm_bench.error_kind(None) == "unknown"
-    assert len(guidellm_bench.error_kind("x" * 500)) == 60
+    assert rows.error_kind(ERROR_429) == "HTTP 429"
+    assert rows.error_kind("ReadTimeout('timed out')\nmore") == "ReadTimeout('timed out')"
+    assert rows.error_kind(None) == "unknown"
+    assert len(rows.error_kind("x" * 500)) == 60
 
 
 def test_a_refused_start_names_its_cause() -> None:
-    reason = guidellm_bench.failure_reason(HEALTH_404_LOG)
+    reason = rows.failure_reason(HEALTH_404_LOG)
     assert reason is not None
     assert reason.startswith("httpx.HTTPStatusError: Client error '404 Not Found'")
     assert reason.endswith(
         "RuntimeError: Backend validation request failed. Could not connect "
         "to the server or validate the backend configuration."
     )
-    assert guidellm_bench.failure_reason("no exception here\n") is None
+    assert rows.failure_reason("no exception here\n") is None
 
 
 # Summary -----------------------------------------------------------------------------------
 
 
 def test_medians_ratios_and_the_issue_targets() -> None:
-    ours = guidellm_bench.run_row("governor", GOVERNOR)
-    theirs = guidellm_bench.run_row("llama-server", LLAMA_SERVER)
-    summary = guidellm_bench.summarize([ours, theirs, dict(theirs, output_tok_s=70.0), ours])
+    ours = rows.run_row("governor", GOVERNOR)
+    theirs = rows.run_row("llama-server", LLAMA_SERVER)
+    summary = rows.summarize([ours, theirs, dict(theirs, output_tok_s=70.0), ours])
     assert summary["median"]["governor"]["runs"] == 2
     assert summary["median"]["llama-server"]["output_tok_s"] == 67.35  # (64.7 + 70.0) / 2
     ratios = summary["governor_over_llama_server"]
@@ -215,7 +217,7 @@ def test_medians_ratios_and_the_issue_targets() -> None:
         "met": False,
     }
     met = dict(ours, errored=0, errored_by={}, output_tok_s=64.7)
-    assert guidellm_bench.summarize([met, theirs])["targets"] == {
+    assert rows.summarize([met, theirs])["targets"] == {
         "errored_0": True,
         "output_tok_s_ratio_ge_1": True,
         "ttft_p99_ratio_le_1": True,
@@ -223,30 +225,30 @@ def test_medians_ratios_and_the_issue_targets() -> None:
     }
     # A mix of chats and rewrites: output, and goodput half again llama-server's (whose
     # requests, all past 2 s, were none of them good here).
-    assert guidellm_bench.summarize([met, dict(theirs, goodput_rps=0.2)], mix=True)["targets"] == {
+    assert rows.summarize([met, dict(theirs, goodput_rps=0.2)], mix=True)["targets"] == {
         "output_tok_s_ratio_ge_1": True,
         "goodput_ratio_ge_1_5": True,
         "met": True,
     }
     assert (
-        guidellm_bench.summarize([met, dict(theirs, goodput_rps=0.3)], mix=True)["targets"][
+        rows.summarize([met, dict(theirs, goodput_rps=0.3)], mix=True)["targets"][
             "goodput_ratio_ge_1_5"
         ]
         is False
     )
-    assert "targets" not in guidellm_bench.summarize([theirs])
+    assert "targets" not in rows.summarize([theirs])
 
 
 def test_a_run_without_a_report_fails_the_target_and_counts_in_no_median() -> None:
-    failed = guidellm_bench.failed_row("governor", "guidellm exited 1: ...")
-    theirs = guidellm_bench.run_row("llama-server", LLAMA_SERVER)
-    summary = guidellm_bench.summarize([failed, theirs])
+    failed = rows.failed_row("governor", "guidellm exited 1: ...")
+    theirs = rows.run_row("llama-server", LLAMA_SERVER)
+    summary = rows.summarize([failed, theirs])
     assert summary["median"]["governor"]["output_tok_s"] is None
     assert summary["governor_over_llama_server"]["output_tok_s"] is None
     assert summary["targets"]["errored_0"] is False
     assert summary["targets"]["output_tok_s_ratio_ge_1"] is None
-    assert "no report: guidellm exited 1" in guidellm_bench.line(failed)
-    assert "HTTP 429 28" in guidellm_bench.line(guidellm_bench.run_row("governor", GOVERNOR))
+    assert "no report: guidellm exited 1" in rows.line(failed)
+    assert "HTTP 429 28" in rows.line(rows.run_row("governor", GOVERNOR))
 
 
 def test_runs_alternate() -> None:
@@ -269,7 +271,7 @@ def test_the_defaults_are_the_issues_run() -> None:
 
 def test_the_governor_gets_its_slots_lanes_and_front_door() -> None:
     args = parse("--extra-governor-args=--max-wait 30 --log-format json")
-    argv = guidellm_bench.governor_command(args, MODEL, 7001)
+    argv = command_lines.governor_command(args, MODEL, 7001)
     assert argv[1:4] == ["-m", "governor", "serve"]
     assert flag(argv, "--runner") == "llama"
     assert flag(argv, "--model") == str(MODEL)
@@ -285,23 +287,23 @@ def test_the_governor_gets_its_slots_lanes_and_front_door() -> None:
 
 def test_llama_server_gets_the_same_slots_and_room_for_each_request() -> None:
     args = parse("--llama-server", "/bin/llama-server")
-    argv = guidellm_bench.llama_server_command(args, MODEL, 7002)
+    argv = command_lines.llama_server_command(args, MODEL, 7002)
     assert argv == llama_server.command(
         Path("/bin/llama-server"), MODEL, port=7002, slots=4, ctx=2048, threads=2
     )
     assert flag(argv, "-np") == "4"
     assert flag(argv, "--host") == "127.0.0.1"
     # Each slot: 128 prompt + 64 output + the template, in whole 256s.
-    assert guidellm_bench.server_ctx(parse("--prompt-tokens", "400")) == 4 * 768
-    assert guidellm_bench.server_ctx(parse("--server-ctx", "8192")) == 8192
+    assert command_lines.server_ctx(parse("--prompt-tokens", "400")) == 4 * 768
+    assert command_lines.server_ctx(parse("--server-ctx", "8192")) == 8192
     args = parse("--llama-server", "/bin/llama-server", "--extra-llama-server-args", "-fa on")
-    assert guidellm_bench.llama_server_command(args, MODEL, 7002)[-2:] == ["-fa", "on"]
+    assert command_lines.llama_server_command(args, MODEL, 7002)[-2:] == ["-fa", "on"]
 
 
 def test_guidellm_runs_the_concurrent_profile_offline() -> None:
     args = parse("--guidellm", "/venv/bin/guidellm", "--requests", "32")
     out = Path("/out/0-governor-guidellm.json")
-    argv = guidellm_bench.guidellm_command(args, "http://127.0.0.1:7001", MODEL, out)
+    argv = command_lines.guidellm_command(args, "http://127.0.0.1:7001", MODEL, out)
     assert argv[:2] == ["/venv/bin/guidellm", "run"]
     assert argv[-1] == "--disable-console-interactive"  # (its tables go to the run's log)
     pairs = argv[2:-1]
@@ -321,14 +323,12 @@ def test_guidellm_runs_the_concurrent_profile_offline() -> None:
         "load_kwargs": {"gguf_file": MODEL.name},
     }
     assert specs["--output"] == {"kind": "json", "path": str(out)}
-    unchecked = guidellm_bench.guidellm_command(
-        parse("--no-health-check"), "http://h:1", MODEL, out
-    )
+    unchecked = command_lines.guidellm_command(parse("--no-health-check"), "http://h:1", MODEL, out)
     assert json.loads(flag(unchecked, "--backend"))["validate_backend"] is False
     # A system prompt every request shares, and room for it in llama-server's slots.
     shared = parse("--prefix-tokens", "512", "--slots", "4")
     assert json.loads(
-        flag(guidellm_bench.guidellm_command(shared, "http://h:1", MODEL, out), "--data")
+        flag(command_lines.guidellm_command(shared, "http://h:1", MODEL, out), "--data")
     ) == {
         "kind": "synthetic_text",
         "prompt_tokens": 128,
@@ -336,8 +336,8 @@ def test_guidellm_runs_the_concurrent_profile_offline() -> None:
         "prefix_tokens": 512,
         "prefix_count": 1,
     }
-    assert guidellm_bench.server_ctx(shared) == 4 * 1024
-    env = guidellm_bench.guidellm_env(parse("--client-processes", "2"))
+    assert command_lines.server_ctx(shared) == 4 * 1024
+    env = command_lines.guidellm_env(parse("--client-processes", "2"))
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
     assert env["GUIDELLM__MAX_WORKER_PROCESSES"] == "2"
 
@@ -354,7 +354,7 @@ def test_the_bench_venv_installs_the_bench_extra_and_the_tests_do_not() -> None:
 
 
 def test_a_mix_is_chats_and_rewrites_of_200_to_300_words_spread_evenly() -> None:
-    rows = guidellm_bench.mix_rows(96, 0.25, 128)
+    rows = command_lines.mix_rows(96, 0.25, 128)
     rewrites = [i for i, row in enumerate(rows) if row["prompt"].startswith("Rewrite")]
     assert len(rewrites) == 24
     assert max(b - a for a, b in itertools.pairwise(rewrites)) == 4
@@ -363,8 +363,8 @@ def test_a_mix_is_chats_and_rewrites_of_200_to_300_words_spread_evenly() -> None
         assert row["output_tokens_count"] == 128
         assert 200 <= words <= 300 + 20 if i in rewrites else len(row["prompt"]) < 60
     assert len({row["prompt"] for row in rows}) == 96  # (no prompt cached from another)
-    assert guidellm_bench.mix_rows(96, 0.25, 128) == rows  # (the same every run)
+    assert command_lines.mix_rows(96, 0.25, 128) == rows  # (the same every run)
     args = parse("--rewrite-share", "0.25", "--slots", "8", "--output-tokens", "128")
-    assert guidellm_bench.server_ctx(args) == 8 * 768  # 448 + 128 + 128 a slot, in 256s
+    assert command_lines.server_ctx(args) == 8 * 768  # 448 + 128 + 128 a slot, in 256s
     with pytest.raises(SystemExit):
         parse("--rewrite-share", "1.5")

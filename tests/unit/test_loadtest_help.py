@@ -14,14 +14,20 @@ from clients.helptext import (
     default_text,
     shown_default,
 )
-from loadtest.cli import COMMANDS, build_parser
+from loadtest.cli import BENCHMARKS, COMMANDS, GROUP, REGISTERED, build_parser
 from loadtest.support.options import AddressList
 
 
-def subparsers() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
+def choices(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``parser``'s subcommands, by name."""
     (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(commands.choices)
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    """Each command's parser: the user's tools at the top, the benchmarks under ``bench``."""
+    top = choices(build_parser())
+    return {**{c.NAME: top[c.NAME] for c in REGISTERED}, **choices(top[GROUP])}
 
 
 def rendered(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
@@ -56,8 +62,17 @@ def default_problems(parser: argparse.ArgumentParser) -> list[str]:
     return problems
 
 
+def listed(parser: argparse.ArgumentParser) -> list[str]:
+    """The subcommands ``parser``'s ``--help`` lists."""
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [choice.dest for choice in commands._choices_actions]
+
+
 def test_every_command_is_listed() -> None:
     assert set(subparsers()) == set(COMMANDS)
+    parser = build_parser()
+    assert listed(parser) == [*(c.NAME for c in REGISTERED), GROUP]
+    assert listed(choices(parser)[GROUP]) == [c.NAME for c in BENCHMARKS]
     assert {"burst", "rate", "fleet", "fleet-bench", "sdk-bench", "generation"} <= set(COMMANDS)
     shown = [a for p in subparsers().values() for a in p._actions if shown_default(a) is not None]
     assert len(shown) > 150  # (the check below has options to look at)
@@ -98,6 +113,24 @@ def test_defaults_read_as_they_would_be_typed() -> None:
         assert default_text(nothing) is None
     assert AddressList.default_text(("127.0.0.1", 7777)) == "127.0.0.1:7777"
     assert AddressList.default_text(("::1", 7777)) == "[::1]:7777"
+
+
+def test_a_benchmarks_old_spelling_still_runs_it_for_a_release_with_a_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Not listed (above), but taken: the same options, and one line on stderr naming the new one.
+    new = build_parser().parse_args(["bench", "fleet", "--replicas", "2"])
+    assert capsys.readouterr().err == ""
+    old = build_parser().parse_args(["fleet", "--replicas", "2"])
+    assert capsys.readouterr().err == (
+        "python -m loadtest: 'fleet' is now 'bench fleet'; the old name goes in the next release\n"
+    )
+    assert (old.command, new.command, new.benchmark) == ("fleet", GROUP, "fleet")
+    assert vars(old) == {k: v for k, v in vars(new).items() if k != "benchmark"} | {
+        "command": "fleet"
+    }
+    old_names = set(choices(build_parser())) - {c.NAME for c in REGISTERED} - {GROUP}
+    assert old_names == {c.NAME for c in BENCHMARKS}
 
 
 def test_a_default_typed_as_text_reaches_the_command_parsed() -> None:

@@ -31,6 +31,7 @@ import orjson
 from governor.runners.llama import embedded_model_path
 
 from ..support import baseline_server, llama_server
+from ..support.arguments import add_llama_server, add_threads
 from ..support.options import positive_int, print_json
 from ..support.processes import free_port, stop, wait_http_ready
 
@@ -308,16 +309,14 @@ def add_parser(commands: Any) -> None:
         default="llama-server",
         help="the upstream",
     )
-    parser.add_argument(
-        "--llama-server", type=Path, default=llama_server.default_binary(), help="its binary"
-    )
+    add_llama_server(parser, text="its binary")
     parser.add_argument(
         "--slots",
         type=positive_int,
         default=2,
         help="the upstream's, and the governor's max-inflight",
     )
-    parser.add_argument("--threads", type=positive_int, default=2, help="the upstream's")
+    add_threads(parser, default=2, text="the upstream's")
     parser.add_argument(
         "--rounds",
         type=positive_int,
@@ -330,7 +329,7 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.baseline == "llama-server" and not args.llama_server.exists():
         print(
-            f"loadtest sidecar: no {args.llama_server}: run {llama_server.BUILD_SCRIPT}",
+            f"loadtest bench sidecar: no {args.llama_server}: run {llama_server.BUILD_SCRIPT}",
             file=sys.stderr,
         )
         return 2

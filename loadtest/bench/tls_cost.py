@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         pki = certificates(Path(directory), args.key_type)
         for scenario in args.scenarios.split(","):
             if scenario not in SCENARIOS:
-                print(f"loadtest tls-cost: no scenario {scenario!r}", file=sys.stderr)
+                print(f"loadtest bench tls-cost: no scenario {scenario!r}", file=sys.stderr)
                 return 2
             order = (["plain", "tls", "tls", "plain"] * args.runs)[: 2 * args.runs]
             runs = []

@@ -133,18 +133,18 @@ def ratios(mine: dict[str, float | None], theirs: dict[str, float | None]) -> di
 def run(args: argparse.Namespace) -> int:
     missing = [str(path) for path in (args.heptaminid, args.burst) if not path.exists()]
     if missing:
-        print(f"loadtest peer: no {' and no '.join(missing)}")
+        print(f"loadtest bench peer: no {' and no '.join(missing)}")
         return 2
     scenario = SCENARIOS[args.scenario]
     daemons = ["governor", "heptaminid"]
     if args.baseline_tree is not None:
         if not (args.baseline_tree / "governor" / "__main__.py").exists():
-            print(f"loadtest peer: {args.baseline_tree} is not a checkout of the governor")
+            print(f"loadtest bench peer: {args.baseline_tree} is not a checkout of the governor")
             return 2
         daemons.append("baseline")
     if args.floor:
         if scenario.rate_key != "done_per_s":
-            print("loadtest peer: --floor answers the admitted scenarios only")
+            print("loadtest bench peer: --floor answers the admitted scenarios only")
             return 2
         daemons.append("floor")
     order = (daemons + daemons[::-1]) * ((args.runs + 1) // 2)

@@ -129,10 +129,10 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
-        print("loadtest hotpath: py-spy is not installed (pip install -e '.[loadtest]')")
+        print("loadtest bench hotpath: py-spy is not installed (pip install -e '.[loadtest]')")
         return 2
     if not args.burst.exists():
-        print(f"loadtest hotpath: no {args.burst}")
+        print(f"loadtest bench hotpath: no {args.burst}")
         return 2
     pure = set(compiled.status().values()) == {"pure"}
     build = "pure Python" if pure else "compiled: its compiled steps count as their callers'"
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             stop(daemon)
         if profiler.returncode != 0 or not samples.exists():
-            print(f"loadtest hotpath: py-spy failed: {err.decode(errors='replace').strip()}")
+            print(f"loadtest bench hotpath: py-spy failed: {err.decode(errors='replace').strip()}")
             return 1
         steps, leaves = attribute(samples.read_text().splitlines())
     done, rate = summary["done"], summary["done_per_s"]

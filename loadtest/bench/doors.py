@@ -36,6 +36,7 @@ from clients.helptext import RawDescriptionDefaultsHelpFormatter, add_renamed
 from governor.runners.llama import embedded_model_path
 
 from ..support import llama_server
+from ..support.arguments import add_llama_server
 from ..support.connections import Endpoint
 from ..support.driver import open_loop
 from ..support.options import positive_float, positive_ints, print_json
@@ -77,9 +78,7 @@ def add_parser(commands: Any) -> None:
             "--round-timeout", type=positive_float, default=300.0, help="seconds a round may take"
         ),
     )
-    parser.add_argument(
-        "--llama-server", type=Path, default=llama_server.default_binary(), help="its binary"
-    )
+    add_llama_server(parser, text="its binary")
 
 
 @contextmanager

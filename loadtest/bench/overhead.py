@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from clients import NO_RETRY, GovernorClient
@@ -21,6 +20,7 @@ from governor.runners.llama import embedded_model_path
 from governor.server import Server
 from protocol.spec import JobSpec
 
+from ..support.arguments import add_model, add_n_ctx, add_threads
 from ..support.connections import run_loop
 from ..support.options import positive_int, print_json
 
@@ -32,14 +32,14 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         NAME, help="generation through the governor against llama-cpp-python directly"
     )
-    parser.add_argument("--model", type=Path, help="GGUF file (default: the embedded model)")
+    add_model(parser, "GGUF file (default: the embedded model)")
     parser.add_argument("--prompt", default=PROMPT, help="the prompt of every run")
     parser.add_argument(
         "--max-new-tokens", type=positive_int, default=128, help="new tokens of every run"
     )
     parser.add_argument("--runs", type=positive_int, default=5, help="runs of each path")
-    parser.add_argument("--threads", type=positive_int, default=1, help="llama.cpp's threads")
-    parser.add_argument("--n-ctx", type=positive_int, default=2048, help="the context size")
+    add_threads(parser, default=1, text="llama.cpp's threads")
+    add_n_ctx(parser, text="the context size")
 
 
 def _rates(start: float, first: float, last: float, tokens: int) -> tuple[float, float]:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..support.arguments import add_model, add_threads
 from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
 from ..support.options import positive_int, positive_ints, print_json
 from ..support.workload import synth_prompt
@@ -310,8 +311,8 @@ def add_parser(commands: Any) -> None:
     parser: argparse.ArgumentParser = commands.add_parser(
         NAME, help="the raw batched decode rate of this llama.cpp build", description=__doc__
     )
-    parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded model)")
-    parser.add_argument("--threads", type=positive_int, default=2, help="llama.cpp's threads")
+    add_model(parser)
+    add_threads(parser, default=2, text="llama.cpp's threads")
     parser.add_argument("--n-gpu-layers", type=int, default=0, help="layers on the GPU; -1: all")
     parser.add_argument(
         "--streams",
@@ -463,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = measure(args)
     except RuntimeError as exc:
-        print(f"loadtest ceiling: {exc}")
+        print(f"loadtest bench ceiling: {exc}")
         return 1
     print("\n".join(render(report)))
     if args.report is not None:
