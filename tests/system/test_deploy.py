@@ -404,7 +404,7 @@ def test_prestop_drain_fits_in_the_termination_grace_period() -> None:
     command = container("governor")["lifecycle"]["preStop"]["exec"]["command"]
     assert command[:2] == ["governor", "drain"]
     args = parse_cli(command[1:])
-    host, port = parse_address(args.metrics_addr)
+    host, port = parse_address(args.metrics_listen)
     assert host in LOOPBACK, "the daemon accepts POST /drain only from loopback peers"
     assert port == config.metrics_address[1]
     # The preStop wait and shutdown_grace (counted from the drain's start) overlap: the longer
