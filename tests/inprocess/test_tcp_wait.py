@@ -63,6 +63,8 @@ async def test_both_doors_wait_in_one_line_in_arrival_order(make_server: ServerF
     assert result.reply.status == Status.DONE
     assert answer.status_code == 200
     assert result.admitted_at is not None
-    # The TCP job waited first, so it ran first: the HTTP request waited for it too.
-    assert int(answer.headers["x-governor-waited-ms"]) >= 450
+    # The TCP job waited first, so it ran first: the HTTP request, in line before the first job
+    # ended, waited for the TCP job's whole run too (its stub_ms; how much of the first job's
+    # run it waited for depends on when it came, so that part is not counted).
+    assert int(answer.headers["x-governor-waited-ms"]) >= 300
     assert server.state.metrics.door_waits[("-", "admitted")] == 2
