@@ -1,5 +1,7 @@
 """The ``--help`` of ``governor-cli`` and ``python -m loadtest``: each option's default shown
-once, read from the parser itself, and every text printed plain.
+once, read from the parser itself, what each option takes in one vocabulary (N, MS, SECONDS,
+BYTES, HOST:PORT, FILE, URL; :func:`metavar`, ``governor serve``'s too), every text printed
+plain, and one wording for a renamed option or command (:func:`deprecated`).
 
 A command's description is often its module's docstring, written for the source's readers in
 reStructuredText; argparse would print its markup as it stands. :func:`plain` takes the markup
@@ -55,6 +57,50 @@ def shown_default(action: argparse.Action) -> str | None:
     return text
 
 
+# What a value of each parsing function reads as (the functions of loadtest.support.options and
+# argparse's own types, by name: clients does not import loadtest).
+_TYPE_METAVARS = {
+    "int": "N",
+    "positive_int": "N",
+    "non_negative_int": "N",
+    "positive_ints": "N,N,...",
+    "float": "NUMBER",
+    "positive_float": "NUMBER",
+    "share": "NUMBER",
+    "parse_addr": "HOST:PORT",
+    "parse_addrs": "HOST:PORT,...",
+    "Path": "FILE",
+}
+# Numbers whose name says more than N or NUMBER does.
+_NAMED_NUMBERS = ("port", "pid", "seed", "minutes")
+_SECONDS = re.compile(r"\bseconds\b", re.IGNORECASE)
+
+
+def metavar(name: str, kind: str, help_text: str) -> str:
+    """What an option ``name`` (its dest) of ``kind`` (its type's name) takes, as its help
+    shows it: a unit (MS, BYTES, SECONDS), an address, a URL or a file, N for a count, NUMBER
+    for another number; else its name in capitals (MODEL, NAME: a text)."""
+    if name.endswith("_ms"):
+        return "MS"
+    if name.endswith("_bytes"):
+        return "BYTES"
+    if name.endswith(("listen", "addr")):
+        return "HOST:PORT"
+    if name.endswith("url") or name == "upstream" or re.search(r"\bURL\b", help_text):
+        return "URL"
+    number = _TYPE_METAVARS.get(kind, kind.upper() if kind in ("int", "float") else None)
+    if number in ("N", "NUMBER"):
+        if name in _NAMED_NUMBERS:
+            return name.upper()
+        if name.endswith(("_s", "timeout")) or _SECONDS.search(help_text):
+            return "SECONDS"
+    if number == "FILE" and re.search(r"\bdirectory\b", help_text):
+        return "DIR"
+    if number is None and re.search(r"\bfile\b", help_text):
+        return "FILE"
+    return number or name.upper()
+
+
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """Each option's help ends with ``(default: X)``, X taken from the parser's own default, so
     that the help cannot name another value than the one a run uses. A default of None shows
@@ -70,6 +116,10 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _format_text(self, text: str) -> str:
         return super()._format_text(plain(text))
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        kind = getattr(action.type, "__name__", "str")
+        return metavar(action.dest, kind, action.help or "")
 
 
 class RawDescriptionDefaultsHelpFormatter(
@@ -92,12 +142,17 @@ class _Renamed(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        print(
-            f"{parser.prog}: {option_string} is deprecated and goes in the next release: "
-            f"use {self.new}",
-            file=sys.stderr,
-        )
+        deprecated(parser.prog, str(option_string), self.new)
         setattr(namespace, self.dest, values)
+
+
+def deprecated(program: str, old: str, new: str) -> None:
+    """Say on stderr that ``old`` (an option or a command) is now ``new`` and that the old
+    spelling goes in the next release; one wording for every renamed thing."""
+    print(
+        f"{program}: {old} is deprecated and goes in the next release: use {new}",
+        file=sys.stderr,
+    )
 
 
 def add_renamed(
@@ -131,6 +186,8 @@ __all__ = [
     "RawDescriptionDefaultsHelpFormatter",
     "add_renamed",
     "default_text",
+    "deprecated",
+    "metavar",
     "plain",
     "shown_default",
 ]

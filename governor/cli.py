@@ -12,7 +12,6 @@ import gc
 import getpass
 import logging
 import os
-import re
 import resource
 import secrets
 import signal
@@ -25,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from clients.helptext import add_renamed
+from clients.helptext import DefaultsHelpFormatter, add_renamed, metavar
 from protocol.frames import MAX_ID_CHARS
 
 from . import __version__
@@ -87,30 +86,28 @@ KEY_HASH_DESCRIPTION = (
 )
 
 
-# Keys that name a file, and keys that are a URL.
+# Keys that name a file, and the texts a key's name does not describe.
 _FILES = ("model", "fallback_model", "tls_cert", "tls_key", "tls_client_ca", "drain_token_file")
-_URLS = ("upstream", "redis_url")
+_TEXTS = {
+    "trusted_sources": "CIDR[,CIDR...]",
+    "fleet_fail_open": "LANES",
+    "upstream_model": "NAME",
+    "replica_id": "NAME",
+}
 
 
 def _metavar(f: dataclasses.Field[Any]) -> str:
-    """What a flag takes, as its help shows it: its choices, true or false, an address, a
-    file, a URL, or its unit (MS, SECONDS, BYTES); else N for a count, its key in capitals."""
-    kind, help_text = str(f.type), f.metadata["help"]
+    """What a flag takes, as its help shows it: its choices, true or false, a file, or what
+    every CLI's options say (:func:`clients.helptext.metavar`: a unit, an address, N...)."""
     if f.metadata["choices"]:
         return "{" + ",".join(f.metadata["choices"]) + "}"
-    if kind == "bool":
+    if str(f.type) == "bool":
         return "{true,false}"
-    named = {"listen": "HOST:PORT", "_ms": "MS", "_bytes": "BYTES"}
-    for suffix, metavar in named.items():
-        if f.name.endswith(suffix):
-            return metavar
     if f.name in _FILES:
         return "FILE"
-    if f.name in _URLS:
-        return "URL"
-    if kind == "float" and re.search(r"\bseconds\b", help_text, re.IGNORECASE):
-        return "SECONDS"
-    return "N" if kind == "int" else f.name.upper()
+    if f.name in _TEXTS:
+        return _TEXTS[f.name]
+    return metavar(f.name, str(f.type), f.metadata["help"])
 
 
 def _help(f: dataclasses.Field[Any]) -> str:
@@ -166,6 +163,7 @@ def _add_drain(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     drain = commands.add_parser(
         "drain",
         help="drain a running daemon (for a preStop hook)",
+        formatter_class=DefaultsHelpFormatter,
         description="Ask a running daemon to drain (POST /drain on its metrics_listen, from "
         "this host): its readiness fails and new jobs are told 'draining'. Then wait for its "
         "running jobs. Exit 0 once none runs, 1 if some still run after --wait seconds or on "
@@ -176,15 +174,14 @@ def _add_drain(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     listen = drain.add_argument(
         "--metrics-listen",
         default="127.0.0.1:9464",
-        metavar="HOST:PORT",
-        help="the daemon's metrics_listen address (default: %(default)s)",
+        help="the daemon's metrics_listen address",
     )
     add_renamed(drain, "--metrics-addr", listen)
     drain.add_argument(
         "--wait",
         type=float,
         default=30.0,
-        help="seconds to wait for running jobs (default: %(default)s)",
+        help="seconds to wait for running jobs",
     )
     drain.add_argument(
         "--token-file",

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from clients.helptext import HelpParser
+from clients.helptext import HelpParser, deprecated
 from protocol.addresses import parse_address
 
 DEFAULT_ADDR = "127.0.0.1:7777"
@@ -107,11 +106,7 @@ class CommandParser(HelpParser):
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         if self.renamed_to is not None:
             program, _, old = self.prog.rpartition(" ")
-            print(
-                f"{program}: {old!r} is now {self.renamed_to!r}; the old name goes in the next "
-                "release",
-                file=sys.stderr,
-            )
+            deprecated(program, repr(old), repr(self.renamed_to))
         return super().parse_known_args(args, namespace)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -176,6 +177,72 @@ def test_serve_shows_each_flags_choices_booleans_and_units() -> None:
         for suffix, unit in units.items():
             if f.name.endswith(suffix):
                 assert f"{flag} {unit}" in serve, flag
+
+
+UNITS = {"_ms": "MS", "_bytes": "BYTES", "_s": "SECONDS", "timeout": "SECONDS"}
+
+
+def shown_metavar(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """What ``action`` takes, as ``parser``'s help shows it after the option."""
+    f = formatter(parser)
+    default = f._get_default_metavar_for_optional(action)  # type: ignore[attr-defined]
+    return f._format_args(action, default)  # type: ignore[attr-defined,no-any-return]
+
+
+def test_every_option_says_what_it_takes_in_one_vocabulary() -> None:
+    """Across the three CLIs: a number shows N, NUMBER, a unit or its own name, never its dest
+    in capitals (TTL_MS, CHUNK_BYTES); a dest's unit is its metavar's; addresses HOST:PORT."""
+    for prog, parser in PARSERS.items():
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0 or action.help == argparse.SUPPRESS:
+                continue
+            shown, name = shown_metavar(parser, action), action.dest
+            where = f"{prog} {action.option_strings[-1]}: {shown}"
+            if action.choices is None and getattr(action.type, "__name__", "") in ("int", "float"):
+                assert shown != name.upper() or name in ("port", "pid", "seed"), where
+            for suffix, unit in UNITS.items():
+                if name.endswith(suffix) and not name.endswith("_ms_s"):
+                    assert unit in shown, where
+            if name.endswith(("listen", "addr")):
+                assert "HOST:PORT" in shown, where
+
+
+def test_the_metavar_vocabulary() -> None:
+    parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
+    options = {
+        "--ttl-ms": {"type": int},
+        "--chunk-bytes": {"type": int},
+        "--hold": {"type": float, "help": "seconds they are held"},
+        "--kill-every-s": {"type": float},
+        "--rounds": {"type": int},
+        "--time-scale": {"type": float},
+        "--out": {"type": Path, "help": "the directory to write to"},
+        "--report": {"type": Path},
+        "--addr": {},
+        "--openai": {"help": "the server's base URL"},
+        "--model": {"help": "a GGUF file"},
+        "--name": {},
+        "--port": {"type": int},
+    }
+    for option, kwargs in options.items():
+        parser.add_argument(option, **kwargs)  # type: ignore[arg-type]
+    usage = parser.format_usage()
+    for expected in (
+        "--ttl-ms MS",
+        "--chunk-bytes BYTES",
+        "--hold SECONDS",
+        "--kill-every-s SECONDS",
+        "--rounds N",
+        "--time-scale NUMBER",
+        "--out DIR",
+        "--report FILE",
+        "--addr HOST:PORT",
+        "--openai URL",
+        "--model FILE",
+        "--name NAME",
+        "--port PORT",
+    ):
+        assert expected in usage, expected
 
 
 def test_a_renamed_option_still_works_for_a_release_and_says_its_new_name(

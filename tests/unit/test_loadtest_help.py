@@ -123,7 +123,7 @@ def test_a_benchmarks_old_spelling_still_runs_it_for_a_release_with_a_warning(
     assert capsys.readouterr().err == ""
     old = build_parser().parse_args(["fleet", "--replicas", "2"])
     assert capsys.readouterr().err == (
-        "python -m loadtest: 'fleet' is now 'bench fleet'; the old name goes in the next release\n"
+        "python -m loadtest: 'fleet' is deprecated and goes in the next release: use 'bench fleet'\n"
     )
     assert (old.command, new.command, new.benchmark) == ("fleet", GROUP, "fleet")
     assert vars(old) == {k: v for k, v in vars(new).items() if k != "benchmark"} | {
