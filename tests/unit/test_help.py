@@ -185,8 +185,8 @@ UNITS = {"_ms": "MS", "_bytes": "BYTES", "_s": "SECONDS", "timeout": "SECONDS"}
 def shown_metavar(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     """What ``action`` takes, as ``parser``'s help shows it after the option."""
     f = formatter(parser)
-    default = f._get_default_metavar_for_optional(action)  # type: ignore[attr-defined]
-    return f._format_args(action, default)  # type: ignore[attr-defined,no-any-return]
+    default = f._get_default_metavar_for_optional(action)
+    return f._format_args(action, default)
 
 
 def test_every_option_says_what_it_takes_in_one_vocabulary() -> None:
