@@ -14,6 +14,9 @@ node)::
     gov{NAME}:promises            sorted set: refused lease id -> when it was told to come back
     gov{NAME}:t:TENANT:leases     sorted set: the tenant's lease ids -> expiry (ms)
     gov{NAME}:t:TENANT:bucket     hash: the tenant's token buckets (level and stamp of each)
+    gov{NAME}:unserved            hash: the fleet's unserved demand, ["jobs"|"tokens"|"gave_up",
+                                  lane, tenant] -> count (each replica adds what it counted
+                                  since its last renewal)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -31,6 +35,7 @@ from .core.breaker import BreakerState
 from .core.fleetgate import Answer, Ask, FleetGate, Lease
 from .core.ledger import Refusal
 from .core.tenants import TenantConfig
+from .core.unserved import UnservedDemand
 from .telemetry.logs import event
 from .telemetry.metrics import Histogram
 
@@ -177,6 +182,7 @@ class RedisStore:
         self.ends_key = f"{self.prefix}:ends"
         self.replicas_key = f"{self.prefix}:replicas"
         self.promises_key = f"{self.prefix}:promises"
+        self.unserved_key = f"{self.prefix}:unserved"
 
     def tenant_key(self, tenant: str, what: str) -> str:
         return f"{self.prefix}:t:{tenant}:{what}"
@@ -242,6 +248,16 @@ class RedisStore:
             )
         return int(replicas)
 
+    async def add_unserved(self, counts: UnservedCounts) -> UnservedCounts:
+        """Add this replica's unserved demand counted since it last did (``counts``); returns
+        the fleet's, every replica's added up."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for field, n in counts.items():
+                pipe.hincrby(self.unserved_key, orjson.dumps(field), n)
+            pipe.hgetall(self.unserved_key)
+            *_, totals = await pipe.execute()
+        return {tuple(orjson.loads(k)): int(v) for k, v in totals.items()}
+
     async def inflight(self) -> int:
         """Leases not expired over the fleet (for samplers and tests)."""
         t = await self.redis.time()
@@ -250,6 +266,23 @@ class RedisStore:
 
     async def close(self) -> None:
         await self.redis.aclose(close_connection_pool=True)
+
+
+# Unserved demand by (what: jobs, tokens or gave_up; lane; tenant).
+UnservedCounts = dict[tuple[str, ...], int]
+
+
+def unserved_counts(demand: UnservedDemand) -> UnservedCounts:
+    """``demand``'s counters as one mapping, the store's fields."""
+    return {
+        (what, *key): n
+        for what, counter in (
+            ("jobs", demand.jobs),
+            ("tokens", demand.tokens),
+            ("gave_up", demand.gave_up_jobs),
+        )
+        for key, n in counter.items()
+    }
 
 
 # The seconds the store took to answer an admission (loopback: about 0.2 ms).
@@ -280,6 +313,11 @@ class Fleet:
         self.renew_s = s.lease_ttl_s / 3
         self.seconds = Histogram(STORE_BUCKETS)  # the store's answers to admissions
         self._pending: dict[str, Lease] = {}  # released, not yet written, oldest first
+        # This replica's unserved demand (the server's admission's), what of it the store has,
+        # and the fleet's as the store last said.
+        self.unserved: UnservedDemand | None = None
+        self._unserved_written: UnservedCounts = {}
+        self.fleet_unserved: UnservedCounts = {}
         self._wake = asyncio.Event()
         self._closed = False
         gate.breaker.on_change = self._changed
@@ -381,6 +419,7 @@ class Fleet:
                     replicas = await self.store.renew(
                         leases, ttl_ms=self.ttl_ms, replica=s.replica_id
                     )
+                    await self._add_unserved()
                 else:
                     await self.store.release(leases)
         except STORE_ERRORS as exc:
@@ -394,6 +433,17 @@ class Fleet:
         # that long).
         _reraise_cancel()
         return True
+
+    async def _add_unserved(self) -> None:
+        """Add what this replica counted since its last renewal to the fleet's unserved demand,
+        and keep the fleet's sum for ``/metrics``."""
+        if self.unserved is None:
+            return
+        counts = unserved_counts(self.unserved)
+        written = self._unserved_written
+        deltas = {k: n - written.get(k, 0) for k, n in counts.items() if n != written.get(k, 0)}
+        self.fleet_unserved = await self.store.add_unserved(deltas)
+        self._unserved_written = counts
 
     def _changed(self, before: BreakerState, after: BreakerState, why: str) -> None:
         lanes = ", ".join(sorted(self.gate.settings.fail_open)) or "none"
@@ -425,10 +475,11 @@ class Fleet:
         self._closed = True
         leases = [*self.gate.leases.values(), *self._pending.values()]
         self._pending = {}
-        if leases:
-            try:
-                async with asyncio.timeout(1.0):
+        try:
+            async with asyncio.timeout(1.0):
+                if leases:
                     await self.store.release(leases)
-            except STORE_ERRORS:
-                pass
+                await self._add_unserved()  # (what it counted since its last renewal)
+        except STORE_ERRORS:
+            pass
         await self.store.close()

@@ -363,6 +363,14 @@ def forget(state: ServerState, attempt: Attempt) -> None:
     state.admission.forget(attempt)
 
 
+def gave_up(state: ServerState, attempt: Attempt) -> None:
+    """A refused job's client will not be back, or could not be recognised if it came (no
+    place was kept for it, or its kept place expired): forgotten, and counted as unserved
+    demand that gave up."""
+    forget(state, attempt)
+    state.admission.gave_up(attempt)
+
+
 def revoke(state: ServerState, execution: Execution, refusal: Refusal) -> None:
     """The fleet refused a job this replica admitted whose client has gone meanwhile: its
     ticket is given back, with no one to answer (:meth:`Ask.take_back` when there is)."""

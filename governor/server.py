@@ -274,6 +274,8 @@ class Server:
         )
         self.state = ServerState(config, self.admission)
         self.fleet = self.state.fleet = build_fleet(config, self.ledger)
+        if self.fleet is not None:
+            self.fleet.unserved = self.admission.unserved
         self.pools = self.admission.pools
         self.metrics = self.state.metrics
         self.connections = self.state.connections

@@ -54,6 +54,7 @@ from .policy import LANES, NO_LANE, Demand, Lane
 from .service import JobSize
 from .slo import NO_OBJECTIVES, Objectives, SloPolicy
 from .tenants import Tenant, Tenants
+from .unserved import Key, UnservedDemand
 
 # Outcomes that say the backend failed: the circuit breaker counts these as failures and
 # "done" as a success; any other end (cancelled, out of ttl_ms, its client gone, shutdown)
@@ -142,6 +143,13 @@ def prompt_tokens(job: Job) -> int:
     return job.spec.estimated_prompt_tokens() if job.spec is not None else 0
 
 
+def asked_tokens(job: Job | None) -> int:
+    """What a job asks for: its prompt and the most it may generate (0: not a generation)."""
+    if job is None or job.spec is None:
+        return 0
+    return prompt_tokens(job) + job.spec.output_tokens
+
+
 @dataclass(slots=True, eq=False)
 class Attempt:
     """One try at admission: the job as its runner prepared it (or why it could not be), its
@@ -154,6 +162,10 @@ class Attempt:
     refusals: int = 0
     pauses: int = 0  # the times a pause refused it (the ladder counts a pause once per job)
     lane: str = NO_LANE  # the lane it was given, once classified
+    # Unserved demand: its lane and tenant when first turned away (counted then, once), and
+    # whether it is turned away now (neither admitted since nor given up).
+    turned_away: Key | None = None
+    unserved: bool = False
 
 
 class Ticket:
@@ -305,6 +317,7 @@ class Admission:
         self.ladder: collections.Counter[str] = collections.Counter()  # activations by step
         # Every yield, by need code, lane ('-' without lanes) and tenant.
         self.refusals: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.unserved = UnservedDemand()  # the distinct jobs those yields turned away
 
     @property
     def draining(self) -> bool:
@@ -320,8 +333,7 @@ class Admission:
         # 2. What the spec and the tenant's key allow.
         plan = self._plan(attempt)
         if isinstance(plan, Rejected):
-            self._withdraw(promise)
-            return plan
+            return self._rejected(attempt, promise, plan)
         # 3. The ladder's first step (applied only if admitted).
         plan = self._ladder(plan)
         # 4. Pauses (a paused client keeps its place in line).
@@ -354,9 +366,9 @@ class Admission:
         )
         if self.overload is not None:
             self.overload.observe_admission(yielded=False)
-        for step in plan.degraded:
-            self.ladder[step] += 1
+        self.ladder.update(plan.degraded)
         attempt.tenant.charge(plan.tokens, now)
+        attempt.unserved = False
         ticket = Ticket(
             pool=pool,
             slot=slot,
@@ -542,9 +554,19 @@ class Admission:
         if self.overload is not None:
             self.overload.observe_admission(yielded=True)
         self.refusals[(refusal.need_code, attempt.lane, attempt.tenant.name)] += 1
+        if attempt.turned_away is None:
+            attempt.turned_away = (attempt.lane, attempt.tenant.name)
+            self.unserved.turned_away(attempt.turned_away, asked_tokens(attempt.job))
+        attempt.unserved = True
         attempt.refusals += 1
         attempt.promise = refusal.promise
         return Yielded(refusal.need_code, refusal.retry_hint_ms, refusal.promise)
+
+    def _rejected(self, attempt: Attempt, promise: Promise | None, rejected: Rejected) -> Rejected:
+        """Refused for good: its place in line withdrawn; turned away before, it gave up."""
+        self._withdraw(promise)
+        self.gave_up(attempt)
+        return rejected
 
     def _withdraw(self, promise: Promise | None) -> None:
         if promise is not None:
@@ -554,6 +576,14 @@ class Admission:
         """The attempt will not come back (its payload was dropped): give up its place."""
         self._withdraw(attempt.promise)
         attempt.promise = None
+
+    def gave_up(self, attempt: Attempt) -> None:
+        """A job turned away will not be served (its client left or cancelled, did not come
+        back in time, or it was refused for good): counted once; nothing if it is not turned
+        away now (never refused, or admitted since)."""
+        if attempt.unserved and attempt.turned_away is not None:
+            attempt.unserved = False
+            self.unserved.gave_up(attempt.turned_away)
 
     @property
     def inflight(self) -> int:

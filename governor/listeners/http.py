@@ -129,7 +129,7 @@ class FrontDoor:
         config = state.config
         self.places = api.KeptPlaces(
             state.admission.clock,
-            functools.partial(intake.forget, state),
+            functools.partial(intake.gave_up, state),
             grace_s=config.upload_timeout,
             limit=config.max_connections * config.held_payloads_per_conn,
         )
@@ -717,6 +717,7 @@ class Exchange:
             self.proxied.cancel()
         if self.ask is not None:
             self.ask.give_up()
+            intake.gave_up(self.conn.state, self.ask.attempt)
 
     def _run(self, ask: intake.Ask, decision: Admitted) -> None:
         conn, state, call = self.conn, self.conn.state, self.call
@@ -746,7 +747,7 @@ class Exchange:
         ):
             conn.door.kept()
         else:
-            ask.forget()
+            intake.gave_up(conn.state, ask.attempt)
         self.fail(api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms))
 
     # execution.Replies -------------------------------------------------------------------

@@ -155,6 +155,9 @@ class JobFrames:
         self.jobs: dict[str, JobState] = {}
         self.buffers = Budget(state.config.max_conn_buffer_bytes)  # payload bytes on this conn
         self.held = 0  # payloads kept after a yield
+        # Jobs refused whose payloads were not kept, by id, oldest first: the same id sent
+        # again is the same job back (the one unserved demand), not a new one.
+        self.turned_away: dict[str, Attempt] = {}
 
     def new_job(self, req: Request) -> JobState | None:
         """A job id not seen before on this connection, for its key's tenant; None if refused
@@ -186,7 +189,10 @@ class JobFrames:
             return None
         upload = Upload(config.max_payload_bytes, config.max_chunks)
         # (its deadline is set by what comes of its first frame: an accepted manifest, a hold)
-        ask = intake.Ask(self.state, Attempt(tenant, None))
+        attempt = self.turned_away.pop(req.job, None)
+        if attempt is None or attempt.tenant is not tenant:
+            attempt = Attempt(tenant, None)
+        ask = intake.Ask(self.state, attempt)
         state = self.jobs[req.job] = JobState(upload, ask)
         self.owner.idle_changed()
         return state
@@ -362,10 +368,13 @@ class JobFrames:
             state.ask.give_up()
             state.move(Phase.UPLOADING)
 
-    def forget(self, job: str) -> None:
+    def forget(self, job: str, *, gave_up: bool = True) -> None:
         """Drop a job that is not running: its hold or its wait, its place in admission's line,
-        its buffers."""
+        its buffers; with ``gave_up``, it will not be back (else its client may send it again:
+        a yield whose payload was not kept)."""
         state = self.jobs.pop(job)
+        if gave_up:
+            intake.gave_up(self.state, state.ask.attempt)
         assert state.execution is None
         if state.phase is Phase.HELD:
             self.unhold(state)
@@ -406,6 +415,9 @@ class JobTable(JobFrames):
                 self.forget(job)
             else:
                 state.execution.client_gone()
+        for attempt in self.turned_away.values():
+            intake.gave_up(self.state, attempt)
+        self.turned_away.clear()
 
     def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send each running job its terminal abort now, then cancel it."""
@@ -487,7 +499,8 @@ class JobTable(JobFrames):
         if held:
             self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
         else:
-            self.forget(req.job)
+            self.forget(req.job, gave_up=False)
+            self._turned_away(req.job, state.ask.attempt)
         self.wire.yield_(
             req,
             seq=final_seq(req),
@@ -497,6 +510,14 @@ class JobTable(JobFrames):
             held=held,
             detail=yield_detail(decision.need_code, held),
         )
+
+    def _turned_away(self, job: str, attempt: Attempt) -> None:
+        """Remember a refused job whose payload was not kept, for its retry (the oldest one
+        past the connection's bound on jobs is taken to have given up)."""
+        if len(self.turned_away) >= self.config.max_jobs_per_conn:
+            oldest = next(iter(self.turned_away))
+            intake.gave_up(self.state, self.turned_away.pop(oldest))
+        self.turned_away[job] = attempt
 
     def on_cancel(self, req: Request) -> None:
         """A cancel: a running job's terminal abort answers it; a waiting job's abort answers

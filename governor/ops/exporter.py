@@ -108,6 +108,28 @@ def _job_families(server: ServerState, health: Health) -> Iterator[Metric]:
         ["reason", "lane", "tenant"],
         server.admission.refusals.items(),
     )
+    unserved = server.admission.unserved
+    for name, documentation, counts in (
+        (
+            "governor_unserved_jobs",
+            "Distinct jobs turned away (each once, however often its client retried), by lane "
+            "and tenant: the demand this replica did not serve when asked.",
+            unserved.jobs,
+        ),
+        (
+            "governor_unserved_tokens",
+            "The tokens those jobs asked for (prompt and the most they may generate), by lane "
+            "and tenant.",
+            unserved.tokens,
+        ),
+        (
+            "governor_unserved_gave_up",
+            "Jobs turned away and never served: their client left or cancelled, did not come "
+            "back in time, or was refused for good; by lane and tenant.",
+            unserved.gave_up_jobs,
+        ),
+    ):
+        yield _counter(name, documentation, ["lane", "tenant"], counts.items())
     yield _counter(
         "governor_jobs_finished",
         "Admitted jobs that ended, by outcome (done, the abort's need code, or client_gone), "
@@ -395,6 +417,14 @@ def _fleet_families(fleet: Fleet) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "governor_fleet_leases", "This replica's leases: its jobs running.", value=len(gate.leases)
     )
+    for what in ("jobs", "tokens", "gave_up"):
+        yield _counter(
+            f"governor_fleet_unserved_{what}",
+            f"governor_unserved_{what} added up over every replica of the fleet, as the store "
+            "said at this replica's last renewal; by lane and tenant.",
+            ["lane", "tenant"],
+            ((key[1:], n) for key, n in fleet.fleet_unserved.items() if key[0] == what),
+        )
     yield _counter(
         "governor_fleet_answers",
         "The fleet's step of admissions, by answer: allowed, fleet_busy, tenant_busy, "

@@ -45,6 +45,9 @@ def populated_server() -> Server:
     admission = state.admission
     admission.refusals[("lane_full", "heavy", "alpha")] += 2
     admission.refusals[("rate_limited", "interactive", "beta")] += 1
+    admission.unserved.turned_away(("heavy", "alpha"), 900)
+    admission.unserved.turned_away(("heavy", "alpha"), 100)
+    admission.unserved.gave_up(("heavy", "alpha"))
     admission.ladder["degraded"] += 3
     jobs = state.metrics
     jobs.finished[("done", "interactive", "primary")] += 5
@@ -87,6 +90,8 @@ def populated_server() -> Server:
     gate.replicas = 3
     gate.fleet_inflight = 5
     state.fleet.seconds.observe(0.004)
+    state.fleet.fleet_unserved = {("jobs", "heavy", "alpha"): 7, ("tokens", "heavy", "alpha"): 70}
+    state.fleet.fleet_unserved[("gave_up", "heavy", "alpha")] = 1
     return server
 
 
@@ -111,6 +116,9 @@ FAMILIES = {
     "governor_yielded": ("counter", ()),
     "governor_handoff_idle_seconds": ("summary", ()),
     "governor_yields": ("counter", ("lane", "reason", "tenant")),
+    "governor_unserved_jobs": ("counter", ("lane", "tenant")),
+    "governor_unserved_tokens": ("counter", ("lane", "tenant")),
+    "governor_unserved_gave_up": ("counter", ("lane", "tenant")),
     "governor_jobs_finished": ("counter", ("lane", "outcome", "pool")),
     "governor_aborts": ("counter", ("reason",)),
     "governor_tenant_inflight": ("gauge", ("tenant",)),
@@ -152,6 +160,9 @@ FAMILIES = {
     "governor_fleet_replicas": ("gauge", ()),
     "governor_fleet_inflight": ("gauge", ()),
     "governor_fleet_leases": ("gauge", ()),
+    "governor_fleet_unserved_jobs": ("counter", ("lane", "tenant")),
+    "governor_fleet_unserved_tokens": ("counter", ("lane", "tenant")),
+    "governor_fleet_unserved_gave_up": ("counter", ("lane", "tenant")),
     "governor_fleet_answers": ("counter", ("answer",)),
     "governor_fleet_store_seconds": ("histogram", ()),
     "governor_connections_displaced": ("counter", ()),
@@ -198,6 +209,11 @@ def test_the_family_check_fails_on_a_missing_family(text: str) -> None:
 def test_the_values_are_the_state_s(text: str) -> None:
     m = samples(text)
     assert m['governor_yields_total{lane="heavy",reason="lane_full",tenant="alpha"}'] == 2
+    assert m['governor_unserved_jobs_total{lane="heavy",tenant="alpha"}'] == 2
+    assert m['governor_unserved_tokens_total{lane="heavy",tenant="alpha"}'] == 1000
+    assert m['governor_unserved_gave_up_total{lane="heavy",tenant="alpha"}'] == 1
+    assert m['governor_fleet_unserved_jobs_total{lane="heavy",tenant="alpha"}'] == 7
+    assert m['governor_fleet_unserved_tokens_total{lane="heavy",tenant="alpha"}'] == 70
     assert m['governor_jobs_finished_total{lane="heavy",outcome="cancelled",pool="fallback"}'] == 1
     assert m['governor_aborts_total{reason="shutdown"}'] == 2
     assert m['governor_tenant_inflight{tenant="beta"}'] == 0

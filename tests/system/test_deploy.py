@@ -43,6 +43,7 @@ DaemonFactory = Callable[..., Daemon]
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFEST = DEPLOY / "kubernetes" / "governor.yaml"
+AUTOSCALING = DEPLOY / "kubernetes" / "autoscaling.yaml"
 BARE_CONFIG = DEPLOY / "governor.toml"
 UNIT = DEPLOY / "systemd" / "governor.service"
 DOCKERFILE = DEPLOY / "Dockerfile"
@@ -280,6 +281,20 @@ def metrics_address(d: Daemon) -> str:
 # --- Kubernetes ---------------------------------------------------------------------------------
 
 
+def validate(docs: list[dict[str, Any]]) -> None:
+    """Each of ``docs`` is valid on the oldest Kubernetes the manifest is for and the latest."""
+    for version in (OLDEST_KUBERNETES, kubernetes_validate.latest_version()):
+        for doc in docs:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                where = ".".join(str(part) for part in exc.path)
+                pytest.fail(
+                    f"{doc['kind']} {doc['metadata']['name']} is invalid on Kubernetes "
+                    f"{version}: {where}: {exc.message}"
+                )
+
+
 def test_manifest_validates_against_the_kubernetes_schemas() -> None:
     docs = manifest()
     assert sorted((doc["kind"], doc["metadata"]["name"]) for doc in docs) == [
@@ -292,16 +307,7 @@ def test_manifest_validates_against_the_kubernetes_schemas() -> None:
         ("Service", GOVERNOR),
         ("Service", REDIS),
     ]
-    for version in (OLDEST_KUBERNETES, kubernetes_validate.latest_version()):
-        for doc in docs:
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                where = ".".join(str(part) for part in exc.path)
-                pytest.fail(
-                    f"{doc['kind']} {doc['metadata']['name']} is invalid on Kubernetes "
-                    f"{version}: {where}: {exc.message}"
-                )
+    validate(docs)
 
 
 def mebibytes(quantity: str) -> float:
@@ -818,3 +824,34 @@ def test_dashboard_queries_only_metrics_the_daemon_exports(daemon: DaemonFactory
         if not ok:
             unknown.append(f"{name} (exported as {kind or 'nothing'})")
     assert not unknown, f"the dashboard queries what the daemon does not export: {unknown}"
+
+
+def test_the_autoscaler_scales_the_governors_on_what_the_adapter_makes_of_their_metrics(
+    daemon: DaemonFactory,
+) -> None:
+    """autoscaling.yaml: valid; its HorizontalPodAutoscaler scales the governor Deployment from
+    its replicas up, on the metric prometheus-adapter's rule names, and that rule reads a
+    counter every daemon exports."""
+    docs = {d["kind"]: d for d in yaml.safe_load_all(AUTOSCALING.read_text()) if d}
+    assert sorted(docs) == ["ConfigMap", "HorizontalPodAutoscaler"]
+    validate(list(docs.values()))
+    spec = docs["HorizontalPodAutoscaler"]["spec"]
+    deployment = resource("Deployment")
+    target = spec["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        deployment["apiVersion"],
+        "Deployment",
+        GOVERNOR,
+    )
+    assert spec["minReplicas"] == deployment["spec"]["replicas"] < spec["maxReplicas"]
+    (metric,) = spec["metrics"]
+    (rule,) = yaml.safe_load(docs["ConfigMap"]["data"]["config.yaml"])["rules"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    (series,) = METRIC_NAME.findall(rule["seriesQuery"])
+    d = daemon("--metrics-listen", "127.0.0.1:0", "--stub-ms", "10")
+    status, body = http_get(f"http://{metrics_address(d)}/metrics")
+    assert status == 200
+    exported = {f.name: f.type for f in text_string_to_metric_families(body.decode())}
+    assert series.endswith("_total")
+    assert exported.get(series.removesuffix("_total")) == "counter"

@@ -729,3 +729,30 @@ async def test_a_killed_replicas_leases_free_within_the_lease_ttl(
         for c in clients:
             await c.close()
         await store.close()
+
+
+async def test_the_store_adds_up_every_replicas_unserved_demand(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    """Two replicas, one slot over the fleet: each counts the jobs it turned away (each once,
+    retried or not), and the store's sum, which every replica exports, is both of theirs."""
+    servers = await fleet_of(
+        make_server, redis_server.url, 2, fleet_max_inflight=1, lease_ttl=0.6, stub_ms=200
+    )
+    results = await asyncio.gather(
+        *(run_job(servers[i % 2], f"J{i}", b"x", attempts=100) for i in range(6))
+    )
+    assert all(r.done for r in results)
+    own = [s.admission.unserved for s in servers]
+    assert sum(sum(d.jobs.values()) for d in own) == sum(1 for r in results if r.yields) >= 4
+    expected = collections.Counter[tuple[str, ...]]()
+    for demand in own:
+        expected.update({("jobs", *k): n for k, n in demand.jobs.items()})
+    fleets = [s.fleet for s in servers if s.fleet is not None]
+    await wait_until(
+        lambda: all(
+            {k: n for k, n in f.fleet_unserved.items() if k[0] == "jobs"} == expected
+            for f in fleets
+        ),
+        timeout=10,
+    )
