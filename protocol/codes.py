@@ -108,6 +108,44 @@ class NeedCode(StrEnum):
     DISPLACED = "displaced"  # extension: an idle connection made way for a new one at a limit
 
 
+class Bound(StrEnum):
+    """Extension: what bound refused a job, on a yield (the ``bound.NAME`` receipt; on HTTP the
+    ``x-governor-bound`` header). Named after the setting an operator would change."""
+
+    MAX_INFLIGHT = "max_inflight"  # the cap on jobs executing (server_busy)
+    INTERACTIVE_RESERVE = "interactive_reserve"  # the free slots are kept for chats (lane_full)
+    LANE_QUOTA = "lane_quota"  # the job's lane holds its share of the slots (lane_full)
+    LANE_PAUSE = "lane_pause"  # the overload state pauses the job's lane (lane_paused)
+    TENANT_MAX_INFLIGHT = "tenant_max_inflight"  # the tenant's own cap (tenant_busy)
+    TENANT_SHARE = "tenant_share"  # the tenant's weighted share (tenant_share)
+    TENANT_RATE = "tenant_rate"  # the tenant's request or token rate (rate_limited)
+    KV_BUDGET = "kv_budget"  # the KV cache cells (kv_pressure)
+    BREAKER = "breaker"  # the runner pool's circuit breaker (breaker_open)
+    BUFFERS = "buffers"  # the server's payload buffers (buffers_full)
+    FLEET_MAX_INFLIGHT = "fleet_max_inflight"  # the fleet's cap (fleet_busy)
+    FLEET_STORE = "fleet_store"  # the fleet's store is unreachable (fleet_unavailable)
+    DRAIN = "drain"  # the replica is draining (draining)
+
+
+# Each yield's bound, by its need code, where the code alone says it (lane_full: the reserve
+# or the lane's quota; tenant_busy and rate_limited: this replica's or the fleet's, the same
+# settings).
+BOUNDS: dict[str, Bound] = {
+    NeedCode.SERVER_BUSY: Bound.MAX_INFLIGHT,
+    NeedCode.LANE_FULL: Bound.LANE_QUOTA,
+    NeedCode.LANE_PAUSED: Bound.LANE_PAUSE,
+    NeedCode.TENANT_BUSY: Bound.TENANT_MAX_INFLIGHT,
+    NeedCode.TENANT_SHARE: Bound.TENANT_SHARE,
+    NeedCode.RATE_LIMITED: Bound.TENANT_RATE,
+    NeedCode.KV_PRESSURE: Bound.KV_BUDGET,
+    NeedCode.BREAKER_OPEN: Bound.BREAKER,
+    NeedCode.BUFFERS_FULL: Bound.BUFFERS,
+    NeedCode.FLEET_BUSY: Bound.FLEET_MAX_INFLIGHT,
+    NeedCode.FLEET_UNAVAILABLE: Bound.FLEET_STORE,
+    NeedCode.DRAINING: Bound.DRAIN,
+}
+
+
 class ErrorCode(StrEnum):
     BAD_FRAME = "bad_frame"
     BAD_ENVELOPE = "bad_envelope"
@@ -144,6 +182,13 @@ class Receipt(StrEnum):
     RETRY_HINT_MS = "conn.retry_hint_ms"  # on a yield: the hint, as heptamini sends it
     PAYLOAD_HELD = "conn.payload_held"  # on a yield: 1 if resending the final chunk will do
     BACKEND_MS = "cdr.backend.ms"  # on a terminal frame: time the job held its slot
+    # On a yield that waits on a slot, the hint's parts (they add up to it): until the
+    # predicted end of the job whose slot it waits for, and the turns of the jobs promised
+    # ahead of it (how many: HINT_AHEAD) after that end.
+    HINT_RELEASE_MS = "hint.release_ms"
+    HINT_TURNS_MS = "hint.turns_ms"
+    HINT_AHEAD = "hint.ahead"
+    BOUND = "bound"  # on a yield: "bound.NAME", value 1, NAME a Bound
 
 
 # Fields only a server may set; a request carrying any of them breaks the envelope.

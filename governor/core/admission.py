@@ -42,12 +42,13 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.codes import ErrorCode, NeedCode
+from protocol.codes import BOUNDS, ErrorCode, NeedCode
 from protocol.spec import SpecInvalid
 
 from ..runners.base import Job, Runner
 from .breaker import CircuitBreaker
 from .fleetgate import Lease
+from .hints import HintParts
 from .ledger import DRAINING_HINT_MS, Completed, Promise, Refusal, Slot, SlotLedger
 from .overload import OverloadController, State
 from .policy import LANES, NO_LANE, Demand, Lane
@@ -253,11 +254,20 @@ class Admitted:
 
 @dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Yielded:
-    """Not now: ``yield`` with this code and hint; ``promise`` is the client's place in line."""
+    """Not now: ``yield`` with this code and hint; ``promise`` is the client's place in line,
+    ``parts`` what its hint is made of (when it waits on a slot), ``bound`` what refused it
+    (:class:`~protocol.codes.Bound`; empty: the code's own, :data:`~protocol.codes.BOUNDS`)."""
 
     need_code: NeedCode
     retry_hint_ms: int
     promise: Promise | None = None
+    parts: HintParts | None = None
+    bound: str = ""
+
+    @property
+    def what_bound(self) -> str:
+        """What refused it: its own bound, or its code's."""
+        return self.bound or BOUNDS[self.need_code]
 
     @property
     def error_code(self) -> ErrorCode:
@@ -493,8 +503,8 @@ class Admission:
             step = "pause_background" if demand.lane == Lane.BACKGROUND else "interactive_only"
             self.ladder[step] += 1
         attempt.pauses += 1
-        hint_ms, promise = self.ledger.place(promise, rank, plan.size)
-        return Refusal(NeedCode.LANE_PAUSED, hint_ms, promise)
+        parts, promise = self.ledger.place(promise, rank, plan.size)
+        return Refusal(NeedCode.LANE_PAUSED, parts.ms, promise, parts)
 
     def _tenant_refusal(
         self, tenant: Tenant, tokens: int, width: int, now: float
@@ -506,8 +516,7 @@ class Admission:
         for limit, code in ((cap, NeedCode.TENANT_BUSY), (share, NeedCode.TENANT_SHARE)):
             # (a share is contention, shared by weight: a tenant running nothing is within it)
             if limit and tenant.inflight and tenant.inflight + width > limit:
-                first_end = min(ledger.slot_end(slot, now) for slot in tenant.running)
-                return Refusal(code, ledger.hint_ms(now, first_end))
+                return ledger.waits(code, now, min(ledger.slot_end(s, now) for s in tenant.running))
         wait = tenant.wait_s(tokens, now)
         if wait > 0:
             return Refusal(NeedCode.RATE_LIMITED, ledger.hint_ms(now, now + wait))
@@ -560,7 +569,10 @@ class Admission:
         attempt.unserved = True
         attempt.refusals += 1
         attempt.promise = refusal.promise
-        return Yielded(refusal.need_code, refusal.retry_hint_ms, refusal.promise)
+        bound = refusal.bound or ""
+        return Yielded(
+            refusal.need_code, refusal.retry_hint_ms, refusal.promise, refusal.parts, bound
+        )
 
     def _rejected(self, attempt: Attempt, promise: Promise | None, rejected: Rejected) -> Rejected:
         """Refused for good: its place in line withdrawn; turned away before, it gave up."""

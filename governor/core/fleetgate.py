@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from protocol.codes import NeedCode
 
 from .breaker import BreakerSettings, BreakerState, CircuitBreaker
+from .hints import HintParts
 from .ledger import Refusal
 from .policy import LANES, Lane
 from .tenants import TenantConfig, TokenBucket
@@ -152,9 +153,7 @@ class FleetGate:
             self.leases[lease.id] = lease
             return None
         self.answers[answer.code] += 1
-        return Refusal(
-            STORE_CODES.get(answer.code, NeedCode.FLEET_BUSY), self._hint(answer.wait_ms)
-        )
+        return self._refusal(STORE_CODES.get(answer.code, NeedCode.FLEET_BUSY), answer.wait_ms)
 
     def failed(self, *, trial: bool | None) -> None:
         """The store failed to answer (``trial`` None: it was not asked)."""
@@ -230,7 +229,14 @@ class FleetGate:
 
     def _share_refusal(self, code: NeedCode, wait_ms: float) -> Refusal:
         self.answers[f"share_{code}"] += 1
-        return Refusal(code, self._hint(wait_ms))
+        return self._refusal(code, wait_ms)
+
+    def _refusal(self, code: NeedCode, wait_ms: float) -> Refusal:
+        """A refusal by the fleet's limits: a cap's hint waits for one lease's predicted end
+        (its parts: all release), a rate's for its bucket (no slot: no parts)."""
+        hint_ms = self._hint(wait_ms)
+        parts = None if code == NeedCode.RATE_LIMITED else HintParts(hint_ms)
+        return Refusal(code, hint_ms, None, parts)
 
     def _hint(self, wait_ms: float) -> int:
         s = self.settings

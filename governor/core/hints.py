@@ -22,6 +22,9 @@ same instant.
   finds no slot for it keeps its place in line and is re-timed to that place's release (``k =
   q``, the promises ahead of it).
 
+* A hint comes in parts (:class:`HintParts`), which its client is told: until the predicted end
+  of the job whose slot the ``k``-th release comes on, then that slot's turns after it.
+
 Under a lane policy a client counts only the promises of its own lane or a higher one, and only
 the slots it may take: those the interactive reserve does not keep
 (:class:`~governor.core.lanegate.LaneGate`). It waits for the ends of the jobs in those slots,
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Protocol
 
 from .estimates import Running, ServiceEstimates
@@ -41,6 +45,23 @@ from .lanegate import LaneGate
 from .policy import Demand, Lane
 from .promises import Promise, PromiseLine
 from .service import JobSize
+
+
+@dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
+class HintParts:
+    """What a hint that waits on a slot is made of, in milliseconds: ``release_ms``, until the
+    predicted end of the job whose slot it waits for; ``turns_ms``, after that end, the turns
+    of the jobs promised ahead of it on that slot (``ahead`` jobs are ahead of it in all). The
+    hint is their sum (:attr:`ms`); one raised to ``min_hint_ms``, or cut to ``max_hint_ms``,
+    is raised or cut in its turns first."""
+
+    release_ms: int
+    turns_ms: int = 0
+    ahead: int = 0
+
+    @property
+    def ms(self) -> int:
+        return self.release_ms + self.turns_ms
 
 
 class Job(Running, Protocol):
@@ -77,9 +98,18 @@ class RetryHints:
 
     def hint_ms(self, now: float, at: float) -> int:
         """Milliseconds from ``now`` to ``at``, within the hint's bounds."""
-        # (less a nanosecond, so that float noise does not round 600 ms up to 601)
-        hint_ms = math.ceil((at - now) * 1000 - 1e-6)
-        return min(max(hint_ms, self.min_hint_ms), self.max_hint_ms)
+        return min(max(_ms(at - now), self.min_hint_ms), self.max_hint_ms)
+
+    def parts(
+        self, now: float, at: float, release: float | None = None, ahead: int = 0
+    ) -> HintParts:
+        """The hint from ``now`` to ``at`` (within its bounds), in parts: until ``release``
+        (by default ``at``: a wait for one job's end), then the turns of ``ahead`` jobs."""
+        hint_ms = self.hint_ms(now, at)
+        if release is None:
+            return HintParts(hint_ms)
+        release_ms = min(max(_ms(release - now), 0), hint_ms)
+        return HintParts(release_ms, hint_ms - release_ms, ahead)
 
     def next_end(self, now: float) -> float:
         """When the first running job is expected to end (a free slot frees nothing more)."""
@@ -121,8 +151,9 @@ class RetryHints:
         rank: int = 0,
         size: JobSize | None = None,
         later: int = 0,
-    ) -> tuple[int, Promise | None]:
-        """The hint for a refusal, and the promise that goes with it (None: the line is full).
+    ) -> tuple[HintParts, Promise | None]:
+        """The hint for a refusal, in parts, and the promise that goes with it (None: the line
+        is full).
 
         A returning client keeps its place in line and is re-timed to the release of that
         place; a newcomer, in constant time, is promised the release after every promise
@@ -144,13 +175,23 @@ class RetryHints:
         turn_s = ahead_s / ahead if ahead > 0 else own_s
         # (a job of n sequences waits for the n-th release after those ahead of it)
         k = ahead + later + (size.width - 1 if size is not None else 0)
-        hint_ms = self.hint_ms(now, self.release_time(now, k, rank, turn_s))
-        at = now + hint_ms / 1000
-        return hint_ms, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
+        end, turns, period = self.release_parts(now, k, rank, turn_s)
+        parts = self.parts(now, end + turns * period, end, ahead + later)
+        at = now + parts.ms / 1000
+        return parts, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
 
     def release_time(self, now: float, k: int, rank: int = 0, turn_s: float | None = None) -> float:
         """When the ``k``-th slot release from now is expected (``k`` = 0: the next one), for
-        a client of the lane ranked ``rank``.
+        a client of the lane ranked ``rank``."""
+        end, turns, period = self.release_parts(now, k, rank, turn_s)
+        return end + turns * period
+
+    def release_parts(
+        self, now: float, k: int, rank: int = 0, turn_s: float | None = None
+    ) -> tuple[float, int, float]:
+        """The ``k``-th slot release from now (``k`` = 0: the next one), for a client of the
+        lane ranked ``rank``, as ``(end, turns, period)``: the release is ``turns`` turns of
+        ``period`` after the slot's running job's predicted ``end``.
 
         Each later turn of a slot starts when its promised client is back, not at once, and
         lasts ``W`` (``turn_s``: the predicted time of the jobs that take those turns, the
@@ -163,7 +204,9 @@ class RetryHints:
         if turn_s is None:
             turn_s = self.estimates.service_for(self.lanes.lane(rank))
         # (no turn is shorter than a millisecond: a period of 0 would never move on)
-        return kth_release(ends, max(turn_s + self.estimates.turnaround_s, 0.001), k)
+        period = max(turn_s + self.estimates.turnaround_s, 0.001)
+        end, turns = kth_release_parts(ends, period, k)
+        return end, turns, period
 
     def _ends(self, now: float, rank: int) -> tuple[list[float], int]:
         """The expected ends of the running jobs whose release frees a slot a client of the
@@ -190,10 +233,22 @@ class RetryHints:
         return ends, max(self.cap - reserve, 1)
 
 
+def _ms(seconds: float) -> int:
+    """Whole milliseconds, rounded up (less a nanosecond, so that float noise does not round
+    600 ms up to 601)."""
+    return math.ceil(seconds * 1000 - 1e-6)
+
+
 def kth_release(ends: list[float], period: float, k: int) -> float:
     """The ``k``-th smallest (from 0) of ``ends[i] + j * period`` over every ``i`` and ``j >=
     0``: when the ``k``-th slot release is expected, slot ``i`` freeing first at ``ends[i]``
-    and then every ``period``.
+    and then every ``period``."""
+    end, turns = kth_release_parts(ends, period, k)
+    return end + turns * period
+
+
+def kth_release_parts(ends: list[float], period: float, k: int) -> tuple[float, int]:
+    """:func:`kth_release` as ``(ends[i], j)``: the slot's first end and its turns after it.
 
     ``ends`` is sorted and not empty; ``period`` is positive. Constant time when every slot
     frees once before any frees twice (the usual case); else the releases are counted in rounds
@@ -203,7 +258,7 @@ def kth_release(ends: list[float], period: float, k: int) -> float:
     first, n = ends[0], len(ends)
     if ends[-1] - first < period:  # the usual case
         r, i = divmod(k, n)
-        return ends[i] + r * period
+        return ends[i], r
     rounds = [int((end - first) // period) for end in ends]  # q_i, ascending
     # Walk to the round holding release k: the slots in turn (q_i <= r) free once a round.
     turning = before = r = 0
@@ -216,5 +271,7 @@ def kth_release(ends: list[float], period: float, k: int) -> float:
             break
         before += turning * (rounds[turning] - r)
         r = rounds[turning]
-    offsets = sorted(ends[i] - first - rounds[i] * period for i in range(turning))
-    return first + r * period + offsets[k - before]
+    # (the slots in turn, by where in a round each frees)
+    order = sorted(range(turning), key=lambda i: ends[i] - first - rounds[i] * period)
+    i = order[k - before]
+    return ends[i], r - rounds[i]

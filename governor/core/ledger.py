@@ -52,11 +52,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.codes import NeedCode
+from protocol.codes import Bound, NeedCode
 
 from ..runners.base import CacheShape, Pause
 from .estimates import Completed, ServiceEstimates
-from .hints import RetryHints
+from .hints import HintParts, RetryHints
 from .kvbudget import KvBudget
 from .lanegate import LaneGate
 from .policy import LANES, Demand, Lane, LanePolicy
@@ -86,11 +86,15 @@ DRAINING_HINT_MS = 1000
 
 @dataclass(slots=True)  # (not frozen, though never changed: governor/compiled.py)
 class Refusal:
-    """No slot now: answer ``yield`` with this code and hint."""
+    """No slot now: answer ``yield`` with this code and hint; ``parts``, what the hint is made
+    of when it waits on a slot; ``bound``, what refused it where the code does not say
+    (:data:`protocol.codes.BOUNDS` says the rest)."""
 
     need_code: NeedCode
     retry_hint_ms: int
     promise: Promise | None = None
+    parts: HintParts | None = None
+    bound: Bound | None = None
 
 
 class Slot:
@@ -298,6 +302,11 @@ class SlotPool:
         """Milliseconds from ``now`` to ``at``, within the hint's bounds."""
         return self.hints.hint_ms(now, at)
 
+    def waits(self, code: NeedCode, now: float, end: float) -> Refusal:
+        """A refusal that waits for one job's predicted ``end``: its hint is all release."""
+        parts = self.hints.parts(now, end)
+        return Refusal(code, parts.ms, None, parts)
+
     @property
     def inflight(self) -> int:
         """Jobs admitted and not ended: running, or suspended."""
@@ -501,9 +510,8 @@ class SlotLedger(SlotPool):
             victims = slot_victims(self._running, width - usable, lent=lent)
             self._suspend(victims, now)
         if (usable - width < due and not victims) or later:
-            hint_ms, promise = self.hints.place(now, promise, rank, size, later)
-            code = NeedCode.LANE_FULL if usable < width <= free else NeedCode.SERVER_BUSY
-            return self.refused(Refusal(code, hint_ms, promise))
+            # (free slots, but the reserve's: lane_full)
+            return self._busy(now, promise, rank, size, later, usable < width <= free)
         kv_tokens = kv_demand(demand, size)
         refusal, kv_cache = self._checks(now, demand, kv_tokens, width, victims)
         if refusal is not None:
@@ -513,6 +521,26 @@ class SlotLedger(SlotPool):
                 self._resume(slot)
             return self.refused(refusal)
         return self._take(now, promise, demand, size, kv_cache, kv_tokens)
+
+    def _busy(
+        self,
+        now: float,
+        promise: Promise | None,
+        rank: int,
+        size: JobSize | None,
+        later: int,
+        reserved: bool,
+    ) -> Refusal:
+        """No slot for the job: its place in line and the hint to it; ``reserved``, the free
+        slots are the interactive reserve's."""
+        parts, promise = self.hints.place(now, promise, rank, size, later)
+        if reserved:
+            refusal = Refusal(
+                NeedCode.LANE_FULL, parts.ms, promise, parts, Bound.INTERACTIVE_RESERVE
+            )
+        else:
+            refusal = Refusal(NeedCode.SERVER_BUSY, parts.ms, promise, parts)
+        return self.refused(refusal)
 
     def _checks(
         self, now: float, demand: Demand | None, kv_tokens: int, width: int, victims: list[Slot]
@@ -535,7 +563,7 @@ class SlotLedger(SlotPool):
                 kv_cache = self.kv.place(kv_tokens)
         if kv_cache is None:
             at = self.hints.kv_release(now, self.kv, kv_tokens)
-            return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, at)), None
+            return self.waits(NeedCode.KV_PRESSURE, now, at), None
         return None, kv_cache
 
     def _policy_refusal(self, now: float, demand: Demand, width: int) -> Refusal | None:
@@ -545,9 +573,7 @@ class SlotLedger(SlotPool):
         assert policy is not None
         lane = demand.lane
         if self.lanes.quota_full(lane, width):
-            return Refusal(
-                NeedCode.LANE_FULL, self.hint_ms(now, self.hints.lane_release(now, lane))
-            )
+            return self.waits(NeedCode.LANE_FULL, now, self.hints.lane_release(now, lane))
         # Below the interactive lane: what is reserved must leave the interactive share free,
         # and what the caches really hold must stay under the danger line, unless a chat can
         # take the memory back (preemptible). (Every lane's job must fit in a cache:
@@ -559,7 +585,7 @@ class SlotLedger(SlotPool):
                 reserved > (1.0 - policy.kv_interactive_share) * capacity
                 or self.kv_in_use + demand.kv_tokens > policy.kv_danger * capacity
             ):
-                return Refusal(NeedCode.KV_PRESSURE, self.hint_ms(now, self.hints.next_end(now)))
+                return self.waits(NeedCode.KV_PRESSURE, now, self.hints.next_end(now))
         return None
 
     def waiting(self, rank: int) -> int:
@@ -583,7 +609,7 @@ class SlotLedger(SlotPool):
         promise: Promise | None,
         rank: int,
         size: JobSize | None = None,
-    ) -> tuple[int, Promise | None]:
+    ) -> tuple[HintParts, Promise | None]:
         """A place in line for a client refused before the ledger's own check (a paused lane),
         as :meth:`admit` gives one: ``promise`` is kept and re-timed, a newcomer goes to the
         back. The hint is when that place comes.

@@ -237,7 +237,7 @@ class Payload(Incoming):
             return refused
         self.release()
         no_room = intake.no_room_for_payload(self.state)
-        error = api.refusal(no_room.need_code, no_room.error_code, no_room.retry_hint_ms)
+        error = api.refusal(no_room)
         return ClosingError(error.status, no_room.need_code, error.message, error.headers)
 
     def done(self) -> None:
@@ -748,7 +748,7 @@ class Exchange:
             conn.door.kept()
         else:
             intake.gave_up(conn.state, ask.attempt)
-        self.fail(api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms))
+        self.fail(api.refusal(decision))
 
     # execution.Replies -------------------------------------------------------------------
 
@@ -814,7 +814,7 @@ class Exchange:
         fleet's hint is not the ledger's); the exchange ends with the job's task."""
         assert self.ask is not None
         decision, _ = self.ask.take_back(execution.ticket, refusal, keep_payload=False)
-        error = api.refusal(decision.need_code, decision.error_code, decision.retry_hint_ms)
+        error = api.refusal(decision)
         self.out.whole(error.status, error.body(), error.headers)
 
 

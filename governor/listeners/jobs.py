@@ -330,15 +330,7 @@ class JobFrames:
             detail = yield_detail(refusal.need_code, held=False)
         else:
             detail = "the server's payload buffers are full; send the payload again later"
-        self.wire.yield_(
-            req,
-            seq=seq,
-            need_code=refusal.need_code,
-            error_code=refusal.error_code,
-            retry_hint_ms=refusal.retry_hint_ms,
-            held=False,
-            detail=detail,
-        )
+        self.wire.yield_(req, refusal, seq=seq, held=False, detail=detail)
 
     def hold(self, state: JobState) -> bool:
         """Keep a refused payload for the client's retry, within this connection's bound."""
@@ -503,10 +495,8 @@ class JobTable(JobFrames):
             self._turned_away(req.job, state.ask.attempt)
         self.wire.yield_(
             req,
+            decision,
             seq=final_seq(req),
-            need_code=decision.need_code,
-            error_code=decision.error_code,
-            retry_hint_ms=decision.retry_hint_ms,
             held=held,
             detail=yield_detail(decision.need_code, held),
         )

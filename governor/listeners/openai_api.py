@@ -49,7 +49,7 @@ from protocol.spec import (
     spec_from_object,
 )
 
-from ..core.admission import Attempt
+from ..core.admission import Attempt, Yielded
 from ..runners import Token
 
 LANE_HEADER = "x-governor-lane"
@@ -709,8 +709,20 @@ def abort_status(need_code: str) -> HTTPStatus:
     return HTTPStatus.BAD_GATEWAY
 
 
-def refusal(need_code: str, error_code: str, retry_hint_ms: int) -> ApiError:
-    """A yield's answer: 429 or 503, the need code, the hint in both headers."""
+# A yield's bound and its hint's parts, as response headers (the receipts' names on the TCP
+# door, with dashes).
+BOUND_HEADER = "x-governor-bound"
+PART_HEADERS = (
+    "x-governor-hint-release-ms",
+    "x-governor-hint-turns-ms",
+    "x-governor-hint-ahead",
+)
+
+
+def refusal(decision: Yielded) -> ApiError:
+    """A yield's answer: 429 or 503, the need code, the hint in both headers, what bound
+    refused it and, when it waits on a slot, the hint's parts."""
+    need_code, retry_hint_ms = decision.need_code, decision.retry_hint_ms
     if need_code == NeedCode.DRAINING:
         # (The answer closes its connection: behind a load balancer, the retry's new one
         # reaches a ready replica.)
@@ -725,9 +737,12 @@ def refusal(need_code: str, error_code: str, retry_hint_ms: int) -> ApiError:
         )
     else:
         message = f"{need_code}: no slot for this request now; retry in {retry_hint_ms} ms"
-    return ApiError(
-        yield_status(error_code), need_code, message, headers=retry_headers(retry_hint_ms)
-    )
+    headers = (*retry_headers(retry_hint_ms), (BOUND_HEADER, decision.what_bound))
+    parts = decision.parts
+    if parts is not None:
+        values = (parts.release_ms, parts.turns_ms, parts.ahead)
+        headers += tuple((name, str(v)) for name, v in zip(PART_HEADERS, values, strict=True))
+    return ApiError(yield_status(decision.error_code), need_code, message, headers=headers)
 
 
 def not_found(path: str, forwards: bool) -> ApiError:

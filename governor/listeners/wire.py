@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from protocol.codes import ErrorCode, NeedCode, Receipt, Status, Verb
+from protocol.codes import NeedCode, Receipt, Status, Verb
 from protocol.errors import EnvelopeInvalid, RemoteProtocolError
 from protocol.frames import Reply, Request, encode_reply, error_reply
 
+from ..core.admission import Yielded
 from ..state import ServerState
 
 
@@ -146,34 +147,41 @@ class Wire:
             seq = seq if exc.seq is None else exc.seq
         self.send(error_reply(exc, job, seq + 1, ttl_ms, self.receipts()))
 
-    def yield_(
-        self,
-        req: Request,
-        *,
-        seq: int,
-        need_code: str,
-        error_code: ErrorCode,
-        retry_hint_ms: int,
-        held: bool,
-        detail: str,
-    ) -> None:
-        """``clarify yield``: come back after ``retry_hint_ms``; ``held``, the payload was kept."""
+    def yield_(self, req: Request, decision: Yielded, *, seq: int, held: bool, detail: str) -> None:
+        """``clarify yield``: come back after the hint; ``held``, the payload was kept. Its
+        receipts say what bound refused it and, when it waits on a slot, the hint's parts."""
+        hint_ms = decision.retry_hint_ms
         self.send(
             self.reply(
                 req,
                 Verb.CLARIFY,
                 Status.YIELD,
                 seq=seq,
-                need_code=need_code,
-                error_code=error_code,
-                retry_hint_ms=retry_hint_ms,
+                need_code=decision.need_code,
+                error_code=decision.error_code,
+                retry_hint_ms=hint_ms,
                 detail=detail,
                 extra=(
-                    (Receipt.RETRY_HINT_MS, retry_hint_ms),
+                    (Receipt.RETRY_HINT_MS, hint_ms),
                     (Receipt.PAYLOAD_HELD, int(held)),
+                    *refusal_receipts(decision),
                 ),
             )
         )
+
+
+def refusal_receipts(decision: Yielded) -> tuple[tuple[str, int], ...]:
+    """A yield's bound (``bound.NAME``: 1) and, when it waits on a slot, its hint's parts."""
+    bound = ((f"{Receipt.BOUND}.{decision.what_bound}", 1),)
+    parts = decision.parts
+    if parts is None:
+        return bound
+    return (
+        *bound,
+        (Receipt.HINT_RELEASE_MS, parts.release_ms),
+        (Receipt.HINT_TURNS_MS, parts.turns_ms),
+        (Receipt.HINT_AHEAD, parts.ahead),
+    )
 
 
 def yield_detail(need_code: str, held: bool) -> str:

@@ -473,6 +473,9 @@ async def test_the_fleet_cap_holds_over_replicas_and_frees_when_jobs_end(
     assert codes == {Status.DONE: 3, NeedCode.FLEET_BUSY: 1}
     refused = next(r for r in results if r.reply.status == Status.YIELD)
     assert refused.reply.retry_hint_ms >= 5
+    # It names the fleet's cap, and waits for the fleet's next lease end: all release.
+    assert refused.reply.receipt("bound.fleet_max_inflight") == 1
+    assert refused.reply.receipt("hint.release_ms") == refused.reply.retry_hint_ms
     # The refused job was admitted here and given back: nothing executed, nothing leaked.
     assert sum(s.ledger.executed_total for s in servers) == 3
     store = RedisStore(redis_server.url)

@@ -28,7 +28,7 @@ from governor.core.policy import Lane, LanePolicy
 from governor.core.slo import Objectives, SloPolicy
 from governor.core.tenants import TenantConfig, Tenants
 from governor.runners import Job, StubRunner
-from protocol.codes import NeedCode
+from protocol.codes import BOUNDS, NeedCode
 from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
 from tests.clock import FakeClock
 
@@ -367,6 +367,7 @@ def test_every_sequence_keeps_the_caps_and_gives_everything_back(
                 if "slots at once" in decision.detail:  # more than it could ever hold
                     assert n > (1 if key == "k-noisy" else 2 if lanes else 3)
             else:
+                check_refusal(decision)
                 admission.forget(Attempt(tenant, None, promise=getattr(decision, "promise", None)))
         elif kind == "release" and tickets:
             ticket = tickets.pop(int(a) % len(tickets))  # type: ignore[call-overload]
@@ -388,6 +389,72 @@ def test_every_sequence_keeps_the_caps_and_gives_everything_back(
     assert admission.inflight == admission.ledger.taken == 0
     assert all(t.inflight == 0 and not t.running for t in admission.tenants.all())
     assert admission.ledger.kv_reserved == 0
+
+
+# What refused a job, and what its hint is made of --------------------------------------------
+
+# The refusals that wait on a slot (or on a lease of the fleet's): their hints come in parts.
+WAIT_ON_A_SLOT = {
+    NeedCode.SERVER_BUSY,
+    NeedCode.LANE_FULL,
+    NeedCode.LANE_PAUSED,
+    NeedCode.TENANT_BUSY,
+    NeedCode.TENANT_SHARE,
+    NeedCode.KV_PRESSURE,
+    NeedCode.FLEET_BUSY,
+}
+
+
+def check_refusal(decision: object) -> None:
+    """A yield names the bound that refused it (its code's, or for lane_full the reserve's),
+    and a hint that waits on a slot comes in parts that add up to it."""
+    assert isinstance(decision, Yielded), decision
+    code, bound, parts = decision.need_code, decision.what_bound, decision.parts
+    assert bound == BOUNDS[code] or (code, bound) == (NeedCode.LANE_FULL, "interactive_reserve")
+    if code in WAIT_ON_A_SLOT:
+        assert parts is not None, code
+        assert parts.ms == decision.retry_hint_ms
+        assert min(parts.release_ms, parts.turns_ms, parts.ahead) >= 0
+    else:
+        assert parts is None, code
+
+
+def test_a_busy_hint_is_the_running_jobs_end_and_the_turns_of_those_promised_ahead(
+    clock: FakeClock,
+) -> None:
+    admission = make(clock, cap=1)
+    admitted(admission.decide(attempt(admission)))  # expected to end in about a second
+    first, second = (admission.decide(attempt(admission)) for _ in range(2))
+    for refused in (first, second):
+        check_refusal(refused)
+    assert isinstance(first, Yielded)
+    assert isinstance(second, Yielded)
+    assert first.parts is not None
+    assert second.parts is not None
+    assert first.what_bound == second.what_bound == "max_inflight"
+    assert (first.parts.turns_ms, first.parts.ahead) == (0, 0)  # next in line: the end only
+    assert first.parts.release_ms == first.retry_hint_ms > 0
+    # Behind it: the same end, then the first one's turn on that slot.
+    assert second.parts.release_ms == first.parts.release_ms
+    assert second.parts.ahead == 1
+    assert second.parts.turns_ms > 0
+
+
+def test_a_tenant_at_its_cap_waits_for_its_own_first_end_and_a_drain_for_nothing(
+    clock: FakeClock,
+) -> None:
+    admission = make(clock, cap=4, tenants=(NOISY,))
+    admitted(admission.decide(attempt(admission, "k-noisy")))
+    busy = admission.decide(attempt(admission, "k-noisy"))
+    check_refusal(busy)
+    assert isinstance(busy, Yielded)
+    assert busy.parts is not None
+    assert (busy.what_bound, busy.parts.turns_ms) == ("tenant_max_inflight", 0)
+    admission.ledger.draining = True
+    draining = admission.decide(attempt(admission, "k-noisy"))
+    check_refusal(draining)
+    assert isinstance(draining, Yielded)
+    assert (draining.what_bound, draining.parts) == ("drain", None)
 
 
 # Objectives --------------------------------------------------------------------------------

@@ -6,7 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.core.hints import kth_release
+from governor.core.estimates import ServiceEstimates
+from governor.core.hints import HintParts, RetryHints, kth_release, kth_release_parts
+from governor.core.lanegate import LaneGate
+from governor.core.promises import PromiseLine
 
 
 def one_by_one(ends: list[float], period: float, k: int) -> float:
@@ -48,3 +51,32 @@ def test_the_kth_release_is_the_slots_taken_one_by_one(
 def test_later_releases_are_never_earlier(ends: list[float], period: float, k: int) -> None:
     ends.sort()
     assert kth_release(ends, period, k) <= kth_release(ends, period, k + 1) + 1e-9
+
+
+@given(
+    ends=st.lists(st.floats(0.0, 100.0), min_size=1, max_size=8),
+    period=st.floats(0.001, 20.0),
+    k=st.integers(0, 60),
+)
+def test_the_kth_release_is_a_slots_end_and_its_turns_after_it(
+    ends: list[float], period: float, k: int
+) -> None:
+    """Its parts: the first end of the slot it comes on, and the turns of that slot after it
+    (what a hint says it is made of)."""
+    ends.sort()
+    end, turns = kth_release_parts(ends, period, k)
+    assert end in ends
+    assert turns >= 0
+    assert end + turns * period == pytest.approx(one_by_one(ends, period, k), abs=1e-6)
+
+
+def test_a_hints_parts_add_up_to_it_within_its_bounds() -> None:
+    line = PromiseLine(3)
+    estimates = ServiceEstimates(1.0, 0.005)
+    hints = RetryHints(2, 5, 1_000, estimates, line, LaneGate(None, line, 0.0), [])
+    assert hints.parts(10.0, 10.4) == HintParts(400)  # a wait for one end: all release
+    assert hints.parts(10.0, 10.9, 10.3, 2) == HintParts(300, 600, 2)
+    cut = hints.parts(10.0, 12.5, 10.3, 5)  # past max_hint_ms: cut in its turns
+    assert (cut.ms, cut.release_ms) == (1_000, 300)
+    raised = hints.parts(10.0, 10.0, 9.0)  # a free slot: the floor, its turns none
+    assert (raised.ms, raised.release_ms, raised.turns_ms) == (5, 0, 5)

@@ -15,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from governor.core.admission import Attempt
+from governor.core.admission import Attempt, Yielded
+from governor.core.hints import HintParts
 from governor.core.ledger import DRAINING_HINT_MS
 from governor.core.tenants import TenantConfig, Tenants
 from governor.listeners import openai_api as api
@@ -338,16 +339,27 @@ def test_a_wait_asked_for_that_is_not_a_whole_number_of_milliseconds_is_400(valu
 
 
 def test_a_draining_replica_says_retry_soon_elsewhere() -> None:
-    draining = api.refusal(NeedCode.DRAINING, ErrorCode.UNAVAILABLE, DRAINING_HINT_MS)
+    draining = api.refusal(Yielded(NeedCode.DRAINING, DRAINING_HINT_MS))
     assert draining.status == HTTPStatus.SERVICE_UNAVAILABLE
-    assert dict(draining.headers) == {"retry-after-ms": "1000", "retry-after": "1"}
+    assert dict(draining.headers) == {
+        "retry-after-ms": "1000",
+        "retry-after": "1",
+        "x-governor-bound": "drain",
+    }
     # It says why: this replica drains, the retry is for another (not "no slot free").
     assert "this replica is draining" in draining.message
     assert "another replica" in draining.message
     assert "slot" not in draining.message
-    busy = api.refusal(NeedCode.SERVER_BUSY, ErrorCode.BUSY, 2_500)
+    busy = api.refusal(Yielded(NeedCode.SERVER_BUSY, 2_500, None, HintParts(900, 1_600, 3)))
     assert (busy.status, busy.code) == (HTTPStatus.TOO_MANY_REQUESTS, "server_busy")
-    assert dict(busy.headers) == {"retry-after-ms": "2500", "retry-after": "3"}
+    assert dict(busy.headers) == {
+        "retry-after-ms": "2500",
+        "retry-after": "3",
+        "x-governor-bound": "max_inflight",
+        "x-governor-hint-release-ms": "900",
+        "x-governor-hint-turns-ms": "1600",
+        "x-governor-hint-ahead": "3",
+    }
 
 
 # OpenAI's features on a runner that generates (the embedded one) ---------------------------
