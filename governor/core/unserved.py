@@ -35,6 +35,14 @@ class UnservedDemand:
         self.jobs[key] += 1
         self.tokens[key] += tokens
 
+    def totals(self) -> tuple[int, int, int]:
+        """Jobs turned away, their tokens, and those that gave up, every lane and tenant."""
+        return (
+            sum(self.jobs.values()),
+            sum(self.tokens.values()),
+            sum(self.gave_up_jobs.values()),
+        )
+
     def gave_up(self, key: Key) -> None:
         """A job turned away will not be served: its client left, cancelled, or did not come
         back in time, or it was refused for good."""

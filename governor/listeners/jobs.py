@@ -190,7 +190,10 @@ class JobFrames:
         upload = Upload(config.max_payload_bytes, config.max_chunks)
         # (its deadline is set by what comes of its first frame: an accepted manifest, a hold)
         attempt = self.turned_away.pop(req.job, None)
-        if attempt is None or attempt.tenant is not tenant:
+        if attempt is not None and attempt.tenant is not tenant:  # (another tenant's job)
+            intake.gave_up(self.state, attempt)
+            attempt = None
+        if attempt is None:
             attempt = Attempt(tenant, None)
         ask = intake.Ask(self.state, attempt)
         state = self.jobs[req.job] = JobState(upload, ask)

@@ -21,12 +21,7 @@ from tests.inprocess.test_frontdoor import CHAT, Sdk, front, hold_slot, sdk, url
 
 
 def unserved(server: Server) -> tuple[int, int, int]:
-    demand = server.admission.unserved
-    return (
-        sum(demand.jobs.values()),
-        sum(demand.tokens.values()),
-        sum(demand.gave_up_jobs.values()),
-    )
+    return server.admission.unserved.totals()
 
 
 def yields(server: Server) -> int:

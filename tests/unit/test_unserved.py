@@ -24,12 +24,7 @@ def spec(max_new_tokens: int) -> bytes:
 
 
 def totals(state: ServerState) -> tuple[int, int, int]:
-    unserved = state.admission.unserved
-    return (
-        sum(unserved.jobs.values()),
-        sum(unserved.tokens.values()),
-        sum(unserved.gave_up_jobs.values()),
-    )
+    return state.admission.unserved.totals()
 
 
 def test_a_job_refused_again_and_again_counts_once_and_its_tokens_once(
