@@ -50,7 +50,7 @@ async def test_a_tcp_yield_names_its_bound_and_its_hints_parts(make_server: Serv
             assert release + turns == reply.retry_hint_ms
         (r1, t1, a1), (r2, t2, a2) = (parts(r) for r in replies)
         assert (t1, a1) == (0, 0)  # next in line: the running job's end, nothing else
-        assert abs(r2 - r1) <= 100
+        assert 0 < r2 <= r1 + 50  # the same end, asked a little later
         assert a2 == 1
         assert t2 > 0
         await running

@@ -740,14 +740,14 @@ async def test_the_store_adds_up_every_replicas_unserved_demand(
     """Two replicas, one slot over the fleet: each counts the jobs it turned away (each once,
     retried or not), and the store's sum, which every replica exports, is both of theirs."""
     servers = await fleet_of(
-        make_server, redis_server.url, 2, fleet_max_inflight=1, lease_ttl=0.6, stub_ms=200
+        make_server, redis_server.url, 2, fleet_max_inflight=1, lease_ttl=0.6, stub_ms=500
     )
     results = await asyncio.gather(
         *(run_job(servers[i % 2], f"J{i}", b"x", attempts=100) for i in range(6))
     )
     assert all(r.done for r in results)
     own = [s.admission.unserved for s in servers]
-    assert sum(sum(d.jobs.values()) for d in own) == sum(1 for r in results if r.yields) >= 4
+    assert sum(d.totals()[0] for d in own) == sum(1 for r in results if r.yields) >= 2
     expected = collections.Counter[tuple[str, ...]]()
     for demand in own:
         expected.update({("jobs", *k): n for k, n in demand.jobs.items()})
