@@ -88,7 +88,7 @@ def metavar(name: str, kind: str, help_text: str) -> str:
         return "HOST:PORT"
     if name.endswith("url") or name == "upstream" or re.search(r"\bURL\b", help_text):
         return "URL"
-    number = _TYPE_METAVARS.get(kind, kind.upper() if kind in ("int", "float") else None)
+    number = _TYPE_METAVARS.get(kind)
     if number in ("N", "NUMBER"):
         if name in _NAMED_NUMBERS:
             return name.upper()

@@ -274,15 +274,7 @@ UnservedCounts = dict[tuple[str, ...], int]
 
 def unserved_counts(demand: UnservedDemand) -> UnservedCounts:
     """``demand``'s counters as one mapping, the store's fields."""
-    return {
-        (what, *key): n
-        for what, counter in (
-            ("jobs", demand.jobs),
-            ("tokens", demand.tokens),
-            ("gave_up", demand.gave_up_jobs),
-        )
-        for key, n in counter.items()
-    }
+    return {(what, *key): n for what, counter in demand.counters() for key, n in counter.items()}
 
 
 # The seconds the store took to answer an admission (loopback: about 0.2 ms).

@@ -42,7 +42,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.codes import BOUNDS, ErrorCode, NeedCode
+from protocol.codes import BOUNDS, Bound, ErrorCode, NeedCode
 from protocol.spec import SpecInvalid
 
 from ..runners.base import Job, Runner
@@ -256,13 +256,13 @@ class Admitted:
 class Yielded:
     """Not now: ``yield`` with this code and hint; ``promise`` is the client's place in line,
     ``parts`` what its hint is made of (when it waits on a slot), ``bound`` what refused it
-    (:class:`~protocol.codes.Bound`; empty: the code's own, :data:`~protocol.codes.BOUNDS`)."""
+    (None: the code's own, :data:`~protocol.codes.BOUNDS`)."""
 
     need_code: NeedCode
     retry_hint_ms: int
     promise: Promise | None = None
     parts: HintParts | None = None
-    bound: str = ""
+    bound: Bound | None = None
 
     @property
     def what_bound(self) -> str:
@@ -569,9 +569,8 @@ class Admission:
         attempt.unserved = True
         attempt.refusals += 1
         attempt.promise = refusal.promise
-        bound = refusal.bound or ""
         return Yielded(
-            refusal.need_code, refusal.retry_hint_ms, refusal.promise, refusal.parts, bound
+            refusal.need_code, refusal.retry_hint_ms, refusal.promise, refusal.parts, refusal.bound
         )
 
     def _rejected(self, attempt: Attempt, promise: Promise | None, rejected: Rejected) -> Rejected:

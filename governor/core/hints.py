@@ -11,7 +11,7 @@ same instant.
   being the turnaround (how long a released slot waits for the returning client it was promised
   to) and ``W`` the mean predicted time of the jobs of the clients ahead of the waiting one in
   line (they take those turns), or its own job's where none is. The ``k``-th release from now
-  is the ``k``-th smallest of the times ``e_i + j * (W + T)`` (:func:`kth_release`): a slot
+  is the ``k``-th smallest of the times ``e_i + j * (W + T)`` (:func:`kth_release_parts`): a slot
   that frees long before another turns over many times first.
 * ``P`` is the number of promises still outstanding. A promise belongs to a held payload: it is
   withdrawn when the client comes back or the payload is dropped (client gone, new manifest),
@@ -180,12 +180,6 @@ class RetryHints:
         at = now + parts.ms / 1000
         return parts, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
 
-    def release_time(self, now: float, k: int, rank: int = 0, turn_s: float | None = None) -> float:
-        """When the ``k``-th slot release from now is expected (``k`` = 0: the next one), for
-        a client of the lane ranked ``rank``."""
-        end, turns, period = self.release_parts(now, k, rank, turn_s)
-        return end + turns * period
-
     def release_parts(
         self, now: float, k: int, rank: int = 0, turn_s: float | None = None
     ) -> tuple[float, int, float]:
@@ -239,16 +233,10 @@ def _ms(seconds: float) -> int:
     return math.ceil(seconds * 1000 - 1e-6)
 
 
-def kth_release(ends: list[float], period: float, k: int) -> float:
-    """The ``k``-th smallest (from 0) of ``ends[i] + j * period`` over every ``i`` and ``j >=
-    0``: when the ``k``-th slot release is expected, slot ``i`` freeing first at ``ends[i]``
-    and then every ``period``."""
-    end, turns = kth_release_parts(ends, period, k)
-    return end + turns * period
-
-
 def kth_release_parts(ends: list[float], period: float, k: int) -> tuple[float, int]:
-    """:func:`kth_release` as ``(ends[i], j)``: the slot's first end and its turns after it.
+    """The ``k``-th smallest (from 0) of ``ends[i] + j * period`` over every ``i`` and ``j >=
+    0``, as ``(ends[i], j)``: when the ``k``-th slot release is expected, slot ``i`` freeing
+    first at ``ends[i]`` and then every ``period``; its slot's first end and its turns after.
 
     ``ends`` is sorted and not empty; ``period`` is positive. Constant time when every slot
     frees once before any frees twice (the usual case); else the releases are counted in rounds

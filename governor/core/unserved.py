@@ -35,13 +35,14 @@ class UnservedDemand:
         self.jobs[key] += 1
         self.tokens[key] += tokens
 
+    def counters(self) -> tuple[tuple[str, collections.Counter[Key]], ...]:
+        """Each counter by what it counts: ``jobs``, ``tokens``, ``gave_up``."""
+        return (("jobs", self.jobs), ("tokens", self.tokens), ("gave_up", self.gave_up_jobs))
+
     def totals(self) -> tuple[int, int, int]:
         """Jobs turned away, their tokens, and those that gave up, every lane and tenant."""
-        return (
-            sum(self.jobs.values()),
-            sum(self.tokens.values()),
-            sum(self.gave_up_jobs.values()),
-        )
+        jobs, tokens, gave_up = (sum(counter.values()) for _, counter in self.counters())
+        return jobs, tokens, gave_up
 
     def gave_up(self, key: Key) -> None:
         """A job turned away will not be served: its client left, cancelled, or did not come

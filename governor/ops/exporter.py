@@ -99,6 +99,17 @@ def _server_families(server: ServerState, health: Health) -> Iterator[Metric]:
     )
 
 
+# governor_unserved_*, by what each counts (UnservedDemand.counters).
+UNSERVED_HELP = {
+    "jobs": "Distinct jobs turned away (each once, however often its client retried), by lane "
+    "and tenant: the demand this replica did not serve when asked.",
+    "tokens": "The tokens those jobs asked for (prompt and the most they may generate), by lane "
+    "and tenant.",
+    "gave_up": "Jobs turned away and never served: their client left or cancelled, did not come "
+    "back in time, or was refused for good; by lane and tenant.",
+}
+
+
 def _job_families(server: ServerState, health: Health) -> Iterator[Metric]:
     """Admission attempts refused, admitted jobs' ends, abort frames."""
     jobs = server.metrics
@@ -108,28 +119,10 @@ def _job_families(server: ServerState, health: Health) -> Iterator[Metric]:
         ["reason", "lane", "tenant"],
         server.admission.refusals.items(),
     )
-    unserved = server.admission.unserved
-    for name, documentation, counts in (
-        (
-            "governor_unserved_jobs",
-            "Distinct jobs turned away (each once, however often its client retried), by lane "
-            "and tenant: the demand this replica did not serve when asked.",
-            unserved.jobs,
-        ),
-        (
-            "governor_unserved_tokens",
-            "The tokens those jobs asked for (prompt and the most they may generate), by lane "
-            "and tenant.",
-            unserved.tokens,
-        ),
-        (
-            "governor_unserved_gave_up",
-            "Jobs turned away and never served: their client left or cancelled, did not come "
-            "back in time, or was refused for good; by lane and tenant.",
-            unserved.gave_up_jobs,
-        ),
-    ):
-        yield _counter(name, documentation, ["lane", "tenant"], counts.items())
+    for what, counts in server.admission.unserved.counters():
+        yield _counter(
+            f"governor_unserved_{what}", UNSERVED_HELP[what], ["lane", "tenant"], counts.items()
+        )
     yield _counter(
         "governor_jobs_finished",
         "Admitted jobs that ended, by outcome (done, the abort's need code, or client_gone), "
@@ -417,7 +410,7 @@ def _fleet_families(fleet: Fleet) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "governor_fleet_leases", "This replica's leases: its jobs running.", value=len(gate.leases)
     )
-    for what in ("jobs", "tokens", "gave_up"):
+    for what in UNSERVED_HELP:
         yield _counter(
             f"governor_fleet_unserved_{what}",
             f"governor_unserved_{what} added up over every replica of the fleet, as the store "
