@@ -189,6 +189,9 @@ class Receipt(StrEnum):
     HINT_TURNS_MS = "hint.turns_ms"
     HINT_AHEAD = "hint.ahead"
     BOUND = "bound"  # on a yield: "bound.NAME", value 1, NAME a Bound
+    # On a busy yield with redis_url: 1 when, as the fleet's store last said, no other replica
+    # has a free slot either (trying another replica would only be refused there too).
+    FLEET_SATURATED = "fleet.saturated"
 
 
 # Fields only a server may set; a request carrying any of them breaks the envelope.

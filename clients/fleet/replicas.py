@@ -15,8 +15,10 @@ carries ``backend.inflight`` and ``backend.cap``, a ``yield`` its ``retry_hint_m
   busy, and whose receipts do not say it is full, takes the job at once; else the one whose
   hint ends first, if that is sooner than ``now + h``, after that wait; else the job stays on
   A, whose client sleeps the hint and resends only the final chunk of the payload A holds.
-  A ``fleet_busy`` yield speaks for every replica (the fleet's shared cap is full), so it
-  marks them all busy and the job stays.
+  A yield that speaks for every replica marks them all busy and the job stays, backing off
+  once for the fleet: ``fleet_busy`` (the fleet's shared cap is full), or a busy one with the
+  receipt ``fleet.saturated`` (no other replica would serve it sooner, as the fleet's store
+  last said).
 - **draining** (a ``draining`` yield, or a ping with ``server.draining`` 1): the replica is
   left: never picked, until a ping ``recheck_s`` later finds it ready again (a restarted
   process on the same address), or for good.
@@ -166,7 +168,12 @@ class Replicas:
         load_ttl_s: float = 5.0,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        fleet_wide: bool = True,
     ) -> None:
+        """``fleet_wide``: a yield that speaks for the whole fleet (``fleet_busy``, or a busy
+        one that says the fleet is saturated) marks every replica busy until its hint, so the
+        job waits where it is; False treats each replica on its own (for comparisons)."""
+        self.fleet_wide = fleet_wide
         self.ejection = ejection
         self.recheck_s = recheck_s
         self.load_ttl_s = load_ttl_s
@@ -290,7 +297,9 @@ class Replicas:
         if reply.status == Status.YIELD:
             until = now + (reply.retry_hint_ms or DEFAULT_HINT_MS) / 1000
             r.busy_until = until
-            if reply.need_code in FLEET_WIDE_CODES:
+            if self.fleet_wide and (
+                reply.need_code in FLEET_WIDE_CODES or reply.receipt(Receipt.FLEET_SATURATED)
+            ):
                 for other in self._order:
                     other.busy_until = max(other.busy_until, until)
         elif reply.receipt(Receipt.HEALTH) == 1:

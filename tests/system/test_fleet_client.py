@@ -210,6 +210,29 @@ def test_fleet_busy_speaks_for_every_replica() -> None:
     assert {s.state for s in r.status()} == {ReplicaState.BUSY}
 
 
+def test_a_yield_that_says_the_fleet_is_saturated_speaks_for_every_replica() -> None:
+    """A busy yield whose replica says no other has a free slot (the store's view): the job
+    waits its hint where it is, instead of being refused by each replica in turn."""
+    clock = FakeClock()
+    r = fleet(A, B, C, clock=clock)
+    saturated = busy(300)
+    saturated = Reply(
+        saturated.verb,
+        saturated.job,
+        saturated.seq,
+        saturated.status,
+        need_code=saturated.need_code,
+        retry_hint_ms=saturated.retry_hint_ms,
+        receipts=(*saturated.receipts, (Receipt.FLEET_SATURATED, 1)),
+    )
+    r.observe(A.name, saturated)
+    assert r.after_yield(A.name) is None
+    assert {s.state for s in r.status()} == {ReplicaState.BUSY}
+    plain = fleet(A, B, C, clock=clock)
+    plain.observe(A.name, busy(300))  # this replica's slots only: another may have one
+    assert plain.after_yield(A.name) is not None
+
+
 def test_an_unknown_code_is_busy() -> None:
     clock = FakeClock()
     r = fleet(A, B, clock=clock)
