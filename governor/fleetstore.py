@@ -41,19 +41,49 @@ from .telemetry.metrics import Histogram
 
 log = logging.getLogger("governor.core.fleetgate")
 
+# Every script that hears from a replica: its heartbeat's set cleared of the dead (what they
+# said forgotten), when it could next serve a newcomer written (``ready``: ms from now), and the
+# soonest of the others alive returned (ms from now; -1: there is no other). A replica that
+# stops says -1 and leaves the set.
+HEARTBEAT = """
+local function heartbeat(replicas_key, ready_key, replica, ready, now)
+  local dead = redis.call('ZRANGEBYSCORE', replicas_key, '-inf', now)
+  if #dead > 0 then
+    redis.call('ZREMRANGEBYSCORE', replicas_key, '-inf', now)
+    redis.call('HDEL', ready_key, unpack(dead))
+  end
+  if tonumber(ready) < 0 then  -- it stops: gone from the fleet's view at once
+    redis.call('ZREM', replicas_key, replica)
+    redis.call('HDEL', ready_key, replica)
+  else
+    redis.call('HSET', ready_key, replica, now + tonumber(ready))
+  end
+  local sooner = -1
+  for _, r in ipairs(redis.call('ZRANGE', replicas_key, 0, -1)) do
+    if r ~= replica then
+      local wait = math.max(tonumber(redis.call('HGET', ready_key, r) or now) - now, 0)
+      if sooner < 0 or wait < sooner then sooner = wait end
+    end
+  end
+  return redis.call('ZCARD', replicas_key), sooner
+end
+"""
+
 # Expire what has lapsed, then check the fleet's cap, the tenant's cap and its buckets in that
 # order; only an admission charges the buckets and writes the lease.
-ACQUIRE = """
+ACQUIRE = (
+    HEARTBEAT
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease, ttl, expected = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local cap, tcap = tonumber(ARGV[4]), tonumber(ARGV[5])
 local rrate, rburst = tonumber(ARGV[6]), tonumber(ARGV[7])
 local trate, tburst, tokens = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local replica = ARGV[11]
+local replica, ready = ARGV[11], ARGV[12]
 -- This replica's releases not yet written go first, so that the job taking a slot its last
 -- job left never finds that job's lease still counted.
-for i = 12, #ARGV do
+for i = 13, #ARGV do
   redis.call('ZREM', KEYS[1], ARGV[i])
   redis.call('ZREM', KEYS[2], ARGV[i])
   redis.call('ZREM', KEYS[i - 5], ARGV[i])
@@ -64,9 +94,8 @@ if #dead > 0 then
   redis.call('ZREM', KEYS[2], unpack(dead))
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
 redis.call('ZADD', KEYS[5], now + ttl, replica)
-local replicas = redis.call('ZCARD', KEYS[5])
+local replicas, sooner = heartbeat(KEYS[5], KEYS[7], replica, ready, now)
 local inflight = redis.call('ZCARD', KEYS[1])
 local function soonest(members)
   local best = nil
@@ -90,11 +119,11 @@ if cap > 0 and inflight >= cap then
   at = math.ceil(at + math.floor(waiting / n) * turn)
   redis.call('ZADD', KEYS[6], at, lease)
   redis.call('PEXPIRE', KEYS[6], at - now + ttl)
-  return {0, 'fleet_busy', at - now, replicas, inflight}
+  return {0, 'fleet_busy', at - now, replicas, inflight, sooner}
 end
 if tcap > 0 and redis.call('ZCARD', KEYS[3]) >= tcap then
   local wait = soonest(redis.call('ZRANGE', KEYS[3], 0, -1))
-  return {0, 'tenant_busy', math.ceil(wait), replicas, inflight}
+  return {0, 'tenant_busy', math.ceil(wait), replicas, inflight, sooner}
 end
 local b = redis.call('HMGET', KEYS[4], 'rl', 'rs', 'tl', 'ts')
 local function level(l, s, rate, burst)
@@ -112,7 +141,7 @@ if trate > 0 then
   if tl < need then wait = math.max(wait, (need - tl) * 1000 / trate) end
 end
 if wait > 0 then
-  return {0, 'rate_limited', math.ceil(wait), replicas, inflight}
+  return {0, 'rate_limited', math.ceil(wait), replicas, inflight, sooner}
 end
 if rrate > 0 or trate > 0 then
   local refill = 0
@@ -132,35 +161,49 @@ if tcap > 0 then
   redis.call('ZADD', KEYS[3], now + ttl, lease)
   redis.call('PEXPIRE', KEYS[3], ttl * 2)
 end
-return {1, '', 0, replicas, inflight + 1}
+return {1, '', 0, replicas, inflight + 1, sooner}
 """
+)
 
-# KEYS: leases, ends, then each lease's tenant set; ARGV: the lease ids, in the same order.
-RELEASE = """
-redis.call('ZREM', KEYS[1], unpack(ARGV))
-redis.call('ZREM', KEYS[2], unpack(ARGV))
-for i, lease in ipairs(ARGV) do
-  redis.call('ZREM', KEYS[i + 2], lease)
+# KEYS: leases, ends, replicas, ready, then each lease's tenant set; ARGV: the replica, how soon
+# it could serve a newcomer, then the lease ids, in the tenant sets' order. Returns how soon
+# another could (HEARTBEAT).
+RELEASE = (
+    HEARTBEAT
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i = 3, #ARGV do
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  redis.call('ZREM', KEYS[2], ARGV[i])
+  redis.call('ZREM', KEYS[i + 2], ARGV[i])
 end
-return #ARGV
+local _, sooner = heartbeat(KEYS[3], KEYS[4], ARGV[1], ARGV[2], now)
+return sooner
 """
+)
 
-# KEYS: leases, replicas, then each lease's tenant set; ARGV: ttl, replica, then the lease ids.
-# A lease the store lost (it expired while the store was unreachable, or the store restarted)
-# is written again: the fleet counts the jobs that run, not only those it remembers.
-RENEW = """
+# KEYS: leases, replicas, ready, then each lease's tenant set; ARGV: ttl, replica, how soon it
+# could serve a newcomer, then the lease ids. A lease the store lost (it expired while the
+# store was unreachable, or the store restarted) is written again: the fleet counts the jobs
+# that run, not only those it remembers. Returns the replicas alive and how soon another could
+# serve a newcomer (HEARTBEAT).
+RENEW = (
+    HEARTBEAT
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 redis.call('ZADD', KEYS[2], now + ttl, ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   redis.call('ZADD', KEYS[1], now + ttl, ARGV[i])
   redis.call('ZADD', KEYS[i], now + ttl, ARGV[i])
   redis.call('PEXPIRE', KEYS[i], ttl * 2)
 end
-return redis.call('ZCARD', KEYS[2])
+local replicas, sooner = heartbeat(KEYS[2], KEYS[3], ARGV[2], ARGV[3], now)
+return {replicas, sooner}
 """
+)
 
 # Leases and tenants per script call, so that no call holds Redis (single-threaded) for long.
 BATCH = 256
@@ -183,14 +226,23 @@ class RedisStore:
         self.replicas_key = f"{self.prefix}:replicas"
         self.promises_key = f"{self.prefix}:promises"
         self.unserved_key = f"{self.prefix}:unserved"
+        self.ready_key = f"{self.prefix}:ready"
 
     def tenant_key(self, tenant: str, what: str) -> str:
         return f"{self.prefix}:t:{tenant}:{what}"
 
     async def acquire(
-        self, ask: Ask, *, ttl_ms: int, cap: int, replica: str, released: Sequence[Lease] = ()
+        self,
+        ask: Ask,
+        *,
+        ttl_ms: int,
+        cap: int,
+        replica: str,
+        ready_ms: int = 0,
+        released: Sequence[Lease] = (),
     ) -> Answer:
-        """The admission's one step; ``released``: leases to free first (at most :data:`BATCH`)."""
+        """The admission's one step; ``ready_ms``: how soon this replica could serve a
+        newcomer; ``released``: leases to free first (at most :data:`BATCH`)."""
         tenant = ask.tenant
         reply = await self._acquire(
             keys=[
@@ -200,6 +252,7 @@ class RedisStore:
                 self.tenant_key(tenant.name, "bucket"),
                 self.replicas_key,
                 self.promises_key,
+                self.ready_key,
                 *(self.tenant_key(lease.tenant, "leases") for lease in released),
             ],
             args=[
@@ -214,39 +267,50 @@ class RedisStore:
                 tenant.token_burst or max(tenant.tokens_per_s, 1.0),
                 ask.tokens,
                 replica,
+                ready_ms,
                 *(lease.id for lease in released),
             ],
         )
-        allowed, code, wait_ms, replicas, inflight = reply
+        allowed, code, wait_ms, replicas, inflight, sooner = reply
         code = code.decode() if isinstance(code, bytes) else str(code)
-        return Answer(bool(allowed), code, int(wait_ms), int(replicas), int(inflight))
+        return Answer(bool(allowed), code, int(wait_ms), int(replicas), int(inflight), int(sooner))
 
-    async def release(self, leases: Sequence[Lease]) -> None:
-        for start in range(0, len(leases), BATCH):
+    async def release(self, leases: Sequence[Lease], *, replica: str, ready_ms: int) -> int:
+        """Free ``leases`` (none: a heartbeat), and tell the store how soon this replica could
+        serve a newcomer; returns how soon another could (ms; -1: there is no other)."""
+        sooner = -1
+        for start in range(0, max(len(leases), 1), BATCH):
             batch = leases[start : start + BATCH]
-            await self._release(
+            sooner = await self._release(
                 keys=[
                     self.leases_key,
                     self.ends_key,
+                    self.replicas_key,
+                    self.ready_key,
                     *(self.tenant_key(lease.tenant, "leases") for lease in batch),
                 ],
-                args=[lease.id for lease in batch],
+                args=[replica, ready_ms, *(lease.id for lease in batch)],
             )
+        return int(sooner)
 
-    async def renew(self, leases: Sequence[Lease], *, ttl_ms: int, replica: str) -> int:
-        """Renew ``leases`` and this replica's heartbeat; returns the replicas alive."""
-        replicas = 1
+    async def renew(
+        self, leases: Sequence[Lease], *, ttl_ms: int, replica: str, ready_ms: int = 0
+    ) -> tuple[int, int]:
+        """Renew ``leases`` and this replica's heartbeat (and how soon it could serve a
+        newcomer); returns the replicas alive and how soon another could (as :meth:`release`)."""
+        replicas, sooner = 1, -1
         for start in range(0, max(len(leases), 1), BATCH):
             batch = leases[start : start + BATCH]
-            replicas = await self._renew(
+            replicas, sooner = await self._renew(
                 keys=[
                     self.leases_key,
                     self.replicas_key,
+                    self.ready_key,
                     *(self.tenant_key(lease.tenant, "leases") for lease in batch),
                 ],
-                args=[ttl_ms, replica, *(lease.id for lease in batch)],
+                args=[ttl_ms, replica, ready_ms, *(lease.id for lease in batch)],
             )
-        return int(replicas)
+        return int(replicas), int(sooner)
 
     async def add_unserved(self, counts: UnservedCounts) -> UnservedCounts:
         """Add this replica's unserved demand counted since it last did (``counts``); returns
@@ -308,6 +372,11 @@ class Fleet:
         # This replica's unserved demand (the server's admission's), what of it the store has,
         # and the fleet's as the store last said.
         self.unserved: UnservedDemand | None = None
+        # How soon this replica could serve a newcomer (ms; the server's ledger's), told to the
+        # store with each admission, release, renewal and (after a busy yield) heartbeat.
+        self.ready_ms: Callable[[], int] = lambda: 0
+        self.turn_s: Callable[[], float] = lambda: 0.0  # how often a slot here turns over
+        self._heartbeat = False  # one is due (a busy yield here changed the answer)
         self._unserved_written: UnservedCounts = {}
         self.fleet_unserved: UnservedCounts = {}
         self._wake = asyncio.Event()
@@ -330,6 +399,7 @@ class Fleet:
         if trial is not None:
             ask = gate.question(lease, tenant, tokens, expected_s)
             released = list(itertools.islice(self._pending.values(), BATCH))
+            told = gate.told(self.ready_ms())
             started = time.perf_counter()
             try:
                 async with asyncio.timeout(gate.settings.timeout_s):
@@ -338,6 +408,7 @@ class Fleet:
                         ttl_ms=self.ttl_ms,
                         cap=gate.settings.max_inflight,
                         replica=gate.settings.replica_id,
+                        ready_ms=told.ms,
                         released=released,
                     )
             except STORE_ERRORS as exc:
@@ -349,7 +420,12 @@ class Fleet:
                 self.seconds.observe(time.perf_counter() - started)
                 self._written(released)
                 refusal = gate.answered(
-                    lease, answer, trial=trial, tenant=tenant, next_end_ms=next_end_ms
+                    lease,
+                    answer,
+                    trial=trial,
+                    tenant=tenant,
+                    next_end_ms=next_end_ms,
+                    told=told,
                 )
                 if refusal is not None and answer.allowed:  # (over what this replica holds)
                     self._forget(lease)
@@ -373,23 +449,36 @@ class Fleet:
         for lease in leases:
             self._pending.pop(lease.id, None)
 
+    def busy(self, hint_ms: int) -> bool:
+        """A busy yield here, with ``hint_ms``: whether it speaks for the fleet (no other
+        replica could serve the job sooner: :meth:`FleetGate.saturated`). How soon this
+        replica could serve a newcomer has changed: the store is told with the next write (a
+        heartbeat; the yields that come while one is due share it)."""
+        if not self._heartbeat:
+            self._heartbeat = True
+            self._wake.set()
+        return self.gate.saturated(hint_ms, self.turn_s())
+
     async def run(self) -> None:
-        """Write releases as they come (a batch per turn), and renew this replica's leases and
-        heartbeat every third of ``lease_ttl``; while the store is unreachable, only the
-        breaker's trials try."""
+        """Write releases as they come (a batch per turn) and heartbeats when due, and renew
+        this replica's leases and heartbeat every third of ``lease_ttl``; while the store is
+        unreachable, only the breaker's trials try."""
         loop = asyncio.get_running_loop()
         renew_at = 0.0
         while True:
-            wait = renew_at - loop.time()
-            if wait > 0 and not self._pending:
+            now = loop.time()
+            if renew_at > now and not self._pending and not self._heartbeat:
                 try:
-                    async with asyncio.timeout(wait):
+                    async with asyncio.timeout(renew_at - now):
                         await self._wake.wait()
                 except TimeoutError:
                     _reraise_cancel()
             self._wake.clear()
             batch = list(self._pending.values())
-            written = not batch or await self._write(batch, renew=False)
+            written = True
+            if batch or self._heartbeat:
+                self._heartbeat = False  # (each write is a heartbeat)
+                written = await self._write(batch, renew=False)
             if written:
                 self._written(batch)  # (not those released while it was written)
             if loop.time() >= renew_at:
@@ -407,19 +496,22 @@ class Fleet:
         s = gate.settings
         try:
             async with asyncio.timeout(self.renew_s):
+                told, replicas = gate.told(self.ready_ms()), None
                 if renew:
-                    replicas = await self.store.renew(
-                        leases, ttl_ms=self.ttl_ms, replica=s.replica_id
+                    replicas, sooner = await self.store.renew(
+                        leases, ttl_ms=self.ttl_ms, replica=s.replica_id, ready_ms=told.ms
                     )
                     await self._add_unserved()
                 else:
-                    await self.store.release(leases)
+                    sooner = await self.store.release(
+                        leases, replica=s.replica_id, ready_ms=told.ms
+                    )
         except STORE_ERRORS as exc:
             _reraise_cancel()
             gate.failed(trial=trial)
             log.debug("fleet store failed a %s: %r", "renewal" if renew else "release", exc)
             return False
-        gate.reached(trial=trial, replicas=replicas if renew else None)
+        gate.reached(trial=trial, sooner_ms=sooner, told=told, replicas=replicas)
         # A cancel that redis-py hid by finishing the command: stop now, not when the wait
         # for the next renewal (lease_ttl / 3) runs out and finds it (a server's close waited
         # that long).
@@ -470,7 +562,8 @@ class Fleet:
         try:
             async with asyncio.timeout(1.0):
                 if leases:
-                    await self.store.release(leases)
+                    replica = self.gate.settings.replica_id
+                    await self.store.release(leases, replica=replica, ready_ms=-1)
                 await self._add_unserved()  # (what it counted since its last renewal)
         except STORE_ERRORS:
             pass

@@ -410,10 +410,18 @@ Outcome = Admitted | Rejected | Yielded | Waiting
 
 
 def _decision(state: ServerState, attempt: Attempt) -> Decision:
-    """Admission's decision on a prepared attempt, its time measured."""
+    """Admission's decision on a prepared attempt, its time measured; on a fleet, a busy yield
+    says whether another replica could serve the job sooner (not: the fleet is saturated)."""
     started = time.perf_counter()
     decision = state.admission.decide(attempt)
     state.metrics.decision.observe(attempt.lane, time.perf_counter() - started)
+    fleet = state.fleet
+    if (
+        fleet is not None
+        and isinstance(decision, Yielded)
+        and decision.error_code == ErrorCode.BUSY
+    ):
+        decision.fleet_saturated = fleet.busy(decision.retry_hint_ms)
     return decision
 
 

@@ -276,6 +276,9 @@ class Server:
         self.fleet = self.state.fleet = build_fleet(config, self.ledger)
         if self.fleet is not None:
             self.fleet.unserved = self.admission.unserved
+            ledger = self.ledger
+            self.fleet.ready_ms = ledger.ready_in_ms
+            self.fleet.turn_s = lambda: ledger.service_s / ledger.cap
         self.pools = self.admission.pools
         self.metrics = self.state.metrics
         self.connections = self.state.connections

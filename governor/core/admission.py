@@ -263,6 +263,7 @@ class Yielded:
     promise: Promise | None = None
     parts: HintParts | None = None
     bound: Bound | None = None
+    fleet_saturated: bool = False  # no other replica would serve it sooner (the store's view)
 
     @property
     def what_bound(self) -> str:

@@ -93,6 +93,17 @@ class Answer:
     wait_ms: int = 0
     replicas: int = 1  # replicas alive (their heartbeats not expired), this one included
     inflight: int = 0  # leases held over the fleet, this job's included when allowed
+    # How soon (ms) another replica alive could serve a newcomer, as each last said; -1: no other.
+    sooner_ms: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Told:
+    """What a write told the store of this replica: how soon it could serve a newcomer
+    (``ms``), as of ``at`` (the gate's clock)."""
+
+    ms: int
+    at: float
 
 
 class FleetGate:
@@ -104,6 +115,11 @@ class FleetGate:
         self.breaker = CircuitBreaker(STORE_BREAKER, clock)
         self.replicas = 1  # alive, as the store last said (the share divides by it)
         self.fleet_inflight = 0  # leases over the fleet, as the store last said
+        # When (clock) another replica could serve a newcomer, as the store last said (None:
+        # it has not yet; inf: there is no other), and this one as it told the store then.
+        self.elsewhere_at: float | None = None
+        self.ready_at = 0.0
+        self._told_at = -math.inf  # (an answer to an older write says nothing newer)
         self.leases: dict[str, Lease] = {}  # this replica's, for running jobs
         self.answers: collections.Counter[str] = collections.Counter()  # by answer
         self._ids = itertools.count(1)
@@ -137,14 +153,18 @@ class FleetGate:
         trial: bool,
         tenant: TenantConfig,
         next_end_ms: Callable[[], int],
+        told: Told | None = None,
     ) -> Refusal | None:
-        """The store answered: the lease is this replica's, or the refusal to send. A grant is
+        """The store answered (``told``: what the admission told it): the lease is this
+        replica's, or the refusal to send. A grant is
         refused here too (the caller gives the store's lease back) when this replica already
         holds the fleet's or the tenant's cap: leases granted on its share while the store was
         slow, which the store has not counted."""
         self.breaker.record(False, trial=trial)
         self.replicas = max(1, answer.replicas)
         self.fleet_inflight = answer.inflight
+        if told is not None:
+            self._heard(answer.sooner_ms, told)
         if answer.allowed:
             held = self._held_refusal(tenant, 1, next_end_ms)
             if held is not None:
@@ -161,11 +181,49 @@ class FleetGate:
             self.answers["store_error"] += 1
             self.breaker.record(True, trial=trial)
 
-    def reached(self, *, trial: bool, replicas: int | None = None) -> None:
-        """The store took a release or a renewal (which says the ``replicas`` alive)."""
+    def reached(
+        self, *, trial: bool, sooner_ms: int, told: Told, replicas: int | None = None
+    ) -> None:
+        """The store took a release, a heartbeat or a renewal (``told``: what it told of this
+        replica): it says how soon another could serve a newcomer (``sooner_ms``), and a
+        renewal the ``replicas`` alive."""
         self.breaker.record(False, trial=trial)
+        self._heard(sooner_ms, told)
         if replicas is not None:
             self.replicas = max(1, replicas)
+
+    def told(self, ready_ms: int) -> Told:
+        """What a write about to go tells the store: this replica could serve a newcomer in
+        ``ready_ms``."""
+        return Told(ready_ms, self.clock())
+
+    def _heard(self, sooner_ms: int, told: Told) -> None:
+        if told.at < self._told_at:  # (its answer overtaken by a newer write's)
+            return
+        self._told_at = told.at
+        self.elsewhere_at = math.inf if sooner_ms < 0 else self.clock() + sooner_ms / 1000
+        self.ready_at = told.at + told.ms / 1000
+
+    def saturated(self, hint_ms: int, turn_s: float = 0.0) -> bool:
+        """Whether a busy yield with ``hint_ms`` speaks for the fleet: no other replica could
+        serve the job half a turn (``turn_s``, this replica's) sooner than this one will (less
+        is within the estimates' error, and a move costs the client its place here), so its
+        client gains nothing by trying them and backs off once for the fleet.
+
+        The store's word ages: the others' lines are taken to have grown as this one's has
+        since (a burst comes to every replica alike, and each refusal here comes before the
+        store hears of it). So a newcomer, at the back of this line, is the fleet's if the
+        others were not half a turn ahead of this replica when the store last said; a client
+        with an earlier place here, if none could serve it before that place comes. A job sent
+        elsewhere makes the line there a turn longer, until the store says again.
+        """
+        if self.elsewhere_at is None or self.store_state != BreakerState.CLOSED:
+            return False
+        here = min(self.ready_at, self.clock() + hint_ms / 1000)
+        if self.elsewhere_at + turn_s / 2 >= here:
+            return True
+        self.elsewhere_at += turn_s  # the job goes there: that line is a turn longer
+        return False
 
     def on_share(
         self, lease: Lease, tenant: TenantConfig, tokens: int, next_end_ms: Callable[[], int]

@@ -162,6 +162,20 @@ class RetryHints:
         to others first, whatever the line (suspended jobs' slots, taken back first).
         """
         own_s = self.estimates.predict_s(size, self.lanes.lane(rank))
+        parts, promise = self.timing(now, promise, rank, size, later)
+        at = now + parts.ms / 1000
+        return parts, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
+
+    def timing(
+        self,
+        now: float,
+        promise: Promise | None,
+        rank: int = 0,
+        size: JobSize | None = None,
+        later: int = 0,
+    ) -> tuple[HintParts, Promise | None]:
+        """:meth:`place`'s hint, the line left as it is; and the promise that keeps its place
+        (None: a newcomer's, at the back)."""
         if promise is not None and promise.queued:
             counts, seconds = self.line.ahead_of(promise, rank)
         else:  # a newcomer, or a client whose promise lapsed: to the back
@@ -172,13 +186,14 @@ class RetryHints:
         if reserve and counts[0]:  # the reserve serves the first interactive clients
             ahead -= min(counts[0], reserve)
             ahead_s -= seconds[0] * min(counts[0], reserve) / counts[0]
-        turn_s = ahead_s / ahead if ahead > 0 else own_s
+        if ahead > 0:
+            turn_s = ahead_s / ahead
+        else:
+            turn_s = self.estimates.predict_s(size, self.lanes.lane(rank))
         # (a job of n sequences waits for the n-th release after those ahead of it)
         k = ahead + later + (size.width - 1 if size is not None else 0)
         end, turns, period = self.release_parts(now, k, rank, turn_s)
-        parts = self.parts(now, end + turns * period, end, ahead + later)
-        at = now + parts.ms / 1000
-        return parts, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
+        return self.parts(now, end + turns * period, end, ahead + later), promise
 
     def release_parts(
         self, now: float, k: int, rank: int = 0, turn_s: float | None = None

@@ -623,6 +623,17 @@ class SlotLedger(SlotPool):
         self.yielded_total += 1
         return refusal
 
+    def ready_in_ms(self) -> int:
+        """How soon a newcomer of the lowest lane would get a slot here (0: one is free and
+        no one waits for it): what this replica tells the fleet's store, for the others to
+        tell their clients whether it may serve them sooner."""
+        now = self.clock()
+        self.line.lapse(now)
+        rank = 0 if self.lanes.policy is None else len(LANES) - 1
+        if self._taken < self.cap and not self.line.waiting(rank):
+            return 0
+        return self.hints.timing(now, None, rank)[0].ms
+
     def next_end_ms(self) -> int:
         """The hint to the first running job's expected end."""
         now = self.clock()

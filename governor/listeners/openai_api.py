@@ -712,6 +712,7 @@ def abort_status(need_code: str) -> HTTPStatus:
 # A yield's bound and its hint's parts, as response headers (the receipts' names on the TCP
 # door, with dashes).
 BOUND_HEADER = "x-governor-bound"
+SATURATED_HEADER = "x-governor-fleet-saturated"  # "1": no other replica has a free slot either
 PART_HEADERS = (
     "x-governor-hint-release-ms",
     "x-governor-hint-turns-ms",
@@ -738,6 +739,8 @@ def refusal(decision: Yielded) -> ApiError:
     else:
         message = f"{need_code}: no slot for this request now; retry in {retry_hint_ms} ms"
     headers = (*retry_headers(retry_hint_ms), (BOUND_HEADER, decision.what_bound))
+    if decision.fleet_saturated:
+        headers += ((SATURATED_HEADER, "1"),)
     parts = decision.parts
     if parts is not None:
         values = (parts.release_ms, parts.turns_ms, parts.ahead)

@@ -1,6 +1,6 @@
 """``fleet-bench``: what the fleet's store costs and what it holds, on real processes and Redis.
 
-Four measures, each on its own fresh replicas (``governor serve --runner stub``, stopped by
+Five measures, each on its own fresh replicas (``governor serve --runner stub``, stopped by
 their PIDs) and a Redis of its own:
 
 - ``latency``: what a Redis call adds to an admission. The store's script alone (as the daemon
@@ -13,6 +13,12 @@ their PIDs) and a Redis of its own:
   quiet one runs beside it.
 - ``throughput``: jobs per second of three replicas sharing Redis against three independent
   governors, with the same clients.
+- ``backoff``: three replicas sharing Redis with no fleet cap, saturated by a burst of
+  ``--backoff-jobs`` jobs at once, each from its own multi-replica client (or from
+  ``--backoff-clients`` of them); clients that back off as one when a yield says the fleet is
+  saturated, against clients that try each replica on its own
+  (``Replicas(fleet_wide=False)``), in turn for ``--rounds``: attempts per job, when the last
+  job ended, and the jobs' times.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import orjson
 import uvloop
 
 from clients.client import GovernorClient, RetryPolicy
+from clients.fleet import FleetClient, Replicas
+from clients.fleet.addresses import Address
 from clients.helptext import RawDescriptionDefaultsHelpFormatter
 from governor.core.fleetgate import FleetGate, FleetSettings
 from governor.core.tenants import TenantConfig
@@ -45,7 +53,7 @@ from ..support.replicas import Replica, by_label, replica_set
 from ..support.stats import percentile
 
 NAME = "fleet-bench"
-MEASURES = ("latency", "cap", "tenants", "throughput")
+MEASURES = ("latency", "cap", "tenants", "throughput", "backoff")
 
 
 # Replicas -----------------------------------------------------------------------------------
@@ -114,7 +122,7 @@ async def measure_latency(folder: Path, args: argparse.Namespace) -> dict[str, A
                 started = time.perf_counter()
                 await store.acquire(ask, ttl_ms=10_000, cap=1_000_000, replica="bench")
                 script.append(time.perf_counter() - started)
-                await store.release([lease])
+                await store.release([lease], replica="bench", ready_ms=0)
         finally:
             await store.close()
         times: dict[str, list[float]] = {"without": [], "with": []}
@@ -302,11 +310,81 @@ async def measure_throughput(folder: Path, args: argparse.Namespace) -> dict[str
     return out
 
 
+async def burst_over(
+    addrs: list[str], jobs: int, fleet_wide: bool, clients: int = 0
+) -> dict[str, Any]:
+    """``jobs`` jobs at once from ``clients`` multi-replica clients (0: one each), the jobs of
+    a client sharing what it learns of the replicas: their attempts and times (from the
+    burst's start)."""
+    addresses = [Address(host, int(port)) for host, port in (a.rsplit(":", 1) for a in addrs)]
+    fleets = [
+        FleetClient(Replicas(addresses, fleet_wide=fleet_wide)) for _ in range(clients or jobs)
+    ]
+    started = time.monotonic()
+
+    async def one(i: int) -> tuple[int, float, bool]:
+        result = await fleets[i % len(fleets)].upload(
+            b"x",
+            inline=True,
+            retry=RetryPolicy(max_attempts=200),
+            timeout=120,
+        )
+        return result.attempts, time.monotonic() - started, result.done
+
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(jobs)))
+    finally:
+        for client in fleets:
+            await client.close()
+    ended = [t for _, t, done in results if done]
+    return {
+        "done": len(ended),
+        "attempts_per_job": round(sum(a for a, _, _ in results) / jobs, 2),
+        "last_done_s": round(max(ended, default=0.0), 3),
+        "p50_s": round(percentile(ended, 50), 3) if ended else None,
+        "p99_s": round(percentile(ended, 99), 3) if ended else None,
+    }
+
+
+async def measure_backoff(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"fleet": [], "per_replica": []}
+    with RedisServer() as redis:
+        async with replicas(
+            folder,
+            3,
+            2,
+            "--stub-ms",
+            str(args.backoff_stub_ms),
+            "--redis-url",
+            redis.url,
+            "--lease-ttl",
+            "2",
+        ) as fleet:
+            addrs = [r.addr for r in fleet]
+            for _ in range(args.rounds):
+                for name, fleet_wide in (("fleet", True), ("per_replica", False)):
+                    runs[name].append(
+                        await burst_over(addrs, args.backoff_jobs, fleet_wide, args.backoff_clients)
+                    )
+    median = {
+        name: {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+        for name, rows in runs.items()
+    }
+    fleet_m, each_m = median["fleet"], median["per_replica"]
+    return {
+        "runs": runs,
+        "median": median,
+        "attempts_ratio": round(fleet_m["attempts_per_job"] / each_m["attempts_per_job"], 3),
+        "last_done_ratio": round(fleet_m["last_done_s"] / each_m["last_done_s"], 3),
+    }
+
+
 RUNS: dict[str, Callable[[Path, argparse.Namespace], Awaitable[dict[str, Any]]]] = {
     "latency": measure_latency,
     "cap": measure_cap,
     "tenants": measure_tenants,
     "throughput": measure_throughput,
+    "backoff": measure_backoff,
 }
 
 
@@ -350,6 +428,15 @@ def add_parser(commands: Any) -> None:
         default=0.05,
         help="cap, tenants: the replicas' fleet_timeout (a store slower than this fails open)",
     )
+    parser.add_argument("--backoff-jobs", type=int, default=60, help="backoff: the burst")
+    parser.add_argument(
+        "--backoff-clients",
+        type=int,
+        default=0,
+        help="backoff: multi-replica clients sharing the burst (0: one a job)",
+    )
+    parser.add_argument("--backoff-stub-ms", type=int, default=300, help="backoff: a job's time")
+    parser.add_argument("--rounds", type=int, default=5, help="backoff: bursts of each client")
     parser.add_argument("--report", type=Path, help="write the JSON report here too")
 
 

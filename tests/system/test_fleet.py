@@ -13,11 +13,13 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import httpx
 import orjson
 import pytest
 from hypothesis import HealthCheck, settings
@@ -29,6 +31,7 @@ from governor.config import Config, ConfigError
 from governor.core.breaker import BreakerState
 from governor.core.fleetgate import Answer, FleetGate, FleetSettings, Lease
 from governor.fleetstore import RedisStore
+from governor.listeners.openai_api import SATURATED_HEADER
 from governor.server import Server
 from loadtest.support.redisserver import RedisServer
 from protocol.codes import ErrorCode, NeedCode, Status
@@ -132,9 +135,45 @@ def test_store_failures_open_its_breaker_and_a_trial_closes_it() -> None:
     clock.now += 2.5
     assert g.ask() is True  # the trial
     assert g.ask() is None  # one at a time
-    g.reached(trial=True, replicas=2)
+    g.reached(trial=True, sooner_ms=500, told=g.told(0), replicas=2)
     assert g.store_state == BreakerState.CLOSED  # type: ignore[comparison-overlap]
     assert g.replicas == 2
+
+
+def test_a_busy_yield_is_the_fleets_unless_another_replica_would_serve_it_sooner() -> None:
+    clock = FakeClock()
+    g = gate(clock)
+    assert not g.saturated(100)  # the store has said nothing yet
+    # The other replica would serve a newcomer in 500 ms; this one, when it told, in 600.
+    g.reached(trial=False, sooner_ms=500, told=g.told(600))
+    assert g.saturated(500)
+    assert not g.saturated(510)
+    # A newcomer (its place is at the back): the other was 100 ms ahead, within half a turn.
+    assert g.saturated(900, turn_s=0.2)
+    assert not g.saturated(900, turn_s=0.19)  # ahead by more: it goes there, ...
+    assert g.saturated(900, turn_s=0.19)  # ... and the next newcomer finds it a turn behind
+    clock.now += 0.3  # what the store said ages; this line has grown since, the other's too
+    assert g.saturated(2000, turn_s=0.19)
+    g.reached(trial=False, sooner_ms=0, told=g.told(300))  # a slot free elsewhere
+    assert not g.saturated(300, turn_s=0.1)
+    g.reached(trial=False, sooner_ms=-1, told=g.told(0))  # no other replica: all the fleet's
+    assert g.saturated(10**9)
+    for _ in range(3):
+        g.failed(trial=False)
+    assert g.store_state == BreakerState.OPEN
+    assert not g.saturated(0)  # the store's view is not known while it is unreachable
+
+
+def test_an_answer_to_an_older_write_says_nothing_newer() -> None:
+    """Writes go on several connections: an answer may come after a newer write's."""
+    clock = FakeClock()
+    g = gate(clock)
+    older = g.told(0)  # (told before this replica's job took its slot)
+    clock.now += 0.01
+    g.reached(trial=False, sooner_ms=500, told=g.told(600))
+    g.reached(trial=False, sooner_ms=0, told=older)  # come last
+    assert g.ready_at == pytest.approx(clock.now + 0.6)
+    assert g.saturated(500)
 
 
 def test_while_the_store_is_unreachable_lanes_fail_open_on_the_share_or_closed() -> None:
@@ -205,14 +244,17 @@ class SlowStore:
         self.released: list[str] = []
         self.renewals = 0
 
-    async def release(self, leases: list[Lease]) -> None:
+    async def release(self, leases: list[Lease], *, replica: str, ready_ms: int) -> int:
         self.writing += 1
         await self.gate.wait()
         self.released += [lease.id for lease in leases]
+        return -1
 
-    async def renew(self, leases: list[Lease], *, ttl_ms: int, replica: str) -> int:
+    async def renew(
+        self, leases: list[Lease], *, ttl_ms: int, replica: str, ready_ms: int
+    ) -> tuple[int, int]:
         self.renewals += 1
-        return 1
+        return 1, 0
 
     async def close(self) -> None:
         pass
@@ -238,6 +280,51 @@ async def test_releases_that_come_while_a_batch_is_written_are_written_next() ->
         await asyncio.gather(writer, return_exceptions=True)
 
 
+class ReadyStore(SlowStore):
+    """A store that lets writes through at once and records the ready times it was told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate.set()
+        self.told: list[int] = []
+
+    async def release(self, leases: list[Lease], *, replica: str, ready_ms: int) -> int:
+        self.told.append(ready_ms)
+        return await super().release(leases, replica=replica, ready_ms=ready_ms)
+
+    async def renew(
+        self, leases: list[Lease], *, ttl_ms: int, replica: str, ready_ms: int
+    ) -> tuple[int, int]:
+        self.told.append(ready_ms)
+        return await super().renew(leases, ttl_ms=ttl_ms, replica=replica, ready_ms=ready_ms)
+
+
+async def test_a_busy_yield_tells_the_store_how_soon_this_replica_could_serve() -> None:
+    """After a busy yield the store hears this replica's new readiness at once (a heartbeat),
+    not at the next renewal, ten seconds away; yields that come while one is due share it."""
+    from governor.fleetstore import Fleet
+
+    store = ReadyStore()
+    fleet = Fleet(gate(FakeClock(), lease_ttl_s=30.0), store)  # type: ignore[arg-type]
+    ready = 0
+    fleet.ready_ms = lambda: ready
+    writer = asyncio.create_task(fleet.run())
+    try:
+        await wait_until(lambda: store.renewals == 1)
+        assert store.told == [0]
+        ready = 700
+        fleet.busy(700)
+        fleet.busy(700)  # (before the writer ran: the same heartbeat)
+        await wait_until(lambda: len(store.told) == 2)
+        assert store.told == [0, 700]
+        assert store.released == []
+        await asyncio.sleep(0.05)
+        assert len(store.told) == 2  # no yield since: nothing more to say
+    finally:
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+
+
 class CancelHidingStore(SlowStore):
     """A store whose renewal, once begun, finishes and answers even if its task is cancelled
     meanwhile, as redis-py may."""
@@ -246,12 +333,14 @@ class CancelHidingStore(SlowStore):
         super().__init__()
         self.renewing = asyncio.Event()
 
-    async def renew(self, leases: list[Lease], *, ttl_ms: int, replica: str) -> int:
+    async def renew(
+        self, leases: list[Lease], *, ttl_ms: int, replica: str, ready_ms: int
+    ) -> tuple[int, int]:
         self.renewals += 1
         self.renewing.set()
         with contextlib.suppress(asyncio.CancelledError):
             await self.gate.wait()
-        return 1
+        return 1, 0
 
 
 async def test_a_cancel_the_store_hides_still_stops_the_writer_at_once() -> None:
@@ -320,6 +409,39 @@ async def test_an_unrenewed_lease_expires_and_a_renewed_one_lives(
             g.question(g.lease("t", "-"), t, 1, 5.0), ttl_ms=400, cap=2, replica="r"
         )
         assert again.allowed
+    finally:
+        await store.close()
+
+
+async def test_each_replica_hears_how_soon_the_others_could_serve_a_newcomer(
+    redis_server: RedisServer,
+) -> None:
+    """Every write tells the store when its replica could serve a newcomer; the answer is the
+    soonest of the others alive (-1: none). A replica that stops, or whose heartbeat lapses,
+    is no longer counted. (Releases and heartbeats tell it; admissions and renewals also keep
+    the replica alive.)"""
+    store = RedisStore(redis_server.url, name="ready")
+    g = gate(FakeClock())
+    try:
+        assert await store.renew([], ttl_ms=10_000, replica="a", ready_ms=900) == (1, -1)
+        replicas, sooner = await store.renew([], ttl_ms=400, replica="b", ready_ms=300)
+        assert replicas == 2
+        assert sooner in range(850, 901)
+        assert await store.release([], replica="a", ready_ms=900) in range(250, 301)
+        answer = await store.acquire(
+            g.question(g.lease("t", "-"), tenant(), 1, 5.0),
+            ttl_ms=10_000,
+            cap=0,
+            replica="c",
+            ready_ms=0,
+        )
+        assert answer.allowed
+        assert answer.sooner_ms in range(250, 301)
+        assert await store.release([], replica="a", ready_ms=900) == 0  # c has a free slot
+        assert await store.release([], replica="c", ready_ms=-1) in range(250, 301)  # c stops
+        assert await store.release([], replica="a", ready_ms=900) in range(250, 301)
+        await asyncio.sleep(0.5)  # b's heartbeat lapses (ttl 400 ms)
+        assert await store.release([], replica="a", ready_ms=900) == -1
     finally:
         await store.close()
 
@@ -393,7 +515,9 @@ class StoreRace(RuleBasedStateMachine):
     def release(self, data: st.DataObject, replica: int) -> None:
         ids = data.draw(st.lists(st.sampled_from(sorted(self.held)), min_size=1, unique=True))
         leases = [self.held.pop(i) for i in ids]
-        self.loop.run_until_complete(self.stores[replica].release(leases))
+        self.loop.run_until_complete(
+            self.stores[replica].release(leases, replica=f"r{replica}", ready_ms=0)
+        )
 
     @invariant()
     def counted(self) -> None:
@@ -759,3 +883,105 @@ async def test_the_store_adds_up_every_replicas_unserved_demand(
         ),
         timeout=10,
     )
+
+
+async def test_a_busy_yield_says_when_no_other_replica_would_serve_the_job_sooner(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    """No fleet cap: three replicas of one slot each (a turn is a 3 s job). While one still has
+    a free slot, a busy yield elsewhere does not speak for the fleet; once every slot is taken,
+    one does (the store's view, told with each admission, release, renewal and heartbeat).
+    A yield on a replica whose line is longer than another's does not."""
+    servers = await fleet_of(
+        make_server,
+        redis_server.url,
+        3,
+        max_inflight=1,
+        lease_ttl=0.6,
+        stub_ms=3000,
+        http_listen="127.0.0.1:0",
+        max_wait=0,
+    )
+    gates = [s.fleet.gate for s in servers if s.fleet is not None]
+
+    async def http_refusal(server: Server) -> httpx.Response:
+        address = server.http_address
+        assert address is not None
+        async with httpx.AsyncClient(base_url=f"http://{address[0]}:{address[1]}") as http:
+            return await http.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            )
+
+    running = [asyncio.create_task(run_job(servers[i], f"long{i}", b"x")) for i in range(2)]
+    await wait_until(lambda: servers[0].inflight == servers[1].inflight == 1)
+    # (servers[0] has told the store of its job, and heard that servers[2] has a free slot)
+    await wait_until(
+        lambda: (
+            gates[0].ready_at > gates[0].clock() + 2
+            and (gates[0].elsewhere_at or math.inf) <= gates[0].clock()
+        )
+    )
+    refused = await run_job(servers[0], "other", b"x")
+    assert refused.reply.status == Status.YIELD
+    assert refused.reply.receipt("fleet.saturated") is None  # the third replica has a slot
+    running.append(asyncio.create_task(run_job(servers[2], "long2", b"x")))
+    await wait_until(lambda: servers[2].inflight == 1)
+    await wait_until(lambda: (gates[0].elsewhere_at or 0) > gates[0].clock() + 2)
+    refused = await run_job(servers[0], "another", b"x")
+    assert refused.reply.need_code == NeedCode.SERVER_BUSY
+    assert refused.reply.receipt("fleet.saturated") == 1  # every replica's job runs on
+    answer = await http_refusal(servers[0])  # (the front door says it as a header)
+    assert answer.status_code == 429
+    assert answer.headers[SATURATED_HEADER] == "1"
+    # A job waits in servers[2]'s line (its client still there): a newcomer there would wait
+    # two turns, one elsewhere.
+    host, port = servers[2].address
+    async with await connect(f"{host}:{port}") as client:
+        waiting = await client.upload(b"x", job="waiting", retry=RetryPolicy(max_attempts=1))
+        assert waiting.reply.status == Status.YIELD
+        await wait_until(lambda: gates[2].ready_at > gates[2].clock() + 4.5)  # (told the store)
+        refused = await run_job(servers[2], "late", b"x")
+        # (that job was taken to make servers[1]'s line a turn longer, until the store says)
+        await wait_until(lambda: (gates[2].elsewhere_at or 0) < gates[2].clock() + 4)
+        answer = await http_refusal(servers[2])
+    assert refused.reply.need_code == NeedCode.SERVER_BUSY
+    assert refused.reply.receipt("hint.ahead") == 1
+    assert refused.reply.receipt("fleet.saturated") is None
+    assert answer.status_code == 429
+    assert SATURATED_HEADER not in answer.headers
+    assert all(r.done for r in await asyncio.gather(*running))
+
+
+@pytest.mark.parametrize("fleet_wide", [True, False])
+async def test_a_fleet_client_backs_off_once_when_no_replica_would_serve_sooner(
+    make_server: ServerFactory, redis_server: RedisServer, fleet_wide: bool
+) -> None:
+    """Every replica's one slot runs a job that ends at about the same time: the first replica
+    the client tries says the fleet is saturated, and the job waits there for its turn instead
+    of being refused by each replica in turn (as a client that treats each replica on its own
+    is)."""
+    from clients.fleet import FleetClient, Replicas
+    from clients.fleet.addresses import Address
+
+    servers = await fleet_of(
+        make_server, redis_server.url, 3, max_inflight=1, lease_ttl=0.6, stub_ms=800
+    )
+    running = [asyncio.create_task(run_job(servers[i], f"long{i}", b"x")) for i in range(3)]
+    await wait_until(lambda: all(s.inflight == 1 for s in servers))
+    gates = [s.fleet.gate for s in servers if s.fleet is not None]
+    await wait_until(  # (each has told the store of its job and heard of the others')
+        lambda: all(
+            g.ready_at > g.clock() + 0.3 and (g.elsewhere_at or 0) > g.clock() + 0.3 for g in gates
+        )
+    )
+    replicas = Replicas([Address(*s.address) for s in servers], fleet_wide=fleet_wide)
+    async with FleetClient(replicas) as fleet:
+        result = await fleet.upload(b"y", inline=True, retry=RetryPolicy(max_attempts=10))
+    assert result.reply.status == Status.DONE
+    if fleet_wide:
+        assert len(set(result.tried)) == 1
+        assert result.yields[0].receipt("fleet.saturated") == 1
+    else:
+        assert len(set(result.tried)) == 3  # refused by each before it waited
+    assert all(r.done for r in await asyncio.gather(*running))

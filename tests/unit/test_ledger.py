@@ -627,3 +627,48 @@ def test_a_slot_handed_to_a_client_back_on_its_hint_counts_its_empty_time(
     clock.now += 0.2
     assert isinstance(ledger.admit(), Slot)  # a newcomer, on no hint: not a handoff
     assert ledger.handoffs == 1
+
+
+def test_ready_in_is_a_newcomers_hint_and_keeps_no_place(clock: FakeClock) -> None:
+    """What a replica tells the fleet's store: 0 while a slot is free, else the hint a newcomer
+    would get now; asking it changes nothing."""
+    ledger = SlotLedger(2, clock=clock)
+    assert ledger.ready_in_ms() == 0
+    assert isinstance(ledger.admit(), Slot)
+    assert ledger.ready_in_ms() == 0  # one slot still free
+    assert isinstance(ledger.admit(), Slot)
+    ready = ledger.ready_in_ms()
+    assert ready > 0
+    assert ledger.waiting(0) == 0
+    refused = ledger.admit()
+    assert isinstance(refused, Refusal)
+    assert refused.retry_hint_ms == ready
+    assert isinstance(ledger.admit(), Refusal)  # (both slots' releases now promised)
+    assert ledger.ready_in_ms() > ready  # a newcomer now waits a turn behind them
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "release", "wait"]), st.floats(0, 0.5))))
+def test_ready_in_says_when_a_newcomer_is_admitted_or_what_it_is_told(
+    steps: list[tuple[str, float]],
+) -> None:
+    """For any history: ready_in 0 means a newcomer is admitted now; a refused newcomer is told
+    exactly ready_in."""
+    clock = FakeClock()
+    ledger = SlotLedger(3, clock=clock)
+    held: list[Slot] = []
+    for op, dt in steps:
+        clock.now += dt
+        if op == "release" and held:
+            held.pop(0).release()
+            continue
+        ready = ledger.ready_in_ms()
+        decision = ledger.admit()
+        if isinstance(decision, Refusal):
+            assert ready > 0
+            assert decision.retry_hint_ms == ready
+            if op != "wait" and decision.promise is not None:
+                ledger.withdraw(decision.promise)  # (it went elsewhere)
+        else:
+            assert isinstance(decision, Slot)
+            held.append(decision)
