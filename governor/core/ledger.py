@@ -366,9 +366,12 @@ class SlotPool:
             if freed is not None:
                 self.handoffs += 1
                 self.handoff_idle_s += now - freed
-                # Only a client that came when it was told says how long a slot waits for it.
+                # Only a client that came when it was told says how long a slot waits for it:
+                # from its release or the time told, whichever came later (a slot freed before
+                # that time waited on the hint, not on the client; learnt, that wait would
+                # stretch every later hint by as much, and be waited again).
                 if abs(now - promise.at) <= self.estimates.grace():
-                    self.estimates.came_back(now - freed)
+                    self.estimates.came_back(max(now - max(freed, promise.at), 0.0))
         if kv_cache is not None:
             slot.kv_cache, slot.kv_tokens = kv_cache, kv_tokens
         if self.preemptible and demand is not None and demand.lane != Lane.INTERACTIVE:
