@@ -411,7 +411,7 @@ Outcome = Admitted | Rejected | Yielded | Waiting
 
 def _decision(state: ServerState, attempt: Attempt) -> Decision:
     """Admission's decision on a prepared attempt, its time measured; on a fleet, a busy yield
-    says whether another replica could serve the job sooner (not: the fleet is saturated)."""
+    says whether it speaks for the fleet (no other replica would serve the job sooner)."""
     started = time.perf_counter()
     decision = state.admission.decide(attempt)
     state.metrics.decision.observe(attempt.lane, time.perf_counter() - started)

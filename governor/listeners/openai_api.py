@@ -712,7 +712,7 @@ def abort_status(need_code: str) -> HTTPStatus:
 # A yield's bound and its hint's parts, as response headers (the receipts' names on the TCP
 # door, with dashes).
 BOUND_HEADER = "x-governor-bound"
-SATURATED_HEADER = "x-governor-fleet-saturated"  # "1": no other replica has a free slot either
+SATURATED_HEADER = "x-governor-fleet-saturated"  # "1": no other replica would serve it sooner
 PART_HEADERS = (
     "x-governor-hint-release-ms",
     "x-governor-hint-turns-ms",

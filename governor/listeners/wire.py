@@ -171,7 +171,8 @@ class Wire:
 
 
 def refusal_receipts(decision: Yielded) -> tuple[tuple[str, int], ...]:
-    """A yield's bound (``bound.NAME``: 1) and, when it waits on a slot, its hint's parts."""
+    """A yield's bound (``bound.NAME``: 1), whether it speaks for the fleet
+    (``fleet.saturated``: 1) and, when it waits on a slot, its hint's parts."""
     bound: tuple[tuple[str, int], ...] = ((f"{Receipt.BOUND}.{decision.what_bound}", 1),)
     if decision.fleet_saturated:
         bound += ((Receipt.FLEET_SATURATED, 1),)
