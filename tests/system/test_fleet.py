@@ -964,17 +964,21 @@ async def test_a_fleet_client_backs_off_once_when_no_replica_would_serve_sooner(
     from clients.fleet import FleetClient, Replicas
     from clients.fleet.addresses import Address
 
+    # Jobs of 2 s: a replica's yield speaks for the fleet unless another's job ends half a turn
+    # (1 s) sooner, however far apart a busy machine starts the three.
     servers = await fleet_of(
-        make_server, redis_server.url, 3, max_inflight=1, lease_ttl=0.6, stub_ms=800
+        make_server, redis_server.url, 3, max_inflight=1, lease_ttl=0.6, stub_ms=2000
     )
     running = [asyncio.create_task(run_job(servers[i], f"long{i}", b"x")) for i in range(3)]
     await wait_until(lambda: all(s.inflight == 1 for s in servers))
     gates = [s.fleet.gate for s in servers if s.fleet is not None]
     await wait_until(  # (each has told the store of its job and heard of the others')
         lambda: all(
-            g.ready_at > g.clock() + 0.3 and (g.elsewhere_at or 0) > g.clock() + 0.3 for g in gates
+            g.ready_at > g.clock() + 1 and (g.elsewhere_at or 0) > g.clock() + 1 for g in gates
         )
     )
+    ends = [g.ready_at for g in gates]
+    assert max(ends) - min(ends) < 0.9  # (the premise: the jobs end within half a turn)
     replicas = Replicas([Address(*s.address) for s in servers], fleet_wide=fleet_wide)
     async with FleetClient(replicas) as fleet:
         result = await fleet.upload(b"y", inline=True, retry=RetryPolicy(max_attempts=10))
