@@ -131,6 +131,13 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--job-timeout", type=positive_float, default=30.0, help="seconds a job may take"
     )
+    parser.add_argument(
+        "--fleet-timeout",
+        type=positive_float,
+        default=0.05,
+        help="the replicas' fleet_timeout: a store slower than this fails open on a replica's "
+        "share, and the cap checks then measure the share, not the store",
+    )
     seed = parser.add_argument_group("seed phase")
     seed.add_argument(
         "--replicas", type=positive_int, default=4, help=f"replicas, {FAILING} failing every job"

@@ -192,6 +192,7 @@ async def kill_phase(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     with RedisServer() as redis:
         flags = [
             *("--redis-url", redis.url, "--fleet-max-inflight", str(cap)),
+            *("--fleet-timeout", f"{args.fleet_timeout:g}"),
             *("--lease-ttl", f"{ttl:g}", "--stub-ms", str(KILL_PROMPT_MS)),
             *("--stub-output-ms", f"{output_ms:g}"),
             *("--log-level", "info", "--log-format", "json"),  # (each job's line: the cap)

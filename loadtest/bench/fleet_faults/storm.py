@@ -216,6 +216,7 @@ async def seed_policy(args: argparse.Namespace, policy: str, folder: Path) -> di
     with RedisServer() as redis:
         common = [
             *("--redis-url", redis.url, "--fleet-max-inflight", str(cap)),
+            *("--fleet-timeout", f"{args.fleet_timeout:g}"),
             *("--stub-ms", str(args.stub_ms)),
             *(() if args.server_breaker else ("--breaker-failures", "0")),
         ]
