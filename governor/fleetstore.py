@@ -561,9 +561,10 @@ class Fleet:
         self._pending = {}
         try:
             async with asyncio.timeout(1.0):
-                if leases:
-                    replica = self.gate.settings.replica_id
-                    await self.store.release(leases, replica=replica, ready_ms=-1)
+                # (with no lease too: the replica leaves the fleet's count now, not at its
+                # heartbeat's end, and the others' shares grow back at once)
+                replica = self.gate.settings.replica_id
+                await self.store.release(leases, replica=replica, ready_ms=-1)
                 await self._add_unserved()  # (what it counted since its last renewal)
         except STORE_ERRORS:
             pass

@@ -125,6 +125,24 @@ def accounted(server: Server) -> tuple[int, int, int, list[int]]:
     )
 
 
+def holders(server: Server) -> str:
+    """What may hold a slot, for a failure's message: each connection's jobs (phase, with an
+    execution or not), a job admitted and not yet started, and the fleet's leases."""
+    parts = []
+    for conn in server.connections:
+        session = conn.session  # type: ignore[attr-defined]
+        jobs = {job: (s.phase.name, s.execution is not None) for job, s in session.jobs.items()}
+        admitted = session.table.admitted
+        parts.append(
+            f"conn(closed={session.closed}, paused={session.paused}, jobs={jobs}, "
+            f"admitted={admitted.job if admitted is not None else None})"
+        )
+    if server.fleet is not None:
+        gate = server.fleet.gate
+        parts.append(f"fleet(leases={len(gate.leases)}, answers={dict(gate.answers)})")
+    return "; ".join(parts) or "no connection"
+
+
 def given_back(server: Server) -> bool:
     """Nothing held: no slot, no execution, no payload byte, no tenant count or place in line."""
     return accounted(server)[:3] == (0, 0, 0) and all(
@@ -477,7 +495,9 @@ class Interleavings(RuleBasedStateMachine):
             # iteration later; a leaked slot is never given back.
             self.run(poll(self.accounts_settle, SETTLE_S))
             inflight, live, buffered, tenants = accounted(server)
-            assert inflight == live, f"{inflight} slot(s) held, {live} live execution(s)"
+            assert inflight == live, (
+                f"{inflight} slot(s) held, {live} live execution(s): {holders(server)}"
+            )
             cap = server.config.max_inflight
             assert inflight <= cap, f"{inflight} slot(s) held, over the cap of {cap}"
             assert sum(tenants) == inflight, f"tenants' counts {tenants}, {inflight} slot(s)"

@@ -613,6 +613,27 @@ async def test_the_fleet_cap_holds_over_replicas_and_frees_when_jobs_end(
     assert all(s.tenants.all()[0].inflight == 0 for s in servers)
 
 
+async def test_a_replica_that_stops_leaves_the_fleet_at_once(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    """A clean stop takes the replica out of the store's count at once, whether it held a
+    lease or not: the other's next write hears it is alone (its share of the fleet's limits
+    whole again, no other replica to send a client to), not a lease_ttl later."""
+    first, second = await fleet_of(make_server, redis_server.url, 2, lease_ttl=30.0)
+    assert first.fleet is not None
+    store = RedisStore(redis_server.url)
+    try:
+        await run_job(first, "J1", b"payload")  # (each admission writes its heartbeat)
+        await run_job(second, "J2", b"payload")
+        assert await store.redis.zcard(store.replicas_key) == 2
+        await second.close()
+        assert await store.redis.zcard(store.replicas_key) == 1
+        replica = first.fleet.gate.settings.replica_id
+        assert await store.release([], replica=replica, ready_ms=0) == -1  # no other
+    finally:
+        await store.close()
+
+
 async def test_a_job_longer_than_the_lease_ttl_keeps_its_lease(
     make_server: ServerFactory, redis_server: RedisServer
 ) -> None:
