@@ -1,7 +1,8 @@
-"""The fleet's store on Redis: one script call per admission, releases and renewals in batches.
+"""The fleet's store on Redis: one script call per admission, releases and renewals in batches,
+one per busy yield's placement (:class:`Placements`).
 
 The decisions are :mod:`governor.core.fleetgate`'s; this module only talks to Redis (redis-py's asyncio
-client, hiredis parsing its replies). Its three Lua scripts are loaded once and called by their
+client, hiredis parsing its replies). Its Lua scripts are loaded once and called by their
 hash (``EVALSHA``; redis-py loads a script again if the server lost it). Times are the Redis
 server's own (``TIME``), so the replicas' clocks never need to agree.
 
@@ -14,6 +15,8 @@ node)::
     gov{NAME}:promises            sorted set: refused lease id -> when it was told to come back
     gov{NAME}:t:TENANT:leases     sorted set: the tenant's lease ids -> expiry (ms)
     gov{NAME}:t:TENANT:bucket     hash: the tenant's token buckets (level and stamp of each)
+    gov{NAME}:ready               hash: replica id -> when it could serve a newcomer (ms), and
+                                  REPLICA@ -> where the fleet's clients reach it (HOST:PORT)
     gov{NAME}:unserved            hash: the fleet's unserved demand, ["jobs"|"tokens"|"gave_up",
                                   lane, tenant] -> count (each replica adds what it counted
                                   since its last renewal)
@@ -22,8 +25,10 @@ node)::
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,27 +49,32 @@ log = logging.getLogger("governor.core.fleetgate")
 # Every script that hears from a replica: its heartbeat's set cleared of the dead (what they
 # said forgotten), when it could next serve a newcomer written (``ready``: ms from now), and the
 # soonest of the others alive returned (ms from now; -1: there is no other). A replica that
-# stops says -1 and leaves the set.
+# stops says -1 and leaves the set. (The ready hash also holds, under ``REPLICA@``, where the
+# fleet's clients reach each replica: written by its renewals.)
 HEARTBEAT = """
+local function soonest(replicas_key, ready_key, replica, now)
+  local best, sooner = nil, -1
+  for _, r in ipairs(redis.call('ZRANGE', replicas_key, 0, -1)) do
+    if r ~= replica then
+      local wait = math.max(tonumber(redis.call('HGET', ready_key, r) or now) - now, 0)
+      if sooner < 0 or wait < sooner then best, sooner = r, wait end
+    end
+  end
+  return best, sooner
+end
 local function heartbeat(replicas_key, ready_key, replica, ready, now)
   local dead = redis.call('ZRANGEBYSCORE', replicas_key, '-inf', now)
   if #dead > 0 then
     redis.call('ZREMRANGEBYSCORE', replicas_key, '-inf', now)
-    redis.call('HDEL', ready_key, unpack(dead))
+    for _, r in ipairs(dead) do redis.call('HDEL', ready_key, r, r .. '@') end
   end
   if tonumber(ready) < 0 then  -- it stops: gone from the fleet's view at once
     redis.call('ZREM', replicas_key, replica)
-    redis.call('HDEL', ready_key, replica)
+    redis.call('HDEL', ready_key, replica, replica .. '@')
   else
     redis.call('HSET', ready_key, replica, now + tonumber(ready))
   end
-  local sooner = -1
-  for _, r in ipairs(redis.call('ZRANGE', replicas_key, 0, -1)) do
-    if r ~= replica then
-      local wait = math.max(tonumber(redis.call('HGET', ready_key, r) or now) - now, 0)
-      if sooner < 0 or wait < sooner then sooner = wait end
-    end
-  end
+  local _, sooner = soonest(replicas_key, ready_key, replica, now)
   return redis.call('ZCARD', replicas_key), sooner
 end
 """
@@ -184,7 +194,7 @@ return sooner
 )
 
 # KEYS: leases, replicas, ready, then each lease's tenant set; ARGV: ttl, replica, how soon it
-# could serve a newcomer, then the lease ids. A lease the store lost (it expired while the
+# could serve a newcomer, where its clients reach it, then the lease ids. A lease the store lost (it expired while the
 # store was unreachable, or the store restarted) is written again: the fleet counts the jobs
 # that run, not only those it remembers. Returns the replicas alive and how soon another could
 # serve a newcomer (HEARTBEAT).
@@ -195,13 +205,49 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 redis.call('ZADD', KEYS[2], now + ttl, ARGV[2])
-for i = 4, #ARGV do
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[2] .. '@', ARGV[4]) end
+for i = 5, #ARGV do
   redis.call('ZADD', KEYS[1], now + ttl, ARGV[i])
-  redis.call('ZADD', KEYS[i], now + ttl, ARGV[i])
-  redis.call('PEXPIRE', KEYS[i], ttl * 2)
+  redis.call('ZADD', KEYS[i - 1], now + ttl, ARGV[i])
+  redis.call('PEXPIRE', KEYS[i - 1], ttl * 2)
 end
 local replicas, sooner = heartbeat(KEYS[2], KEYS[3], ARGV[2], ARGV[3], now)
 return {replicas, sooner}
+"""
+)
+
+# KEYS: replicas, ready; ARGV: the replica, how soon it could serve a newcomer (as of the job's
+# refusal), the slack and the turn (ms), and the hint of a job a busy yield there refused. A
+# heartbeat (HEARTBEAT), then where the job should go: nowhere else (it is the fleet's: no other
+# replica would serve it the slack sooner than its hint), or to the soonest other, whose line
+# is then a turn longer. Every replica's refusals pass through here one at a time, interleaved
+# as they come: a burst refused at once on every replica is spread over the fleet as a list
+# scheduler would, each job to the replica that can serve it first (of those whose address is
+# known: a replica that has not yet renewed is never named). Returns how soon another
+# could serve a newcomer (as HEARTBEAT, after the job), and where the job's client reaches the
+# replica it goes to ('': nowhere else).
+PLACE = (
+    HEARTBEAT
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local replica, slack, turn = ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[4])
+heartbeat(KEYS[1], KEYS[2], replica, ARGV[2], now)
+local other, wait, elsewhere = nil, -1, ''
+for _, r in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local address = redis.call('HGET', KEYS[2], r .. '@')
+  if r ~= replica and address then
+    local w = math.max(tonumber(redis.call('HGET', KEYS[2], r) or now) - now, 0)
+    if wait < 0 or w < wait then other, wait, elsewhere = r, w, address end
+  end
+end
+if other ~= nil and wait + slack < tonumber(ARGV[5]) then
+  redis.call('HSET', KEYS[2], other, now + wait + turn)
+else
+  elsewhere = ''
+end
+local _, sooner = soonest(KEYS[1], KEYS[2], replica, now)
+return {sooner, elsewhere}
 """
 )
 
@@ -221,6 +267,7 @@ class RedisStore:
         self._acquire = self.redis.register_script(ACQUIRE)
         self._release = self.redis.register_script(RELEASE)
         self._renew = self.redis.register_script(RENEW)
+        self._place = self.redis.register_script(PLACE)
         self.leases_key = f"{self.prefix}:leases"
         self.ends_key = f"{self.prefix}:ends"
         self.replicas_key = f"{self.prefix}:replicas"
@@ -294,10 +341,17 @@ class RedisStore:
         return int(sooner)
 
     async def renew(
-        self, leases: Sequence[Lease], *, ttl_ms: int, replica: str, ready_ms: int = 0
+        self,
+        leases: Sequence[Lease],
+        *,
+        ttl_ms: int,
+        replica: str,
+        ready_ms: int = 0,
+        address: str = "",
     ) -> tuple[int, int]:
         """Renew ``leases`` and this replica's heartbeat (and how soon it could serve a
-        newcomer); returns the replicas alive and how soon another could (as :meth:`release`)."""
+        newcomer, and where its clients reach it: ``address``, HOST:PORT); returns the replicas
+        alive and how soon another could serve a newcomer (as :meth:`release`)."""
         replicas, sooner = 1, -1
         for start in range(0, max(len(leases), 1), BATCH):
             batch = leases[start : start + BATCH]
@@ -308,9 +362,24 @@ class RedisStore:
                     self.ready_key,
                     *(self.tenant_key(lease.tenant, "leases") for lease in batch),
                 ],
-                args=[ttl_ms, replica, ready_ms, *(lease.id for lease in batch)],
+                args=[ttl_ms, replica, ready_ms, address, *(lease.id for lease in batch)],
             )
         return int(replicas), int(sooner)
+
+    async def place(
+        self, hint_ms: int, *, replica: str, ready_ms: int, turn_ms: int, slack_ms: int
+    ) -> tuple[int, str]:
+        """Where the job a busy yield here refused (its hint: ``hint_ms``) should go
+        (:data:`PLACE`): nowhere else (''), or the address of a replica that would serve it
+        ``slack_ms`` sooner; the heartbeat as :meth:`release`. Returns how soon another could
+        serve a newcomer, and that address."""
+        sooner, elsewhere = await self._place(
+            keys=[self.replicas_key, self.ready_key],
+            args=[replica, ready_ms, slack_ms, turn_ms, hint_ms],
+        )
+        if isinstance(elsewhere, bytes):
+            elsewhere = elsewhere.decode()
+        return int(sooner), str(elsewhere)
 
     async def add_unserved(self, counts: UnservedCounts) -> UnservedCounts:
         """Add this replica's unserved demand counted since it last did (``counts``); returns
@@ -348,6 +417,14 @@ MAX_PENDING_RELEASES = 65536
 STORE_ERRORS = (TimeoutError, RedisError, OSError)
 
 
+# A busy yield's verdict from the store: where its job should go, '' nowhere else (it is the
+# fleet's), else the HOST:PORT of the replica that would serve it sooner; None: the store did not
+# say in time (the yield's own verdict, from what the store last said, stands).
+Verdict = Callable[[str | None], None]
+# Busy yields waiting for the store's verdict; past this a yield goes with its own at once.
+MAX_PLACEMENTS = 4096
+
+
 def _reraise_cancel() -> None:
     """Raise the cancel the client hid: redis-py can turn a cancel that lands while it connects
     into a ConnectionError, or finish the command and return its answer, and the task that was
@@ -377,6 +454,8 @@ class Fleet:
         self.ready_ms: Callable[[], int] = lambda: 0
         self.turn_s: Callable[[], float] = lambda: 0.0  # how often a slot here turns over
         self._heartbeat = False  # one is due (a busy yield here changed the answer)
+        self.placements = Placements(self)  # (the door's busy yields ask it where jobs go)
+        self.address = ""  # HOST:PORT: where the fleet's clients reach this replica's TCP door
         self._unserved_written: UnservedCounts = {}
         self.fleet_unserved: UnservedCounts = {}
         self._wake = asyncio.Event()
@@ -499,7 +578,11 @@ class Fleet:
                 told, replicas = gate.told(self.ready_ms()), None
                 if renew:
                     replicas, sooner = await self.store.renew(
-                        leases, ttl_ms=self.ttl_ms, replica=s.replica_id, ready_ms=told.ms
+                        leases,
+                        ttl_ms=self.ttl_ms,
+                        replica=s.replica_id,
+                        ready_ms=told.ms,
+                        address=self.address,
                     )
                     await self._add_unserved()
                 else:
@@ -569,3 +652,75 @@ class Fleet:
         except STORE_ERRORS:
             pass
         await self.store.close()
+
+
+class Placements:
+    """Where the jobs that busy yields refuse here should go, as the store says (:data:`PLACE`):
+    one job a call, so that the refusals of every replica pass through it interleaved, and a
+    burst refused at once on every replica is spread over the fleet. A yield waits for its
+    verdict within ``fleet_timeout`` (queued or asked); :meth:`run` is the one caller."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._asked: collections.deque[tuple[float, int, Verdict]] = collections.deque()
+        self._asking = 0  # (1 while the store is asked about one)
+        self._wake = asyncio.Event()
+
+    @property
+    def waiting(self) -> int:
+        """Busy yields waiting for the store's word."""
+        return len(self._asked) + self._asking
+
+    def ask(self, hint_ms: int, verdict: Verdict) -> bool:
+        """Ask whether the job of a busy yield with ``hint_ms`` is the fleet's: ``verdict`` is
+        called with the answer. False: not asked (the store is unreachable, it last said no
+        other replica is alive, or too many wait), the yield's own verdict stands."""
+        fleet = self.fleet
+        gate = fleet.gate
+        if (
+            gate.store_state != BreakerState.CLOSED
+            or gate.elsewhere_at == math.inf
+            or len(self._asked) >= MAX_PLACEMENTS
+        ):
+            return False
+        self._asked.append((gate.clock(), hint_ms, verdict))
+        self._wake.set()
+        return True
+
+    async def run(self) -> None:
+        asked, gate = self._asked, self.fleet.gate
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while asked:
+                at, hint_ms, verdict = asked.popleft()
+                elsewhere = None
+                if gate.clock() - at < gate.settings.timeout_s:  # (else too late: its own)
+                    self._asking = 1
+                    elsewhere = await self._place(hint_ms)
+                    self._asking = 0
+                try:
+                    verdict(elsewhere)
+                except Exception:  # (one connection's failure must not silence the others')
+                    log.exception("a busy yield's verdict failed")
+
+    async def _place(self, hint_ms: int) -> str | None:
+        fleet = self.fleet
+        gate = fleet.gate
+        told = gate.told(fleet.ready_ms())  # (now: with the refusals still to place)
+        turn_ms = fleet.turn_s() * 1000
+        try:
+            async with asyncio.timeout(gate.settings.timeout_s):
+                sooner, elsewhere = await fleet.store.place(
+                    hint_ms,
+                    replica=gate.settings.replica_id,
+                    ready_ms=told.ms,
+                    turn_ms=round(turn_ms),
+                    slack_ms=round(turn_ms / 2),  # (as FleetGate.saturated)
+                )
+        except STORE_ERRORS as exc:
+            _reraise_cancel()
+            log.debug("fleet store failed a placement: %r", exc)
+            return None
+        gate.reached(trial=False, sooner_ms=sooner, told=told)
+        return elsewhere

@@ -409,6 +409,24 @@ class Waiting:
 Outcome = Admitted | Rejected | Yielded | Waiting
 
 
+def place(state: ServerState, decision: Yielded, answer: Callable[[Yielded], None]) -> bool:
+    """On a fleet, a busy yield of this replica's waits (within ``fleet_timeout``) for the
+    store's word on whether its job is the fleet's (:class:`~governor.fleetstore.Placements`):
+    ``answer`` is then called with it. False: nothing to wait for (not such a yield, or the store
+    cannot say now): answer at once, with the verdict from what the store last said."""
+    fleet = state.fleet
+    if fleet is None or decision.fleet_saturated is None:
+        return False
+
+    def verdict(elsewhere: str | None) -> None:
+        if elsewhere is not None:
+            decision.fleet_saturated = not elsewhere
+            decision.fleet_elsewhere = elsewhere or None
+        answer(decision)
+
+    return fleet.placements.ask(decision.retry_hint_ms, verdict)
+
+
 def _decision(state: ServerState, attempt: Attempt) -> Decision:
     """Admission's decision on a prepared attempt, its time measured; on a fleet, a busy yield
     says whether it speaks for the fleet (no other replica would serve the job sooner)."""

@@ -326,7 +326,9 @@ class Server:
         await self._serve(early=False)
         self.state.connections.started = True
         if self.fleet is not None:
+            self.fleet.address = reachable_at(*self.address)
             self._background.append(loop.create_task(self.fleet.run()))
+            self._background.append(loop.create_task(self.fleet.placements.run()))
         self._background.append(loop.create_task(self.health.probe_loop()))
         self._background.append(loop.create_task(memory.trim_loop()))
         if self.overload is not None:
@@ -534,3 +536,11 @@ class Server:
                     after=overload.state.label,
                     **signals,
                 )
+
+
+def reachable_at(host: str, port: int) -> str:
+    """Where the fleet's clients reach a TCP door bound to ``host``:``port`` (HOST:PORT, as
+    they name replicas): its host, or this machine's name when it listens on every address."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -196,5 +196,15 @@ class Receipt(StrEnum):
 
 # Fields only a server may set; a request carrying any of them breaks the envelope.
 SERVER_ONLY_FIELDS = frozenset(
-    {"status", "need_code", "error_code", "retry_hint_ms", "receipts", "detail", "result", "delta"}
+    {
+        "status",
+        "need_code",
+        "error_code",
+        "retry_hint_ms",
+        "receipts",
+        "detail",
+        "result",
+        "delta",
+        "elsewhere",
+    }
 )

@@ -193,6 +193,7 @@ class Reply:
     receipts: tuple[tuple[str, int], ...] = ()
     result: JSONObject | None = None  # extension: what a finished job produced
     delta: str | None = None  # extension: streamed output since the last frame
+    elsewhere: str | None = None  # extension: a yield's HOST:PORT of a replica that is sooner
 
     @property
     def terminal(self) -> bool:
@@ -230,6 +231,8 @@ def encode_reply(reply: Reply) -> bytes:
         frame["result"] = reply.result
     if reply.delta is not None:
         frame["delta"] = reply.delta
+    if reply.elsewhere is not None:
+        frame["elsewhere"] = reply.elsewhere
     return orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE)
 
 
@@ -280,6 +283,7 @@ def decode_reply(line: bytes) -> Reply:
             receipts=receipts,
             result=obj.get("result"),
             delta=obj.get("delta"),
+            elsewhere=obj.get("elsewhere"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ReplyInvalid(f"reply breaks the envelope: {exc!r}") from None
@@ -289,7 +293,7 @@ def decode_reply(line: bytes) -> Reply:
         raise ReplyInvalid("reply breaks the envelope: job, seq or ttl_ms")
     if reply.retry_hint_ms is not None and not is_uint(reply.retry_hint_ms):
         raise ReplyInvalid("reply breaks the envelope: retry_hint_ms")
-    for name in ("need_code", "error_code", "detail", "delta"):
+    for name in ("need_code", "error_code", "detail", "delta", "elsewhere"):
         if not isinstance(getattr(reply, name), str | None):
             raise ReplyInvalid(f"reply breaks the envelope: {name}")
     if reply.result is not None and type(reply.result) is not dict:

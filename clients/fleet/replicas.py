@@ -18,7 +18,8 @@ carries ``backend.inflight`` and ``backend.cap``, a ``yield`` its ``retry_hint_m
   A yield that speaks for every replica marks them all busy and the job stays, backing off
   once for the fleet: ``fleet_busy`` (the fleet's shared cap is full), or a busy one with the
   receipt ``fleet.saturated`` (no other replica would serve it sooner, as the fleet's store
-  last said).
+  last said). A busy yield that names a replica it knows (``elsewhere``: the store sent the
+  job to the replica that would serve it first) sends the job there at once.
 - **draining** (a ``draining`` yield, or a ping with ``server.draining`` 1): the replica is
   left: never picked, until a ping ``recheck_s`` later finds it ready again (a restarted
   process on the same address), or for good.
@@ -142,6 +143,7 @@ class _Replica:
     failures: int = 0
     sent: int = 0
     done: int = 0
+    elsewhere: str | None = None  # the replica its latest yield sent the job to (fleet_wide)
 
     @property
     def name(self) -> str:
@@ -248,6 +250,10 @@ class Replicas:
         others = [r for r in self._order if r is not here and r.available and r.name not in exclude]
         if not others:
             return None
+        # Where the fleet's store sent it (the replica that would serve it first), if known.
+        sent = next((r for r in others if r.name == here.elsewhere), None)
+        if sent is not None:
+            return Move(sent.address, 0.0)
         # At once to one that no hint says is busy and whose receipt does not say it is full
         # (one that is would only answer another yield).
         free = [r for r in others if r.busy_until <= now and self._load(r, now) < 1]
@@ -294,9 +300,12 @@ class Replicas:
         if inflight is not None:
             r.inflight, r.seen_at, r.in_transit = inflight, now, 0
             r.cap = reply.receipt(Receipt.CAP) or r.cap
+        r.elsewhere = None
         if reply.status == Status.YIELD:
             until = now + (reply.retry_hint_ms or DEFAULT_HINT_MS) / 1000
             r.busy_until = until
+            if self.fleet_wide:
+                r.elsewhere = reply.elsewhere
             if self.fleet_wide and (
                 reply.need_code in FLEET_WIDE_CODES or reply.receipt(Receipt.FLEET_SATURATED)
             ):

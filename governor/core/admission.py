@@ -263,7 +263,11 @@ class Yielded:
     promise: Promise | None = None
     parts: HintParts | None = None
     bound: Bound | None = None
-    fleet_saturated: bool = False  # no other replica would serve it sooner (the store's view)
+    # On a fleet, a busy yield of this replica's: whether no other replica would serve it sooner
+    # (the store's view); None: not such a yield. If one would, where its clients reach it (when
+    # the store said so for this very job: HOST:PORT).
+    fleet_saturated: bool | None = None
+    fleet_elsewhere: str | None = None
 
     @property
     def what_bound(self) -> str:

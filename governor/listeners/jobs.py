@@ -496,6 +496,25 @@ class JobTable(JobFrames):
         else:
             self.forget(req.job, gave_up=False)
             self._turned_away(req.job, state.ask.attempt)
+        if not intake.place(self.state, decision, self._placed(req, state, held)):
+            self._send_yield(req, decision, held)
+
+    def _placed(self, req: Request, state: JobState, held: bool) -> Callable[[Yielded], None]:
+        """The answer to a yield that waited for the fleet's word (owed to its frame even if
+        the job went meanwhile: cancelled, its held payload then no longer held). A job sent
+        to another replica keeps neither its payload nor a place in line here."""
+
+        def answer(decision: Yielded) -> None:
+            still = held and self.jobs.get(req.job) is state and state.phase is Phase.HELD
+            if still and not decision.fleet_saturated:
+                self.forget(req.job, gave_up=False)
+                self._turned_away(req.job, state.ask.attempt)
+                still = False
+            self._send_yield(req, decision, still)
+
+        return answer
+
+    def _send_yield(self, req: Request, decision: Yielded, held: bool) -> None:
         self.wire.yield_(
             req,
             decision,

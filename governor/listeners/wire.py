@@ -151,23 +151,24 @@ class Wire:
         """``clarify yield``: come back after the hint; ``held``, the payload was kept. Its
         receipts say what bound refused it and, when it waits on a slot, the hint's parts."""
         hint_ms = decision.retry_hint_ms
-        self.send(
-            self.reply(
-                req,
-                Verb.CLARIFY,
-                Status.YIELD,
-                seq=seq,
-                need_code=decision.need_code,
-                error_code=decision.error_code,
-                retry_hint_ms=hint_ms,
-                detail=detail,
-                extra=(
-                    (Receipt.RETRY_HINT_MS, hint_ms),
-                    (Receipt.PAYLOAD_HELD, int(held)),
-                    *refusal_receipts(decision),
-                ),
-            )
+        reply = self.reply(
+            req,
+            Verb.CLARIFY,
+            Status.YIELD,
+            seq=seq,
+            need_code=decision.need_code,
+            error_code=decision.error_code,
+            retry_hint_ms=hint_ms,
+            detail=detail,
+            extra=(
+                (Receipt.RETRY_HINT_MS, hint_ms),
+                (Receipt.PAYLOAD_HELD, int(held)),
+                *refusal_receipts(decision),
+            ),
         )
+        if decision.fleet_elsewhere is not None:  # (the store's word: go there now)
+            reply.elsewhere = decision.fleet_elsewhere
+        self.send(reply)
 
 
 def refusal_receipts(decision: Yielded) -> tuple[tuple[str, int], ...]:

@@ -517,6 +517,7 @@ FULL_REPLY = Reply(
     detail="every slot is taken\nretry later",
     receipts=((Receipt.HEALTH, 0), (Receipt.INFLIGHT, 4), (Receipt.CAP, 4), ("x.big", U64_MAX)),
     result={"text": "hi", "tokens": [1, 2, 3], "nested": {"ok": True, "none": None}},
+    elsewhere="10.0.0.2:7700",
 )
 MIN_REPLY = Reply(verb=Verb.CONFIRM, job="J_4", seq=2, status=Status.OK)
 
@@ -529,6 +530,7 @@ def test_a_full_reply_round_trips() -> None:
     assert decoded.receipt("absent") is None
     assert decoded.retry_hint_ms == 500
     assert decoded.need_code == "server_busy"
+    assert decoded.elsewhere == "10.0.0.2:7700"
 
 
 def test_a_minimal_reply_round_trips() -> None:
@@ -627,6 +629,7 @@ def test_the_reply_helper_builds_a_valid_reply() -> None:
         _reply_obj(receipts=[{"kind": "server.health"}]),
         _reply_obj(receipts=[{"value_u64": 1}]),
         _reply_obj(receipts={"kind": "x", "value_u64": 1}),
+        _reply_obj(elsewhere=7700),
     ],
 )
 def test_decode_reply_raises_reply_invalid(line: bytes) -> None:

@@ -183,3 +183,22 @@ def test_a_breaker_open_the_client_stopped_on_moves_if_another_can_take_it() -> 
     assert A.name in job.avoid
     exhausted = job.after_reply(A.name, result(breaker, exhausted=True), None)
     assert exhausted.move is None
+
+
+@pytest.mark.parametrize("fleet_wide", [True, False])
+def test_a_yield_that_names_another_replica_sends_a_fleet_client_there(fleet_wide: bool) -> None:
+    """The fleet's store named the replica that would serve the job first (``elsewhere``): a
+    client that takes the fleet's word goes there at once, not to one of its own choice (the
+    first in address order here); one that does not ignores it. A yield that names none, or a
+    replica the client does not know, leaves the choice to it."""
+    replicas = Replicas((A, B, C), rng=InOrder(), clock=FakeClock(), fleet_wide=fleet_wide)
+
+    def after(elsewhere: str | None) -> Move | None:
+        reply = yielded()
+        reply.elsewhere = elsewhere
+        replicas.observe(A.name, reply)
+        return replicas.after_yield(A.name)
+
+    assert after(C.name) == Move(C if fleet_wide else B, 0.0)
+    assert after(None) == Move(B, 0.0)
+    assert after("10.9.9.9:1") == Move(B, 0.0)
