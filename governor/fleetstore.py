@@ -194,9 +194,9 @@ return sooner
 )
 
 # KEYS: leases, replicas, ready, then each lease's tenant set; ARGV: ttl, replica, how soon it
-# could serve a newcomer, where its clients reach it, then the lease ids. A lease the store lost (it expired while the
-# store was unreachable, or the store restarted) is written again: the fleet counts the jobs
-# that run, not only those it remembers. Returns the replicas alive and how soon another could
+# could serve a newcomer, where its clients reach it, then the lease ids. A lease the store
+# lost (it expired while the store was unreachable, or the store restarted) is written again:
+# the fleet counts the jobs that run, not only those it remembers. Returns the replicas alive and how soon another could
 # serve a newcomer (HEARTBEAT).
 RENEW = (
     HEARTBEAT
@@ -216,8 +216,8 @@ return {replicas, sooner}
 """
 )
 
-# KEYS: replicas, ready; ARGV: the replica, how soon it could serve a newcomer (as of the job's
-# refusal), the slack and the turn (ms), and the hint of a job a busy yield there refused. A
+# KEYS: replicas, ready; ARGV: the replica, how soon it could serve a newcomer, the slack and
+# the turn (ms), and the hint of a job a busy yield there refused. A
 # heartbeat (HEARTBEAT), then where the job should go: nowhere else (it is the fleet's: no other
 # replica would serve it the slack sooner than its hint), or to the soonest other, whose line
 # is then a turn longer. Every replica's refusals pass through here one at a time, interleaved
@@ -662,14 +662,14 @@ class Placements:
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
+        # (when asked, the job's hint, and whom to tell: the first is the one being asked)
         self._asked: collections.deque[tuple[float, int, Verdict]] = collections.deque()
-        self._asking = 0  # (1 while the store is asked about one)
         self._wake = asyncio.Event()
 
     @property
     def waiting(self) -> int:
         """Busy yields waiting for the store's word."""
-        return len(self._asked) + self._asking
+        return len(self._asked)
 
     def ask(self, hint_ms: int, verdict: Verdict) -> bool:
         """Ask whether the job of a busy yield with ``hint_ms`` is the fleet's: ``verdict`` is
@@ -688,23 +688,29 @@ class Placements:
         return True
 
     async def run(self) -> None:
+        """Ask the store about each yield in turn; stopped, answer those left with their own
+        verdicts (their frames are owed an answer)."""
         asked, gate = self._asked, self.fleet.gate
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while asked:
+                    at, hint_ms, verdict = asked[0]
+                    elsewhere = None
+                    if gate.clock() - at < gate.settings.timeout_s:  # (else too late: its own)
+                        try:
+                            elsewhere = await self._place(hint_ms)
+                        except Exception:  # (a bug here must not leave every later yield owed)
+                            log.exception("a busy yield's placement failed")
+                    asked.popleft()
+                    _tell(verdict, elsewhere)
+        finally:
             while asked:
-                at, hint_ms, verdict = asked.popleft()
-                elsewhere = None
-                if gate.clock() - at < gate.settings.timeout_s:  # (else too late: its own)
-                    self._asking = 1
-                    elsewhere = await self._place(hint_ms)
-                    self._asking = 0
-                try:
-                    verdict(elsewhere)
-                except Exception:  # (one connection's failure must not silence the others')
-                    log.exception("a busy yield's verdict failed")
+                _tell(asked.popleft()[2], None)
 
     async def _place(self, hint_ms: int) -> str | None:
+        """The store's word on one job (None: it did not say in time)."""
         fleet = self.fleet
         gate = fleet.gate
         told = gate.told(fleet.ready_ms())  # (now: with the refusals still to place)
@@ -724,3 +730,10 @@ class Placements:
             return None
         gate.reached(trial=False, sooner_ms=sooner, told=told)
         return elsewhere
+
+
+def _tell(verdict: Verdict, elsewhere: str | None) -> None:
+    try:
+        verdict(elsewhere)
+    except Exception:  # (one connection's failure must not silence the others')
+        log.exception("a busy yield's verdict failed")

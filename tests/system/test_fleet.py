@@ -328,6 +328,39 @@ async def test_a_busy_yield_tells_the_store_how_soon_this_replica_could_serve() 
         await asyncio.gather(writer, return_exceptions=True)
 
 
+class FrozenPlaceStore(SlowStore):
+    """A store that never answers a placement."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.placing = 0
+
+    async def place(self, hint_ms: int, **fields: Any) -> tuple[int, str]:
+        self.placing += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_the_placer_stopped_answers_every_yield_still_waiting() -> None:
+    """The placer stopped (its server closing) while the store is asked: that yield and those
+    queued behind it are answered with their own verdicts; none is left owed."""
+    from governor.fleetstore import Fleet
+
+    store = FrozenPlaceStore()
+    fleet = Fleet(gate(FakeClock(), timeout_s=60.0), store)  # type: ignore[arg-type]
+    fleet.gate.elsewhere_at = 0.0  # (another replica is alive, as the store last said)
+    told: list[str | None] = []
+    assert fleet.placements.ask(300, told.append)
+    assert fleet.placements.ask(600, told.append)
+    placer = asyncio.create_task(fleet.placements.run())
+    await wait_until(lambda: store.placing == 1)
+    assert fleet.placements.waiting == 2
+    placer.cancel()
+    await asyncio.gather(placer, return_exceptions=True)
+    assert told == [None, None]
+    assert fleet.placements.waiting == 0
+
+
 class CancelHidingStore(SlowStore):
     """A store whose renewal, once begun, finishes and answers even if its task is cancelled
     meanwhile, as redis-py may."""
