@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -219,6 +220,15 @@ def test_the_share_divides_a_tenants_limits_by_the_replicas_alive() -> None:
     assert refused is not None
     assert refused.need_code == NeedCode.RATE_LIMITED
     assert refused.retry_hint_ms == 200  # one request at 5 per second
+
+
+def test_a_replica_is_named_to_clients_by_its_listen_address_or_its_host_name() -> None:
+    from governor.server import reachable_at
+
+    assert reachable_at("127.0.0.1", 7700) == "127.0.0.1:7700"
+    assert reachable_at("::1", 7700) == "[::1]:7700"
+    for everywhere in ("0.0.0.0", "::", ""):
+        assert reachable_at(everywhere, 7700) == f"{socket.gethostname()}:7700"
 
 
 def test_fleet_settings_are_checked() -> None:
