@@ -662,8 +662,10 @@ class Placements:
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        # (when asked, the job's hint, and whom to tell: the first is the one being asked)
-        self._asked: collections.deque[tuple[float, int, Verdict]] = collections.deque()
+        # (when asked, the job's hint, whether its place is withdrawn meanwhile, and whom to
+        # tell: the first is the one being asked)
+        self._asked: collections.deque[tuple[float, int, bool, Verdict]] = collections.deque()
+        self._withdrawn = 0  # of those asked, the jobs whose places are withdrawn
         self._wake = asyncio.Event()
 
     @property
@@ -671,10 +673,12 @@ class Placements:
         """Busy yields waiting for the store's word."""
         return len(self._asked)
 
-    def ask(self, hint_ms: int, verdict: Verdict) -> bool:
+    def ask(self, hint_ms: int, verdict: Verdict, *, withdrawn: bool = False) -> bool:
         """Ask whether the job of a busy yield with ``hint_ms`` is the fleet's: ``verdict`` is
-        called with the answer. False: not asked (the store is unreachable, it last said no
-        other replica is alive, or too many wait), the yield's own verdict stands."""
+        called with the answer. ``withdrawn``: its place in line is withdrawn meanwhile (a
+        newcomer's), so it is asked about at the back of the line as it is then, and counted in
+        this replica's line until answered. False: not asked (the store is unreachable, it last
+        said no other replica is alive, or too many wait), the yield's own verdict stands."""
         fleet = self.fleet
         gate = fleet.gate
         if (
@@ -683,7 +687,8 @@ class Placements:
             or len(self._asked) >= MAX_PLACEMENTS
         ):
             return False
-        self._asked.append((gate.clock(), hint_ms, verdict))
+        self._asked.append((gate.clock(), hint_ms, withdrawn, verdict))
+        self._withdrawn += withdrawn
         self._wake.set()
         return True
 
@@ -696,25 +701,31 @@ class Placements:
                 await self._wake.wait()
                 self._wake.clear()
                 while asked:
-                    at, hint_ms, verdict = asked[0]
+                    at, hint_ms, withdrawn, verdict = asked[0]
                     elsewhere = None
                     if gate.clock() - at < gate.settings.timeout_s:  # (else too late: its own)
                         try:
-                            elsewhere = await self._place(hint_ms)
+                            elsewhere = await self._place(hint_ms, withdrawn)
                         except Exception:  # (a bug here must not leave every later yield owed)
                             log.exception("a busy yield's placement failed")
                     asked.popleft()
+                    self._withdrawn -= withdrawn
                     _tell(verdict, elsewhere)
         finally:
             while asked:
-                _tell(asked.popleft()[2], None)
+                _, _, withdrawn, verdict = asked.popleft()
+                self._withdrawn -= withdrawn
+                _tell(verdict, None)
 
-    async def _place(self, hint_ms: int) -> str | None:
-        """The store's word on one job (None: it did not say in time)."""
+    async def _place(self, hint_ms: int, withdrawn: bool) -> str | None:
+        """The store's word on one job (None: it did not say in time). This replica's line, as
+        told, holds the jobs whose places are withdrawn while they are asked about."""
         fleet = self.fleet
         gate = fleet.gate
-        told = gate.told(fleet.ready_ms())  # (now: with the refusals still to place)
-        turn_ms = fleet.turn_s() * 1000
+        ready_ms, turn_ms = fleet.ready_ms(), fleet.turn_s() * 1000
+        if withdrawn:  # (at the back, behind the jobs before it that stayed)
+            hint_ms = ready_ms
+        told = gate.told(ready_ms + round(self._withdrawn * turn_ms))
         try:
             async with asyncio.timeout(gate.settings.timeout_s):
                 sooner, elsewhere = await fleet.store.place(

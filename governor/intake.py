@@ -54,6 +54,7 @@ from .core.admission import (
     Reservation,
     Ticket,
     Yielded,
+    place_again,
 )
 from .core.ledger import DRAINING_HINT_MS, Refusal
 from .core.policy import LANES
@@ -343,6 +344,11 @@ class Ask:
         """It will not come back (its payload was dropped): see :func:`forget`."""
         forget(self.state, self.attempt)
 
+    def place_again(self, refused: Yielded) -> Yielded:
+        """Its place, withdrawn while the fleet's store was asked, taken again at the back
+        (:func:`~governor.core.admission.place_again`)."""
+        return place_again(self.state.admission, self.attempt, refused)
+
     def take_back(
         self, ticket: Ticket, refusal: Refusal, *, keep_payload: bool
     ) -> tuple[Yielded, Reservation | None]:
@@ -409,11 +415,19 @@ class Waiting:
 Outcome = Admitted | Rejected | Yielded | Waiting
 
 
-def place(state: ServerState, decision: Yielded, answer: Callable[[Yielded], None]) -> bool:
+def place(
+    state: ServerState,
+    decision: Yielded,
+    answer: Callable[[Yielded], None],
+    *,
+    withdrawn: bool = False,
+) -> bool:
     """On a fleet, a busy yield of this replica's waits (within ``fleet_timeout``) for the
     store's word on whether its job is the fleet's (:class:`~governor.fleetstore.Placements`):
     ``answer`` is then called with it. False: nothing to wait for (not such a yield, or the store
-    cannot say now): answer at once, with the verdict from what the store last said."""
+    cannot say now): answer at once, with the verdict from what the store last said.
+    ``withdrawn``: the job's place in line is withdrawn meanwhile (it is asked about as a
+    newcomer at the back of the line then)."""
     fleet = state.fleet
     if fleet is None or decision.fleet_saturated is None:
         return False
@@ -424,7 +438,7 @@ def place(state: ServerState, decision: Yielded, answer: Callable[[Yielded], Non
             decision.fleet_elsewhere = elsewhere or None
         answer(decision)
 
-    return fleet.placements.ask(decision.retry_hint_ms, verdict)
+    return fleet.placements.ask(decision.retry_hint_ms, verdict, withdrawn=withdrawn)
 
 
 def _decision(state: ServerState, attempt: Attempt) -> Decision:

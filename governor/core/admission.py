@@ -633,3 +633,17 @@ def fallback_slot(pool: Pool, plan: _Plan, step: str) -> tuple[Pool, Slot, _Plan
         return None
     plan = dataclasses.replace(plan, job=fallback_job, degraded=(*plan.degraded, step))
     return pool, slot, plan, pool.breaker.started()
+
+
+def place_again(admission: Admission, attempt: Attempt, refused: Yielded) -> Yielded:
+    """``refused`` (a busy yield) with a place in line again, at the back as the line is now,
+    for a job whose place was withdrawn while the fleet's store was asked where it should go
+    and that stays: its hint and parts re-timed, its refusal not counted again."""
+    plan = admission._plan(attempt)
+    if isinstance(plan, Rejected):
+        return refused
+    ledger = admission.ledger
+    parts, promise = ledger.place(None, ledger.lanes.rank(plan.demand), plan.size)
+    attempt.promise = promise
+    refused.retry_hint_ms, refused.promise, refused.parts = parts.ms, promise, parts
+    return refused

@@ -496,10 +496,20 @@ class JobTable(JobFrames):
         else:
             self.forget(req.job, gave_up=False)
             self._turned_away(req.job, state.ask.attempt)
-        if not intake.place(self.state, decision, self._placed(req, state, held)):
+        # A newcomer's place is withdrawn while the store is asked, and taken again (at the
+        # back) if the job stays: a job sent elsewhere then leaves no gap in the line that the
+        # jobs refused after it were promised times behind.
+        newcomer = held and state.ask.attempt.refusals == 1
+        answer = self._placed(req, state, held, newcomer)
+        if intake.place(self.state, decision, answer, withdrawn=newcomer):
+            if newcomer:
+                state.ask.forget()
+        else:
             self._send_yield(req, decision, held)
 
-    def _placed(self, req: Request, state: JobState, held: bool) -> Callable[[Yielded], None]:
+    def _placed(
+        self, req: Request, state: JobState, held: bool, newcomer: bool
+    ) -> Callable[[Yielded], None]:
         """The answer to a yield that waited for the fleet's word (owed to its frame even if
         the job went meanwhile: cancelled, its held payload then no longer held). A job sent
         to another replica keeps neither its payload nor a place in line here."""
@@ -510,6 +520,8 @@ class JobTable(JobFrames):
                 self.forget(req.job, gave_up=False)
                 self._turned_away(req.job, state.ask.attempt)
                 still = False
+            elif still and newcomer:
+                decision = state.ask.place_again(decision)
             self._send_yield(req, decision, still)
 
         return answer

@@ -1066,11 +1066,13 @@ async def test_a_busy_yield_says_when_no_other_replica_would_serve_the_job_soone
 async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_the_answer(
     make_server: ServerFactory, redis_server: RedisServer
 ) -> None:
-    """On a fleet a busy yield goes out once the store has said where its job should go. A job
-    cancelled while its yield waits gets the cancel's answer at once, and then its frame's
-    yield, its payload no longer held; a client that leaves meanwhile leaves nothing held."""
+    """On a fleet a busy yield goes out once the store has said where its job should go; a
+    newcomer's place in line is withdrawn meanwhile (so that a job sent elsewhere leaves no gap
+    in it) and taken again when it stays. A job cancelled while its yield waits gets the
+    cancel's answer at once, and then its frame's yield, its payload no longer held; a client
+    that leaves meanwhile leaves nothing held."""
     first, second = await fleet_of(
-        make_server, redis_server.url, 2, max_inflight=1, stub_ms=60_000, fleet_timeout=5.0
+        make_server, redis_server.url, 2, max_inflight=1, stub_ms=20_000, fleet_timeout=5.0
     )
     fleet = first.fleet
     assert fleet is not None
@@ -1087,15 +1089,30 @@ async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_
     running = [asyncio.create_task(run_job(s, "long", b"x")) for s in (first, second)]
     await wait_until(lambda: first.inflight == second.inflight == 1)
     # (the other is as busy, as the store says: the jobs refused here are the fleet's)
-    await wait_until(lambda: (fleet.gate.elsewhere_at or 0) > fleet.gate.clock() + 50)
+    await wait_until(lambda: (fleet.gate.elsewhere_at or 0) > fleet.gate.clock() + 10)
     buffered = first.buffered_bytes  # (the long job's payload)
     reader, writer = await asyncio.open_connection(*first.address)
 
     async def frame() -> dict[str, Any]:
         return orjson.loads(await asyncio.wait_for(reader.readline(), 5))  # type: ignore[no-any-return]
 
-    writer.write(inline("J_1"))
+    ledger = first.ledger
+    turn_ms = ledger.service_s / ledger.cap * 1000
+    before = ledger.ready_in_ms()
+    writer.write(inline("J_0"))
     await wait_until(lambda: len(asked) == 1)  # its yield waits for the store
+    assert ledger.ready_in_ms() <= before  # its place withdrawn meanwhile (time only shortens)
+    release.set()
+    answer = await frame()
+    assert (answer["job"], answer["status"]) == ("J_0", "yield")
+    assert before - 5000 <= answer["retry_hint_ms"] <= before  # (its place as the line was)
+    assert ledger.ready_in_ms() >= before + turn_ms / 2  # taken again: it stays
+    writer.write(cancel("J_0"))  # (its place given up: the line as it was)
+    assert (await frame())["need_code"] == "cancelled"
+    release.clear()
+    asked.clear()
+    writer.write(inline("J_1"))
+    await wait_until(lambda: len(asked) == 1)
     writer.write(cancel("J_1"))
     answer = await frame()
     assert (answer["job"], answer["status"], answer["need_code"]) == ("J_1", "abort", "cancelled")
