@@ -1088,54 +1088,68 @@ async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_
     fleet.store.place = held_place  # type: ignore[method-assign]
     running = [asyncio.create_task(run_job(s, "long", b"x")) for s in (first, second)]
     await wait_until(lambda: first.inflight == second.inflight == 1)
-    # (the other is as busy, as the store says: the jobs refused here are the fleet's)
-    await wait_until(lambda: (fleet.gate.elsewhere_at or 0) > fleet.gate.clock() + 10)
+    # (the other is as busy, as the store says: no job refused here would be served there
+    # half a turn sooner, so the jobs refused here stay)
+    gate, ledger = fleet.gate, first.ledger
+    await wait_until(
+        lambda: (
+            math.inf
+            > (gate.elsewhere_at or 0) - gate.clock() + 10
+            > ledger.ready_in_ms() / 1000 + 1
+        )
+    )
     buffered = first.buffered_bytes  # (the long job's payload)
     reader, writer = await asyncio.open_connection(*first.address)
+    try:
 
-    async def frame() -> dict[str, Any]:
-        return orjson.loads(await asyncio.wait_for(reader.readline(), 5))  # type: ignore[no-any-return]
+        async def frame() -> dict[str, Any]:
+            return orjson.loads(await asyncio.wait_for(reader.readline(), 5))  # type: ignore[no-any-return]
 
-    ledger = first.ledger
-    turn_ms = ledger.service_s / ledger.cap * 1000
-    before = ledger.ready_in_ms()
-    writer.write(inline("J_0"))
-    await wait_until(lambda: len(asked) == 1)  # its yield waits for the store
-    assert ledger.ready_in_ms() <= before  # its place withdrawn meanwhile (time only shortens)
-    release.set()
-    answer = await frame()
-    assert (answer["job"], answer["status"]) == ("J_0", "yield")
-    assert before - 5000 <= answer["retry_hint_ms"] <= before  # (its place as the line was)
-    assert ledger.ready_in_ms() >= before + turn_ms / 2  # taken again: it stays
-    writer.write(cancel("J_0"))  # (its place given up: the line as it was)
-    assert (await frame())["need_code"] == "cancelled"
-    release.clear()
-    asked.clear()
-    writer.write(inline("J_1"))
-    await wait_until(lambda: len(asked) == 1)
-    writer.write(cancel("J_1"))
-    answer = await frame()
-    assert (answer["job"], answer["status"], answer["need_code"]) == ("J_1", "abort", "cancelled")
-    writer.write(inline("J_2"))
-    await wait_until(lambda: len(asked) == 2)
-    release.set()
-    answers = [await frame(), await frame()]
-    assert [(a["job"], a["status"]) for a in answers] == [("J_1", "yield"), ("J_2", "yield")]
-    held = [
-        next(r["value_u64"] for r in a["receipts"] if r["kind"] == Receipt.PAYLOAD_HELD)
-        for a in answers
-    ]
-    assert held == [0, 1]  # (J_1's was dropped by its cancel)
-    assert all(a.get("elsewhere") is None for a in answers)
-    release.clear()
-    writer.write(inline("J_3"))
-    await wait_until(lambda: len(asked) == 3)
-    writer.close()
-    await wait_until(lambda: len(first.connections) == 1)  # (its long job's)
-    release.set()
-    await wait_until(lambda: fleet.placements.waiting == 0)
-    assert first.buffered_bytes == buffered
-    assert all(t.waiting == 0 for t in first.tenants.all())
+        turn_ms = ledger.service_s / ledger.cap * 1000
+        before = ledger.ready_in_ms()
+        writer.write(inline("J_0"))
+        await wait_until(lambda: len(asked) == 1)  # its yield waits for the store
+        assert ledger.ready_in_ms() <= before  # its place withdrawn meanwhile (time only shortens)
+        release.set()
+        answer = await frame()
+        assert (answer["job"], answer["status"], answer.get("elsewhere")) == ("J_0", "yield", None)
+        assert before - 5000 <= answer["retry_hint_ms"] <= before  # (its place as the line was)
+        assert ledger.ready_in_ms() >= before + turn_ms / 2  # taken again: it stays
+        writer.write(cancel("J_0"))  # (its place given up: the line as it was)
+        assert (await frame())["need_code"] == "cancelled"
+        release.clear()
+        asked.clear()
+        writer.write(inline("J_1"))
+        await wait_until(lambda: len(asked) == 1)
+        writer.write(cancel("J_1"))
+        answer = await frame()
+        assert (answer["job"], answer["status"], answer["need_code"]) == (
+            "J_1",
+            "abort",
+            "cancelled",
+        )
+        writer.write(inline("J_2"))
+        await wait_until(lambda: len(asked) == 2)
+        release.set()
+        answers = [await frame(), await frame()]
+        assert [(a["job"], a["status"]) for a in answers] == [("J_1", "yield"), ("J_2", "yield")]
+        held = [
+            next(r["value_u64"] for r in a["receipts"] if r["kind"] == Receipt.PAYLOAD_HELD)
+            for a in answers
+        ]
+        assert held == [0, 1]  # (J_1's was dropped by its cancel)
+        assert all(a.get("elsewhere") is None for a in answers)
+        release.clear()
+        writer.write(inline("J_3"))
+        await wait_until(lambda: len(asked) == 3)
+        writer.close()
+        await wait_until(lambda: len(first.connections) == 1)  # (its long job's)
+        release.set()
+        await wait_until(lambda: fleet.placements.waiting == 0)
+        assert first.buffered_bytes == buffered
+        assert all(t.waiting == 0 for t in first.tenants.all())
+    finally:  # (a failure leaves no socket for a later test to trip on)
+        writer.close()
     for task in running:  # (their clients leave: the jobs stop)
         task.cancel()
     await asyncio.gather(*running, return_exceptions=True)
