@@ -499,13 +499,14 @@ class JobTable(JobFrames):
         # A newcomer's place is withdrawn while the store is asked, and taken again (at the
         # back) if the job stays: a job sent elsewhere then leaves no gap in the line that the
         # jobs refused after it were promised times behind.
-        newcomer = held and state.ask.attempt.refusals == 1
-        answer = self._placed(req, state, held, newcomer)
-        if intake.place(self.state, decision, answer, withdrawn=newcomer):
-            if newcomer:
-                state.ask.forget()
-        else:
-            self._send_yield(req, decision, held)
+        if decision.fleet_saturated is not None:  # (a fleet's busy yield: none without one)
+            newcomer = held and state.ask.attempt.refusals == 1
+            answer = self._placed(req, state, held, newcomer)
+            if intake.place(self.state, decision, answer, withdrawn=newcomer):
+                if newcomer:
+                    state.ask.forget()
+                return
+        self._send_yield(req, decision, held)
 
     def _placed(
         self, req: Request, state: JobState, held: bool, newcomer: bool
