@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import random
 import time
@@ -106,6 +107,14 @@ class UploadResult:
     admitted_at: float | None  # ... when the attempt that ran was sent (None: it never ran)
     finished: float
     budget_exhausted: bool = False
+
+    @classmethod
+    def ended(
+        cls, choice: RetryChoice, reply: Reply, started: float, admitted_at: float | None
+    ) -> UploadResult:
+        """An upload that ends now with ``reply``, and what its retries counted."""
+        attempts, yields, exhausted = choice.attempts, choice.yields, choice.budget_exhausted
+        return cls(reply, attempts, yields, started, admitted_at, time.monotonic(), exhausted)
 
     @property
     def status(self) -> Status:
@@ -227,6 +236,8 @@ class GovernorClient:
         inline: bool = False,
         on_yield: Callable[[Reply], bool] | None = None,
         max_wait: float | None = None,
+        fleet_wide: bool = False,
+        wait_on_return: bool = False,
     ) -> UploadResult:
         """Upload ``payload`` as one job and wait for its terminal frame, retrying on yield.
 
@@ -244,6 +255,10 @@ class GovernorClient:
         ``on_yield(reply)`` is asked about each yield this upload would retry: False ends the
         upload there, with that yield as its reply (its payload held on the server:
         :meth:`withdraw` drops it); a client of several replicas takes the job elsewhere.
+        ``fleet_wide``: the job goes where a yield's ``elsewhere`` says (``on_yield`` takes it
+        there): a fleet's store may place it. ``wait_on_return`` (without ``max_wait``): back on
+        its held payload after a hint, the job asks to wait as long again for its turn (a hint
+        is a prediction: a slot that frees a little late is then taken, not refused again).
         """
         job = job or f"J_{next(self._jobs)}"
         frames = _Frames(
@@ -255,6 +270,8 @@ class GovernorClient:
             api_key=self.api_key,
             inline=inline,
             max_wait_ms=_wait_ms(max_wait, timeout),
+            fleet_wide=fleet_wide or None,
+            wait_on_return=wait_on_return,
         )
         choice = RetryChoice(retry, self._budget, self._rng)
         started = time.monotonic()
@@ -262,15 +279,7 @@ class GovernorClient:
             reply, admitted_at = await self._attempts(
                 inbox, frames, choice, on_attempt, on_delta, on_yield
             )
-        return UploadResult(
-            reply,
-            choice.attempts,
-            choice.yields,
-            started,
-            admitted_at,
-            time.monotonic(),
-            choice.budget_exhausted,
-        )
+        return UploadResult.ended(choice, reply, started, admitted_at)
 
     async def _attempts(
         self,
@@ -299,7 +308,7 @@ class GovernorClient:
             if wait_s is None or (on_yield is not None and not on_yield(reply)):
                 return reply, admitted_at
             await asyncio.sleep(wait_s)
-            whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
+            whole = frames.after_yield(reply)
 
     async def generate(
         self,
@@ -434,11 +443,15 @@ class _Frames:
         api_key: str | None,
         inline: bool,
         max_wait_ms: int | None,
+        fleet_wide: bool | None,
+        wait_on_return: bool,
     ) -> None:
         self.job = job
         self.ttl_ms = ttl_ms
         self.api_key = api_key  # sent with the first frame of a whole upload
-        self.max_wait_ms = max_wait_ms  # with the first frame, and a final chunk sent again
+        # With the first frame, and a final chunk sent again: what the job asks for itself.
+        self.max_wait_ms, self.fleet_wide = max_wait_ms, fleet_wide
+        self.wait_on_return = wait_on_return and max_wait_ms is None
         self.prepared = split_payload(payload, chunk_bytes=chunk_bytes, content_type=content_type)
         self.inline = (
             {
@@ -455,42 +468,27 @@ class _Frames:
         """The replies an attempt gets before the final one: one per frame but the last."""
         return len(self.prepared.chunks) if whole and self.inline is None else 0
 
+    def after_yield(self, reply: Reply) -> bool:
+        """Whether the retry after this yield sends the whole upload (its payload not held);
+        with ``wait_on_return``, one back on its held payload asks to wait as long as the hint."""
+        whole = reply.receipt(Receipt.PAYLOAD_HELD) != 1
+        if self.wait_on_return:
+            self.max_wait_ms = None if whole else reply.retry_hint_ms
+        return whole
+
     def attempt(self, whole: bool) -> bytes:
         """The whole upload, pipelined, or only its final chunk again."""
-        job, seq, ttl_ms, key, wait = (
-            self.job,
-            self._seq,
-            self.ttl_ms,
-            self.api_key,
-            self.max_wait_ms,
+        job, seq, ttl_ms, key = self.job, self._seq, self.ttl_ms, self.api_key
+        asks = functools.partial(
+            encode_request, max_wait_ms=self.max_wait_ms, fleet_wide=self.fleet_wide
         )
         if self.inline is not None:
-            return encode_request(
-                Verb.SHARE,
-                job,
-                next(seq),
-                ttl_ms=ttl_ms,
-                inline=self.inline,
-                api_key=key,
-                max_wait_ms=wait,
-            )
+            return asks(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, inline=self.inline, api_key=key)
         chunks = self.prepared.chunks
         if not whole:
-            return encode_request(
-                Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunks[-1], max_wait_ms=wait
-            )
+            return asks(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=chunks[-1])
         manifest = self.prepared.manifest
-        parts = [
-            encode_request(
-                Verb.SHARE,
-                job,
-                next(seq),
-                ttl_ms=ttl_ms,
-                manifest=manifest,
-                api_key=key,
-                max_wait_ms=wait,
-            )
-        ]
+        parts = [asks(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, manifest=manifest, api_key=key)]
         parts += [
             encode_request(Verb.SHARE, job, next(seq), ttl_ms=ttl_ms, chunk=c) for c in chunks
         ]

@@ -42,6 +42,7 @@ _REQUEST_FIELDS = frozenset(
         "payload_inline",
         "api_key",
         "max_wait_ms",
+        "fleet_wide",
     }
 )
 _PAYLOADS = _MANIFEST, _CHUNK, _INLINE = ("payload_manifest", "payload_chunk", "payload_inline")
@@ -72,6 +73,7 @@ class Request:
     inline: JSONObject | None = None  # extension: a whole payload in one frame
     api_key: str | None = None  # extension: the tenant's key
     max_wait_ms: int | None = None  # extension: a share may wait this long for its turn
+    fleet_wide: bool | None = None  # extension: a share's client goes where `elsewhere` says
 
 
 def decode_request(line: bytes) -> Request:
@@ -127,16 +129,26 @@ def _check_envelope(obj: dict[str, Any]) -> Request:
         if type(value) is not dict:
             name = _MANIFEST if manifest is not None else _CHUNK if chunk is not None else _INLINE
             raise invalid(f"{name!r} must be an object")
-    api_key, max_wait_ms = _extensions(obj, verb, invalid)
+    api_key, max_wait_ms, fleet_wide = _extensions(obj, verb, invalid)
     return Request(
-        _VERBS[verb], ctx_job, ctx_seq, ttl_ms, manifest, chunk, inline, api_key, max_wait_ms
+        _VERBS[verb],
+        ctx_job,
+        ctx_seq,
+        ttl_ms,
+        manifest,
+        chunk,
+        inline,
+        api_key,
+        max_wait_ms,
+        fleet_wide,
     )
 
 
 def _extensions(
     obj: dict[str, Any], verb: str, invalid: Callable[[str], EnvelopeInvalid]
-) -> tuple[str | None, int | None]:
-    """The governor's own fields of a frame: its key, and a share's wait for its turn."""
+) -> tuple[str | None, int | None, bool | None]:
+    """The governor's own fields of a frame: its key, a share's wait for its turn, and whether
+    its client goes to the replica a yield names."""
     api_key = obj.get("api_key")
     if api_key is not None and not is_id(api_key):
         raise invalid(f"'api_key' must be a non-empty string of at most {MAX_ID_CHARS} characters")
@@ -146,7 +158,13 @@ def _extensions(
             raise invalid(f"a {verb} carries no 'max_wait_ms'")
         if not is_uint(max_wait_ms, MAX_WAIT_MS):
             raise invalid(f"'max_wait_ms' must be an integer from 0 to {MAX_WAIT_MS}")
-    return api_key, max_wait_ms
+    fleet_wide = obj.get("fleet_wide")
+    if fleet_wide is not None:
+        if verb != Verb.SHARE:
+            raise invalid(f"a {verb} carries no 'fleet_wide'")
+        if type(fleet_wide) is not bool:
+            raise invalid("'fleet_wide' must be true or false")
+    return api_key, max_wait_ms, fleet_wide
 
 
 _HTTP_METHODS = tuple(
@@ -312,6 +330,7 @@ def encode_request(
     inline: JSONObject | None = None,
     api_key: str | None = None,
     max_wait_ms: int | None = None,
+    fleet_wide: bool | None = None,
 ) -> bytes:
     """A client frame, newline included. Does not validate: servers do."""
     frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "verb": verb, "job": job, "seq": seq}
@@ -320,6 +339,8 @@ def encode_request(
         frame["api_key"] = api_key
     if max_wait_ms is not None:
         frame["max_wait_ms"] = max_wait_ms
+    if fleet_wide is not None:
+        frame["fleet_wide"] = fleet_wide
     for name, value in zip(_PAYLOADS, (manifest, chunk, inline), strict=True):
         if value is not None:
             frame[name] = value

@@ -43,6 +43,7 @@ _Send = Callable[
         Callable[[float, Reply], None],
         Callable[[Reply], bool],
         Callable[[str], None],
+        float | None,
     ],
     Awaitable[UploadResult],
 ]
@@ -224,6 +225,7 @@ class FleetClient:
             seen: Callable[[float, Reply], None],
             elsewhere: Callable[[Reply], bool],
             delta: Callable[[str], None],
+            wait: float | None,
         ) -> Awaitable[UploadResult]:
             return client.upload(
                 payload,
@@ -236,7 +238,10 @@ class FleetClient:
                 on_delta=delta,
                 inline=inline,
                 on_yield=elsewhere,
-                max_wait=max_wait,
+                max_wait=max_wait if max_wait is not None else wait,
+                # (it goes where a yield sends it, and waits a little where it stays)
+                fleet_wide=self.replicas.fleet_wide,
+                wait_on_return=self.replicas.fleet_wide,
             )
 
         job_id = job or self._job_id()
@@ -373,18 +378,19 @@ class _FleetJob:
         if target is None:  # every replica is left: ask them all now, not in recheck_s
             await self.fleet._probe(force=True)
             target = route.pick()
-        delay = 0.0
+        delay, wait = 0.0, None
         while target is not None and route.may_try():
             if delay > 0:
                 await asyncio.sleep(delay)
-            move = await self._visit(target)
+            move = await self._visit(target, wait)
             if move is None:
                 break
-            target, delay = move.address, move.delay_s
+            target, delay, wait = move.address, move.delay_s, move.wait_s
         return route.result()
 
-    async def _visit(self, address: Address) -> Move | None:
-        """Try the job on ``address``: where to go next, or None when it has ended."""
+    async def _visit(self, address: Address, wait: float | None = None) -> Move | None:
+        """Try the job on ``address`` (where it may wait ``wait`` for its turn): where to go
+        next, or None when it has ended."""
         name, fleet, route = address.name, self.fleet, self.route
         visit = route.visit(name)
         try:
@@ -393,7 +399,7 @@ class _FleetJob:
             return route.unreachable(name, exc)
         try:
             result = await self.send(
-                client, route.policy(), visit.seen, visit.elsewhere, visit.delta
+                client, route.policy(), visit.seen, visit.elsewhere, visit.delta, wait
             )
         except ClientError as exc:  # the connection broke under the job
             route.broke(visit, exc)

@@ -122,10 +122,12 @@ class ReplicaStatus:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """After a yield: take the job to ``address``, after ``delay_s`` (0: at once)."""
+    """After a yield: take the job to ``address``, after ``delay_s`` (0: at once); there it may
+    wait ``wait_s`` for its turn (None: a yield at once)."""
 
     address: Address
     delay_s: float
+    wait_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -250,10 +252,11 @@ class Replicas:
         others = [r for r in self._order if r is not here and r.available and r.name not in exclude]
         if not others:
             return None
-        # Where the fleet's store sent it (the replica that would serve it first), if known.
+        # Where the fleet's store sent it (the replica that would serve it first), if known:
+        # there it waits for its turn, at most as long as it was told to wait here.
         sent = next((r for r in others if r.name == here.elsewhere), None)
         if sent is not None:
-            return Move(sent.address, 0.0)
+            return Move(sent.address, 0.0, max(here.busy_until - now, 0.0))
         # At once to one that no hint says is busy and whose receipt does not say it is full
         # (one that is would only answer another yield).
         free = [r for r in others if r.busy_until <= now and self._load(r, now) < 1]

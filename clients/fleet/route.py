@@ -206,7 +206,7 @@ class JobRoute:
         """A move after a wait waits as the retry policy waits a hint of that length."""
         if move.delay_s > 0:
             hint_ms = math.ceil(move.delay_s * 1000)
-            return Move(move.address, self.retry.delay_s(hint_ms, self.rng))
+            return Move(move.address, self.retry.delay_s(hint_ms, self.rng), move.wait_s)
         return move
 
     def gone(self, name: str, reply: Reply) -> Move | None:

@@ -96,6 +96,16 @@ class JobState:
     deadline: float = float("inf")
     seq: int = 0  # of its last frame
     max_wait_ms: int | None = None  # the wait its frames asked for (None: a yield at once)
+    fleet_wide: bool = False  # its client goes where a yield's `elsewhere` says (its frames')
+
+    def asked(self, req: Request) -> None:
+        """What a frame of the job asks of its own conversation (its first frame and a final
+        chunk sent again carry it): a wait for its turn, a place anywhere in the fleet."""
+        self.seq = req.seq
+        if req.max_wait_ms is not None:
+            self.max_wait_ms = req.max_wait_ms
+        if req.fleet_wide is not None:
+            self.fleet_wide = req.fleet_wide
 
     def move(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
@@ -214,9 +224,7 @@ class JobFrames:
                 return
         else:  # a new manifest replaces the payload held for a retry, or waiting
             self.replace(state)
-        state.seq = req.seq
-        if req.max_wait_ms is not None:
-            state.max_wait_ms = req.max_wait_ms
+        state.asked(req)
         try:
             manifest = state.upload.apply_manifest(req.manifest)
             self.reserve(state, manifest.total_bytes)
@@ -238,9 +246,7 @@ class JobFrames:
             )
             return
         upload = state.upload
-        state.seq = req.seq
-        if req.max_wait_ms is not None:
-            state.max_wait_ms = req.max_wait_ms
+        state.asked(req)
         if state.phase is not Phase.UPLOADING and upload.is_final_chunk_again(req.chunk):
             # A retry after a yield: the payload was kept, so admission is tried again.
             self.complete(req, state, None)
@@ -284,9 +290,7 @@ class JobFrames:
         )
         if not returning:
             self.replace(state)
-        state.seq = req.seq
-        if req.max_wait_ms is not None:
-            state.max_wait_ms = req.max_wait_ms
+        state.asked(req)
         try:  # (a returning payload is checked again: its digest alone proves nothing)
             payload = state.upload.apply_inline(req.inline)
             self.reserve(state, len(payload), held=len(payload))
@@ -496,10 +500,12 @@ class JobTable(JobFrames):
         else:
             self.forget(req.job, gave_up=False)
             self._turned_away(req.job, state.ask.attempt)
-        # A newcomer's place is withdrawn while the store is asked, and taken again (at the
+        # On a fleet, the store places the job if its client goes where it is sent (a client
+        # that cannot is not counted in another replica's line, and keeps its place here). A
+        # newcomer's place is withdrawn while the store is asked, and taken again (at the
         # back) if the job stays: a job sent elsewhere then leaves no gap in the line that the
         # jobs refused after it were promised times behind.
-        if decision.fleet_saturated is not None:  # (a fleet's busy yield: none without one)
+        if decision.fleet_saturated is not None and state.fleet_wide:  # (a fleet's busy yield)
             newcomer = held and state.ask.attempt.refusals == 1
             answer = self._placed(req, state, held, newcomer)
             if intake.place(self.state, decision, answer, withdrawn=newcomer):

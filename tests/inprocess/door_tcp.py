@@ -11,6 +11,8 @@ After a drain no payload is admitted. Some jobs ask to wait for their turn (``ma
 such a job owes no answer while it waits in the server's line, and gets one answer in the end
 (its terminal frame once it runs, or a yield once its turn passes its budget). Each tenant's
 ``waiting`` is its payloads held for a retry, as the clients were told, and its jobs in line.
+Three jobs in four say that their client goes where a fleet's store sends them (``fleet_wide``):
+on a fleet, their yields wait for the store's word; the others' go at once.
 """
 
 from __future__ import annotations
@@ -338,6 +340,8 @@ class TcpDoor:
             client.expect(job, seq + 1, "payload", (seq + 2, seq + 3), drained)
         if waits:  # (on its first frame: the job's)
             frames[0]["max_wait_ms"] = WAIT_MS
+        if self.jobs % 4:  # (three jobs in four go where a fleet's store sends them)
+            frames[0]["fleet_wide"] = True
         client.finals[job] = frames[-1]
         if with_cancel:
             frames.append(self.cancel_frame(client, job))

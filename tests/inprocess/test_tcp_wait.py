@@ -68,3 +68,34 @@ async def test_both_doors_wait_in_one_line_in_arrival_order(make_server: ServerF
     # run it waited for depends on when it came, so that part is not counted).
     assert int(answer.headers["x-governor-waited-ms"]) >= 300
     assert server.state.metrics.door_waits[("-", "admitted")] == 2
+
+
+async def test_a_client_that_comes_back_early_waits_for_its_turn_with_wait_on_return(
+    make_server: ServerFactory,
+) -> None:
+    """``wait_on_return``: a job back on its held payload before its slot frees (here it comes
+    back every 150 ms on a 600 ms job) asks to wait as long again as its hint, and runs when
+    its turn comes instead of being refused at each return (as it is without)."""
+    from clients.client import RetryPolicy
+
+    server = await make_server(max_inflight=1, stub_ms=600)
+    host, port = server.address
+    early = RetryPolicy(max_attempts=50, fixed_delay_s=0.15)
+
+    async def second(wait_on_return: bool) -> UploadResult:
+        first = asyncio.ensure_future(job(server, 0, None))  # holds the slot
+        await wait_until(lambda: server.state.inflight == 1)
+        async with await GovernorClient.connect(host, port) as client:
+            result = await client.upload(
+                b"job 1", inline=True, retry=early, wait_on_return=wait_on_return, timeout=20
+            )
+        assert (await first).reply.status == Status.DONE
+        return result
+
+    waited = await second(True)
+    assert waited.reply.status == Status.DONE
+    assert waited.attempts == 2  # refused once; back with its wait, admitted in its turn
+    assert server.state.metrics.door_waits[("-", "admitted")] == 1
+    refused = await second(False)
+    assert refused.reply.status == Status.DONE
+    assert refused.attempts > 2

@@ -38,8 +38,8 @@ from loadtest.support.redisserver import RedisServer
 from protocol.codes import ErrorCode, NeedCode, Receipt, Status
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec
 from tests.clock import FakeClock
-from tests.conftest import Daemon, ServerFactory, wait_until
-from tests.inprocess.door_tcp import cancel
+from tests.conftest import Daemon, ServerFactory, receipt, wait_until
+from tests.inprocess.door_tcp import cancel, encode, inline_frame
 from tests.inprocess.test_invariants import inline
 
 
@@ -47,6 +47,11 @@ def tenant(name: str = "t", **limits: Any) -> Any:
     from governor.core.tenants import TenantConfig
 
     return TenantConfig(name=name, key_sha256="0" * 64, **limits)
+
+
+def placeable(job: str) -> bytes:
+    """An inline job whose client goes where a yield's ``elsewhere`` says (FleetClient's)."""
+    return encode(inline_frame(job, 1, "hello") | {"fleet_wide": True})
 
 
 def gate(clock: FakeClock, **settings: Any) -> FleetGate:
@@ -650,7 +655,9 @@ def reached_at(server: Server) -> str:
     return f"{host}:{port}"
 
 
-async def run_job(server: Server, name: str, payload: bytes, attempts: int = 1) -> Any:
+async def run_job(
+    server: Server, name: str, payload: bytes, attempts: int = 1, *, fleet_wide: bool = False
+) -> Any:
     host, port = server.address
     async with await connect(f"{host}:{port}") as client:
         return await client.upload(
@@ -658,6 +665,7 @@ async def run_job(server: Server, name: str, payload: bytes, attempts: int = 1) 
             job=name,
             content_type=SPEC_CONTENT_TYPE if payload.startswith(b"{") else "text/plain",
             retry=RetryPolicy(max_attempts=attempts),
+            fleet_wide=fleet_wide,
         )
 
 
@@ -1029,14 +1037,14 @@ async def test_a_busy_yield_says_when_no_other_replica_would_serve_the_job_soone
             and (gates[0].elsewhere_at or math.inf) <= gates[0].clock()
         )
     )
-    refused = await run_job(servers[0], "other", b"x")
+    refused = await run_job(servers[0], "other", b"x", fleet_wide=True)
     assert refused.reply.status == Status.YIELD
     assert refused.reply.receipt("fleet.saturated") is None  # the third replica has a slot
     assert refused.reply.elsewhere == reached_at(servers[2])  # (the store names it)
     running.append(asyncio.create_task(run_job(servers[2], "long2", b"x")))
     await wait_until(lambda: servers[2].inflight == 1)
     await wait_until(lambda: (gates[0].elsewhere_at or 0) > gates[0].clock() + 2)
-    refused = await run_job(servers[0], "another", b"x")
+    refused = await run_job(servers[0], "another", b"x", fleet_wide=True)
     assert refused.reply.need_code == NeedCode.SERVER_BUSY
     assert refused.reply.receipt("fleet.saturated") == 1  # every replica's job runs on
     assert refused.reply.elsewhere is None
@@ -1050,7 +1058,7 @@ async def test_a_busy_yield_says_when_no_other_replica_would_serve_the_job_soone
         waiting = await client.upload(b"x", job="waiting", retry=RetryPolicy(max_attempts=1))
         assert waiting.reply.status == Status.YIELD
         await wait_until(lambda: gates[2].ready_at > gates[2].clock() + 4.5)  # (told the store)
-        refused = await run_job(servers[2], "late", b"x")
+        refused = await run_job(servers[2], "late", b"x", fleet_wide=True)
         # (that job was taken to make servers[1]'s line a turn longer, until the store says)
         await wait_until(lambda: (gates[2].elsewhere_at or 0) < gates[2].clock() + 4)
         answer = await http_refusal(servers[2])
@@ -1070,7 +1078,8 @@ async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_
     newcomer's place in line is withdrawn meanwhile (so that a job sent elsewhere leaves no gap
     in it) and taken again when it stays. A job cancelled while its yield waits gets the
     cancel's answer at once, and then its frame's yield, its payload no longer held; a client
-    that leaves meanwhile leaves nothing held."""
+    that leaves meanwhile leaves nothing held. A job whose client does not say it goes where it
+    is sent (``fleet_wide``) is not placed: its yield goes at once, its place kept here."""
     first, second = await fleet_of(
         make_server, redis_server.url, 2, max_inflight=1, stub_ms=20_000, fleet_timeout=5.0
     )
@@ -1107,7 +1116,7 @@ async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_
 
         turn_ms = ledger.service_s / ledger.cap * 1000
         before = ledger.ready_in_ms()
-        writer.write(inline("J_0"))
+        writer.write(placeable("J_0"))
         await wait_until(lambda: len(asked) == 1)  # its yield waits for the store
         assert ledger.ready_in_ms() <= before  # its place withdrawn meanwhile (time only shortens)
         release.set()
@@ -1119,7 +1128,7 @@ async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_
         assert (await frame())["need_code"] == "cancelled"
         release.clear()
         asked.clear()
-        writer.write(inline("J_1"))
+        writer.write(placeable("J_1"))
         await wait_until(lambda: len(asked) == 1)
         writer.write(cancel("J_1"))
         answer = await frame()
@@ -1128,7 +1137,7 @@ async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_
             "abort",
             "cancelled",
         )
-        writer.write(inline("J_2"))
+        writer.write(placeable("J_2"))
         await wait_until(lambda: len(asked) == 2)
         release.set()
         answers = [await frame(), await frame()]
@@ -1140,7 +1149,12 @@ async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_
         assert held == [0, 1]  # (J_1's was dropped by its cancel)
         assert all(a.get("elsewhere") is None for a in answers)
         release.clear()
-        writer.write(inline("J_3"))
+        writer.write(inline("J_4"))  # (no fleet_wide: the store is not asked)
+        answer = await frame()
+        assert (answer["job"], answer["status"]) == ("J_4", "yield")
+        assert receipt(answer, Receipt.PAYLOAD_HELD) == 1
+        assert len(asked) == 2
+        writer.write(placeable("J_3"))
         await wait_until(lambda: len(asked) == 3)
         writer.close()
         await wait_until(lambda: len(first.connections) == 1)  # (its long job's)

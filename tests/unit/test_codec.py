@@ -347,6 +347,13 @@ def test_encode_request_decodes_back() -> None:
     assert line.endswith(b"\n")
     assert line.count(b"\n") == 1
     assert decode_request(line[:-1]) == Request(Verb.SHARE, "J_9", 3, 5, None, CHUNK)
+    # The governor's own asks of a share: its key, a wait for its turn, a place on any replica.
+    line = encode_request(
+        Verb.SHARE, "J_9", 4, chunk=CHUNK, api_key="k", max_wait_ms=300, fleet_wide=True
+    )
+    decoded = decode_request(line[:-1])
+    assert (decoded.api_key, decoded.max_wait_ms, decoded.fleet_wide) == ("k", 300, True)
+    assert decode_request(encode_request(Verb.PING, "J_9", 1)[:-1]).fleet_wide is None
 
 
 # --------------------------------------------------------------------------------------------

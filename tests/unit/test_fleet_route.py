@@ -189,7 +189,8 @@ def test_a_breaker_open_the_client_stopped_on_moves_if_another_can_take_it() -> 
 def test_a_yield_that_names_another_replica_sends_a_fleet_client_there(fleet_wide: bool) -> None:
     """The fleet's store named the replica that would serve the job first (``elsewhere``): a
     client that takes the fleet's word goes there at once, not to one of its own choice (the
-    first in address order here); one that does not ignores it. A yield that names none, or a
+    first in address order here), and may wait there for its turn as long as it was told to
+    wait here (hint 100 ms); one that does not ignores it. A yield that names none, or a
     replica the client does not know, leaves the choice to it."""
     replicas = Replicas((A, B, C), rng=InOrder(), clock=FakeClock(), fleet_wide=fleet_wide)
 
@@ -199,6 +200,12 @@ def test_a_yield_that_names_another_replica_sends_a_fleet_client_there(fleet_wid
         replicas.observe(A.name, reply)
         return replicas.after_yield(A.name)
 
-    assert after(C.name) == Move(C if fleet_wide else B, 0.0)
+    sent = after(C.name)
+    if fleet_wide:
+        assert sent is not None
+        assert (sent.address, sent.delay_s) == (C, 0.0)
+        assert sent.wait_s == pytest.approx(0.1)
+    else:
+        assert sent == Move(B, 0.0)
     assert after(None) == Move(B, 0.0)
     assert after("10.9.9.9:1") == Move(B, 0.0)

@@ -517,10 +517,13 @@ def test_a_connection_whose_job_waits_is_not_idle(clock: FakeClock) -> None:
         ({"max_wait_ms": True}, "'max_wait_ms' must be an integer"),
         ({"max_wait_ms": 86_400_001}, "'max_wait_ms' must be an integer"),
         ({"verb": "ping", "max_wait_ms": 5}, "a ping carries no 'max_wait_ms'"),
+        ({"fleet_wide": 1}, "'fleet_wide' must be true or false"),
+        ({"fleet_wide": "yes"}, "'fleet_wide' must be true or false"),
+        ({"verb": "ping", "fleet_wide": True}, "a ping carries no 'fleet_wide'"),
     ],
 )
-def test_a_bad_max_wait_ms_is_a_bad_envelope(extra: dict[str, Any], why: str) -> None:
-    frame = orjson.loads(waiting_job("J_1", 5)) | extra
+def test_a_bad_wait_or_fleet_wide_is_a_bad_envelope(extra: dict[str, Any], why: str) -> None:
+    frame = orjson.loads(waiting_job("J_1", None)) | extra
     if frame["verb"] == "ping":
         del frame["payload_inline"]
     with pytest.raises(EnvelopeInvalid, match=why):
