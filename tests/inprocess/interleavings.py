@@ -315,6 +315,7 @@ class Interleavings(RuleBasedStateMachine):
         self.door = type(self).door_type(self)
         self.runner = self.door.make_runner()
         self.server: Server | None = None
+        self.neighbour: Server | None = None  # (another replica of the fleet's, idle)
         self.transcript: list[str] = []
         self.drained = False
         self.broken = False  # a job has failed: the breaker may open
@@ -349,11 +350,15 @@ class Interleavings(RuleBasedStateMachine):
         async def start() -> Server:
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
+            settings = dict(self.config)
+            if settings.pop("neighbour", False):  # (its stub runner never gets a job)
+                self.neighbour = Server(Config(listen="127.0.0.1:0", runner="stub", **settings))
+                await self.neighbour.start()
             config = Config(
                 listen="127.0.0.1:0",
                 runner="stub",  # (not built: the gate runner is given)
                 **self.door.settings(),
-                **self.config,
+                **settings,
             )
             server = Server(config, self.runner)
             await server.start(sock=sock)
@@ -509,7 +514,7 @@ class Interleavings(RuleBasedStateMachine):
             assert buffered <= server.config.max_buffer_bytes
             if server.fleet is not None:  # the runner runs only jobs the fleet leased
                 leases = len(server.fleet.gate.leases)
-                assert leases <= server.config.fleet_max_inflight
+                assert leases <= (server.config.fleet_max_inflight or leases)  # (0: no cap)
                 assert len(self.runner.running()) <= leases
                 assert leases <= live, f"{leases} lease(s) held, {live} live execution(s)"
             self.door.check_accounts()
@@ -601,6 +606,8 @@ class Interleavings(RuleBasedStateMachine):
             server = self.server
             await server.close()
             await poll(lambda: not server.connections, FINAL_S)  # their connection_lost ran
+        if self.neighbour is not None:
+            await self.neighbour.close()
         for client in self.door.clients:  # their transports must close before the loop does
             with contextlib.suppress(OSError, TimeoutError):
                 await asyncio.wait_for(client.writer.wait_closed(), 1.0)

@@ -149,9 +149,12 @@ def test_random_interleavings_never_leak(door: str, loop: str) -> None:
 
 # A store that answers in time; one slower than fleet_timeout for nearly every job (its breaker
 # opens, every lane fails open): admissions decided on the share and the store's late grants mix.
+# And, with no fleet cap, an idle replica beside this one: the store places this replica's busy
+# yields, sending some jobs there (their payloads dropped here) and keeping others.
 STORES: dict[str, dict[str, Any]] = {
-    "answering": {},
-    "slow": {"fleet_timeout": 0.0003, "fleet_fail_open": "all"},
+    "answering": {"fleet_max_inflight": 1},
+    "slow": {"fleet_max_inflight": 1, "fleet_timeout": 0.0003, "fleet_fail_open": "all"},
+    "placing": {"neighbour": True},
 }
 
 
@@ -164,12 +167,9 @@ def test_random_interleavings_never_leak_with_a_fleet(
     here are refused by the fleet and taken back (their payloads held for a retry) amid
     cancels, resets and the drain; nothing may leak, and the runner never runs more than the
     fleet leased, nor this replica more than the fleet's cap, whether the store answers in time
-    or not."""
-    config: dict[str, Any] = {
-        "redis_url": redis_server.url,
-        "fleet_max_inflight": 1,
-        **STORES[store],
-    }
+    or not. Without the cap, beside another replica, busy yields wait for the store's word and
+    some jobs are sent there, amid the same."""
+    config: dict[str, Any] = {"redis_url": redis_server.url, **STORES[store]}
     run_state_machine_as_test(
         machine(TcpDoor, uvloop.new_event_loop, config),
         settings=settings(max_examples=30, stateful_step_count=20, deadline=None),
