@@ -396,7 +396,7 @@ class LanesSection:
     interactive_tpot_slo_ms: float = _opt(
         DEFAULT_OBJECTIVES[Lane.INTERACTIVE].tpot_ms, positive=True
     )(
-        "The interactive lane's time-per-output-token objective (also every job's without lanes); llama: a step's prompt tokens are cut to keep generating jobs within it (those whose first token came within their TTFT objective)."
+        "The interactive lane's time-per-output-token objective (also every job's without lanes); llama: a step's prompt tokens are cut to keep generating jobs within it."
     )
     heavy_ttft_slo_ms: float = _opt(DEFAULT_OBJECTIVES[Lane.HEAVY].ttft_ms, min=0)(
         "lanes: the heavy lane's time-to-first-token objective; 0: none."

@@ -38,7 +38,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 
 from protocol.codes import ErrorCode, NeedCode
@@ -330,8 +330,6 @@ class Ask:
         ticket.reservation = reservation
         waited = None if self.first_refusal is None else ticket.slot.started - self.first_refusal
         self.state.metrics.wait.observe(ticket.lane, waited or 0.0)
-        if waited:
-            ticket.job = replace(ticket.job, waited_ms=waited * 1000)
         return JobAdmitted(job, ttl_ms, ticket, self.attempt, waited)
 
     def give_up(self) -> None:

@@ -82,9 +82,6 @@ class Job:
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     gap_ms: float = 0.0
-    # Set when admitted: how long its client had waited for it by then (refused, or held at
-    # the door), so its first token is due ``ttft_ms`` after its client came, not after this.
-    waited_ms: float = 0.0
     # Set by admission for a job it may suspend (:class:`Pause`), on a runner that can.
     pause: Pause | None = None
 

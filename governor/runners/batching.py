@@ -31,13 +31,10 @@ share, nor more than ``MARGIN * gap_s`` (without a gap, ``MARGIN * ttft_s``: no 
 pauses longer than a new one is promised to wait). So a chat's pace holds on average and its
 longest pause holds too, while a heavy or background stream, whose objectives are loose,
 lets a step take the full batch; with no bound (nothing generating, or nothing with an
-objective), a step takes up to ``step_tokens``. A stream whose first token came after its TTFT
-objective (``first_due``: counted from when its client came, refusals and waits at the door
-included) has missed its objectives already: its pace no longer bounds a step, and its cap
-is that of a stream without a gap (its TTFT objective). Past capacity, the time goes to the
-prompts waiting (whose slots generate nothing until they are fed, and whose tokens cost less
-in bigger chunks) and to the streams that can still meet their objectives, not to a pace that
-can no longer make a request good.
+objective), a step takes up to ``step_tokens``. A chat whose first token came late keeps its
+pace too: past capacity, on 2 slots, letting such chats' gaps grow to their TTFT objective cost
+them 3.5 times their TPOT objective and held their slots longer, for fewer jobs done
+(docs/BENCHMARKS.md, "Past capacity").
 
 A step takes the largest budget of prompt tokens whose predicted step
 (:class:`~.stepcost.StepCosts`, learnt online by the worker) fits the bound, with two rules:
@@ -158,7 +155,6 @@ class Sequence:
     tpot_s: float = 0.0  # its time-per-output-token objective (0: none)
     gap_s: float = 0.0  # the longest gap between two of its tokens (0: its TTFT objective)
     ttft_s: float = 0.0  # its time-to-first-token objective (0: none)
-    first_due: float | None = None  # when its first token is due, by its TTFT (plan's clock)
     first_at: float | None = None  # when its first token was sampled (plan's clock)
     last_at: float | None = None  # when its latest token was sampled (plan's clock)
     output_in_prompt: int = 0  # tokens it generated that a resume put in its prompt
@@ -557,28 +553,20 @@ def _banked(seq: Sequence, now: float) -> float:
     """The longest next step that keeps ``seq`` within its TPOT objective (less the margin), an
     average over its tokens since its first: the time until its next token is due at that
     pace, never less than one token's share, nor more than what is left of its cap
-    (:func:`_cap`) since its latest token. A stream that came late has missed its objectives
-    already: only its cap holds."""
+    (:func:`_cap`) since its latest token."""
     per = MARGIN * seq.tpot_s
     if seq.first_at is None:
         return per
     since = now - seq.last_at if seq.last_at is not None else 0.0
     left = max(per, _cap(seq)) - since
-    if _late(seq):
-        return left
     return min(max(per, seq.first_at + per * seq.generated - now), left)
 
 
 def _cap(seq: Sequence) -> float:
-    """The longest gap between two of ``seq``'s tokens: its own (``gap_s``), else (or once it
-    came late) its TTFT objective (no running stream pauses longer than a new one is promised
-    to wait); less the margin, and none without either."""
-    return MARGIN * (seq.ttft_s if _late(seq) else seq.gap_s or seq.ttft_s) or math.inf
-
-
-def _late(seq: Sequence) -> bool:
-    """Whether ``seq``'s first token came after it was due (``first_due``)."""
-    return seq.first_due is not None and seq.first_at is not None and seq.first_at > seq.first_due
+    """The longest gap between two of ``seq``'s tokens: its own (``gap_s``), else its TTFT
+    objective (no running stream pauses longer than a new one is promised to wait); less the
+    margin, and none without either."""
+    return MARGIN * (seq.gap_s or seq.ttft_s) or math.inf
 
 
 def _deferrable(seq: Sequence, now: float, step: float) -> bool:

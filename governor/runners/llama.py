@@ -641,7 +641,6 @@ def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> dict[
         "ttft_ms": job.ttft_ms,
         "tpot_ms": job.tpot_ms,
         "gap_ms": job.gap_ms,
-        "waited_ms": job.waited_ms,
         "temperature": spec.temperature,
         "top_p": spec.top_p,
         "top_k": spec.top_k,

@@ -6,7 +6,7 @@ diagnostics on stderr. A crash here (a segfault in the native code, an out-of-me
 seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
-             "ttft_ms": float, "tpot_ms": float, "gap_ms": float, "waited_ms": float,
+             "ttft_ms": float, "tpot_ms": float, "gap_ms": float,
              "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
              "stop": [str], "ignore_eos": bool, "n": int, "logprobs": int | null,
              "presence_penalty": float, "frequency_penalty": float, "repeat_penalty": float,
@@ -33,9 +33,7 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
 of every generating sequence and whole prompts or chunks of at least ``--min-chunk`` tokens,
 cut to the time the generating sequences have banked against their ``tpot_ms`` and to their
-``gap_ms`` (``ttft_ms`` without one, or for a sequence whose first token came later than
-``ttft_ms`` after its client came, ``waited_ms`` before the request): the step budget, in that
-module. The cells of ended sequences are kept for a later prompt with the same beginning,
+``gap_ms`` (``ttft_ms`` without one): the step budget, in that module. The cells of ended sequences are kept for a later prompt with the same beginning,
 ``--n-ctx`` of them at most.
 ``out`` holds, for each sequence that let out text in the step (or, with log probabilities,
 tokens), the job, the sequence's index ``i`` among the job's ``n``, its text, and ``n``, how
@@ -560,9 +558,6 @@ class Branch:
             ttft_s=request.get("ttft_ms", 0.0) / 1000,
             alone=request.get("alone", False),
         )
-        if self.seq.ttft_s > 0:  # (its first token due since its client came)
-            waited_s = request.get("waited_ms", 0.0) / 1000
-            self.seq.first_due = time.perf_counter() + self.seq.ttft_s - waited_s
         self.text = Text(request["stop"])
 
 

@@ -61,20 +61,9 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
 async def test_more_requests_than_slots_all_finish_without_a_retry(
     make_server: ServerFactory, http: httpx.AsyncClient
 ) -> None:
-    """Ten at once on two slots: every one is answered 200; those that waited say so, and so
-    does each job to its runner (its first token is due its TTFT objective after its client
-    came); the line and its counts are empty after."""
+    """Ten at once on two slots: every one is answered 200; those that waited say so; the line
+    and its counts are empty after."""
     server = await front(make_server, max_inflight=2, stub_ms=150)
-    runner, told = server.runner, {}
-    original = runner.run
-
-    def run(job: Job) -> AsyncGenerator[RunEvent, None]:
-        assert job.spec is not None
-        assert job.spec.messages
-        told[job.spec.messages[-1].content] = job.waited_ms
-        return original(job)
-
-    runner.run = run  # type: ignore[method-assign]
     answers = await asyncio.gather(
         *(http.post(url(server) + PATH, json=body(i)) for i in range(10))
     )
@@ -82,8 +71,6 @@ async def test_more_requests_than_slots_all_finish_without_a_retry(
     waited = sorted(int(a.headers["x-governor-waited-ms"]) for a in answers)
     assert waited[:2] == [0, 0]  # (the first two found a slot)
     assert all(w > 0 for w in waited[2:])
-    for i, answer in enumerate(answers):  # (measured from its refusal, not its place in line)
-        assert (told[f"job {i}"] > 0) == (int(answer.headers["x-governor-waited-ms"]) > 0)
     metrics = server.state.metrics
     assert metrics.door_waits[("-", "admitted")] == 8
     assert sum(metrics.door_wait.by_lane["-"].counts) == 8
