@@ -33,8 +33,8 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 Each step is one ``llama_decode`` of the batch :class:`~.batching.Scheduler` plans: one token
 of every generating sequence and whole prompts or chunks of at least ``--min-chunk`` tokens,
 cut to the time the generating sequences have banked against their ``tpot_ms`` and to their
-``gap_ms`` (``ttft_ms`` without one): the step budget, in that module. The cells of ended sequences are kept for a later prompt with the same beginning,
-``--n-ctx`` of them at most.
+``gap_ms`` (``ttft_ms`` without one): the step budget, in that module. The cells of ended
+sequences are kept for a later prompt with the same beginning, ``--n-ctx`` of them at most.
 ``out`` holds, for each sequence that let out text in the step (or, with log probabilities,
 tokens), the job, the sequence's index ``i`` among the job's ``n``, its text, and ``n``, how
 many tokens the job (all its sequences) has generated so far; ``f`` how many prompt tokens each
