@@ -37,7 +37,8 @@ them 3.5 times their TPOT objective and held their slots longer, for fewer jobs 
 (docs/BENCHMARKS.md, "Past capacity").
 
 A step takes the largest budget of prompt tokens whose predicted step
-(:class:`~.stepcost.StepCosts`, learnt online by the worker) fits the bound, with two rules:
+(:class:`~.stepcost.StepCosts`, learnt online by the worker, at the high end of its error for
+steps of that size: about nine steps in ten end within it) fits the bound, with two rules:
 
 * **No chunk below the knee.** A prompt that does not end in the step is fed ``knee`` tokens at
   least (where a step's cost per prompt token stops falling: on a CPU, flash attention makes a
@@ -120,7 +121,7 @@ MIN_PREFILL = 16  # prompt tokens a step takes, at least, even when decodes fill
 PREFILL_FLOOR = 1  # prompt tokens a step takes, at least, once a prompt is past its turns
 KNEE = 64  # the fewest tokens of a prompt that does not end in a step (see the docstring)
 SETTLE = 3  # steps a free slot stays below a running one before the topmost moves into it
-MARGIN = 0.9  # steps are planned to this share of a TPOT objective: predictions err
+MARGIN = 0.9  # steps are planned to this share of a TPOT objective (for the step in ten that errs)
 
 
 class Cache(Protocol):
@@ -457,10 +458,11 @@ class Scheduler:
         return min((_banked(e.seq, now) for e in decodes if e.seq.tpot_s > 0), default=None)
 
     def cost(self, entries: list[Entry]) -> float:
-        """A step's predicted seconds."""
+        """A step's predicted seconds, as it is planned: at the high end of the prediction's
+        error (:meth:`~.stepcost.StepCosts.predict_high`)."""
         tokens = sum(len(e.tokens) for e in entries)
         sampled = sum(e.sample for e in entries)
-        return self.costs.predict(tokens, sampled, self.occupied + tokens)
+        return self.costs.predict_high(tokens, sampled, self.occupied + tokens)
 
     def _fill(
         self, decodes: list[Entry], pending: list[Sequence], full: int, bound: float | None
