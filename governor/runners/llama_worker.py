@@ -361,9 +361,16 @@ class Model:
         # (A callback into Python at every operation of the graph: for long steps only.)
         self._set_abort(self.ctx, self._abort, None)
         try:
-            return self.ll.llama_decode(self.ctx, batch), sampled
+            status = self.ll.llama_decode(self.ctx, batch)
         finally:
             self._set_abort(self.ctx, self._no_abort, None)
+        if status == 2:
+            # Preempted: none of the step may stay in the cache (the worker plans it again).
+            # llama.cpp takes back the positions of the micro-batch it aborted only, and with a
+            # stream a slot it splits a step into several: the earlier ones' stay.
+            for entry in entries:
+                self.forget(entry.seq.slot, entry.start)
+        return status, sampled
 
     def forget(self, slot: int, start: int) -> None:
         self.ll.llama_memory_seq_rm(self.memory, slot, start, -1)

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-from governor.runners.llama_worker import greedy_request
+from governor.runners.batching import Entry, Sequence
+from governor.runners.llama import embedded_model_path
+from governor.runners.llama_worker import Model, arguments, greedy_request
 
 from .test_suspension import PROMPT, WorkerPipe
 
@@ -126,3 +128,37 @@ def test_further_choices_wait_for_free_slots_and_all_finish() -> None:
         pipe.close()
     assert [choice["text"] for choice in done["choices"]] == [one] * 3
     assert done["completion_tokens"] == 3 * 16
+
+
+def test_a_preempted_step_leaves_none_of_its_tokens_in_the_cache() -> None:
+    """Two prompts of different lengths in one step: with a stream a slot llama.cpp splits it
+    into micro-batches (as many tokens of each stream, then the longer one's rest), and an
+    aborted step gives back the positions of the micro-batch it aborted only. Aborted at its
+    last operation, the step still leaves nothing in either stream: the worker plans it again,
+    and a token left behind would put the next step's positions out of line (llama.cpp
+    refuses such a step, and every job in it fails)."""
+    import llama_cpp as ll
+
+    flags = f"--cells {N_CTX} --slots 2 --n-ctx {N_CTX} --step-tokens 256 --threads 1"
+    flags += " --kv-layout slots"
+    model = Model(arguments(["--model", str(embedded_model_path()), *flags.split()]))
+    steps = [
+        Sequence("a", tuple(PROMPT), 4, slot=0),
+        Sequence("b", tuple(COMMON), 4, slot=1),
+    ]
+    entries = [Entry(seq, seq.prompt, 0, True) for seq in steps]
+    calls = [0, 0]  # the callback's calls; the call that aborts (0: none)
+
+    def abort(_: object) -> bool:
+        calls[0] += 1
+        return calls[0] == calls[1]
+
+    model._abort = ll.ggml_abort_callback(abort)
+    assert model.decode(entries, preemptible=True)[0] == 0
+    held = [ll.llama_memory_seq_pos_max(model.memory, seq.slot) + 1 for seq in steps]
+    assert held == [len(PROMPT), len(COMMON)]
+    for seq in steps:
+        model.forget(seq.slot, 0)
+    calls[:] = [0, calls[0]]  # now abort at the last call: in the last micro-batch
+    assert model.decode(entries, preemptible=True)[0] == 2
+    assert [ll.llama_memory_seq_pos_max(model.memory, seq.slot) for seq in steps] == [-1, -1]
