@@ -15,8 +15,12 @@ operations of :class:`Cache`. One model context holds ``slots`` sequences over o
    prompts as the step's budget holds, taken in this order: interactive prompts, then heavy,
    then background ones, the shortest left first within each (so a step's fixed cost is shared
    by as many tokens as it may carry, and short prompts get their first tokens soonest). A
-   prompt passed over for ``MAX_PASSED`` steps in a row is taken before all, so that a stream
-   of shorter or more urgent prompts cannot starve it for ever.
+   prompt passed over for ``MAX_PASSED`` steps in a row is taken first of its priority, so that
+   a stream of shorter prompts cannot starve it for ever; a more urgent one still goes before
+   it (a chat's first token does not wait for a rewrite's turn: on 8 slots past capacity, with
+   a heavy prompt past its turns at most steps, chats got their first tokens 0.7 to 3.8 s after
+   their slots), and in a step with room for no prompt at all the oldest past its turns takes a
+   token or more anyway.
 
 **How many prompt tokens: the step budget.** A step is as long as its tokens make it, and every
 generating sequence waits for the whole step for its next token, so the step's prompt tokens
@@ -47,7 +51,9 @@ steps of that size: about nine steps in ten end within it) fits the bound, with 
   streams bank the time for a full chunk at a later step. A prompt passed over for
   ``MAX_PASSED`` steps (the bound never grows enough: streams slower than their objective)
   takes any chunk, at least ``PREFILL_FLOOR`` tokens whatever the bound, so every prompt
-  progresses.
+  progresses. An interactive prompt takes any chunk the bound leaves at once: a chat's first
+  token is worth more than a chunk's efficiency (beside other chats' pace, waiting to bank a
+  full chunk made it wait most of its TTFT objective).
 * **A chat's first token waits on no less urgent prompt.** A step that ends an interactive
   prompt carries no heavy or background prompt tokens (but those of a prompt passed over
   ``MAX_PASSED`` steps), so a chat that arrives beside long rewrites gets its first token about
@@ -477,9 +483,9 @@ class Scheduler:
         if any(e.sample and e.seq.priority == 0 for e in prefill):
             # A chat's first token waits on no less urgent prompt (but one past its turns).
             prefill = [e for e in prefill if e.seq.priority == 0 or e.seq.passed >= MAX_PASSED]
-        if not prefill and pending[0].passed >= MAX_PASSED:
-            # Past its turns and still no room: the floor, whatever the bound.
-            prefill = _prefill(pending[:1], PREFILL_FLOOR, knee)
+        late = [seq for seq in pending if seq.passed >= MAX_PASSED]
+        if late and not prefill:  # past their turns, no room: the oldest's floor, whatever
+            prefill = _prefill([min(late, key=lambda seq: seq.order)], PREFILL_FLOOR, knee)
         return prefill
 
     def advance(self, entries: list[Entry]) -> None:
@@ -495,13 +501,13 @@ class Scheduler:
 
 def _prefill(pending: list[Sequence], budget: int, knee: int) -> list[Entry]:
     """Prompt chunks of ``budget`` tokens in all at most, from ``pending`` in the order taken:
-    each prompt's whole rest where it fits, else a chunk of at least ``knee`` tokens; a prompt
-    passed over ``MAX_PASSED`` steps takes any chunk."""
+    each prompt's whole rest where it fits, else a chunk of at least ``knee`` tokens; an
+    interactive prompt, or one passed over ``MAX_PASSED`` steps, takes any chunk."""
     entries: list[Entry] = []
     for seq in pending:
         left = len(seq.prompt) - seq.fed
         take = min(budget, left)
-        if take <= 0 or (take < left and take < knee and seq.passed < MAX_PASSED):
+        if take <= 0 or (take < left and take < knee and seq.passed < MAX_PASSED and seq.priority):
             continue
         end = seq.fed + take
         entries.append(Entry(seq, seq.prompt[seq.fed : end], seq.fed, end == len(seq.prompt)))
@@ -582,11 +588,11 @@ def _deferrable(seq: Sequence, now: float, step: float) -> bool:
 
 
 def _taken_first(seq: Sequence) -> tuple[int, int, int]:
-    """The order prompts are taken in: those passed over ``MAX_PASSED`` steps before all, the
-    oldest first (were the budget always spent before they came, they would be passed over for
-    good), then the most urgent, the shortest left, the oldest."""
+    """The order prompts are taken in: the most urgent first; within a priority, those passed
+    over ``MAX_PASSED`` steps, the oldest first (were the budget always spent before they came,
+    they would be passed over for good), then the shortest left, the oldest."""
     if seq.passed >= MAX_PASSED:
-        return (-1, 0, seq.order)
+        return (seq.priority, -1, seq.order)
     return (seq.priority, len(seq.prompt) - seq.fed, seq.order)
 
 

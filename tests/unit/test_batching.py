@@ -323,9 +323,9 @@ class Batching(RuleBasedStateMachine):
             knee = min(self.s.knee, full)
             for e in prefills:
                 ends = e.start + len(e.tokens) == len(e.seq.prompt)
-                assert (
-                    ends or len(e.tokens) >= knee or passed[e.seq.key] >= MAX_PASSED or e in bridges
-                )
+                chat = e.seq.priority == 0  # (a chat's prompt takes any chunk)
+                late = passed[e.seq.key] >= MAX_PASSED
+                assert ends or len(e.tokens) >= knee or chat or late or e in bridges
 
     def advance(self, entries: list[Entry], token: int, stop: bool) -> None:
         self.cache.decode(entries)
@@ -612,7 +612,8 @@ def test_a_chunk_below_the_knee_waits_while_the_chats_bank_the_time() -> None:
 def test_a_chats_first_token_waits_on_no_heavy_prompt() -> None:
     """Heavy streams generate, far ahead of their objectives: a step may take the full batch,
     a rewrite's prompt fills it. A chat's prompt goes first, alone: the rewrite's tokens would
-    delay its first token; once the rewrite is past its turns, it goes first."""
+    delay its first token; once the rewrite is past its turns, it shares the chat's step, after
+    the chat's prompt."""
     s, cache = budgeted(costs(2, 3), slots=6, step_tokens=512)
     for i in range(2):
         heavy = generating(s, cache, f"heavy{i}", tpot_s=1.0, ttft_s=15.0, priority=1)
@@ -623,13 +624,52 @@ def test_a_chats_first_token_waits_on_no_heavy_prompt() -> None:
     s.submit(Sequence("chat", tuple(range(100, 150)), 4, gap_s=0.5))
     entries = s.plan(1.0)
     assert [(e.seq.key, len(e.tokens)) for e in entries] == [("chat", 50)]  # (heavies wait)
-    s.running["rewrite"].passed = MAX_PASSED  # past its turns: it goes first, whatever waits
+    s.running["rewrite"].passed = MAX_PASSED  # past its turns: the rest of the batch
     entries = s.plan(1.0)
-    assert [(e.seq.key, len(e.tokens)) for e in entries if e.seq.prefilling] == [("rewrite", 510)]
+    prefill = [(e.seq.key, len(e.tokens)) for e in entries if e.seq.prefilling]
+    assert prefill == [("chat", 50), ("rewrite", 460)]
     # Nothing generating: the same.
     for i in range(2):
         s.remove(f"heavy{i}")
     assert [(e.seq.key, len(e.tokens)) for e in s.plan(1.0)] == [("chat", 50)]
+
+
+def test_a_chats_prompt_goes_before_heavy_prompts_past_their_turns_in_any_chunk() -> None:
+    """Eight slots (2 ms a step, 3.5 ms a token): two chats generating on their pace, heavy
+    prompts pending, each passed over in turn until it is past its turns. A chat's prompt of
+    100 tokens goes first at every step, in the chunks the chats' pace leaves (below the knee:
+    a chat's first token is worth more than a chunk's efficiency), so it is whole within a few
+    steps; a heavy prompt past its turns takes what the chat's leaves. (Before, each heavy
+    prompt past its turns went first in turn and the chat's prompt waited for the knee: on 8
+    slots past capacity its first token came 0.7 to 3.8 s after its slot.)"""
+    s, cache = budgeted(costs(2, 3.5), slots=8, step_tokens=256)
+    now = 10.0
+    for i in range(2):
+        chat = generating(s, cache, f"chat{i}", tpot_s=0.1, gap_s=0.5, ttft_s=1.0)
+        chat.first_at, chat.last_at, chat.generated = now, now, 1
+    for i in range(4):
+        s.submit(Sequence(f"rewrite{i}", tuple(range(1000 * i, 1000 * i + 400)), 4, priority=1))
+        s.running[f"rewrite{i}"].passed = MAX_PASSED - i  # one past its turns, the rest soon
+    s.submit(Sequence("new", tuple(range(50_000, 50_100)), 4, tpot_s=0.1, ttft_s=1.0, gap_s=0.5))
+    new = s.running["new"]
+    steps = 0
+    while new.prefilling:
+        late = {q.key for q in s.running.values() if q.priority and q.passed >= MAX_PASSED}
+        entries = s.plan(now)
+        fed = [e.seq.key for e in entries if e.seq.prefilling]
+        assert fed[0] == "new", fed  # (the chat's prompt first, whatever is past its turns)
+        assert set(fed[1:]) <= late  # (and only what is past its turns beside it)
+        now += s.cost(entries)
+        cache.decode(entries)
+        s.advance(entries)
+        for entry in entries:
+            if entry.sample and not entry.seq.prefilling:
+                entry.seq.generated += 1
+                entry.seq.last_at = now
+                entry.seq.pending = 7
+        steps += 1
+    assert steps <= 5
+    assert now - 10.0 < 0.45
 
 
 def test_a_heavy_prompt_progresses_beside_a_stream_of_chats_with_tight_objectives() -> None:
@@ -857,7 +897,8 @@ def test_every_stream_keeps_its_pace_and_gap_and_every_prompt_is_fed_in_chunks_p
         for e in entries:
             if e.start < len(e.seq.prompt):  # a prompt's chunk
                 ends = e.start + len(e.tokens) == len(e.seq.prompt)
-                assert ends or len(e.tokens) >= min(knee, full) or passed[e.seq.key] >= MAX_PASSED
+                chat, late = e.seq.priority == 0, passed[e.seq.key] >= MAX_PASSED
+                assert ends or len(e.tokens) >= min(knee, full) or chat or late
         now += s.cost(entries)  # the step runs as predicted
         cache.decode(entries)
         s.advance(entries)
