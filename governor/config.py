@@ -30,7 +30,8 @@ from .runners.batching import KNEE
 
 RUNNERS = ("llama", "http", "stub")
 KV_TYPES = ("f16", "q8_0")
-KV_LAYOUTS = ("pool", "slots")
+KV_LAYOUTS = ("auto", "pool", "slots")
+AUTO_STREAMS = 8  # a worker's slots from which kv_layout auto gives each slot a stream
 # Old keys, refused with what took their place.
 RENAMED = {
     "ttft_slo_ms": "now 'interactive_ttft_slo_ms'",
@@ -295,8 +296,8 @@ class RunnerSection:
     kv_type: str = _opt("f16", choices=KV_TYPES)(
         "llama: the type of the KV cache's cells: f16, or q8_0 (8-bit, with flash attention: about half the memory a cell; on a CPU, long prompts are fed up to twice as slowly)."
     )
-    kv_layout: str = _opt("pool", choices=KV_LAYOUTS)(
-        "llama: the KV cache's layout. pool: kv_capacity cells that every job takes its cells from (each token attends over the span of cells in use, every job's). slots: n_ctx cells for each slot and one more for the health probe, as llama-server -np has: each token attends over its own job's cells only, so steps cost less at many slots and long contexts, for (max_inflight + workers) * n_ctx cells of memory (kv_capacity unset); a job's further choices (n) wait for free slots."
+    kv_layout: str = _opt("auto", choices=KV_LAYOUTS)(
+        "llama: the KV cache's layout. pool: kv_capacity cells that every job takes its cells from (each token attends over the span of cells in use, every job's). slots: n_ctx cells for each slot and one more for the health probe, as llama-server -np has: each token attends over its own job's cells only, so steps cost less at many slots and long contexts, for (max_inflight + workers) * n_ctx cells of memory (kv_capacity unset); a job's further choices (n) wait for free slots. auto: slots where a worker has 8 slots or more and kv_capacity is unset (there, attending over every job's cells cost a chunk's tokens 1.7 times as much on a CPU), else pool."
     )
     n_gpu_layers: int = _opt(0, check=_gpu_layers)(
         "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only."
@@ -524,6 +525,14 @@ class Config(
             },
             interactive_gap_ms=self.interactive_gap_ms,
         )
+
+    @property
+    def layout(self) -> str:
+        """The KV layout the llama runner takes: ``kv_layout``, with auto resolved."""
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        many = self.max_inflight // self.workers >= AUTO_STREAMS
+        return "slots" if many and not self.kv_capacity else "pool"
 
     @property
     def listen_address(self) -> tuple[str, int]:

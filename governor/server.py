@@ -79,7 +79,7 @@ def build_runner(config: Config) -> Runner:
                 step_tokens=config.batch_tokens,
                 min_chunk=config.min_prompt_chunk,
                 kv_type=config.kv_type,
-                kv_layout=config.kv_layout,
+                kv_layout=config.layout,
                 max_new_tokens=config.max_new_tokens,
                 job_timeout_s=config.job_timeout,
             )

@@ -416,12 +416,13 @@ class LlamaRunner:
         self._started = True
         s = self.settings
         log.info(
-            "%d llama worker(s) ready: %s, %d slot(s) batched, %d KV cells, n_ctx=%d "
+            "%d llama worker(s) ready: %s, %d slot(s) batched, %d KV cells (%s), n_ctx=%d "
             "(trained for %s), %d thread(s) each, n_gpu_layers=%d",
             len(workers),
             s.model.name,
             s.slots,
             sum(c.cells for c in s.caches()),
+            "a stream a slot" if s.kv_layout == "slots" else "one pool",
             s.n_ctx,
             workers[0].n_ctx_train or "unsaid",
             s.threads,

@@ -444,7 +444,7 @@ def test_a_cache_past_the_training_context_is_no_alarm_when_each_sequence_fits(
         "--threads", "1", "--n-gpu-layers", str(N_GPU_LAYERS),
     )  # fmt: skip
     log = d.stderr_head.decode(errors="replace")
-    assert f"KV cells, n_ctx={N_CTX_TRAIN} (trained for {N_CTX_TRAIN})" in log
+    assert f"KV cells (one pool), n_ctx={N_CTX_TRAIN} (trained for {N_CTX_TRAIN})" in log
     assert "training context overflow" not in log
     assert "n_ctx_train" not in log
 

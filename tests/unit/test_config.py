@@ -296,3 +296,21 @@ def test_every_key_is_in_one_section_and_the_sections_make_the_config() -> None:
         f.name for section in SECTIONS for f in section_fields(section)
     ]
     assert len(SECTIONS) == 6
+
+
+@pytest.mark.parametrize(
+    ("settings", "layout"),
+    [
+        ({}, "pool"),  # (4 slots)
+        ({"max_inflight": 8}, "slots"),
+        ({"max_inflight": 16, "workers": 2}, "slots"),
+        ({"max_inflight": 15, "workers": 2}, "pool"),  # (one worker of 7)
+        ({"max_inflight": 8, "kv_capacity": 20_000}, "pool"),  # (cells said: a pool of them)
+        ({"max_inflight": 2, "kv_layout": "slots"}, "slots"),
+        ({"max_inflight": 8, "kv_layout": "pool"}, "pool"),
+    ],
+)
+def test_the_kv_layout_auto_gives_a_stream_a_slot_from_8_slots_a_worker(
+    settings: dict[str, object], layout: str
+) -> None:
+    assert Config(**settings).layout == layout  # type: ignore[arg-type]
