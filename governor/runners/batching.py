@@ -20,7 +20,7 @@ operations of :class:`Cache`. One model context holds ``slots`` sequences over o
    it (a chat's first token does not wait for a rewrite's turn: on 8 slots past capacity, with
    a heavy prompt past its turns at most steps, chats got their first tokens 0.7 to 3.8 s after
    their slots), and in a step with room for no prompt at all the oldest past its turns takes a
-   token or more anyway.
+   token anyway.
 
 **How many prompt tokens: the step budget.** A step is as long as its tokens make it, and every
 generating sequence waits for the whole step for its next token, so the step's prompt tokens
@@ -127,7 +127,7 @@ MIN_PREFILL = 16  # prompt tokens a step takes, at least, even when decodes fill
 PREFILL_FLOOR = 1  # prompt tokens a step takes, at least, once a prompt is past its turns
 KNEE = 64  # the fewest tokens of a prompt that does not end in a step (see the docstring)
 SETTLE = 3  # steps a free slot stays below a running one before the topmost moves into it
-MARGIN = 0.9  # steps are planned to this share of a TPOT objective (for the step in ten that errs)
+MARGIN = 0.9  # steps are planned to this share of a TPOT objective (the step in ten that errs)
 
 
 class Cache(Protocol):

@@ -29,12 +29,13 @@ at most ``OUTLIER`` times the prediction, so one hiccup cannot make every later 
 **How far it errs.** A fit predicts the mean; a stream whose tokens are due is hurt by the steps
 that run long, and the error is not the same for every size of step (on the embedded model, on a
 CPU, past capacity, steps of a decode or two ran a fifth under the fit at the median, while one
-step in ten of 16 to 255 tokens ran more than 1.16 to 1.33 times over it). So steps are sorted by their tokens into bins of powers of 4
-(1 to 3, 4 to 15, 16 to 63, 64 to 255, more), and each bin's *spread* is the
-``SPREAD_QUANTILE`` quantile of the ratio of a step's seconds to its prediction over its last
-``SPREAD_STEPS`` steps (at least 1; a bin of fewer than ``SPREAD_AFTER`` steps takes the largest
-spread of the others). :meth:`StepCosts.predict_high` is the prediction times its bin's spread:
-what the scheduler plans a step to, so that about nine steps in ten end by the time planned.
+step in ten of 16 to 255 tokens ran more than 1.16 to 1.33 times over it). So steps are sorted
+by their tokens into bins of powers of 4 (1 to 3, 4 to 15, 16 to 63, 64 to 255, more), and
+each bin's *spread* is the ``SPREAD_QUANTILE`` quantile of the ratio of a step's seconds to its
+prediction over its last ``SPREAD_STEPS`` steps (at least 1; a bin of fewer than
+``SPREAD_AFTER`` steps takes the largest spread of the others). :meth:`StepCosts.predict_high`
+is the prediction times its bin's spread: what the scheduler plans a step to, so that about
+nine steps in ten end by the time planned.
 """
 
 from __future__ import annotations
@@ -111,13 +112,13 @@ class StepCosts:
             b[i] = DECAY * b[i] + x[i] * seconds
         self.coefficients = self._solve()
 
-    def _spread(self, bin: int, ratio: float) -> None:
-        ratios = self._ratios[bin]
+    def _spread(self, size: int, ratio: float) -> None:
+        ratios = self._ratios[size]
         ratios.append(ratio)
         if len(ratios) < SPREAD_AFTER:
             return
         ranked = sorted(ratios)
-        self._known[bin] = max(1.0, ranked[int(SPREAD_QUANTILE * (len(ranked) - 1))])
+        self._known[size] = max(1.0, ranked[int(SPREAD_QUANTILE * (len(ranked) - 1))])
         others = max(self._known.values())
         self.spreads = [self._known.get(i, others) for i in range(SPREAD_BINS)]
 
