@@ -9,6 +9,7 @@ own in this layout, wait for free slots and all finish."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,10 +139,21 @@ def test_a_preempted_step_leaves_none_of_its_tokens_in_the_cache() -> None:
     and a token left behind would put the next step's positions out of line (llama.cpp
     refuses such a step, and every job in it fails)."""
     import llama_cpp as ll
+    from llama_cpp import _logger
 
     flags = f"--cells {N_CTX} --slots 2 --n-ctx {N_CTX} --step-tokens 256 --threads 1"
     flags += " --kv-layout slots"
     model = Model(arguments(["--model", str(embedded_model_path()), *flags.split()]))
+    try:
+        preempted(model, ll)
+    finally:  # (the worker's log callback goes with its model: llama-cpp-python's, back)
+        ll.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+        ll.llama_free(model.ctx)
+        ll.llama_model_free(model.model)
+
+
+def preempted(model: Model, ll: Any) -> None:
+    """The step of the test above, run twice on ``model``: through, then aborted."""
     steps = [
         Sequence("a", tuple(PROMPT), 4, slot=0),
         Sequence("b", tuple(COMMON), 4, slot=1),
