@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,6 +31,7 @@ from .core.ledger import Completed, Refusal
 from .core.policy import Lane
 from .core.slo import judge, share
 from .runners import Fed, Finished, Forwarding, Relay, Relayed, RunnerError, Token
+from .runners.base import Resume
 from .state import ServerState
 from .telemetry.logs import event
 
@@ -107,6 +109,7 @@ class Execution:
         "parts",
         "replies",
         "result",
+        "resumes",
         "state",
         "streams",
         "task",
@@ -141,6 +144,7 @@ class Execution:
         self.streams = spec is not None and spec.stream  # its client asked for a stream
         self.parts: list[str] = []  # its first sequence's text, as it came
         self.result: dict[str, Any] | None = None
+        self.resumes: Sequence[Resume] = ()  # its runner's measure of each resume
         self.terminal_sent = False
         self.outcome = "cancelled"  # "done", a need_code, or "client_gone"
         # The task and the callback that releases its ticket, in one step: nothing can run
@@ -277,6 +281,7 @@ class Execution:
     def _finished(self, item: Finished) -> tuple[dict[str, Any], Relayed | None]:
         """The job's result, with the governor's own timings and the ladder's steps."""
         ticket, parts = self.ticket, self.parts
+        self.resumes = item.resumes
         result = dict(item.result)
         if parts:
             result.setdefault("text", "".join(parts))
@@ -297,16 +302,10 @@ class Execution:
         objective, as its client saw it: from its first refusal, if it was refused (a chat held
         in line for seconds by heavy work is the overload the pauses are for, however fast it
         runs once admitted)."""
-        if (overload := self._interactive_overload()) is not None:
+        if (overload := interactive_overload(self.state, self.ticket)) is not None:
             ttft = share((self.waited_s or 0.0) + ttft_s, self.ticket.objectives.ttft_ms)
             if ttft is not None:
                 overload.observe_ttft(ttft)
-
-    def _interactive_overload(self) -> OverloadController | None:
-        overload, demand = self.state.overload, self.ticket.demand
-        if overload is not None and demand is not None and demand.lane == Lane.INTERACTIVE:
-            return overload
-        return None
 
     # The end, whatever it was ------------------------------------------------------------
 
@@ -348,16 +347,10 @@ class Execution:
         ticket, metrics = self.ticket, self.state.metrics
         lane, outcome = ticket.lane, self.outcome
         metrics.finished[(outcome, lane, ticket.pool.name)] += 1
-        metrics.e2e.observe(lane, held_s)
         tpot_s = self.tpot_s
-        if ttft_s is not None:
-            metrics.ttft.observe(lane, ttft_s)
-        if tpot_s is not None:
-            metrics.tpot.observe(lane, tpot_s)
-        if isinstance(prompt, int):
-            metrics.prompt_tokens.observe(lane, prompt)
-        if isinstance(completion, int):
-            metrics.output_tokens.observe(lane, completion)
+        metrics.observe_job(lane, held_s, ttft_s, tpot_s, prompt, completion)
+        for resume in self.resumes:
+            metrics.resumes.observe(lane, resume.first_token_s, resume.recomputed)
         objectives, verdict = ticket.objectives, None
         if outcome == "done" or outcome in JUDGED_FAILURES:
             # TTFT as the client felt it: its wait in line too; a job with no text, its end.
@@ -365,7 +358,10 @@ class Execution:
             verdict = judge(objectives, ttft_s=felt_s, tpot_s=tpot_s, succeeded=outcome == "done")
             self.state.slo.record(lane, verdict)
             tpot = share(tpot_s, objectives.tpot_ms)
-            if tpot is not None and (overload := self._interactive_overload()) is not None:
+            if (
+                tpot is not None
+                and (overload := interactive_overload(self.state, self.ticket)) is not None
+            ):
                 overload.observe_tpot(tpot)
         if not jobs_log.isEnabledFor(logging.INFO):
             return
@@ -383,6 +379,8 @@ class Execution:
             degraded=list(ticket.degraded),
             yields=self.attempt.refusals,
             suspended=ticket.slot.pause.suspensions if ticket.slot.pause is not None else 0,
+            resume_ms=[_ms(r.first_token_s) for r in self.resumes] or None,
+            resume_recomputed=[r.recomputed for r in self.resumes] or None,
             wait_ms=_ms(self.waited_s),
             expected_ms=_ms(ticket.slot.expected_s),
             ttft_ms=_ms(ttft_s),
@@ -396,6 +394,14 @@ class Execution:
             met_tpot=None if verdict is None else verdict.tpot,
             good=None if verdict is None else verdict.good,
         )
+
+
+def interactive_overload(state: ServerState, ticket: Ticket) -> OverloadController | None:
+    """The overload states, for an interactive job (they watch its objectives)."""
+    overload, demand = state.overload, ticket.demand
+    if overload is not None and demand is not None and demand.lane == Lane.INTERACTIVE:
+        return overload
+    return None
 
 
 def _ms(seconds: float | None) -> float | None:

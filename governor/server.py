@@ -44,7 +44,7 @@ from .listeners.base import Listener
 from .listeners.http import FrontDoor
 from .listeners.tcp import TcpListener
 from .ops.health import Health
-from .runners import KvCacheRunner, Runner, StubRunner
+from .runners import KvCacheRunner, Pausing, Runner, StubRunner
 from .state import ServerState
 from .telemetry import memory
 from .telemetry.logs import event
@@ -146,9 +146,9 @@ def build_fallback(config: Config) -> Runner | None:
 
 def preemptible(config: Config, runner: Runner) -> bool:
     """Whether admission may suspend lent jobs for chats: under lanes, with ``preemption``, on
-    a runner that carries out a job's pause (one with KV caches of its own: the llama
-    runner)."""
-    return config.lanes and config.preemption and isinstance(runner, KvCacheRunner)
+    a runner that carries out a job's pause (:class:`Pausing`: the llama runner; the http
+    runner, for the jobs its upstream can continue)."""
+    return config.lanes and config.preemption and isinstance(runner, Pausing)
 
 
 def kv_budget(runner: Runner) -> tuple[KvBudget | None, Callable[[], int] | None]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from protocol.codes import BOUNDS, Bound, ErrorCode, NeedCode
 from protocol.spec import SpecInvalid
 
-from ..runners.base import Job, Runner
+from ..runners.base import Job, Pausing, Runner
 from .breaker import CircuitBreaker
 from .fleetgate import Lease
 from .hints import HintParts
@@ -333,6 +333,9 @@ class Admission:
         # Every yield, by need code, lane ('-' without lanes) and tenant.
         self.refusals: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.unserved = UnservedDemand()  # the distinct jobs those yields turned away
+        # Which of the primary runner's jobs it can suspend and resume (none: it cannot).
+        runner = primary.runner
+        self._pausable = runner.pausable if isinstance(runner, Pausing) else None
 
     @property
     def draining(self) -> bool:
@@ -364,8 +367,6 @@ class Admission:
         if isinstance(placed, Refusal):
             return self._refuse(attempt, None, placed, counted=True)
         pool, slot, plan, trial = placed
-        if plan.job.spec is None or plan.job.spec.input is not None:
-            slot.pause = None  # (only a generation can be suspended: not an embedding)
         lane = plan.demand.lane if plan.demand is not None else None
         objectives = self._objectives(lane, attempt.tenant, plan.job)
         # What the runner needs of the decision: how urgent the job is, where its KV cells are
@@ -550,7 +551,8 @@ class Admission:
             if blocked is not None:
                 self._withdraw(promise)
                 return Refusal(NeedCode.BREAKER_OPEN, ledger.hint_ms(now, now + blocked))
-        decision = ledger.admit(promise, plan.demand, plan.size)
+        pausable = self._pausable is not None and self._pausable(plan.job)
+        decision = ledger.admit(promise, plan.demand, plan.size, pausable=pausable)
         if isinstance(decision, Refusal):
             return decision
         return self.primary, decision, plan, breaker.started()

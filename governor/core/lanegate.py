@@ -3,8 +3,8 @@
 Under a lane policy (:mod:`governor.core.policy`) each lane may hold at most its quota of slots
 (``lane_slots``), and ``interactive_reserve`` slots are kept for interactive jobs: a job of a
 lower lane may not take them. The reserve is lent: every slot is the lower lanes' too, while no
-interactive client waits in line, at once where the runner can take a lent slot back for a
-chat by suspending its job (``lend``, the ledger's preemption), else only once no interactive
+interactive client waits in line, at once to a job the runner can pause (``lend``: a chat
+takes the lent slot back by suspending it, the ledger's preemption), else only once no interactive
 job has asked for a slot for ``reserve_lend_after_s`` (0: never), until the next one asks.
 Without a policy every job is of rank 0 and may take any slot.
 
@@ -49,27 +49,27 @@ class LaneGate:
         if rank == 0:
             self._interactive_seen = now
 
-    def reserve(self, rank: int, now: float) -> int:
+    def reserve(self, rank: int, now: float, *, pausable: bool = True) -> int:
         """The slots a job of the lane ranked ``rank`` may not take: the interactive reserve
         (0 for interactive work, without a lane policy, or while the reserve is lent: no
-        interactive job has come for ``reserve_lend_after_s``, or ``lend``, and none waits in
-        line)."""
+        interactive job has come for ``reserve_lend_after_s``, or at once with ``lend`` to a
+        job the runner can pause, and none waits in line)."""
         policy = self.policy
         if policy is None or rank == 0:
             return 0
         lend_after = policy.reserve_lend_after_s
         if (
-            (lend_after or self.lend)
+            (lend_after or (self.lend and pausable))
             and now - self._interactive_seen >= lend_after
             and not self._line.of_rank(0)
         ):
             return 0
         return policy.interactive_reserve
 
-    def unused_reserve(self, rank: int, now: float) -> int:
+    def unused_reserve(self, rank: int, now: float, *, pausable: bool = True) -> int:
         """The free slots a job of the lane ranked ``rank`` may not take: the reserve less the
         interactive jobs running."""
-        reserve = self.reserve(rank, now)
+        reserve = self.reserve(rank, now, pausable=pausable)
         return max(reserve - self.inflight[Lane.INTERACTIVE], 0) if reserve else 0
 
     def owes(self, width: int) -> bool:

@@ -22,8 +22,9 @@ the interactive reserve, its lane is under its quota, and its KV cells fit. In t
   then every job's cells are reserved in one of the runner's caches while it holds its slot
   (``kv_pressure`` when none has room).
 
-**Preemption** (``preemptible``: the runner suspends a job when told, the batched llama runner).
-The interactive reserve is lent at once, and taken back within a step: an interactive job that
+**Preemption** (``preemptible``: the runner suspends a job when told, :class:`~governor.runners.
+base.Pausing`: the batched llama runner, the http runner in front of llama-server). The
+interactive reserve is lent at once to the jobs it can pause, and taken back within a step: an interactive job that
 finds no slot while the reserve is owed to chats (fewer interactive slots taken than it) and no
 chat ahead of it is due suspends the newest running jobs of the lowest lanes until it has its
 slots; one that finds no room for its KV cells suspends such jobs until it has. Beyond the
@@ -353,6 +354,7 @@ class SlotPool:
         size: JobSize | None,
         kv_cache: int | None,
         kv_tokens: int,
+        pausable: bool = False,
     ) -> Slot:
         """Take a slot for a job :meth:`admit` admitted (its KV cells reserved in ``kv_cache``)."""
         # The slots taken are taken as the ones freed last: a slot freed long before (the
@@ -374,7 +376,7 @@ class SlotPool:
                     self.estimates.came_back(max(now - max(freed, promise.at), 0.0))
         if kv_cache is not None:
             slot.kv_cache, slot.kv_tokens = kv_cache, kv_tokens
-        if self.preemptible and demand is not None and demand.lane != Lane.INTERACTIVE:
+        if pausable and demand is not None and demand.lane != Lane.INTERACTIVE:
             slot.pause = Pause()
         self._running[slot] = None
         self._taken += slot.width
@@ -479,6 +481,8 @@ class SlotLedger(SlotPool):
         promise: Promise | None = None,
         demand: Demand | None = None,
         size: JobSize | None = None,
+        *,
+        pausable: bool = True,
     ) -> Slot | Refusal:
         """Take a slot, or say why not and when to come back.
 
@@ -486,6 +490,10 @@ class SlotLedger(SlotPool):
         ``demand`` the job's lane and KV reservation, when a lane policy is in force; ``size``
         its prompt and ``max_new_tokens``, when it is an inference job: the slot's expected
         end, and the turns of the slots it waits for when refused, are predicted from it.
+        ``pausable``: its runner can suspend it and resume it exactly (on a ``preemptible``
+        pool, a job below the interactive lane may then be suspended, and borrow the
+        interactive reserve at once; one that cannot is kept from the reserve as without
+        preemption).
         """
         now = self.clock()
         self.line.lapse(now)
@@ -499,7 +507,8 @@ class SlotLedger(SlotPool):
         width = size.width if size is not None else 1
         self.lanes.asked(rank, now)
         # The free slots this job may take: not those the interactive reserve keeps.
-        reserved = self.lanes.unused_reserve(rank, now)
+        pausable = pausable and self.preemptible
+        reserved = self.lanes.unused_reserve(rank, now, pausable=pausable)
         usable = free - reserved
         # A free slot is not for the taking while clients ahead in line have their time come.
         hold = self.estimates.hold()
@@ -516,14 +525,14 @@ class SlotLedger(SlotPool):
             # (free slots, but the reserve's: lane_full)
             return self._busy(now, promise, rank, size, later, usable < width <= free)
         kv_tokens = kv_demand(demand, size)
-        refusal, kv_cache = self._checks(now, demand, kv_tokens, width, victims)
+        refusal, kv_cache = self._checks(now, demand, kv_tokens, width, victims, pausable)
         if refusal is not None:
             if promise is not None:
                 self.withdraw(promise)
             for slot in victims:  # (what was suspended for it: back as it was)
                 self._resume(slot)
             return self.refused(refusal)
-        return self._take(now, promise, demand, size, kv_cache, kv_tokens)
+        return self._take(now, promise, demand, size, kv_cache, kv_tokens, pausable)
 
     def _busy(
         self,
@@ -546,13 +555,19 @@ class SlotLedger(SlotPool):
         return self.refused(refusal)
 
     def _checks(
-        self, now: float, demand: Demand | None, kv_tokens: int, width: int, victims: list[Slot]
+        self,
+        now: float,
+        demand: Demand | None,
+        kv_tokens: int,
+        width: int,
+        victims: list[Slot],
+        pausable: bool,
     ) -> tuple[Refusal | None, int | None]:
         """The lane policy's checks, then a cache for the job's ``kv_tokens`` KV cells: a
         refusal, or the cache they are reserved in (None: no KV budget, or no cells). An
         interactive job may suspend jobs for its cells (added to ``victims``)."""
         if demand is not None and self.policy is not None:
-            refusal = self._policy_refusal(now, demand, width)
+            refusal = self._policy_refusal(now, demand, width, pausable)
             if refusal is not None:
                 return refusal, None
         if self.kv is None or not kv_tokens:
@@ -569,7 +584,9 @@ class SlotLedger(SlotPool):
             return self.waits(NeedCode.KV_PRESSURE, now, at), None
         return None, kv_cache
 
-    def _policy_refusal(self, now: float, demand: Demand, width: int) -> Refusal | None:
+    def _policy_refusal(
+        self, now: float, demand: Demand, width: int, pausable: bool
+    ) -> Refusal | None:
         """The lane quota and the KV budget, in that order (the interactive reserve is kept
         by :meth:`admit`, in the line)."""
         policy = self.policy
@@ -579,10 +596,10 @@ class SlotLedger(SlotPool):
             return self.waits(NeedCode.LANE_FULL, now, self.hints.lane_release(now, lane))
         # Below the interactive lane: what is reserved must leave the interactive share free,
         # and what the caches really hold must stay under the danger line, unless a chat can
-        # take the memory back (preemptible). (Every lane's job must fit in a cache:
+        # take the memory back (the job is pausable). (Every lane's job must fit in a cache:
         # :meth:`admit` reserves its cells after this.)
         capacity = self.kv.capacity if self.kv is not None else 0
-        if capacity and lane != Lane.INTERACTIVE and not self.preemptible:
+        if capacity and lane != Lane.INTERACTIVE and not pausable:
             reserved = self.kv_reserved + demand.kv_tokens
             if (
                 reserved > (1.0 - policy.kv_interactive_share) * capacity

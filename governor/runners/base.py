@@ -16,7 +16,7 @@ supervision of its workers still stands.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -84,6 +84,9 @@ class Job:
     gap_ms: float = 0.0
     # Set by admission for a job it may suspend (:class:`Pause`), on a runner that can.
     pause: Pause | None = None
+    # The runner's own reading of the job, made by :meth:`Runner.prepare` (the http runner's
+    # request that its upstream can continue after a pause); None: none.
+    plan: object | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,16 @@ class Fed:
     tokens: int
 
 
+@dataclass(slots=True)
+class Resume:
+    """One resume of a paused job, as its runner measured it: the prompt tokens computed
+    again (a cache held the rest), and the seconds from the resume to its next token (None:
+    not measured)."""
+
+    recomputed: int | None = None
+    first_token_s: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Finished:
     """The job's end; ``result`` goes into the terminal ``confirm done`` frame. With the
@@ -141,6 +154,9 @@ class Finished:
 
     result: Mapping[str, Any] = field(default_factory=dict)
     relayed: Relayed | None = None
+    # Each resume of the job after a pause, where its runner measures them: the prompt tokens
+    # computed again and the seconds to its next token.
+    resumes: Sequence[Resume] = ()
 
 
 RunEvent = Token | Fed | Relay | Finished
@@ -248,8 +264,7 @@ class Embedder(Protocol):
 class KvCacheRunner(Protocol):
     """A runner with KV caches of its own (the batched llama runner, one per worker):
     admission reserves each job's cells in one of them, and tells the runner which
-    (:attr:`Job.kv_cache`). It carries out each job's :attr:`Job.pause` (admission may
-    suspend a job to take its slot back for a chat)."""
+    (:attr:`Job.kv_cache`)."""
 
     def kv_caches(self) -> tuple[CacheShape, ...]:
         """The caches, as configured (each may hold a little more: llama.cpp pads them)."""
@@ -257,6 +272,19 @@ class KvCacheRunner(Protocol):
 
     def kv_used(self) -> int:
         """The cells the caches hold now, as their workers last reported."""
+        ...
+
+
+@runtime_checkable
+class Pausing(Protocol):
+    """A runner that carries out a job's :attr:`Job.pause`: it stops the job when admission
+    suspends it (a chat took its slot back) and goes on where it stopped when resumed, its
+    client seeing one answer (the batched llama runner; the http runner in front of an upstream
+    that continues an answer from its tokens)."""
+
+    def pausable(self, job: Job) -> bool:
+        """Whether ``job`` can be suspended and resumed with the same answer as unpaused
+        (False for every job where the runner cannot pause at all)."""
         ...
 
 

@@ -32,6 +32,7 @@ from protocol.spec import JobSpec, check_ceiling
 from .base import (
     Finished,
     Job,
+    Pause,
     Relay,
     Relayed,
     RunEvent,
@@ -42,6 +43,8 @@ from .base import (
     probe_job,
     spec_or_prompt,
 )
+from .continuation import Ask, Continuation, ask_of_body, ask_of_spec, upstream_of
+from .continuation import Upstream as Native
 from .framing import SseEvents, UpstreamError, UpstreamTimeout
 from .upstream import Answer, Upstream
 
@@ -70,6 +73,10 @@ class HttpRunner:
     def __init__(self, settings: HttpSettings) -> None:
         self.settings = settings
         self._upstream: Upstream | None = None
+        # llama-server's own account of itself, where the upstream is one: its jobs can be
+        # paused and resumed (:mod:`.continuation`). None: another server.
+        self.native: Native | None = None
+        self._resumable: Resumable | None = None
 
     @property
     def expected_service_s(self) -> float:
@@ -87,6 +94,9 @@ class HttpRunner:
                 async with upstream.request("GET", "/v1/models", timeout_s=5.0) as answer:
                     await read_bounded(answer)
                 if answer.status < 500:
+                    self.native = await self._props()
+                    if self.native is not None:
+                        self._resumable = Resumable(upstream, self.native, s.timeout_s)
                     return
                 problem = f"answered {answer.status}"
             except UpstreamError as exc:
@@ -97,6 +107,16 @@ class HttpRunner:
                     f"the upstream {s.upstream} {problem} after {s.start_timeout_s:g} s"
                 )
             await asyncio.sleep(0.5)
+
+    async def _props(self) -> Native | None:
+        """llama-server's ``/props`` (None from another server: it pauses no job)."""
+        assert self._upstream is not None
+        try:
+            async with self._upstream.request("GET", "/props", timeout_s=5.0) as answer:
+                body = await read_bounded(answer)
+            return upstream_of(orjson.loads(body)) if answer.status == 200 else None
+        except (UpstreamError, orjson.JSONDecodeError):
+            return None
 
     async def close(self) -> None:
         if self._upstream is not None:
@@ -148,10 +168,30 @@ class HttpRunner:
 
     def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
         if spec is not None and spec.forward is not None:
-            return Job(job_id, payload, spec=check_ceiling(spec, self.settings.max_new_tokens))
+            spec = check_ceiling(spec, self.settings.max_new_tokens)
+            return Job(job_id, payload, spec=spec, plan=self._forward_plan(spec))
         # No tokenizer here: a prompt too long for the upstream's context is its error to give.
         spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
-        return Job(job_id, payload, spec=spec, stop=spec.stop)
+        plan = ask_of_spec(spec) if self.native is not None else None
+        return Job(job_id, payload, spec=spec, stop=spec.stop, plan=plan)
+
+    def _forward_plan(self, spec: JobSpec) -> Ask | None:
+        """A forwarded request that llama-server can continue after a pause, read as such."""
+        forward = spec.forward
+        assert forward is not None
+        if self.native is None:
+            return None
+        fields = forward.fields
+        if fields is None:
+            try:
+                fields = orjson.loads(forward.body)
+            except orjson.JSONDecodeError:
+                return None
+        return ask_of_body(fields, forward.path) if type(fields) is dict else None
+
+    def pausable(self, job: Job) -> bool:
+        """A job whose request llama-server continues exactly (:mod:`.continuation`)."""
+        return self.native is not None and isinstance(job.plan, Ask)
 
     def forwarded_body(self, spec: JobSpec) -> bytes:
         """What goes upstream for a forwarded request: its body as it came, unless the
@@ -185,6 +225,15 @@ class HttpRunner:
         spec = job.spec
         assert spec is not None
         assert self._upstream is not None
+        if isinstance(job.plan, Ask) and job.plan.openai is None:
+            assert self._resumable is not None
+            continued = Continuation(job.plan, spec.max_new_tokens)
+            async with contextlib.aclosing(self._resumable.answer(job, continued)) as pieces:
+                async for piece in pieces:
+                    yield Token(piece, continued.completion_tokens)
+            result = {"text": "".join(continued.text), **continued.counts()}
+            yield Finished({**result, "finish_reason": continued.finish}, resumes=continued.resumes)
+            return
         if spec.forward is not None:  # (the execution pushes these: :meth:`push`)
             pushed: list[RunEvent] = []
             finished = await self.push(job, pushed.append)
@@ -218,19 +267,8 @@ class HttpRunner:
             }
         )
 
-    @contextlib.contextmanager
-    def _failures(self) -> Iterator[None]:
-        """The upstream's failures as the job's: ``upstream_timeout`` for a silence,
-        ``upstream_error`` for the rest (a broken connection, body or event)."""
-        try:
-            yield
-        except UpstreamTimeout:
-            raise RunnerError(
-                f"the upstream sent nothing for {self.settings.timeout_s:g} s",
-                NeedCode.UPSTREAM_TIMEOUT,
-            ) from None
-        except (UpstreamError, orjson.JSONDecodeError) as exc:
-            raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
+    def _failures(self) -> contextlib.AbstractContextManager[None]:
+        return failures(self.settings.timeout_s)
 
     async def push(self, job: Job, sink: Callable[[Token | Relay], None]) -> Finished:
         """A forwarded request: its body to the upstream, the upstream's answer back as it
@@ -243,6 +281,9 @@ class HttpRunner:
         forward = spec.forward
         assert forward is not None
         assert self._upstream is not None
+        if isinstance(job.plan, Ask):
+            assert self._resumable is not None
+            return await self._resumable.push(job, job.plan, sink)
         body = self.forwarded_body(spec)
         with self._failures():
             async with self._upstream.request("POST", forward.path, body) as answer:
@@ -272,6 +313,177 @@ class HttpRunner:
                             break
                     await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
                 return Finished(counts.result(), Relayed(200, SSE, b"data: [DONE]\n\n"))
+
+
+@contextlib.contextmanager
+def failures(timeout_s: float) -> Iterator[None]:
+    """The upstream's failures as the job's: ``upstream_timeout`` for a silence of
+    ``timeout_s``, ``upstream_error`` for the rest (a broken connection, body or event)."""
+    try:
+        yield
+    except UpstreamTimeout:
+        raise RunnerError(
+            f"the upstream sent nothing for {timeout_s:g} s", NeedCode.UPSTREAM_TIMEOUT
+        ) from None
+    except (UpstreamError, orjson.JSONDecodeError) as exc:
+        raise RunnerError(f"the upstream failed: {exc}", NeedCode.UPSTREAM_ERROR) from None
+
+
+class Resumable:
+    """The http runner's jobs that llama-server can continue (:mod:`.continuation`): each
+    runs on its ``/completion`` endpoint in attempts that its pauses close and its resumes
+    send again."""
+
+    def __init__(self, upstream: Upstream, native: Native, timeout_s: float) -> None:
+        self.upstream = upstream
+        self.native = native
+        self.timeout_s = timeout_s
+
+    async def push(self, job: Job, ask: Ask, sink: Callable[[Token | Relay], None]) -> Finished:
+        """A forwarded request that can be paused: its answer in the chunks llama-server's
+        own OpenAI endpoint would have sent, one ``id`` over every attempt."""
+        assert job.spec is not None
+        assert ask.openai is not None
+        shape, answer = ask.openai, Continuation(ask, job.spec.max_new_tokens)
+        shape.begin(self.native)
+        first = shape.role() if shape.stream else None
+        async with contextlib.aclosing(self.answer(job, answer)) as pieces:
+            async for text in pieces:
+                raw = shape.piece(text) if shape.stream else b""
+                if first is not None:
+                    raw, first = first + raw, None
+                sink(Token(text, answer.completion_tokens, raw=raw))
+        counts = {**answer.counts(), "finish_reason": answer.finish}
+        if shape.stream:
+            return Finished(counts, Relayed(200, SSE, shape.end(answer)), resumes=answer.resumes)
+        return Finished(counts, Relayed(200, JSON, shape.whole(answer)), resumes=answer.resumes)
+
+    async def answer(self, job: Job, answer: Continuation) -> AsyncGenerator[str, None]:
+        """The answer's text as it comes, over as many attempts as its pauses make: each a
+        ``/completion`` request that its pause closes, the next sent once it is resumed."""
+        upstream = self.upstream
+        ask, pause, loop = answer.ask, job.pause, asyncio.get_running_loop()
+        template = None
+        if ask.messages is not None:
+            template = await self._call("/apply-template", {"messages": ask.messages})
+        attempt = Attempt(pause)
+        try:
+            while True:
+                await attempt.resumed()
+                if answer.remaining <= 0:  # (paused after its last token)
+                    answer.finish = "length"
+                    return
+                if answer.resumes and answer.prompt is None:
+                    text = template if template is not None else ask.prompt
+                    answer.prompt = await self._tokens(text or "")
+                    continue  # (paused again meanwhile, perhaps)
+                sent = loop.time()
+                body = orjson.dumps(answer.body(template))
+                with failures(self.timeout_s):
+                    async with upstream.request("POST", "/completion", body) as reply:
+                        if reply.status >= 400:
+                            raise _native_refused(reply.status, await read_bounded(reply))
+                        try:
+                            async with attempt.on(reply):
+                                async for event in sse_events(reply.chunks()):
+                                    text = answer.feed(event)
+                                    if text is not None:
+                                        answer.first_of_resume(loop.time() - sent)
+                                        yield text
+                                    if answer.finish is not None:
+                                        break
+                        except Paused:
+                            answer.paused()
+                            continue
+                        await reply.drain(END_WAIT_S, MAX_ANSWER_BYTES)
+                if answer.finish is None:
+                    raise RunnerError(
+                        "the upstream's answer ended before its last event",
+                        NeedCode.UPSTREAM_ERROR,
+                    )
+                return
+        finally:
+            attempt.close()
+
+    async def _call(self, path: str, body: dict[str, Any]) -> Any:
+        """One of llama-server's own endpoints, its answer's ``prompt`` or ``tokens``."""
+        with failures(self.timeout_s):
+            async with self.upstream.request("POST", path, orjson.dumps(body)) as reply:
+                whole = await read_bounded(reply)
+                if reply.status >= 400:
+                    raise _native_refused(reply.status, whole)
+        answer = orjson.loads(whole)
+        key = "prompt" if path == "/apply-template" else "tokens"
+        if type(answer) is not dict or key not in answer:
+            raise RunnerError(f"the upstream's {path} answered no {key}", NeedCode.UPSTREAM_ERROR)
+        return answer[key]
+
+    async def _tokens(self, text: str) -> list[int]:
+        """``text`` as llama-server tokenizes a prompt (its special tokens too)."""
+        tokens = await self._call(
+            "/tokenize", {"content": text, "add_special": True, "parse_special": True}
+        )
+        if type(tokens) is not list or not all(type(t) is int for t in tokens):
+            raise RunnerError(
+                "the upstream's /tokenize answered no tokens", NeedCode.UPSTREAM_ERROR
+            )
+        return tokens
+
+
+class Paused(Exception):
+    """The attempt in progress was closed for its job's pause."""
+
+
+class Attempt:
+    """A pausable job's attempts: its pause closes the one in progress (its reading fails
+    with :class:`Paused`), and the next waits until it is resumed."""
+
+    __slots__ = ("_pause", "_reply", "_resumed")
+
+    def __init__(self, pause: Pause | None) -> None:
+        self._pause = pause
+        self._reply: Answer | None = None
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        if pause is not None:
+            pause.listen(self._changed)
+
+    def _changed(self, suspended: bool) -> None:
+        if not suspended:
+            self._resumed.set()
+            return
+        self._resumed.clear()
+        if self._reply is not None:
+            self._reply.abort()
+
+    async def resumed(self) -> None:
+        if not self._resumed.is_set():
+            await self._resumed.wait()
+
+    @contextlib.asynccontextmanager
+    async def on(self, reply: Answer) -> AsyncIterator[None]:
+        """Reading ``reply``: a pause closes it, and its failure is :class:`Paused`."""
+        self._reply = reply
+        try:
+            if not self._resumed.is_set():  # (paused while it was sent)
+                raise Paused
+            yield
+        except UpstreamError:
+            if self._resumed.is_set():
+                raise
+            raise Paused from None
+        finally:
+            self._reply = None
+
+    def close(self) -> None:
+        if self._pause is not None:
+            self._pause.listen(None)
+
+
+def _native_refused(status: int, body: bytes) -> RunnerError:
+    detail = body[:300].decode(errors="replace")
+    code = NeedCode.UPSTREAM_REJECTED if 400 <= status < 500 else NeedCode.UPSTREAM_ERROR
+    return RunnerError(f"the upstream answered {status}: {detail}", code)
 
 
 async def read_bounded(answer: Answer) -> bytes:

@@ -451,6 +451,11 @@ class LlamaRunner:
         """The job for ``spec``, checked and tokenised (:meth:`LlamaPrompts.prepare`)."""
         return self._prompts.prepare(job_id, spec, payload)
 
+    def pausable(self, job: Job) -> bool:
+        """Every generation (its worker stops stepping it, and keeps or recomputes its cells);
+        not an embedding."""
+        return job.spec is not None and job.spec.input is None
+
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
         if job.spec is not None and job.spec.input is not None:
             vectors, tokens = await self.embed(list(job.spec.input))

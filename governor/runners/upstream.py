@@ -313,6 +313,12 @@ class Answer:
         if self._silence is not None:
             self._silence.close()
 
+    def abort(self) -> None:
+        """Close the connection now, from outside the reading task: its read in progress, or
+        its next, fails as for a body cut short (the upstream, its connection closed, stops
+        the work)."""
+        self._connection.close()
+
     def reusable(self) -> bool:
         """The whole exchange is over and the connection may carry another: made ready for
         it (a chunked body read here leaves h11 where the head ended: a new one takes over)."""

@@ -73,6 +73,30 @@ class LaneHistograms:
         return family
 
 
+class ResumeMetrics:
+    """A paused job's resumes, where its runner measures them (the http runner's): the seconds
+    to its next token, and the prompt tokens its upstream computed again."""
+
+    def __init__(self) -> None:
+        self.seconds = LaneHistograms(
+            "governor_resume_seconds",
+            "From a resumed job's new request to its next token (the sidecar's pauses).",
+            TTFT_BUCKETS,
+        )
+        self.recomputed = LaneHistograms(
+            "governor_resume_recomputed_tokens",
+            "Prompt tokens the upstream computed again at a resume (its cache held the rest).",
+            (0, *TOKEN_BUCKETS),
+        )
+
+    def observe(self, lane: str, seconds: float | None, recomputed: int | None) -> None:
+        """One resume (None: not measured)."""
+        if seconds is not None:
+            self.seconds.observe(lane, seconds)
+        if recomputed is not None:
+            self.recomputed.observe(lane, recomputed)
+
+
 class JobMetrics:
     """What the daemon measures of each job and admission attempt."""
 
@@ -124,11 +148,32 @@ class JobMetrics:
         self.output_tokens = LaneHistograms(
             "governor_job_output_tokens", "Generated tokens of jobs that finished.", TOKEN_BUCKETS
         )
+        self.resumes = ResumeMetrics()
         self.probe = Histogram(PROBE_BUCKETS)
         # Admitted jobs' ends, by outcome (done, an abort's need code, client_gone), lane, pool.
         self.finished: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.aborts: collections.Counter[str] = collections.Counter()  # abort frames, by code
         self.probes: collections.Counter[str] = collections.Counter()  # by result
+
+    def observe_job(
+        self,
+        lane: str,
+        held_s: float,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        prompt: object,
+        completion: object,
+    ) -> None:
+        """An admitted job's end: its times, and its token counts where it reported them."""
+        self.e2e.observe(lane, held_s)
+        if ttft_s is not None:
+            self.ttft.observe(lane, ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(lane, tpot_s)
+        if isinstance(prompt, int):
+            self.prompt_tokens.observe(lane, prompt)
+        if isinstance(completion, int):
+            self.output_tokens.observe(lane, completion)
 
     def lane_families(self) -> Iterator[HistogramMetricFamily]:
         for h in (
@@ -139,5 +184,7 @@ class JobMetrics:
             self.wait,
             self.prompt_tokens,
             self.output_tokens,
+            self.resumes.seconds,
+            self.resumes.recomputed,
         ):
             yield h.family()

@@ -28,7 +28,7 @@ from governor.core.policy import Lane, LanePolicy
 from governor.core.slo import Objectives, SloPolicy
 from governor.core.tenants import TenantConfig, Tenants
 from governor.runners import Job, StubRunner
-from protocol.codes import BOUNDS, NeedCode
+from protocol.codes import BOUNDS, Bound, NeedCode
 from protocol.spec import SPEC_CONTENT_TYPE, SpecInvalid, parse_spec
 from tests.clock import FakeClock
 
@@ -48,6 +48,7 @@ def make(
     overload: bool = False,
     fallback: bool = False,
     preemptible: bool = False,
+    runner: StubRunner = RUNNER,
 ) -> Admission:
     policy = LanePolicy(interactive_reserve=1) if lanes else None
 
@@ -62,7 +63,7 @@ def make(
         breaker = CircuitBreaker(
             BreakerSettings(window_s=10, min_failures=2, error_rate=0.5, cooldown_s=5), clock
         )
-        return Pool(name, RUNNER, ledger, breaker)
+        return Pool(name, runner, ledger, breaker)
 
     controller = OverloadController(OverloadSettings(min_dwell_s=10), clock) if overload else None
     return Admission(
@@ -554,20 +555,42 @@ def test_a_lower_lanes_sequences_leave_the_interactive_reserve(clock: FakeClock)
     admitted(admission.decide(attempt(admission, n=3))).release("done")
 
 
+class PausingStub(StubRunner):
+    """A stub that can suspend its generations (as the llama runner can), not an embedding."""
+
+    def pausable(self, job: Job) -> bool:
+        return job.spec is not None and job.spec.input is None
+
+
 def test_a_lent_generation_is_suspended_for_a_chat_but_an_embedding_never_is(
     clock: FakeClock,
 ) -> None:
-    admission = make(clock, cap=2, lanes=True, preemptible=True)
+    admission = make(clock, cap=3, lanes=True, preemptible=True, runner=PausingStub(1.0))
     rewrite = admitted(admission.decide(attempt(admission, max_new_tokens=900)))
     payload = orjson.dumps({"input": ["x " * 800], "lane": "heavy"})
     spec = parse_spec(payload, SPEC_CONTENT_TYPE, max_new_tokens_ceiling=RUNNER.max_new_tokens)
     tenant = admission.tenants.find(None)
     assert tenant is not None
-    embedding = admitted(admission.decide(Attempt(tenant, RUNNER.prepare("e", spec, payload))))
+
+    def embedding() -> Attempt:
+        return Attempt(tenant, RUNNER.prepare("e", spec, payload))
+
+    clock.now += 0.01
+    embedded = admitted(admission.decide(embedding()))
+    clock.now += 0.01
+    lent = admitted(admission.decide(attempt(admission, max_new_tokens=900)))
     assert rewrite.job.pause is not None
-    assert embedding.job.pause is None  # (its runner could not pause it)
+    assert lent.job.pause is not None
+    assert embedded.job.pause is None  # (its runner could not pause it)
     chat = admitted(admission.decide(attempt(admission)))
-    assert rewrite.slot.suspended
-    assert not embedding.slot.suspended
-    assert admission.ledger.taken == 2
-    del chat
+    assert lent.slot.suspended  # (the newest it may suspend)
+    assert not rewrite.slot.suspended
+    assert not embedded.slot.suspended
+    assert admission.ledger.taken == 3
+    chat.release("done")
+    lent.release("done")
+    # The reserve is free again: never lent to an embedding (a chat could not take it back).
+    refusal = admission.decide(embedding())
+    assert isinstance(refusal, Yielded)
+    assert refusal.need_code == NeedCode.LANE_FULL
+    assert refusal.bound == Bound.INTERACTIVE_RESERVE

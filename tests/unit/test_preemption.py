@@ -59,9 +59,13 @@ def ask(
     kv: int = 10,
     width: int = 1,
     promise: Promise | None = None,
+    *,
+    pausable: bool = True,
 ) -> Slot | Refusal:
-    """A job of ``lane`` reserving ``kv`` KV cells, of ``width`` sequences."""
-    return ledger.admit(promise, Demand(lane, kv), JobSize(kv // 2, kv - kv // 2, width))
+    """A job of ``lane`` reserving ``kv`` KV cells, of ``width`` sequences; ``pausable``: its
+    runner can suspend it."""
+    size = JobSize(kv // 2, kv - kv // 2, width)
+    return ledger.admit(promise, Demand(lane, kv), size, pausable=pausable)
 
 
 def take(clock: FakeClock, ledger: SlotLedger, lane: Lane, kv: int = 10, width: int = 1) -> Slot:
@@ -545,6 +549,7 @@ class Preemption(RuleBasedStateMachine):
         self.jobs: list[Slot] = []  # admitted, not released (running or suspended)
         self.every: list[Slot] = []  # every job admitted
         self.cache: dict[int, int | None] = {}  # the cache each job's cells were placed in
+        self.pausable: dict[int, bool] = {}  # whether its runner could suspend each job
         self.promises: list[tuple[Promise, int]] = []
 
     @initialize(
@@ -598,23 +603,30 @@ class Preemption(RuleBasedStateMachine):
         width=st.integers(1, 2),
         cells=st.integers(1, 60),
         back=st.booleans(),
+        pausable=st.booleans(),
     )
-    def admit_lower(self, rank: int, width: int, cells: int, back: bool) -> None:
-        """A heavy or background job (they fill the slots a chat then takes back)."""
-        self.admit(rank, width, cells, back)
+    def admit_lower(self, rank: int, width: int, cells: int, back: bool, pausable: bool) -> None:
+        """A heavy or background job (they fill the slots a chat then takes back), one its
+        runner can suspend or not (a sidecar's request with tools, say)."""
+        self.admit(rank, width, cells, back, pausable)
 
     @rule(
         jobs=st.lists(
-            st.tuples(st.integers(1, len(LANES) - 1), st.integers(1, 2), st.integers(1, 40)),
+            st.tuples(
+                st.integers(1, len(LANES) - 1),
+                st.integers(1, 2),
+                st.integers(1, 40),
+                st.sampled_from([True, True, False]),
+            ),
             min_size=1,
             max_size=4,
         )
     )
-    def fill(self, jobs: list[tuple[int, int, int]]) -> None:
+    def fill(self, jobs: list[tuple[int, int, int, bool]]) -> None:
         """Heavy and background jobs one after another (they fill the slots, the reserve's
         included, that chats then take back)."""
-        for rank, width, cells in jobs:
-            self.admit(rank, width, cells, False)
+        for rank, width, cells, pausable in jobs:
+            self.admit(rank, width, cells, False, pausable)
             self.clock.now += 0.001
 
     @rule(cells=st.integers(1, 60), back=st.booleans())
@@ -626,8 +638,9 @@ class Preemption(RuleBasedStateMachine):
         width=st.integers(1, 2),
         cells=st.integers(1, 130),
         back=st.booleans(),
+        pausable=st.booleans(),
     )
-    def admit(self, rank: int, width: int, cells: int, back: bool) -> None:
+    def admit(self, rank: int, width: int, cells: int, back: bool, pausable: bool = True) -> None:
         lane, ledger = LANES[rank], self.ledger
         # (a chat of one sequence; no job wider than its lane may ever hold: admission rejects
         # those before the ledger)
@@ -645,7 +658,7 @@ class Preemption(RuleBasedStateMachine):
             for s in self.running()
             if s.pause is not None and (owed or (not s.begun and not s.pause.suspensions))
         ]
-        decision = ask(ledger, lane, cells, width, returning)
+        decision = ask(ledger, lane, cells, width, returning, pausable=pausable)
         victims = [
             s
             for s in self.jobs
@@ -654,7 +667,7 @@ class Preemption(RuleBasedStateMachine):
         if isinstance(decision, Slot):
             assert decision.width == width
             assert decision.demand == Demand(lane, cells)
-            assert (decision.pause is None) == (lane == CHAT)
+            assert (decision.pause is None) == (lane == CHAT or not pausable)
             if lane != CHAT:
                 # Never a newer non-interactive job while one waits suspended (it resumes first),
                 # and only a chat suspends.
@@ -676,6 +689,7 @@ class Preemption(RuleBasedStateMachine):
             self.jobs.append(decision)
             self.every.append(decision)
             self.cache[id(decision)] = decision.kv_cache
+            self.pausable[id(decision)] = pausable
         else:
             assert decision.retry_hint_ms >= ledger.min_hint_ms
             if lane != CHAT:
@@ -690,8 +704,11 @@ class Preemption(RuleBasedStateMachine):
                     or ledger.cap - ledger.taken + sum(s.width for s in eligible) < 1
                 )
             if decision.need_code == NeedCode.LANE_FULL and lane != CHAT:
-                # The reserve is lent at once: kept only while a chat waits in line.
-                assert ledger.line.of_rank(0) or ledger.lanes.quota_full(lane, width)
+                # The reserve is lent at once to a job that can be suspended: kept from it
+                # only while a chat waits in line.
+                assert (
+                    not pausable or ledger.line.of_rank(0) or ledger.lanes.quota_full(lane, width)
+                )
             if decision.promise is not None and decision.promise is not returning:
                 self.promises.append((decision.promise, rank))
 
@@ -778,7 +795,7 @@ class Preemption(RuleBasedStateMachine):
         # Each job's runner is told its state.
         for slot in self.jobs:
             assert slot.demand is not None
-            if slot.demand.lane == CHAT:
+            if slot.demand.lane == CHAT or not self.pausable[id(slot)]:
                 assert slot.pause is None
                 assert not slot.suspended
             else:
@@ -793,6 +810,16 @@ class Preemption(RuleBasedStateMachine):
                 resumes[slot.demand.lane.value] += slot.pause.suspensions - slot.pause.suspended
         assert +ledger.suspensions == +suspensions
         assert +ledger.resumes == +resumes
+        # A job its runner cannot suspend is never lent the reserve: a chat could not take
+        # that slot back.
+        policy = ledger.policy
+        assert policy is not None
+        held = sum(
+            s.width
+            for s in running
+            if s.demand is not None and s.demand.lane != CHAT and s.pause is None
+        )
+        assert held <= ledger.cap - min(policy.interactive_reserve, ledger.cap)
 
     def teardown(self) -> None:
         if not hasattr(self, "ledger"):
