@@ -31,7 +31,7 @@ from __future__ import annotations
 import secrets
 import string
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -321,7 +321,7 @@ class Continuation:
             "completion_tokens": completion,
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,
-        }
+        }  # (llama-server's fields, in its order)
         if self.cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
@@ -338,17 +338,16 @@ def _cached(event: Mapping[str, Any]) -> int | None:
     return None
 
 
-def answer_id(chat: bool) -> str:
-    """An answer's id, as llama-server makes them."""
-    prefix = "chatcmpl-" if chat else "cmpl-"
-    return prefix + "".join(secrets.choice(ID_ALPHABET) for _ in range(32))
+def answer_id() -> str:
+    """An answer's id, as llama-server makes them (``chatcmpl-`` for completions too)."""
+    return "chatcmpl-" + "".join(secrets.choice(ID_ALPHABET) for _ in range(32))
 
 
 @dataclass(slots=True)
 class OpenAiShape:
-    """The OpenAI chunks of an answer as llama-server's own endpoint sends them (keys sorted,
-    as its JSON library writes them): one ``id`` and ``created`` for the whole answer,
-    however many attempts make it."""
+    """The OpenAI chunks of an answer as llama-server's own endpoint sends them (its fields in
+    its order; no ``timings``, its own addition): one ``id`` and ``created`` for the whole
+    answer, however many attempts make it."""
 
     chat: bool
     stream: bool
@@ -359,70 +358,63 @@ class OpenAiShape:
     fingerprint: str = ""
 
     def begin(self, upstream: Upstream) -> None:
-        self.id = answer_id(self.chat)
+        self.id = answer_id()
         self.created = int(time.time())
         self.model, self.fingerprint = upstream.model, upstream.fingerprint
 
-    def _chunk(self, choices: Sequence[Mapping[str, Any]], **more: Any) -> bytes:
-        chunk = {
-            "choices": choices,
-            "created": self.created,
-            "id": self.id,
-            "model": self.model,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "system_fingerprint": self.fingerprint,
-            **more,
-        }
-        return b"data: " + orjson.dumps(chunk, option=orjson.OPT_SORT_KEYS) + b"\n\n"
+    def _answer(self, choice: Mapping[str, Any] | None, kind: str, **more: Any) -> bytes:
+        """A chunk or a whole answer: a chat's with its ``id`` after its ``created``, a
+        completion's with its ``id`` last, as llama-server writes them."""
+        answer: dict[str, Any] = {"choices": [] if choice is None else [choice]}
+        answer["created"] = self.created
+        if self.chat:
+            answer["id"] = self.id
+        answer.update(model=self.model, system_fingerprint=self.fingerprint, object=kind, **more)
+        if not self.chat:
+            answer["id"] = self.id
+        return orjson.dumps(answer)
+
+    def _chunk(self, choice: Mapping[str, Any] | None, **more: Any) -> bytes:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return b"data: " + self._answer(choice, kind, **more) + b"\n\n"
 
     def role(self) -> bytes | None:
         """A chat stream's first chunk (the assistant's role), before its first text."""
         if not self.chat:
             return None
-        return self._chunk([_choice({"role": "assistant", "content": None})])
+        return self._chunk(_delta(None, {"role": "assistant", "content": None}))
 
     def piece(self, text: str) -> bytes:
         if self.chat:
-            return self._chunk([_choice({"content": text})])
-        return self._chunk([{"finish_reason": None, "index": 0, "logprobs": None, "text": text}])
+            return self._chunk(_delta(None, {"content": text}))
+        return self._chunk(_text(text, None))
 
     def end(self, continuation: Continuation) -> bytes:
-        """A stream's last chunks: the finish, the usage where asked, ``[DONE]``."""
+        """A stream's last chunks: the finish (a completion's with its usage), a chat's usage
+        where asked, ``[DONE]``."""
         finish = continuation.finish or "stop"
         if self.chat:
-            last = self._chunk([{"delta": {}, "finish_reason": finish, "index": 0}])
+            last = self._chunk(_delta(finish, {}))
+            if self.include_usage:
+                last += self._chunk(None, usage=continuation.usage())
         else:
-            last = self._chunk(
-                [{"finish_reason": finish, "index": 0, "logprobs": None, "text": ""}]
-            )
-        if self.include_usage:
-            last += self._chunk([], usage=continuation.usage())
+            last = self._chunk(_text("", finish), usage=continuation.usage())
         return last + b"data: [DONE]\n\n"
 
     def whole(self, continuation: Continuation) -> bytes:
         """A whole (non-streamed) answer."""
         text, finish = "".join(continuation.text), continuation.finish or "stop"
+        usage = continuation.usage()
         if self.chat:
-            choice: dict[str, Any] = {
-                "finish_reason": finish,
-                "index": 0,
-                "message": {"content": text, "role": "assistant"},
-            }
-            kind = "chat.completion"
-        else:
-            choice = {"finish_reason": finish, "index": 0, "logprobs": None, "text": text}
-            kind = "text_completion"
-        answer = {
-            "choices": [choice],
-            "created": self.created,
-            "id": self.id,
-            "model": self.model,
-            "object": kind,
-            "system_fingerprint": self.fingerprint,
-            "usage": continuation.usage(),
-        }
-        return orjson.dumps(answer, option=orjson.OPT_SORT_KEYS)
+            message = {"role": "assistant", "content": text}
+            choice = {"finish_reason": finish, "index": 0, "message": message}
+            return self._answer(choice, "chat.completion", usage=usage)
+        return self._answer(_text(text, finish), "text_completion", usage=usage)
 
 
-def _choice(delta: Mapping[str, Any]) -> dict[str, Any]:
-    return {"delta": delta, "finish_reason": None, "index": 0}
+def _delta(finish: str | None, delta: Mapping[str, Any]) -> dict[str, Any]:
+    return {"finish_reason": finish, "index": 0, "delta": delta}
+
+
+def _text(text: str, finish: str | None) -> dict[str, Any]:
+    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}

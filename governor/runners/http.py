@@ -438,11 +438,12 @@ class Attempt:
     """A pausable job's attempts: its pause closes the one in progress (its reading fails
     with :class:`Paused`), and the next waits until it is resumed."""
 
-    __slots__ = ("_pause", "_reply", "_resumed")
+    __slots__ = ("_closed", "_pause", "_reply", "_resumed")
 
     def __init__(self, pause: Pause | None) -> None:
         self._pause = pause
         self._reply: Answer | None = None
+        self._closed = False  # the reply in progress was closed for a pause
         self._resumed = asyncio.Event()
         self._resumed.set()
         if pause is not None:
@@ -454,6 +455,7 @@ class Attempt:
             return
         self._resumed.clear()
         if self._reply is not None:
+            self._closed = True
             self._reply.abort()
 
     async def resumed(self) -> None:
@@ -463,14 +465,14 @@ class Attempt:
     @contextlib.asynccontextmanager
     async def on(self, reply: Answer) -> AsyncIterator[None]:
         """Reading ``reply``: a pause closes it, and its failure is :class:`Paused`."""
-        self._reply = reply
+        self._reply, self._closed = reply, False
         try:
             if not self._resumed.is_set():  # (paused while it was sent)
                 raise Paused
             yield
         except UpstreamError:
-            if self._resumed.is_set():
-                raise
+            if not self._closed:  # (a failure of the upstream's, not a pause: even one
+                raise  # resumed at once, whose reply is closed all the same)
             raise Paused from None
         finally:
             self._reply = None

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
+import struct
 import typing
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
@@ -34,6 +36,7 @@ __all__ = ["Answer", "Upstream", "UpstreamError", "UpstreamTimeout"]
 READ_BYTES = 64 * 1024  # the most one read takes from the socket
 KEEP_IDLE = 64  # idle connections kept for the next requests
 USER_AGENT = b"governor"
+LINGER_NONE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: a close resets the connection
 
 
 class _Connection(asyncio.Protocol):
@@ -138,6 +141,15 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def reset(self) -> None:
+        """Close with a reset (no linger): the peer's next write fails."""
+        if self.transport is None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_NONE)
+        self.transport.abort()
 
 
 class Silence:
@@ -314,10 +326,11 @@ class Answer:
             self._silence.close()
 
     def abort(self) -> None:
-        """Close the connection now, from outside the reading task: its read in progress, or
-        its next, fails as for a body cut short (the upstream, its connection closed, stops
-        the work)."""
-        self._connection.close()
+        """Reset the connection now, from outside the reading task: its read in progress, or
+        its next, fails as for a body cut short. A reset, not a close: the upstream's next
+        write to it fails at once (after a close, only its second), and it stops the work a
+        step sooner."""
+        self._connection.reset()
 
     def reusable(self) -> bool:
         """The whole exchange is over and the connection may carry another: made ready for

@@ -1,8 +1,9 @@
 """``preemption``: heavy work lent every slot, and chats that take slots back by suspending it.
 
 Each part starts a governor of its own (``governor serve --lanes true`` on the embedded model,
-one thread, ``--max-inflight --slots``), so no part finds another's prompts in the KV cache, and
-stops it by its PID. Every job is greedy (temperature 0, ``ignore_eos``), streamed, on its own
+one thread, ``--max-inflight --slots``; with ``--sidecar``, ``--runner http`` in front of a
+llama-server of its own, ``-np --slots``), so no part finds another's prompts in the KV cache,
+and stops it by its PID. Every job is greedy (temperature 0, ``ignore_eos``), streamed, on its own
 connection, and honours retry hints; its time to first token is the client's, from its first
 send, refusals included.
 
@@ -41,7 +42,7 @@ from typing import Any
 
 from clients.helptext import RawDescriptionDefaultsHelpFormatter
 
-from ...support.arguments import add_threads
+from ...support.arguments import add_llama_server, add_threads
 from ...support.options import positive_float, positive_int, print_json
 from ...support.replicas import Replica
 from .figures import compare_heavy
@@ -109,7 +110,7 @@ def assemble(
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("slots", "threads", "rewrites", "prompt_tokens", "max_new_tokens", "heavy_new_tokens")
-    return {k: getattr(args, k) for k in (*keys, "chats", "chat_gap", "control")}
+    return {k: getattr(args, k) for k in (*keys, "chats", "chat_gap", "control", "sidecar")}
 
 
 def add_parser(commands: Any) -> None:
@@ -147,6 +148,14 @@ def add_parser(commands: Any) -> None:
         help="run the heavy jobs without chats a second time, on a daemon of their own: how "
         "far their texts and wall times differ with no chat between",
     )
+    parser.add_argument(
+        "--sidecar",
+        action="store_true",
+        help="each governor a sidecar (--runner http) in front of a llama-server of --slots "
+        "slots (-np, 2,048 tokens each, --threads) on the same model, started and stopped "
+        "with it",
+    )
+    add_llama_server(parser, text="the llama-server binary, with --sidecar")
     parser.add_argument(
         "--timeout", type=positive_float, default=900.0, help="seconds for the whole run"
     )

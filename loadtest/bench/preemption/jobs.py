@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from clients import ClientError, GovernorClient, RetryPolicy
+from governor.runners.llama import embedded_model_path
 from protocol.spec import JobSpec
 
+from ...support import llama_server
 from ...support.connections import run_loop
 from ...support.processes import REPO, free_port, stop, wait_http_ready, wait_listening
 from ...support.replicas import Replica, Sample, by_label, total
@@ -103,13 +105,50 @@ async def metrics(d: Replica) -> list[Sample]:
 
 @contextlib.contextmanager
 def daemon(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[Replica]:
-    """``governor serve --lanes true`` on the embedded model, ready; stopped by its PID."""
+    """``governor serve --lanes true`` on the embedded model, ready; with ``--sidecar``, in
+    front of a llama-server of ``--slots`` slots (``-np``, 2,048 tokens each) on the same
+    model instead. Each stopped by its PID."""
+    with contextlib.ExitStack() as stack:
+        if args.sidecar:
+            upstream = stack.enter_context(upstream_server(args, folder, deadline))
+            runner = ("--runner", "http", "--upstream", upstream)
+        else:
+            runner = ("--threads", str(args.threads))
+        yield stack.enter_context(governor(args, folder, deadline, runner))
+
+
+@contextlib.contextmanager
+def upstream_server(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[str]:
+    """llama-server on the embedded model; its URL, once it answers."""
+    port = free_port()
+    command = llama_server.command(
+        args.llama_server,
+        embedded_model_path(),
+        port=port,
+        slots=args.slots,
+        ctx=args.slots * 2048,
+        threads=args.threads,
+    )
+    with (folder / f"llama-server-{port}.log").open("wb") as out:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    try:
+        url = f"http://{HOST}:{port}"
+        wait_http_ready(proc, url + llama_server.READY_PATH, "llama-server", left(deadline))
+        yield url
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def governor(
+    args: argparse.Namespace, folder: Path, deadline: float, runner: tuple[str, ...]
+) -> Iterator[Replica]:
     port, metrics_port = free_port(), free_port()
     log = folder / f"governor-{port}.log"
     command = [
-        *(sys.executable, "-m", "governor", "serve", "--lanes", "true"),
+        *(sys.executable, "-m", "governor", "serve", "--lanes", "true", *runner),
         *("--listen", f"{HOST}:{port}", "--metrics-listen", f"{HOST}:{metrics_port}"),
-        *("--max-inflight", str(args.slots), "--threads", str(args.threads)),
+        *("--max-inflight", str(args.slots)),
         *("--log-level", "warning", "--shutdown-grace", "2"),
     ]
     with log.open("wb") as out:

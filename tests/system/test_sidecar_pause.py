@@ -1,0 +1,233 @@
+"""A sidecar pauses a lent heavy job for a chat and resumes the same answer, in front of a real
+llama-server (``deploy/build-llama-server.sh`` builds it; ``.ci/run`` does): two slots, both
+lent to heavy jobs, then a chat that takes one back. The heavy job's greedy text through both
+doors, streamed and whole, is the one llama-server gives with no pause; a client that leaves
+while its job is paused frees everything, and no request for it reaches the upstream again.
+The server is stopped by its own PID."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from clients import GovernorClient, RetryPolicy
+from governor.runners.http import HttpRunner
+from governor.runners.llama import embedded_model_path
+from governor.server import Server
+from loadtest.support import llama_server
+from loadtest.support.processes import free_port, stop, wait_http_ready
+from protocol.spec import JobSpec, Message
+from tests.conftest import ServerFactory, wait_until
+
+RETRY = RetryPolicy(max_attempts=1000)
+STORY = "Write a long story about a lighthouse keeper who finds a map in a bottle."
+HEAVY_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    binary = llama_server.default_binary()
+    if not binary.exists():
+        pytest.skip(f"no llama-server at {binary}: {llama_server.BUILD_SCRIPT} builds it")
+    port = free_port()
+    command = llama_server.command(
+        binary, embedded_model_path(), port=port, slots=2, ctx=4096, threads=1
+    )
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ready(proc, url + llama_server.READY_PATH, "llama-server", 120)
+        yield url
+    finally:
+        stop(proc)
+
+
+def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url + path, data=orjson.dumps(body), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = orjson.loads(response.read())
+        return answer
+
+
+def unpaused(url: str, topic: str) -> str:
+    """llama-server's own greedy answer, no governor between."""
+    body = {
+        "messages": [{"role": "user", "content": f"{STORY} {topic}"}],
+        "max_tokens": HEAVY_TOKENS,
+        "temperature": 0,
+    }
+    return str(direct(url, "/v1/chat/completions", body)["choices"][0]["message"]["content"])
+
+
+async def sidecar(make_server: ServerFactory, upstream: str) -> Server:
+    server = await make_server(
+        runner="http",
+        upstream=upstream,
+        lanes=True,
+        max_inflight=2,
+        http_listen="127.0.0.1:0",
+    )
+    assert isinstance(server.runner, HttpRunner)
+    assert server.runner.native is not None  # (llama-server: its jobs can be paused)
+    return server
+
+
+def heavy_spec(topic: str) -> JobSpec:
+    return JobSpec(
+        messages=(Message("user", f"{STORY} {topic}"),),
+        max_new_tokens=HEAVY_TOKENS,
+        temperature=0.0,
+        lane="heavy",
+        stream=True,
+    )
+
+
+CHAT = JobSpec(messages=(Message("user", "Say hi."),), max_new_tokens=24, temperature=0.0)
+
+
+class Tcp:
+    """A heavy job on the TCP door: its text, and when its first token came."""
+
+    def __init__(self, server: Server, topic: str) -> None:
+        self.server, self.spec = server, heavy_spec(topic)
+        self.started = asyncio.Event()
+        self.text = ""
+
+    async def run(self) -> None:
+        host, port = self.server.address
+        async with await GovernorClient.connect(host, port) as client:
+            got = await client.generate(
+                self.spec, retry=RETRY, on_delta=lambda _: self.started.set()
+            )
+        assert got.done, got.reply
+        self.text = got.reply.result["text"]
+
+
+class OpenAi:
+    """A heavy job on the front door, streamed or whole: the text its client put together."""
+
+    def __init__(self, server: Server, topic: str, *, stream: bool) -> None:
+        address = server.http_address
+        assert address is not None
+        self.url = f"http://{address[0]}:{address[1]}/v1/chat/completions"
+        self.body = {
+            "model": "any",
+            "messages": [{"role": "user", "content": f"{STORY} {topic}"}],
+            "max_tokens": HEAVY_TOKENS,
+            "temperature": 0,
+            "lane": "heavy",
+            "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        }
+        self.stream = stream
+        self.started = asyncio.Event()
+        self.text = ""
+        self.ids: set[str] = set()
+        self.usage: dict[str, Any] = {}
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            if not self.stream:
+                self.started.set()  # (nothing comes before the end: the chat waits a little)
+                answer = (await client.post(self.url, json=self.body)).json()
+                self.text = answer["choices"][0]["message"]["content"]
+                self.ids.add(answer["id"])
+                self.usage = answer["usage"]
+                return
+            parts = []
+            async with client.stream("POST", self.url, json=self.body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = orjson.loads(line[6:])
+                    self.ids.add(chunk["id"])
+                    self.usage = chunk.get("usage") or self.usage
+                    for choice in chunk["choices"]:
+                        piece = choice["delta"].get("content")
+                        if piece:
+                            parts.append(piece)
+                            self.started.set()
+            self.text = "".join(parts)
+
+
+async def chat(server: Server) -> str:
+    host, port = server.address
+    async with await GovernorClient.connect(host, port) as client:
+        got = await client.generate(CHAT, retry=RETRY)
+    assert got.done, got.reply
+    return str(got.reply.result["text"])
+
+
+@pytest.mark.parametrize("door", ["tcp", "openai-stream", "openai-whole"])
+async def test_a_paused_heavy_answer_is_the_unpaused_one(
+    make_server: ServerFactory, upstream: str, door: str
+) -> None:
+    server = await sidecar(make_server, upstream)
+    topics = ["In the north.", "In the south."]
+    if door == "tcp":
+        jobs: list[Tcp | OpenAi] = [Tcp(server, t) for t in topics]
+    else:
+        jobs = [OpenAi(server, t, stream=door == "openai-stream") for t in topics]
+    tasks = []
+    for job in jobs:  # (one after the other: the second is the newest, the one paused)
+        tasks.append(asyncio.create_task(job.run()))
+        await wait_until(lambda: server.ledger.taken == len(tasks), 30)
+    await asyncio.wait_for(asyncio.gather(*(j.started.wait() for j in jobs)), 60)
+    await asyncio.sleep(0.2)
+    assert server.ledger.taken == 2  # (every slot lent: the reserve's too)
+    chat_text = await asyncio.wait_for(chat(server), 60)
+    await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    assert chat_text
+    assert server.ledger.suspensions["heavy"] == 1
+    assert server.ledger.resumes["heavy"] == 1
+    # The runner sent the upstream a second request for it (the first was closed): measured.
+    resumed = server.metrics.resumes.seconds.by_lane["heavy"]
+    assert sum(resumed.counts) == 1
+    for job, topic in zip(jobs, topics, strict=True):
+        assert job.text == await asyncio.to_thread(unpaused, upstream, topic)
+    if door != "tcp":
+        paused = jobs[1]
+        assert isinstance(paused, OpenAi)
+        assert len(paused.ids) == 1  # (one answer, one id, over both attempts)
+        assert paused.usage["completion_tokens"] == HEAVY_TOKENS
+    assert (server.ledger.inflight, server.ledger.suspended, server.ledger.taken) == (0, 0, 0)
+
+
+async def test_a_client_leaving_while_paused_frees_all_and_is_not_resumed(
+    make_server: ServerFactory, upstream: str
+) -> None:
+    server = await sidecar(make_server, upstream)
+    first, second = Tcp(server, "One."), Tcp(server, "Two.")
+    kept = asyncio.create_task(first.run())
+    await wait_until(lambda: server.ledger.taken == 1, 30)
+    leaving = asyncio.create_task(second.run())
+    await asyncio.wait_for(asyncio.gather(first.started.wait(), second.started.wait()), 60)
+    chatting = asyncio.create_task(chat(server))
+    await wait_until(lambda: server.ledger.suspended == 1, 30)
+    leaving.cancel()  # (its connection closes while its job is paused)
+    with contextlib.suppress(asyncio.CancelledError):
+        await leaving
+    await wait_until(lambda: server.ledger.suspended == 0, 10)
+    await asyncio.wait_for(asyncio.gather(chatting, kept), 120)
+    await wait_until(lambda: server.ledger.inflight == 0, 10)
+    assert server.ledger.resumes["heavy"] == 0  # (nothing resumed: its client had gone)
+    # The upstream runs nothing more: no slot busy a while after the others ended.
+    await asyncio.sleep(0.5)
+    slots = await asyncio.to_thread(lambda: direct_get(upstream, "/slots"))
+    assert not any(slot["is_processing"] for slot in slots)
+
+
+def direct_get(url: str, path: str) -> Any:
+    with urllib.request.urlopen(url + path, timeout=30) as response:
+        return orjson.loads(response.read())
