@@ -4,8 +4,10 @@
 #   deploy/setup.sh           the daemon, and the load tester with its plots and baseline; the
 #                             hot path compiled with mypyc (deploy/compile.py) where it can be
 #   deploy/setup.sh --test    ... and the test and lint tools, and Debian's redis-server (the
-#                             fleet's tests and `loadtest bench fleet` start their own), curl and
-#                             openssl (the README's test runs them; as root)
+#                             fleet's tests and `loadtest bench fleet` start their own), curl,
+#                             openssl (the README's test runs them) and cmake (as root); and
+#                             llama.cpp's llama-server (deploy/build-llama-server.sh: the
+#                             sidecar's tests pause and resume jobs in front of it)
 #
 # GOVERNOR_PURE=1 leaves the hot path in pure Python (and removes an earlier build of it).
 # GOVERNOR_LLAMA_CMAKE_ARGS overrides llama.cpp's build flags, e.g. "-DGGML_CUDA=on" for an
@@ -23,9 +25,9 @@ extras="[loadtest,compile]"
 if [ "${1:-}" = "--test" ]; then
     extras="[loadtest,compile,test]"
     # The fleet's tests start their own redis-server; the README's test runs its curl and
-    # openssl commands as written.
+    # openssl commands as written; cmake builds llama-server, below.
     missing=()
-    for tool in redis-server curl openssl; do
+    for tool in redis-server curl openssl cmake; do
         command -v "$tool" >/dev/null || missing+=("$tool")
     done
     if [ ${#missing[@]} -gt 0 ]; then
@@ -65,5 +67,9 @@ if [ "${GOVERNOR_PURE:-}" = 1 ]; then
     .venv/bin/python deploy/compile.py --clean
 elif ! .venv/bin/python deploy/compile.py; then
     echo "setup: the hot path could not be compiled: it runs as Python" >&2
+fi
+if [ "${1:-}" = "--test" ]; then
+    # The sidecar's tests run against llama-server (built once, kept in the user's cache).
+    bash deploy/build-llama-server.sh >/dev/null
 fi
 echo "setup: ready (.venv)" >&2

@@ -359,10 +359,10 @@ class LanesSection:
     )
     interactive_reserve: int = _opt(1, min=0)("lanes: slots only interactive jobs may take.")
     preemption: bool = _opt(True)(
-        "lanes, llama runner: a chat takes a slot lent to heavy or background work back at once, by suspending that job (it resumes where it stopped when a slot frees), so the interactive reserve is lent whenever no chat waits; past the reserve, a chat suspends only a job with no token out yet that was never suspended. The http runner cannot suspend its upstream: there it has no effect."
+        "lanes: a chat takes a slot lent to heavy or background work back at once, by suspending that job (it resumes where it stopped when a slot frees), so the interactive reserve is lent whenever no chat waits; past the reserve, a chat suspends only a job with no token out yet that was never suspended. On the llama runner every generation can be suspended; on the http runner, a job in front of llama-server whose answer it continues exactly (greedy, or sampled without a seed; no tools, grammar, n or logprobs): other jobs, and every job in front of another server, keep out of the reserve."
     )
     reserve_lend_after: float = _opt(0.0, min=0)(
-        "lanes: seconds without an interactive job after which the reserve is lent to heavy and background work (without preemption, back for the next chat only as the lent jobs end); 0: at once with preemption, never without it."
+        "lanes: seconds without an interactive job after which the reserve is lent to heavy and background work that cannot be suspended (back for the next chat only as the lent jobs end); 0: never. (Jobs that can be suspended borrow it at once, with preemption.)"
     )
     heavy_slots: int = _opt(0, min=0)(
         "lanes: slots heavy jobs may hold at once; 0: no quota but the cap and the reserve."
