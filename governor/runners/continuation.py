@@ -28,10 +28,11 @@ where both agree, and the text already passed on is not passed on again.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import string
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,7 +226,8 @@ class Continuation:
         }
         if self.prompt is not None:
             body["prompt"] = self.prompt + self.generated[: self.kept]
-            body["timings_per_token"] = True  # (its first says what the resume computed)
+            if self.resumes:
+                body["timings_per_token"] = True  # (its first says what the resume computed)
         else:
             body["prompt"] = template if template is not None else ask.prompt
         self.attempt_from = self.kept
@@ -336,6 +338,61 @@ def _cached(event: Mapping[str, Any]) -> int | None:
         if type(computed) is int:
             return max(evaluated - computed, 0)
     return None
+
+
+class Pace:
+    """What sizes a long prompt's pieces while chats decode on the upstream: the chats running
+    (their tightest TPOT objective) and the seconds the upstream takes a prompt token, learnt
+    from its answers' ``timings``. A step that computes a whole long prompt holds every chat's
+    next token for as long (llama-server computes a prompt in one step, up to its batch); fed
+    in pieces, each step's prompt tokens fit in :data:`SHARE` of the tightest objective."""
+
+    SHARE = 0.5  # of a running chat's TPOT objective, for one piece's tokens
+    FIRST = 64  # tokens a piece, before the upstream's pace is known
+    LEAST, MOST = 16, 512  # tokens a piece
+    LEARN_FROM = 32  # prompt tokens an answer must have computed to teach the pace
+    WEIGHT = 0.2  # of each new measure in the pace
+
+    def __init__(self) -> None:
+        self._chats: dict[object, float] = {}  # each running chat's TPOT objective, in s
+        self.token_s: float | None = None  # seconds a prompt token, as measured
+
+    @contextlib.contextmanager
+    def running(self, priority: int, tpot_ms: float) -> Iterator[None]:
+        """A job runs on the upstream meanwhile: an interactive one (``priority`` 0) of a TPOT
+        objective (0: none) is a chat to keep the pace of."""
+        if priority or tpot_ms <= 0:
+            yield
+            return
+        key = object()
+        self._chats[key] = tpot_ms / 1000
+        try:
+            yield
+        finally:
+            del self._chats[key]
+
+    def learn(self, event: Mapping[str, Any]) -> None:
+        """An answer's last event: its ``timings`` say how long its prompt tokens took."""
+        timings = event.get("timings")
+        if type(timings) is not dict:
+            return
+        computed, ms = timings.get("prompt_n"), timings.get("prompt_ms")
+        if type(computed) is not int or computed < self.LEARN_FROM:
+            return
+        if not isinstance(ms, (int, float)) or ms <= 0:
+            return
+        measured = ms / 1000 / computed
+        known = self.token_s
+        self.token_s = measured if known is None else known + self.WEIGHT * (measured - known)
+
+    def piece(self) -> int | None:
+        """The tokens of a long prompt's next piece, or None: no chat runs, the rest at once."""
+        if not self._chats:
+            return None
+        if self.token_s is None:
+            return self.FIRST
+        tokens = int(self.SHARE * min(self._chats.values()) / self.token_s)
+        return max(self.LEAST, min(self.MOST, tokens))
 
 
 def answer_id() -> str:

@@ -43,7 +43,7 @@ from .base import (
     probe_job,
     spec_or_prompt,
 )
-from .continuation import Ask, Continuation, ask_of_body, ask_of_spec, upstream_of
+from .continuation import Ask, Continuation, Pace, ask_of_body, ask_of_spec, upstream_of
 from .continuation import Upstream as Native
 from .framing import SseEvents, UpstreamError, UpstreamTimeout
 from .upstream import Answer, Upstream
@@ -77,6 +77,7 @@ class HttpRunner:
         # paused and resumed (:mod:`.continuation`). None: another server.
         self.native: Native | None = None
         self._resumable: Resumable | None = None
+        self._pace = Pace()  # the chats running, for a long prompt's pieces
 
     @property
     def expected_service_s(self) -> float:
@@ -96,7 +97,7 @@ class HttpRunner:
                 if answer.status < 500:
                     self.native = await self._props()
                     if self.native is not None:
-                        self._resumable = Resumable(upstream, self.native, s.timeout_s)
+                        self._resumable = Resumable(upstream, self.native, s.timeout_s, self._pace)
                     return
                 problem = f"answered {answer.status}"
             except UpstreamError as exc:
@@ -222,50 +223,53 @@ class HttpRunner:
                 return _relayed(answer, await read_bounded(answer))
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
-        spec = job.spec
-        assert spec is not None
-        assert self._upstream is not None
-        if isinstance(job.plan, Ask) and job.plan.openai is None:
-            assert self._resumable is not None
-            continued = Continuation(job.plan, spec.max_new_tokens)
-            async with contextlib.aclosing(self._resumable.answer(job, continued)) as pieces:
-                async for piece in pieces:
-                    yield Token(piece, continued.completion_tokens)
-            result = {"text": "".join(continued.text), **continued.counts()}
-            yield Finished({**result, "finish_reason": continued.finish}, resumes=continued.resumes)
-            return
-        if spec.forward is not None:  # (the execution pushes these: :meth:`push`)
-            pushed: list[RunEvent] = []
-            finished = await self.push(job, pushed.append)
-            for event in pushed:
-                yield event
-            yield finished
-            return
-        path, body = self._request(spec)
-        parts: list[str] = []
-        counts = StreamCounts()
-        with self._failures():
-            async with self._upstream.request("POST", path, orjson.dumps(body)) as answer:
-                if answer.status >= 400:
-                    detail = (await read_bounded(answer))[:300].decode(errors="replace")
-                    raise RunnerError(
-                        f"the upstream answered {answer.status}: {detail}",
-                        NeedCode.UPSTREAM_ERROR,
-                    )
-                async for event in sse_events(answer.chunks()):
-                    text = counts.add(event)
-                    if text:
-                        parts.append(text)
-                        yield Token(text)
-                await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
-        # (ttft_ms and tpot_ms are the governor's, measured from admission.)
-        yield Finished(
-            {
-                "text": "".join(parts),
-                **token_counts(counts.usage, len(parts)),
-                "finish_reason": FINISH_REASONS.get(counts.finish or "", counts.finish),
-            }
-        )
+        with self._pace.running(job.priority, job.tpot_ms):
+            spec = job.spec
+            assert spec is not None
+            assert self._upstream is not None
+            if isinstance(job.plan, Ask) and job.plan.openai is None:
+                assert self._resumable is not None
+                continued = Continuation(job.plan, spec.max_new_tokens)
+                async with contextlib.aclosing(self._resumable.answer(job, continued)) as pieces:
+                    async for piece in pieces:
+                        yield Token(piece, continued.completion_tokens)
+                result = {"text": "".join(continued.text), **continued.counts()}
+                yield Finished(
+                    {**result, "finish_reason": continued.finish}, resumes=continued.resumes
+                )
+                return
+            if spec.forward is not None:  # (the execution pushes these: :meth:`push`)
+                pushed: list[RunEvent] = []
+                finished = await self.push(job, pushed.append)
+                for event in pushed:
+                    yield event
+                yield finished
+                return
+            path, body = self._request(spec)
+            parts: list[str] = []
+            counts = StreamCounts()
+            with self._failures():
+                async with self._upstream.request("POST", path, orjson.dumps(body)) as answer:
+                    if answer.status >= 400:
+                        detail = (await read_bounded(answer))[:300].decode(errors="replace")
+                        raise RunnerError(
+                            f"the upstream answered {answer.status}: {detail}",
+                            NeedCode.UPSTREAM_ERROR,
+                        )
+                    async for event in sse_events(answer.chunks()):
+                        text = counts.add(event)
+                        if text:
+                            parts.append(text)
+                            yield Token(text)
+                    await answer.drain(END_WAIT_S, MAX_ANSWER_BYTES)
+            # (ttft_ms and tpot_ms are the governor's, measured from admission.)
+            yield Finished(
+                {
+                    "text": "".join(parts),
+                    **token_counts(counts.usage, len(parts)),
+                    "finish_reason": FINISH_REASONS.get(counts.finish or "", counts.finish),
+                }
+            )
 
     def _failures(self) -> contextlib.AbstractContextManager[None]:
         return failures(self.settings.timeout_s)
@@ -283,7 +287,8 @@ class HttpRunner:
         assert self._upstream is not None
         if isinstance(job.plan, Ask):
             assert self._resumable is not None
-            return await self._resumable.push(job, job.plan, sink)
+            with self._pace.running(job.priority, job.tpot_ms):
+                return await self._resumable.push(job, job.plan, sink)
         body = self.forwarded_body(spec)
         with self._failures():
             async with self._upstream.request("POST", forward.path, body) as answer:
@@ -334,10 +339,11 @@ class Resumable:
     runs on its ``/completion`` endpoint in attempts that its pauses close and its resumes
     send again."""
 
-    def __init__(self, upstream: Upstream, native: Native, timeout_s: float) -> None:
+    def __init__(self, upstream: Upstream, native: Native, timeout_s: float, pace: Pace) -> None:
         self.upstream = upstream
         self.native = native
         self.timeout_s = timeout_s
+        self.pace = pace
 
     async def push(self, job: Job, ask: Ask, sink: Callable[[Token | Relay], None]) -> Finished:
         """A forwarded request that can be paused: its answer in the chunks llama-server's
@@ -368,6 +374,8 @@ class Resumable:
             template = await self._call("/apply-template", {"messages": ask.messages})
         attempt = Attempt(pause)
         try:
+            if job.priority > 0:  # (below the interactive lane: chats may be decoding)
+                await self._pieces(answer, template, attempt)
             while True:
                 await attempt.resumed()
                 if answer.remaining <= 0:  # (paused after its last token)
@@ -391,6 +399,7 @@ class Resumable:
                                         answer.first_of_resume(loop.time() - sent)
                                         yield text
                                     if answer.finish is not None:
+                                        self.pace.learn(event)
                                         break
                         except Paused:
                             answer.paused()
@@ -405,18 +414,35 @@ class Resumable:
         finally:
             attempt.close()
 
+    async def _pieces(self, answer: Continuation, template: str | None, attempt: Attempt) -> None:
+        """While chats decode on the upstream, the prompt goes into its cache in pieces each
+        step can take within their pace (requests that generate nothing: ``n_predict`` 0),
+        before the request that generates; the rest at once when no chat runs."""
+        fed = 0
+        while (piece := self.pace.piece()) is not None:
+            await attempt.resumed()
+            if answer.prompt is None:
+                text = template if template is not None else answer.ask.prompt
+                answer.prompt = await self._tokens(text or "")
+            if len(answer.prompt) - fed <= piece:
+                return
+            fed += piece
+            body = {"prompt": answer.prompt[:fed], "n_predict": 0, "cache_prompt": True}
+            self.pace.learn(await self._call("/completion", body))
+
     async def _call(self, path: str, body: dict[str, Any]) -> Any:
-        """One of llama-server's own endpoints, its answer's ``prompt`` or ``tokens``."""
+        """One of llama-server's own endpoints: its answer's ``prompt`` or ``tokens``, or (a
+        request that generates nothing) the whole answer."""
         with failures(self.timeout_s):
             async with self.upstream.request("POST", path, orjson.dumps(body)) as reply:
                 whole = await read_bounded(reply)
                 if reply.status >= 400:
                     raise _native_refused(reply.status, whole)
         answer = orjson.loads(whole)
-        key = "prompt" if path == "/apply-template" else "tokens"
+        key = {"/apply-template": "prompt", "/tokenize": "tokens"}.get(path, "timings")
         if type(answer) is not dict or key not in answer:
             raise RunnerError(f"the upstream's {path} answered no {key}", NeedCode.UPSTREAM_ERROR)
-        return answer[key]
+        return answer if key == "timings" else answer[key]
 
     async def _tokens(self, text: str) -> list[int]:
         """``text`` as llama-server tokenizes a prompt (its special tokens too)."""

@@ -110,6 +110,7 @@ class Tcp:
                 self.spec, retry=RETRY, on_delta=lambda _: self.started.set()
             )
         assert got.done, got.reply
+        assert got.reply.result is not None
         self.text = got.reply.result["text"]
 
 
@@ -166,6 +167,7 @@ async def chat(server: Server) -> str:
     async with await GovernorClient.connect(host, port) as client:
         got = await client.generate(CHAT, retry=RETRY)
     assert got.done, got.reply
+    assert got.reply.result is not None
     return str(got.reply.result["text"])
 
 

@@ -23,6 +23,7 @@ from governor.runners.continuation import (
     COMPLETION_PATH,
     Continuation,
     OpenAiShape,
+    Pace,
     Upstream,
     ask_of_body,
     ask_of_spec,
@@ -161,7 +162,8 @@ def test_usage_counts_the_prompt_once_and_every_attempts_tokens() -> None:
     c.body("<template>")
     c.feed({"content": "a", "tokens": [7], "tokens_predicted": 1, "tokens_evaluated": 30})
     c.feed({"content": "b", "tokens": [8], "tokens_predicted": 2, "tokens_evaluated": 30})
-    c.prompt, _ = [0] * 30, c.paused()
+    c.prompt = [0] * 30
+    c.paused()
     c.body("<template>")
     c.feed({"content": "c", "tokens": [9], "tokens_predicted": 1, "tokens_evaluated": 32})
     c.feed({"content": "", "tokens": [], "stop": True, "stop_type": "eos", "tokens_predicted": 1})
@@ -274,3 +276,23 @@ def test_a_whole_answer_carries_its_text_and_usage() -> None:
         "finish_reason": "stop",
     }
     assert answer["usage"]["total_tokens"] == 4
+
+
+def test_a_long_prompts_pieces_fit_the_tightest_chats_pace() -> None:
+    pace = Pace()
+    assert pace.piece() is None  # (no chat: the prompt at once)
+    with pace.running(1, 100.0):  # (a heavy job is no chat)
+        assert pace.piece() is None
+    with pace.running(0, 100.0), pace.running(0, 40.0):
+        assert pace.piece() == Pace.FIRST  # (the upstream's pace not known yet)
+        pace.learn({"timings": {"prompt_n": 8, "prompt_ms": 800.0}})  # (too few to learn from)
+        assert pace.token_s is None
+        pace.learn({"timings": {"prompt_n": 200, "prompt_ms": 200.0}})  # 1 ms a token
+        assert pace.piece() == 20  # half of the tightest objective, 40 ms, in tokens
+        pace.learn({"timings": {"prompt_n": 100, "prompt_ms": 1000.0}})  # 10 ms, weighed in
+        assert pace.token_s == pytest.approx(0.001 + Pace.WEIGHT * 0.009)
+        assert pace.piece() == Pace.LEAST
+    with pace.running(0, 0.0):  # (a chat without an objective sets no pace)
+        assert pace.piece() is None
+    with pace.running(0, 10_000.0):
+        assert pace.piece() == Pace.MOST

@@ -109,6 +109,7 @@ def daemon(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[
     front of a llama-server of ``--slots`` slots (``-np``, 2,048 tokens each) on the same
     model instead. Each stopped by its PID."""
     with contextlib.ExitStack() as stack:
+        runner: tuple[str, ...]
         if args.sidecar:
             upstream = stack.enter_context(upstream_server(args, folder, deadline))
             runner = ("--runner", "http", "--upstream", upstream)
