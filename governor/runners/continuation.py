@@ -1,7 +1,8 @@
 """A sidecar's answer that can be paused and resumed: llama-server's continuation by tokens.
 
 Pure: what the http runner sends llama-server and makes of its events, no IO. A job the
-runner can pause runs on llama-server's own ``/completion`` endpoint, its prompt tokenized by
+runner can pause, admitted where it may be paused (below the interactive lane, a
+:class:`~governor.runners.base.Pause` given), runs on llama-server's own ``/completion`` endpoint, its prompt tokenized by
 the upstream (a chat's messages through ``/apply-template`` first, as its
 ``/v1/chat/completions`` does), streamed with each generated token's id. Pausing closes the
 request (llama-server stops generating when its connection closes) and keeps what was

@@ -227,7 +227,7 @@ class HttpRunner:
             spec = job.spec
             assert spec is not None
             assert self._upstream is not None
-            if isinstance(job.plan, Ask) and job.plan.openai is None:
+            if job.pause is not None and isinstance(job.plan, Ask) and job.plan.openai is None:
                 assert self._resumable is not None
                 continued = Continuation(job.plan, spec.max_new_tokens)
                 async with contextlib.aclosing(self._resumable.answer(job, continued)) as pieces:
@@ -285,7 +285,7 @@ class HttpRunner:
         forward = spec.forward
         assert forward is not None
         assert self._upstream is not None
-        if isinstance(job.plan, Ask):
+        if job.pause is not None and isinstance(job.plan, Ask):
             assert self._resumable is not None
             with self._pace.running(job.priority, job.tpot_ms):
                 return await self._resumable.push(job, job.plan, sink)

@@ -58,8 +58,10 @@ class Upstream:
     answers: dict[str, Answer] = field(default_factory=dict)
 
     def jobs(self) -> list[Received]:
-        """The requests for jobs: not the runner's start-up check, nor its readiness probes."""
-        return [r for r in self.received if r.path != "/v1/models" and not _probe(r)]
+        """The requests for jobs: not the runner's start-up checks (its models, and whether it
+        is llama-server), nor its readiness probes."""
+        start = ("/v1/models", "/props")
+        return [r for r in self.received if r.path not in start and not _probe(r)]
 
 
 def _probe(request: Received) -> bool:
