@@ -14,8 +14,10 @@ other, in turn:
 Reported per way in and N: completion tokens over the round's wall time (median of the
 ``--rounds``), TTFT p50 and max, and the ratio to ``direct``: the median over the rounds of each
 round's tokens/s over ``direct``'s in the same round (this machine's speed drifts between
-rounds). Every server is
-started here on a free loopback port and stopped by its own PID.
+rounds). With ``--lane heavy`` the governor has lanes on and every stream through it asks for
+that lane: a job that may be paused for a chat, which runs on llama-server's ``/completion``
+endpoint, its answer shaped by the governor. Every server is started here on a free loopback
+port and stopped by its own PID.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ def add_parser(commands: Any) -> None:
             "--round-timeout", type=positive_float, default=300.0, help="seconds a round may take"
         ),
     )
+    parser.add_argument(
+        "--lane",
+        choices=("heavy", "background"),
+        help="the governor with --lanes true, and every stream through it asks for this lane: "
+        "in front of llama-server such a job may be paused for a chat, and runs on its "
+        "/completion endpoint (what that path costs below and at the cap)",
+    )
     add_llama_server(parser, text="its binary")
 
 
@@ -104,7 +113,7 @@ def _servers(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, int]]:
             argv = [sys.executable, "-m", "governor", "serve", "--runner", "http"]
             argv += ["--upstream", url, "--max-inflight", str(args.slots)]
             argv += ["--listen", f"127.0.0.1:{tcp}", "--http-listen", f"127.0.0.1:{http}"]
-            argv += ["--log-level", "warning"]
+            argv += ["--log-level", "warning", *(["--lanes", "true"] if args.lane else [])]
             procs.append(subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
         wait_listening(tcp, procs[1], READY_TIMEOUT_S)
         wait_http_ready(procs[1], f"http://127.0.0.1:{http}/health", "governor", READY_TIMEOUT_S)
@@ -114,11 +123,14 @@ def _servers(args: argparse.Namespace, logs: Path) -> Iterator[dict[str, int]]:
             stop(proc)
 
 
-def _target(way: str, ports: dict[str, int], shape: Shape, max_wait: float) -> Target:
+def _target(
+    way: str, ports: dict[str, int], shape: Shape, max_wait: float, lane: str | None
+) -> Target:
     if way == "direct":
         return OpenAITarget(f"http://127.0.0.1:{ports['upstream']}", shape, extra=EXTRA)
     if way == "http":
-        return OpenAITarget(f"http://127.0.0.1:{ports['http']}", shape, extra=EXTRA)
+        extra = {**EXTRA, "lane": lane} if lane else EXTRA
+        return OpenAITarget(f"http://127.0.0.1:{ports['http']}", shape, extra=extra)
     wait = max_wait if way == "tcp-wait" else None
     shaped = Shape(temperature=0.0, ignore_eos=True, prompts=shape.prompts, max_wait=wait)
     return GovernorTarget(Endpoint("127.0.0.1", ports["tcp"]), shaped, RETRY)
@@ -151,8 +163,8 @@ async def _rounds(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, 
                 first += n
                 shape = Shape(temperature=0.0, ignore_eos=True, prompts=prompts)
                 run = await open_loop(
-                    _target(way, ports, shape, args.max_wait),
-                    [Request(0.0, "stream", 0, args.max_new_tokens) for _ in range(n)],
+                    _target(way, ports, shape, args.max_wait, args.lane),
+                    [Request(0.0, args.lane or "stream", 0, args.max_new_tokens)] * n,
                     connections=n,
                     timeout_s=args.round_timeout,
                     sample_s=1.0,
