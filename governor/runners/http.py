@@ -13,6 +13,12 @@ chunk; llama-cpp-python's server sends none in a stream); otherwise ``completion
 counts the streamed content chunks (one per token on llama.cpp's servers) and
 ``prompt_tokens`` is null: the runner has no tokenizer to count it with. ``result.counted``
 says which (:func:`token_counts`).
+
+In front of llama-server (its ``/props`` read at start), a job admitted where it may be paused
+(a :class:`~.base.Pause`: below the interactive lane, under lanes) and whose answer can be
+continued exactly runs instead on llama-server's own ``/completion`` (:class:`Resumable`, the
+pure part in :mod:`.continuation`): its pause resets the request, its resume sends the same
+answer's continuation, and its client sees one answer.
 """
 
 from __future__ import annotations
