@@ -10,7 +10,7 @@ generated; resuming sends ``/completion`` the prompt's tokens and the generated 
 ``n_predict`` less what was generated, and the upstream's prompt cache keeps the resume
 cheap (its slot still holds those cells, unless another request took them). The client sees
 one answer: the same text, token for token, as without the pause where the continuation is
-exact (:func:`ask_of_spec`, :func:`ask_of_body`), its usage summed over the attempts with the
+exact (:func:`ask_of_body`), its usage summed over the attempts with the
 prompt counted once, and for an OpenAI request the chunks llama-server's own endpoint would
 have sent (:class:`OpenAiShape`).
 
@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-
-from protocol.spec import JobSpec
 
 from .base import Resume
 
@@ -115,42 +113,11 @@ def _exact(sampling: Mapping[str, Any]) -> bool:
     return greedy or sampling.get("seed") in (None, -1)
 
 
-def ask_of_spec(spec: JobSpec) -> Ask | None:
-    """The TCP door's job (or a spec-built one), where its answer can be continued exactly."""
-    if (
-        spec.forward is not None
-        or spec.input is not None
-        or spec.n != 1
-        or spec.logprobs is not None
-        or spec.tools is not None
-        or spec.json_schema is not None
-        or spec.logit_bias
-        or (spec.presence_penalty, spec.frequency_penalty, spec.repeat_penalty) != (0, 0, 1)
-    ):
-        return None
-    sampling: dict[str, Any] = {"temperature": spec.temperature, "top_p": spec.top_p}
-    if spec.top_k:
-        sampling["top_k"] = spec.top_k
-    if spec.min_p:
-        sampling["min_p"] = spec.min_p
-    if spec.seed is not None:
-        sampling["seed"] = spec.seed
-    if spec.stop:
-        sampling["stop"] = list(spec.stop)
-    if spec.ignore_eos:
-        sampling["ignore_eos"] = True
-    if not _exact(sampling):
-        return None
-    messages = None
-    if spec.messages is not None:
-        messages = tuple({"role": m.role, "content": m.content} for m in spec.messages)
-    return Ask(messages, spec.prompt, sampling)
-
-
-def ask_of_body(fields: Mapping[str, Any], path: str) -> Ask | None:
-    """A forwarded OpenAI request (``fields``, its decoded body), where its answer can be
+def ask_of_body(fields: Mapping[str, Any], path: str, *, shaped: bool = True) -> Ask | None:
+    """An OpenAI request (``fields``, its decoded body, to ``path``), where its answer can be
     continued exactly: only the fields of :data:`ALLOWED`, text alone in its messages, one
-    choice. (Its length is the job spec's, as the governor bounded it.)"""
+    choice. (Its length is the job spec's, as the governor bounded it.) ``shaped``: its client
+    wants the answer in OpenAI's chunks (a forwarded request), not as the TCP door's tokens."""
     if path not in (CHAT_PATH, COMPLETION_PATH) or not fields.keys() <= ALLOWED:
         return None
     if fields.get("n", 1) not in (1, None):
@@ -170,6 +137,8 @@ def ask_of_body(fields: Mapping[str, Any], path: str) -> Ask | None:
         sampling["ignore_eos"] = True
     if not _exact(sampling):
         return None
+    if not shaped:
+        return Ask(messages, prompt, sampling)
     options = fields.get("stream_options")
     shape = OpenAiShape(
         chat=messages is not None,

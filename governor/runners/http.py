@@ -49,7 +49,7 @@ from .base import (
     probe_job,
     spec_or_prompt,
 )
-from .continuation import Ask, Continuation, Pace, ask_of_body, ask_of_spec, upstream_of
+from .continuation import Ask, Continuation, Pace, ask_of_body, upstream_of
 from .continuation import Upstream as Native
 from .framing import SseEvents, UpstreamError, UpstreamTimeout
 from .upstream import Answer, Upstream
@@ -179,7 +179,10 @@ class HttpRunner:
             return Job(job_id, payload, spec=spec, plan=self._forward_plan(spec))
         # No tokenizer here: a prompt too long for the upstream's context is its error to give.
         spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
-        plan = ask_of_spec(spec) if self.native is not None else None
+        plan = None
+        if self.native is not None:  # (the request :meth:`run` would send, continued)
+            path, body = self._request(spec)
+            plan = ask_of_body(body, path, shaped=False)
         return Job(job_id, payload, spec=spec, stop=spec.stop, plan=plan)
 
     def _forward_plan(self, spec: JobSpec) -> Ask | None:

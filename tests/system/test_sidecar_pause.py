@@ -26,6 +26,7 @@ from loadtest.support import llama_server
 from loadtest.support.processes import free_port, stop, wait_http_ready
 from protocol.spec import JobSpec, Message
 from tests.conftest import ServerFactory, wait_until
+from tests.system.test_runner_http import direct
 
 RETRY = RetryPolicy(max_attempts=1000)
 STORY = "Write a long story about a lighthouse keeper who finds a map in a bottle."
@@ -48,15 +49,6 @@ def upstream() -> Iterator[str]:
         yield url
     finally:
         stop(proc)
-
-
-def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url + path, data=orjson.dumps(body), headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        answer: dict[str, Any] = orjson.loads(response.read())
-        return answer
 
 
 def unpaused(url: str, topic: str) -> str:

@@ -21,14 +21,15 @@ from hypothesis import strategies as st
 from governor.runners.continuation import (
     CHAT_PATH,
     COMPLETION_PATH,
+    Ask,
     Continuation,
     OpenAiShape,
     Pace,
     Upstream,
     ask_of_body,
-    ask_of_spec,
     upstream_of,
 )
+from governor.runners.http import HttpRunner, HttpSettings
 from protocol.spec import JobSpec, Message
 
 PROMPT = [1, 2, 3]
@@ -95,7 +96,7 @@ def events(answer: list[Tok], start: int, limit: int) -> list[dict[str, Any]]:
 
 @given(answer=tokens, pauses=st.lists(st.integers(0, 40), max_size=4))
 def test_any_pauses_give_the_unpaused_text_once(answer: list[Tok], pauses: list[int]) -> None:
-    ask = ask_of_spec(JobSpec(prompt="p", temperature=0.0, max_new_tokens=len(answer)))
+    ask = ask_of_body({"prompt": "p", "temperature": 0}, COMPLETION_PATH, shaped=False)
     assert ask is not None
     continuation = Continuation(ask, len(answer))
     passed: list[str] = []
@@ -134,7 +135,8 @@ def test_any_pauses_give_the_unpaused_text_once(answer: list[Tok], pauses: list[
 
 
 def test_a_resume_after_held_text_starts_at_the_last_token_passed_on() -> None:
-    ask = ask_of_spec(JobSpec(prompt="p", temperature=0.0, max_new_tokens=10, stop=("\n\n",)))
+    fields = {"prompt": "p", "temperature": 0, "stop": ["\n\n"]}
+    ask = ask_of_body(fields, COMPLETION_PATH, shaped=False)
     assert ask is not None
     c = Continuation(ask, 10)
     c.body(None)
@@ -230,13 +232,19 @@ def test_which_forwarded_requests_can_be_paused(
     assert (ask_of_body(fields, path) is not None) == pausable
 
 
-def test_which_job_specs_can_be_paused() -> None:
-    assert ask_of_spec(JobSpec(prompt="x")) is not None
-    assert ask_of_spec(JobSpec(messages=(Message("user", "x"),), temperature=0)) is not None
-    assert ask_of_spec(JobSpec(prompt="x", temperature=0.5, seed=1)) is None
-    assert ask_of_spec(JobSpec(prompt="x", n=2)) is None
-    assert ask_of_spec(JobSpec(prompt="x", json_schema='{"type":"object"}')) is None
-    assert ask_of_spec(JobSpec(prompt="x", repeat_penalty=1.1)) is None
+def test_which_tcp_jobs_can_be_paused_in_front_of_llama_server() -> None:
+    """The request the http runner sends for a TCP job, read the same way."""
+    runner = HttpRunner(HttpSettings(upstream="http://127.0.0.1:1"))
+    greedy = JobSpec(messages=(Message("user", "x"),), temperature=0)
+    assert runner.prepare("j", greedy).plan is None  # (not llama-server: nothing paused)
+    runner.native = NATIVE
+    job = runner.prepare("j", greedy)
+    assert isinstance(job.plan, Ask)
+    assert job.plan.messages == ({"role": "user", "content": "x"},)
+    assert job.plan.openai is None  # (its client takes tokens, not OpenAI's chunks)
+    assert runner.pausable(job)
+    assert runner.pausable(runner.prepare("j", JobSpec(prompt="x")))  # (unseeded)
+    assert not runner.pausable(runner.prepare("j", JobSpec(prompt="x", temperature=0.5, seed=1)))
 
 
 def test_only_llama_servers_props_are_read_as_one() -> None:
