@@ -148,3 +148,14 @@ def test_the_defaults_are_the_briefs() -> None:
     args = build_parser().parse_args(["bench", "preemption"])
     assert (args.slots, args.rewrites, args.prompt_tokens, args.max_new_tokens) == (4, 6, 800, 400)
     assert (args.heavy_new_tokens, args.chats, args.threads, args.control) == (300, 10, 1, False)
+
+
+def test_the_sidecars_upstream_has_the_slots_asked_for() -> None:
+    args = build_parser().parse_args(["bench", "preemption", "--sidecar"])
+    command = jobs.upstream_command(args, 8000)
+    assert command[command.index("-np") + 1] == "4"
+    assert command[command.index("-c") + 1] == str(4 * 2048)
+    args = build_parser().parse_args(["bench", "preemption", "--sidecar", "--upstream-slots", "5"])
+    command = jobs.upstream_command(args, 8000)
+    assert command[command.index("-np") + 1] == "5"
+    assert command[command.index("-c") + 1] == str(5 * 2048)

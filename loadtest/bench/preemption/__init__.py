@@ -110,7 +110,8 @@ def assemble(
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("slots", "threads", "rewrites", "prompt_tokens", "max_new_tokens", "heavy_new_tokens")
-    return {k: getattr(args, k) for k in (*keys, "chats", "chat_gap", "control", "sidecar")}
+    more = ("chats", "chat_gap", "control", "sidecar", "upstream_slots")
+    return {k: getattr(args, k) for k in (*keys, *more)}
 
 
 def add_parser(commands: Any) -> None:
@@ -154,6 +155,12 @@ def add_parser(commands: Any) -> None:
         help="each governor a sidecar (--runner http) in front of a llama-server of --slots "
         "slots (-np, 2,048 tokens each, --threads) on the same model, started and stopped "
         "with it",
+    )
+    parser.add_argument(
+        "--upstream-slots",
+        type=positive_int,
+        help="with --sidecar: llama-server's -np (default: --slots); one more than --slots "
+        "gives a chat a slot at once while the job it paused frees its own",
     )
     add_llama_server(parser, text="the llama-server binary, with --sidecar")
     parser.add_argument(

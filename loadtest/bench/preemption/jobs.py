@@ -122,14 +122,7 @@ def daemon(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[
 def upstream_server(args: argparse.Namespace, folder: Path, deadline: float) -> Iterator[str]:
     """llama-server on the embedded model; its URL, once it answers."""
     port = free_port()
-    command = llama_server.command(
-        args.llama_server,
-        embedded_model_path(),
-        port=port,
-        slots=args.slots,
-        ctx=args.slots * 2048,
-        threads=args.threads,
-    )
+    command = upstream_command(args, port)
     with (folder / f"llama-server-{port}.log").open("wb") as out:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     try:
@@ -138,6 +131,19 @@ def upstream_server(args: argparse.Namespace, folder: Path, deadline: float) -> 
         yield url
     finally:
         stop(proc)
+
+
+def upstream_command(args: argparse.Namespace, port: int) -> list[str]:
+    """llama-server of ``--upstream-slots`` (else ``--slots``) slots of 2,048 tokens each."""
+    slots = args.upstream_slots or args.slots
+    return llama_server.command(
+        args.llama_server,
+        embedded_model_path(),
+        port=port,
+        slots=slots,
+        ctx=slots * 2048,
+        threads=args.threads,
+    )
 
 
 @contextlib.contextmanager
