@@ -2,11 +2,11 @@
 
 Pure: what the http runner sends llama-server and makes of its events, no IO. A job the
 runner can pause, admitted where it may be paused (below the interactive lane, a
-:class:`~governor.runners.base.Pause` given), runs on llama-server's own ``/completion`` endpoint, its prompt tokenized by
-the upstream (a chat's messages through ``/apply-template`` first, as its
-``/v1/chat/completions`` does), streamed with each generated token's id. Pausing closes the
-request (llama-server stops generating when its connection closes) and keeps what was
-generated; resuming sends ``/completion`` the prompt's tokens and the generated ones, with
+:class:`~governor.runners.base.Pause` given), runs on llama-server's own ``/completion``
+endpoint, its prompt tokenized by the upstream (a chat's messages through ``/apply-template``
+first, as its ``/v1/chat/completions`` does), streamed with each generated token's id. Pausing
+resets the request's connection (llama-server stops generating when it finds it gone) and keeps
+what was generated; resuming sends ``/completion`` the prompt's tokens and the generated ones, with
 ``n_predict`` less what was generated, and the upstream's prompt cache keeps the resume
 cheap (its slot still holds those cells, unless another request took them). The client sees
 one answer: the same text, token for token, as without the pause where the continuation is
@@ -43,9 +43,9 @@ from .base import Resume
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
-# The sampling fields an exact continuation sends on as they came (llama-server's names; the
-# OpenAI ones it takes as aliases are mapped below), and the others a continuable request
-# may carry: its text, its length, its stream, and what does not change the tokens.
+# The sampling fields an exact continuation sends on as they came (llama-server takes OpenAI's
+# names), and the others a continuable request may carry: its text, its length, its stream,
+# and what does not change the tokens.
 SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "stop"})
 ALLOWED = SAMPLING | {
     "messages",
@@ -107,10 +107,13 @@ class Ask:
 
 
 def _exact(sampling: Mapping[str, Any]) -> bool:
-    """A seeded draw is not continued (its draws would start again); a greedy one is."""
-    temperature, top_k = sampling.get("temperature"), sampling.get("top_k")
+    """A seeded draw is not continued (its draws would start again); a greedy one is. (A
+    value of the wrong type is the upstream's to refuse: such a request is not continued.)"""
+    temperature, top_k, seed = (sampling.get(k) for k in ("temperature", "top_k", "seed"))
+    if not all(v is None or type(v) in (int, float) for v in (temperature, top_k, seed)):
+        return False
     greedy = (temperature is not None and temperature <= 0) or top_k == 1
-    return greedy or sampling.get("seed") in (None, -1)
+    return greedy or seed in (None, -1)
 
 
 def ask_of_body(fields: Mapping[str, Any], path: str, *, shaped: bool = True) -> Ask | None:

@@ -224,6 +224,8 @@ def test_the_chunks_are_llama_servers_with_one_id_over_every_attempt() -> None:
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, CHAT_PATH, False),
         ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, CHAT_PATH, False),
         ({"input": "x"}, "/v1/embeddings", False),
+        ({"prompt": "hi", "temperature": "hot"}, COMPLETION_PATH, False),  # (upstream's 400)
+        ({"prompt": "hi", "temperature": 0.5, "seed": [1]}, COMPLETION_PATH, False),
     ],
 )
 def test_which_forwarded_requests_can_be_paused(
