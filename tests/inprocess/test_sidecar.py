@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clients import NO_RETRY, GovernorClient
 from governor.config import Config
 from governor.listeners import openai_api as api
 from governor.runners import http as http_runner
@@ -646,3 +647,56 @@ async def test_an_upstream_answer_over_the_bound_is_a_502(
     assert response.status_code == 502
     assert "over 4096 bytes" in response.json()["error"]["message"]
     assert server.ledger.inflight == 0
+
+
+# A pausable job's failures (in front of a server that says it is llama-server) --------------
+
+LLAMA_PROPS = orjson.dumps(
+    {
+        "default_generation_settings": {"n_ctx": 2048},
+        "total_slots": 2,
+        "model_alias": "up",
+        "build_info": "b1",
+    }
+)
+
+
+def native_events(*events: dict[str, Any]) -> list[bytes]:
+    return [b"data: " + orjson.dumps(event) + b"\n\n" for event in events]
+
+
+@pytest.mark.parametrize(
+    ("completion", "code"),
+    [
+        # The stream ends before its last event (no "stop": true): the upstream's failure.
+        (
+            Answer(
+                content_type="text/event-stream",
+                events=native_events(
+                    {"content": "a", "tokens": [5], "tokens_predicted": 1, "tokens_evaluated": 3}
+                ),
+            ),
+            "upstream_error",
+        ),
+        # The upstream refuses the request: the request's fault.
+        (Answer(status=400, body=b'{"error": "no"}'), "upstream_rejected"),
+    ],
+)
+async def test_a_pausable_jobs_upstream_failure_aborts_it_once_and_frees_its_slot(
+    make_server: ServerFactory, completion: Answer, code: str
+) -> None:
+    async with recording_upstream() as upstream:
+        upstream.answers["/props"] = Answer(body=LLAMA_PROPS)
+        upstream.answers["/completion"] = completion
+        server = await sidecar(make_server, upstream, lanes=True, max_inflight=2)
+        runner = server.runner
+        assert isinstance(runner, HttpRunner)
+        assert runner.native is not None
+        host, port = server.address
+        spec = JobSpec(prompt="p", max_new_tokens=8, temperature=0.0, lane="heavy")
+        async with await GovernorClient.connect(host, port) as client:
+            got = await client.generate(spec, retry=NO_RETRY)
+        assert not got.done
+        assert got.reply.need_code == code
+        assert [r.path for r in upstream.jobs()] == ["/completion"]  # (it ran there)
+        assert (server.ledger.inflight, server.ledger.taken) == (0, 0)
