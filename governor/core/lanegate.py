@@ -3,9 +3,9 @@
 Under a lane policy (:mod:`governor.core.policy`) each lane may hold at most its quota of slots
 (``lane_slots``), and ``interactive_reserve`` slots are kept for interactive jobs: a job of a
 lower lane may not take them. The reserve is lent: every slot is the lower lanes' too, while no
-interactive client waits in line, at once to a job the runner can pause (``lend``: a chat
-takes the lent slot back by suspending it, the ledger's preemption), else only once no interactive
-job has asked for a slot for ``reserve_lend_after_s`` (0: never), until the next one asks.
+interactive client waits in line: at once to a job the runner can pause (``lend``: a chat takes
+the lent slot back by suspending it, the ledger's preemption), else only once no interactive job
+has asked for a slot for ``reserve_lend_after_s`` (0: never), until the next one asks.
 Without a policy every job is of rank 0 and may take any slot.
 
 A lane's *rank* is its place in :data:`~governor.core.policy.LANES`, 0 the highest. Pure: the

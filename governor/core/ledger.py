@@ -22,22 +22,23 @@ the interactive reserve, its lane is under its quota, and its KV cells fit. In t
   then every job's cells are reserved in one of the runner's caches while it holds its slot
   (``kv_pressure`` when none has room).
 
-**Preemption** (``preemptible``: the runner suspends a job when told, :class:`~governor.runners.
-base.Pausing`: the batched llama runner, the http runner in front of llama-server). The
-interactive reserve is lent at once to the jobs it can pause, and taken back within a step: an interactive job that
-finds no slot while the reserve is owed to chats (fewer interactive slots taken than it) and no
-chat ahead of it is due suspends the newest running jobs of the lowest lanes until it has its
-slots; one that finds no room for its KV cells suspends such jobs until it has. Beyond the
-reserve, such a chat suspends only jobs that have not generated a token yet and were never
-suspended (:func:`~.preemption.fresh`: a burst's rewrites that came in the same instant as its
-chats do not keep the chats waiting; a job is suspended so once at most). A suspended job
-holds no slot and no reserved cells (its runner keeps its cells while its cache has room, else
-computes them again), stays admitted (one terminal frame, whatever happens), and is resumed,
-oldest first and before any newer job of a lower lane starts, as soon as a slot it may take and
-its cells in its own cache are free again: at a release, at the next decision, or at
-:meth:`SlotPool.resume` (the server calls it periodically). Lower lanes may then reserve the
-whole KV capacity (the interactive share and the danger line are for runners that cannot
-preempt). A :class:`~governor.runners.base.Pause` on the job tells its runner.
+**Preemption** (``preemptible``: the runner suspends a job when told,
+:class:`~governor.runners.base.Pausing`: the batched llama runner, the http runner in front of
+llama-server). The interactive reserve is lent at once to the jobs it can pause, and taken back
+within a step: an interactive job that finds no slot while the reserve is owed to chats (fewer
+interactive slots taken than it) and no chat ahead of it is due suspends the newest running jobs
+of the lowest lanes until it has its slots; one that finds no room for its KV cells suspends
+such jobs until it has. Beyond the reserve, such a chat suspends only jobs that have not
+generated a token yet and were never suspended (:func:`~.preemption.fresh`: a burst's rewrites
+that came in the same instant as its chats do not keep the chats waiting; a job is suspended so
+once at most). A suspended job holds no slot and no reserved cells (its runner keeps its cells
+while its cache has room, else computes them again), stays admitted (one terminal frame,
+whatever happens), and is resumed, oldest first and before any newer job of a lower lane starts,
+as soon as a slot it may take and its cells in its own cache are free again: at a release, at
+the next decision, or at :meth:`SlotPool.resume` (the server calls it periodically). Lower lanes
+may then reserve the whole KV capacity (the interactive share and the danger line are for
+runners that cannot preempt). A :class:`~governor.runners.base.Pause` on the job tells its
+runner.
 
 A refused client is told when to come back (:mod:`.hints`: the slot releases to come, from the
 running jobs' expected ends, :mod:`.estimates`) and given its place in line, which it keeps

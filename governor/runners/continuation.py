@@ -344,9 +344,8 @@ class Pace:
         finally:
             del self._chats[key]
 
-    def learn(self, event: Mapping[str, Any]) -> None:
-        """An answer's last event: its ``timings`` say how long its prompt tokens took."""
-        timings = event.get("timings")
+    def learn(self, timings: Any) -> None:
+        """An answer's ``timings`` (its last event's): how long its prompt tokens took."""
         if type(timings) is not dict:
             return
         computed, ms = timings.get("prompt_n"), timings.get("prompt_ms")

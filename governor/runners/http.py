@@ -380,7 +380,7 @@ class Resumable:
         ask, pause, loop = answer.ask, job.pause, asyncio.get_running_loop()
         template = None
         if ask.messages is not None:
-            template = await self._call("/apply-template", {"messages": ask.messages})
+            template = await self._call("/apply-template", {"messages": ask.messages}, "prompt")
         attempt = Attempt(pause)
         try:
             if job.priority > 0:  # (below the interactive lane: chats may be decoding)
@@ -391,8 +391,7 @@ class Resumable:
                     answer.finish = "length"
                     return
                 if answer.resumes and answer.prompt is None:
-                    text = template if template is not None else ask.prompt
-                    answer.prompt = await self._tokens(text or "")
+                    await self._prompt(answer, template)
                     continue  # (paused again meanwhile, perhaps)
                 sent = loop.time()
                 body = orjson.dumps(answer.body(template))
@@ -408,7 +407,7 @@ class Resumable:
                                         answer.first_of_resume(loop.time() - sent)
                                         yield text
                                     if answer.finish is not None:
-                                        self.pace.learn(event)
+                                        self.pace.learn(event.get("timings"))
                                         break
                         except Paused:
                             answer.paused()
@@ -430,33 +429,37 @@ class Resumable:
         fed = 0
         while (piece := self.pace.piece()) is not None:
             await attempt.resumed()
-            if answer.prompt is None:
-                text = template if template is not None else answer.ask.prompt
-                answer.prompt = await self._tokens(text or "")
-            if len(answer.prompt) - fed <= piece:
+            prompt = await self._prompt(answer, template)
+            if len(prompt) - fed <= piece:
                 return
             fed += piece
-            body = {"prompt": answer.prompt[:fed], "n_predict": 0, "cache_prompt": True}
-            self.pace.learn(await self._call("/completion", body))
+            body = {"prompt": prompt[:fed], "n_predict": 0, "cache_prompt": True}
+            self.pace.learn(await self._call("/completion", body, "timings"))
 
-    async def _call(self, path: str, body: dict[str, Any]) -> Any:
-        """One of llama-server's own endpoints: its answer's ``prompt`` or ``tokens``, or (a
-        request that generates nothing) the whole answer."""
+    async def _call(self, path: str, body: dict[str, Any], key: str) -> Any:
+        """One of llama-server's own endpoints: its answer's ``key``."""
         with failures(self.timeout_s):
             async with self.upstream.request("POST", path, orjson.dumps(body)) as reply:
                 whole = await read_bounded(reply)
                 if reply.status >= 400:
                     raise _native_refused(reply.status, whole)
-        answer = orjson.loads(whole)
-        key = {"/apply-template": "prompt", "/tokenize": "tokens"}.get(path, "timings")
+            answer = orjson.loads(whole)
         if type(answer) is not dict or key not in answer:
             raise RunnerError(f"the upstream's {path} answered no {key}", NeedCode.UPSTREAM_ERROR)
-        return answer if key == "timings" else answer[key]
+        return answer[key]
+
+    async def _prompt(self, answer: Continuation, template: str | None) -> list[int]:
+        """The answer's prompt in tokens (a chat's ``template``), asked of llama-server once:
+        a resume and a prompt's pieces need them."""
+        if answer.prompt is None:
+            text = template if template is not None else answer.ask.prompt
+            answer.prompt = await self._tokens(text or "")
+        return answer.prompt
 
     async def _tokens(self, text: str) -> list[int]:
         """``text`` as llama-server tokenizes a prompt (its special tokens too)."""
         tokens = await self._call(
-            "/tokenize", {"content": text, "add_special": True, "parse_special": True}
+            "/tokenize", {"content": text, "add_special": True, "parse_special": True}, "tokens"
         )
         if type(tokens) is not list or not all(type(t) is int for t in tokens):
             raise RunnerError(

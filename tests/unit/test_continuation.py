@@ -295,11 +295,11 @@ def test_a_long_prompts_pieces_fit_the_tightest_chats_pace() -> None:
         assert pace.piece() is None
     with pace.running(0, 100.0), pace.running(0, 40.0):
         assert pace.piece() == Pace.FIRST  # (the upstream's pace not known yet)
-        pace.learn({"timings": {"prompt_n": 8, "prompt_ms": 800.0}})  # (too few to learn from)
+        pace.learn({"prompt_n": 8, "prompt_ms": 800.0})  # (too few to learn from)
         assert pace.token_s is None
-        pace.learn({"timings": {"prompt_n": 200, "prompt_ms": 200.0}})  # 1 ms a token
+        pace.learn({"prompt_n": 200, "prompt_ms": 200.0})  # 1 ms a token
         assert pace.piece() == 20  # half of the tightest objective, 40 ms, in tokens
-        pace.learn({"timings": {"prompt_n": 100, "prompt_ms": 1000.0}})  # 10 ms, weighed in
+        pace.learn({"prompt_n": 100, "prompt_ms": 1000.0})  # 10 ms, weighed in
         assert pace.token_s == pytest.approx(0.001 + Pace.WEIGHT * 0.009)
         assert pace.piece() == Pace.LEAST
     with pace.running(0, 0.0):  # (a chat without an objective sets no pace)
