@@ -83,7 +83,7 @@ class HttpRunner:
         # paused and resumed (:mod:`.continuation`). None: another server.
         self.native: Native | None = None
         self._resumable: Resumable | None = None
-        self._pace = Pace()  # the chats running, for a long prompt's pieces
+        self.pace = Pace()  # the chats running, for a long prompt's pieces
 
     @property
     def expected_service_s(self) -> float:
@@ -103,7 +103,7 @@ class HttpRunner:
                 if answer.status < 500:
                     self.native = await self._props()
                     if self.native is not None:
-                        self._resumable = Resumable(upstream, self.native, s.timeout_s, self._pace)
+                        self._resumable = Resumable(upstream, self.native, s.timeout_s, self.pace)
                     return
                 problem = f"answered {answer.status}"
             except UpstreamError as exc:
@@ -232,10 +232,17 @@ class HttpRunner:
                 return _relayed(answer, await read_bounded(answer))
 
     async def run(self, job: Job) -> AsyncGenerator[RunEvent, None]:
-        with self._pace.running(job.priority, job.tpot_ms):
-            spec = job.spec
-            assert spec is not None
-            assert self._upstream is not None
+        spec = job.spec
+        assert spec is not None
+        assert self._upstream is not None
+        if spec.forward is not None:  # (the execution pushes these: :meth:`push`)
+            pushed: list[RunEvent] = []
+            finished = await self.push(job, pushed.append)
+            for event in pushed:
+                yield event
+            yield finished
+            return
+        with self.pace.running(job.priority, job.tpot_ms):  # (a chat: see :class:`Pace`)
             if job.pause is not None and isinstance(job.plan, Ask) and job.plan.openai is None:
                 assert self._resumable is not None
                 continued = Continuation(job.plan, spec.max_new_tokens)
@@ -246,13 +253,6 @@ class HttpRunner:
                 yield Finished(
                     {**result, "finish_reason": continued.finish}, resumes=continued.resumes
                 )
-                return
-            if spec.forward is not None:  # (the execution pushes these: :meth:`push`)
-                pushed: list[RunEvent] = []
-                finished = await self.push(job, pushed.append)
-                for event in pushed:
-                    yield event
-                yield finished
                 return
             path, body = self._request(spec)
             parts: list[str] = []
@@ -289,6 +289,10 @@ class HttpRunner:
         calls as tokens, timed) as they arrive, in the connection's callback (no task wakes
         for each: a sidecar relays once a token); an answer other than 2xx is passed on as
         it came too (:func:`_refused`)."""
+        with self.pace.running(job.priority, job.tpot_ms):  # (a chat: see :class:`Pace`)
+            return await self._push(job, sink)
+
+    async def _push(self, job: Job, sink: Callable[[Token | Relay], None]) -> Finished:
         spec = job.spec
         assert spec is not None
         forward = spec.forward
@@ -296,8 +300,7 @@ class HttpRunner:
         assert self._upstream is not None
         if job.pause is not None and isinstance(job.plan, Ask):
             assert self._resumable is not None
-            with self._pace.running(job.priority, job.tpot_ms):
-                return await self._resumable.push(job, job.plan, sink)
+            return await self._resumable.push(job, job.plan, sink)
         body = self.forwarded_body(spec)
         with self._failures():
             async with self._upstream.request("POST", forward.path, body) as answer:

@@ -700,3 +700,31 @@ async def test_a_pausable_jobs_upstream_failure_aborts_it_once_and_frees_its_slo
         assert got.reply.need_code == code
         assert [r.path for r in upstream.jobs()] == ["/completion"]  # (it ran there)
         assert (server.ledger.inflight, server.ledger.taken) == (0, 0)
+
+
+async def test_a_forwarded_chat_sets_the_pace_of_long_prompts_while_it_runs() -> None:
+    """A chat on the front door (forwarded as it came) is a chat that a heavy prompt beside
+    it goes upstream in pieces for, from its start to its end; a heavy job is none."""
+    async with recording_upstream() as upstream:
+        events = [b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n']
+        upstream.answers["/v1/chat/completions"] = Answer(
+            content_type="text/event-stream", events=[*events, b"data: [DONE]\n\n"]
+        )
+        runner = HttpRunner(HttpSettings(upstream=upstream.url))
+        await runner.start()
+        try:
+            body = orjson.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True})
+            call = api.parse_call(
+                body, kind=api.CHAT, lane_header=None, path="/v1/chat/completions", forwards=True
+            )
+            chat = dataclasses.replace(runner.prepare("j", call.spec(CEILING)), tpot_ms=100.0)
+            assert runner.pace.piece() is None
+            seen: list[int | None] = []
+            await runner.push(chat, lambda _: seen.append(runner.pace.piece()))
+            assert seen == [runner.pace.FIRST]  # (a piece's tokens while it streamed)
+            assert runner.pace.piece() is None  # (ended)
+            heavy = dataclasses.replace(chat, priority=1)
+            await runner.push(heavy, lambda _: seen.append(runner.pace.piece()))
+            assert seen[-1] is None
+        finally:
+            await runner.close()
