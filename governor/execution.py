@@ -266,7 +266,7 @@ class Execution:
             now = state.jobs.last_token_at = state.now()
             if self.first_token is None:
                 self.first_token = now
-                ticket.slot.begun = True
+                ticket.slot.first_token = now
                 self._first_token(now - ticket.slot.started)
             elif item.generated is not None:
                 ticket.slot.progress(item.generated, self.first_token, now)

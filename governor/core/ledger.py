@@ -28,10 +28,12 @@ llama-server). The interactive reserve is lent at once to the jobs it can pause,
 within a step: an interactive job that finds no slot while the reserve is owed to chats (fewer
 interactive slots taken than it) and no chat ahead of it is due suspends the newest running jobs
 of the lowest lanes until it has its slots; one that finds no room for its KV cells suspends
-such jobs until it has. Beyond the reserve, such a chat suspends only jobs that have not
-generated a token yet and were never suspended (:func:`~.preemption.fresh`: a burst's rewrites
-that came in the same instant as its chats do not keep the chats waiting; a job is suspended so
-once at most). A suspended job holds no slot and no reserved cells (its runner keeps its cells
+such jobs until it has. Beyond the reserve, such a chat suspends only jobs it costs no
+objective: those that have not generated a token yet and were never suspended
+(:func:`~.preemption.fresh`: a burst's rewrites that came in the same instant as its chats do
+not keep the chats waiting; a job is suspended so once at most), and those whose TPOT
+objective leaves them slack for the chat's expected service (:meth:`Slot.slack_s`: a job
+suspended so spends its slack, and is left be once it has too little). A suspended job holds no slot and no reserved cells (its runner keeps its cells
 while its cache has room, else computes them again), stays admitted (one terminal frame,
 whatever happens), and is resumed, oldest first and before any newer job of a lower lane starts,
 as soon as a slot it may take and its cells in its own cache are free again: at a release, at
@@ -62,7 +64,7 @@ from .hints import HintParts, RetryHints
 from .kvbudget import KvBudget
 from .lanegate import LaneGate
 from .policy import LANES, Demand, Lane, LanePolicy
-from .preemption import cell_victims, slot_victims
+from .preemption import cell_victims, slack_s, slot_victims
 from .promises import Promise, PromiseLine
 from .service import JobSize, ServiceModel
 
@@ -105,10 +107,10 @@ class Slot:
     __slots__ = (
         "_ledger",
         "_released",
-        "begun",
         "demand",
         "expected_s",
         "fed_from",
+        "first_token",
         "kv_cache",
         "kv_tokens",
         "live_end",
@@ -118,6 +120,7 @@ class Slot:
         "size",
         "started",
         "suspended_at",
+        "tpot_s",
         "width",
     )
 
@@ -146,12 +149,18 @@ class Slot:
         self.pause: Pause | None = None
         self.suspended_at: float | None = None  # since when, while suspended
         self.pauses: list[tuple[float, float]] = []  # (from, to) of each suspension past
-        self.begun = False  # its first token generated (the execution says so)
+        self.first_token: float | None = None  # when its first token came (the execution's)
+        self.tpot_s = 0.0  # its TPOT objective, set at its admission (0: none)
         self._released = False
 
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def begun(self) -> bool:
+        """Its first token generated."""
+        return self.first_token is not None
 
     @property
     def suspended(self) -> bool:
@@ -161,6 +170,19 @@ class Slot:
     def paused_s(self) -> float:
         """Seconds it was suspended, its suspensions past (it runs again, or has ended)."""
         return sum(end - start for start, end in self.pauses)
+
+    def slack_s(self, now: float) -> float:
+        """How much longer it may be suspended and still meet its TPOT objective, a mean over
+        the tokens it is expected to generate, the time suspended included
+        (:func:`~.preemption.slack_s`); 0 before its first token, or with no objective."""
+        first, size = self.first_token, self.size
+        if first is None or size is None or not self.tpot_s:
+            return 0.0
+        tokens = self._ledger.estimates.model.ratio * size.max_new_tokens
+        end = self.live_end
+        if end is None:  # (no pace of its own yet: its predicted service, its pauses added)
+            end = max(now, self.started + self.expected_s + self.paused_s)
+        return slack_s(first, tokens, self.tpot_s, end)
 
     def progress(self, generated: int, first_token: float, now: float) -> None:
         """The job has generated ``generated`` tokens, the first at ``first_token``: its end is
@@ -520,7 +542,8 @@ class SlotLedger(SlotPool):
         victims: list[Slot] = []
         if usable - width < due and due == 0 and rank == 0:
             lent = self.lanes.owes(width)
-            victims = slot_victims(self._running, width - usable, lent=lent)
+            spare = self.estimates.predict_s(size, Lane.INTERACTIVE)  # (the chat's hold)
+            victims = slot_victims(self._running, width - usable, lent=lent, now=now, spare=spare)
             self._suspend(victims, now)
         if (usable - width < due and not victims) or later:
             # (free slots, but the reserve's: lane_full)

@@ -5,8 +5,11 @@ changed here; the ledger suspends the jobs chosen (see its "Preemption" paragrap
 be suspended when it has a :class:`~governor.runners.base.Pause` (the ledger gives one to
 every job below the interactive lane on a runner that suspends jobs). The newest job of the
 lowest lane goes first: it has done the least work, and its lane's objectives are the loosest.
-Beyond the reserve, a chat suspends only **fresh** jobs: none of their tokens generated yet,
-never suspended before (they came in the same instant as the chat, or just before it).
+Beyond the reserve, a chat suspends only jobs it costs no objective: **fresh** ones, none of
+their tokens generated yet and never suspended before (they came in the same instant as the
+chat, or just before it), and jobs whose TPOT objective leaves them **slack** for the chat's
+expected service: their objective is a mean over their tokens, and a job that generates faster
+than it may be held back that long and still meet it (its earlier pauses spent part of it).
 """
 
 from __future__ import annotations
@@ -28,13 +31,23 @@ class Suspendable(Protocol):
     pause: Pause | None
     kv_cache: int | None
     kv_tokens: int
-    begun: bool
+
+    @property
+    def begun(self) -> bool: ...
+
+    def slack_s(self, now: float) -> float: ...
 
 
 def fresh(job: Suspendable) -> bool:
     """No token of the job's generated yet, and never suspended: a chat's slot may come from
     it beyond the reserve (its client has seen nothing; it is suspended once at most so)."""
     return not job.begun and job.pause is not None and not job.pause.suspensions
+
+
+def slack_s(first_token: float, tokens: float, tpot_s: float, end: float) -> float:
+    """How much later than ``end`` a job may end and still meet a TPOT objective of ``tpot_s``
+    (a mean over its gaps) over ``tokens`` tokens, the first at ``first_token``; 0 if none."""
+    return max(first_token + max(tokens - 1.0, 0.0) * tpot_s - end, 0.0)
 
 
 J = TypeVar("J", bound=Suspendable)
@@ -46,16 +59,19 @@ def victim_order(job: Suspendable) -> tuple[int, float]:
     return (-rank, -job.started)
 
 
-def slot_victims(running: Iterable[J], short: int, *, lent: bool) -> list[J]:
+def slot_victims(
+    running: Iterable[J], short: int, *, lent: bool, now: float, spare: float
+) -> list[J]:
     """The jobs to suspend for ``short`` slots: the first that hold that many, in
     :func:`victim_order`, of those holding a ``lent`` slot (any that may be suspended: the
-    reserve is owed) or else the :func:`fresh` ones; none where all of them hold fewer."""
+    reserve is owed), or else those :func:`fresh` or with a slack of ``spare`` seconds (the
+    chat's expected service) at ``now``; none where all of them hold fewer."""
     victims: list[J] = []
     held = 0
     for job in sorted(running, key=victim_order):
         if held >= short:
             break
-        if job.pause is not None and (lent or fresh(job)):
+        if job.pause is not None and (lent or fresh(job) or job.slack_s(now) >= spare > 0):
             victims.append(job)
             held += job.width
     return victims if held >= short else []

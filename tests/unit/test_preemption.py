@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 from governor.core.kvbudget import KvBudget
 from governor.core.ledger import Completed, Promise, Refusal, Slot, SlotLedger
 from governor.core.policy import LANES, Demand, Lane, LanePolicy
+from governor.core.preemption import slack_s
 from governor.core.service import JobSize
 from governor.runners.base import CacheShape
 from protocol.codes import NeedCode
@@ -163,7 +164,7 @@ def test_a_second_chat_while_the_first_holds_the_reserve_is_refused(
     jobs = [take(clock, ledger, lane) for lane in lanes]
     assert isinstance(ask(ledger, CHAT), Slot)
     for slot in jobs:
-        slot.begun = True
+        slot.first_token = clock.now
     clock.now += STEP
     assert ledger.lane_inflight[CHAT] == ledger.policy.interactive_reserve  # type: ignore[union-attr]
     refusal = refused(ask(ledger, CHAT))
@@ -181,7 +182,7 @@ def test_beyond_the_reserve_chats_take_slots_from_fresh_jobs_once_each(clock: Fa
     longer fresh: a chat beyond the reserve leaves it be."""
     ledger = make(clock, 4)
     jobs = [take(clock, ledger, HEAVY) for _ in range(4)]
-    jobs[0].begun = jobs[1].begun = True
+    jobs[0].first_token = jobs[1].first_token = clock.now
     first = take(clock, ledger, CHAT)
     assert [slot.suspended for slot in jobs] == [False, False, False, True]
     second = take(clock, ledger, CHAT)
@@ -197,6 +198,50 @@ def test_beyond_the_reserve_chats_take_slots_from_fresh_jobs_once_each(clock: Fa
     assert [slot.suspended for slot in jobs] == [False, False, False, True]
     refused(ask(ledger, CHAT))  # (jobs[2] was suspended once already)
     assert [slot.pause.suspensions for slot in jobs if slot.pause] == [0, 0, 1, 2]
+
+
+def test_slack_is_what_a_mean_tpot_objective_leaves_after_the_expected_end() -> None:
+    # 5 tokens, the first at 10 s: 4 gaps of at most 1 s on average, an end by 14 s.
+    assert slack_s(10.0, 5, 1.0, 12.0) == 2.0
+    assert slack_s(10.0, 5, 1.0, 14.5) == 0.0  # (late already: none)
+    assert slack_s(10.0, 5, 0.1, 12.0) == 0.0
+    assert slack_s(10.0, 1, 1.0, 10.0) == 0.0  # (one token: no gap to stretch)
+
+
+def test_beyond_the_reserve_a_chat_takes_a_slot_from_a_job_with_slack_until_it_is_spent(
+    clock: FakeClock,
+) -> None:
+    """Two heavy jobs with tokens out, 5 tokens each expected in 1 s: at 1 s a token on average
+    (their TPOT objective) they may end 3 s later; at 0.1 s they may not. The first chat takes
+    the reserve back from the newer; the second takes the older's slot only where it has that
+    slack for the chat's expected second, and once suspended 2.5 s it has no more."""
+    ledger = make(clock, 2)
+    jobs = [take(clock, ledger, HEAVY) for _ in range(2)]
+    for slot in jobs:
+        slot.first_token = clock.now
+        slot.tpot_s = 1.0
+    jobs[0].tpot_s = 0.1
+    assert jobs[0].slack_s(clock.now) == 0.0
+    assert jobs[1].slack_s(clock.now) == pytest.approx(3.0, abs=2 * STEP)
+    first = take(clock, ledger, CHAT)
+    assert [slot.suspended for slot in jobs] == [False, True]
+    waiting = refused(ask(ledger, CHAT))  # (jobs[0]: no slack)
+    assert waiting.promise is not None
+    ledger.withdraw(waiting.promise)  # (its client went elsewhere: no chat in line)
+    first.release()
+    assert not jobs[1].suspended
+    jobs[0].tpot_s = 1.0
+    second = take(clock, ledger, CHAT)  # (the reserve again, from the newest)
+    third = take(clock, ledger, CHAT)  # (beyond it, from the job with slack)
+    assert [slot.suspended for slot in jobs] == [True, True]
+    clock.now += 2.5
+    second.release()
+    third.release()
+    assert not any(slot.suspended for slot in jobs)
+    assert jobs[0].slack_s(clock.now) < 1.0  # (2.5 s of its 3 spent)
+    take(clock, ledger, CHAT)
+    refused(ask(ledger, CHAT))
+    assert [slot.pause.suspensions for slot in jobs if slot.pause] == [1, 3]
 
 
 @pytest.mark.parametrize(("cap", "lanes", "victim"), VICTIMS)
@@ -651,12 +696,18 @@ class Preemption(RuleBasedStateMachine):
         chats_before = ledger.lane_inflight[CHAT]
         counts = self.times_suspended()
         # (what a chat may suspend for a slot: any job below it while the reserve is owed,
-        # else the fresh ones: no token generated, never suspended)
+        # else the fresh ones, no token generated and never suspended, and those whose TPOT
+        # objective leaves them slack for the chat's expected service)
         owed = ledger.policy is not None and chats_before < ledger.policy.interactive_reserve
-        eligible = [
-            s
+        spare = ledger.estimates.predict_s(JobSize(cells // 2, cells - cells // 2, 1), CHAT)
+        costless = {
+            id(s)
             for s in self.running()
-            if s.pause is not None and (owed or (not s.begun and not s.pause.suspensions))
+            if (not s.begun and s.pause is not None and not s.pause.suspensions)
+            or s.slack_s(self.clock.now) >= spare > 0
+        }
+        eligible = [
+            s for s in self.running() if s.pause is not None and (owed or id(s) in costless)
         ]
         decision = ask(ledger, lane, cells, width, returning, pausable=pausable)
         victims = [
@@ -681,7 +732,7 @@ class Preemption(RuleBasedStateMachine):
                 policy = ledger.policy
                 assert policy is not None
                 if chats_before > policy.interactive_reserve or not owed:
-                    assert all(counts[id(v)] == 0 and not v.begun for v in victims)
+                    assert all(id(v) in costless for v in victims)
                 later = max(victim_order(v) for v in victims)
                 for other in self.running():
                     if other in eligible:
@@ -741,11 +792,14 @@ class Preemption(RuleBasedStateMachine):
         self.check_resumed_oldest_first(waiting)
 
     @precondition(lambda self: bool(self.running()))
-    @rule(index=st.integers(0, 50))
-    def first_token(self, index: int) -> None:
-        """A running job generates its first token (it is no longer fresh)."""
-        running = self.running()
-        running[index % len(running)].begun = True
+    @rule(index=st.integers(0, 50), tpot_s=st.sampled_from([0.0, 0.01, 1.0, 5.0]))
+    def first_token(self, index: int, tpot_s: float) -> None:
+        """A running job generates its first token (it is no longer fresh); its TPOT
+        objective (0: none) may leave it slack for a chat beyond the reserve."""
+        slot = self.running()[index % len(self.running())]
+        if slot.first_token is None:
+            slot.first_token = self.clock.now
+        slot.tpot_s = tpot_s
 
     @rule(seconds=st.floats(0.0, 3.0))
     def wait(self, seconds: float) -> None:
