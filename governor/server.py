@@ -93,6 +93,7 @@ def build_runner(config: Config) -> Runner:
                 model=config.upstream_model,
                 max_new_tokens=config.max_new_tokens,
                 timeout_s=config.job_timeout,
+                chat_ttft_ms=config.interactive_ttft_slo_ms if config.lanes else 0.0,
             )
         )
     raise ValueError(f"unknown runner {config.runner!r}")

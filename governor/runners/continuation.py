@@ -314,20 +314,25 @@ def _cached(event: Mapping[str, Any]) -> int | None:
 
 
 class Pace:
-    """What sizes a long prompt's pieces while chats decode on the upstream: the chats running
-    (their tightest TPOT objective) and the seconds the upstream takes a prompt token, learnt
-    from its answers' ``timings``. A step that computes a whole long prompt holds every chat's
-    next token for as long (llama-server computes a prompt in one step, up to its batch); fed
-    in pieces, each step's prompt tokens fit in :data:`SHARE` of the tightest objective."""
+    """What sizes a long prompt's pieces on the upstream: the chats running (their tightest
+    TPOT objective), the chats' TTFT objective, and the seconds the upstream takes a prompt
+    token, learnt from its answers' ``timings``. A step that computes a whole long prompt holds
+    every chat's next token for as long (llama-server computes a prompt in one step, up to its
+    batch), and a chat that comes meanwhile waits for it before its own prompt's step; fed in
+    pieces, each step's prompt tokens fit in :data:`SHARE` of the tightest running chat's TPOT
+    objective, or with none running in :data:`ARRIVAL_SHARE` of a chat's TTFT objective."""
 
     SHARE = 0.5  # of a running chat's TPOT objective, for one piece's tokens
+    ARRIVAL_SHARE = 0.25  # of a chat's TTFT objective, for one piece's tokens while none runs
     FIRST = 64  # tokens a piece, before the upstream's pace is known
     LEAST, MOST = 16, 512  # tokens a piece
     LEARN_FROM = 32  # prompt tokens an answer must have computed to teach the pace
     WEIGHT = 0.2  # of each new measure in the pace
 
-    def __init__(self) -> None:
+    def __init__(self, ttft_s: float = 0.0) -> None:
+        """``ttft_s``: a chat's TTFT objective (0: a prompt in pieces only while chats run)."""
         self._chats: dict[object, float] = {}  # each running chat's TPOT objective, in s
+        self.ttft_s = ttft_s
         self.token_s: float | None = None  # seconds a prompt token, as measured
 
     @contextlib.contextmanager
@@ -358,13 +363,17 @@ class Pace:
         self.token_s = measured if known is None else known + self.WEIGHT * (measured - known)
 
     def piece(self) -> int | None:
-        """The tokens of a long prompt's next piece, or None: no chat runs, the rest at once."""
-        if not self._chats:
+        """The tokens of a long prompt's next piece, or None: the rest at once (no chat runs,
+        and none is waited for)."""
+        if self._chats:
+            budget_s = self.SHARE * min(self._chats.values())
+        elif self.ttft_s > 0:
+            budget_s = self.ARRIVAL_SHARE * self.ttft_s
+        else:
             return None
         if self.token_s is None:
             return self.FIRST
-        tokens = int(self.SHARE * min(self._chats.values()) / self.token_s)
-        return max(self.LEAST, min(self.MOST, tokens))
+        return max(self.LEAST, min(self.MOST, int(budget_s / self.token_s)))
 
 
 def answer_id() -> str:

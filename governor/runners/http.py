@@ -71,6 +71,9 @@ class HttpSettings:
     max_new_tokens: int = 1024
     timeout_s: float = 120.0  # the upstream may stay silent this long under a job
     start_timeout_s: float = 60.0  # how long start() waits for the upstream to answer
+    # A chat's TTFT objective, under lanes: a paused job's long prompt goes up in pieces that
+    # keep a chat that comes meanwhile from waiting long on one (0: only while chats run).
+    chat_ttft_ms: float = 0.0
 
 
 class HttpRunner:
@@ -83,7 +86,7 @@ class HttpRunner:
         # paused and resumed (:mod:`.continuation`). None: another server.
         self.native: Native | None = None
         self._resumable: Resumable | None = None
-        self.pace = Pace()  # the chats running, for a long prompt's pieces
+        self.pace = Pace(settings.chat_ttft_ms / 1000)  # for a long prompt's pieces
 
     @property
     def expected_service_s(self) -> float:

@@ -687,6 +687,7 @@ async def test_a_pausable_jobs_upstream_failure_aborts_it_once_and_frees_its_slo
 ) -> None:
     async with recording_upstream() as upstream:
         upstream.answers["/props"] = Answer(body=LLAMA_PROPS)
+        upstream.answers["/tokenize"] = Answer(body=b'{"tokens": [1, 2, 3]}')
         upstream.answers["/completion"] = completion
         server = await sidecar(make_server, upstream, lanes=True, max_inflight=2)
         runner = server.runner
@@ -698,7 +699,8 @@ async def test_a_pausable_jobs_upstream_failure_aborts_it_once_and_frees_its_slo
             got = await client.generate(spec, retry=NO_RETRY)
         assert not got.done
         assert got.reply.need_code == code
-        assert [r.path for r in upstream.jobs()] == ["/completion"]  # (it ran there)
+        # (its prompt tokenized, shorter than a piece: it ran at once there)
+        assert [r.path for r in upstream.jobs()] == ["/tokenize", "/completion"]
         assert (server.ledger.inflight, server.ledger.taken) == (0, 0)
 
 

@@ -306,3 +306,16 @@ def test_a_long_prompts_pieces_fit_the_tightest_chats_pace() -> None:
         assert pace.piece() is None
     with pace.running(0, 10_000.0):
         assert pace.piece() == Pace.MOST
+
+
+def test_with_no_chat_running_a_pieces_wait_fits_a_share_of_a_chats_ttft_objective() -> None:
+    """A chat that comes while a long prompt is computed waits for its step: with a chat's TTFT
+    objective known, a piece is a share of it even when no chat runs (and a running chat's
+    pace comes first)."""
+    pace = Pace(ttft_s=1.0)
+    assert pace.piece() == Pace.FIRST
+    pace.learn({"prompt_n": 500, "prompt_ms": 1000.0})  # 2 ms a token
+    assert pace.piece() == int(Pace.ARRIVAL_SHARE * 1.0 / 0.002)  # 125
+    with pace.running(0, 100.0):
+        assert pace.piece() == 25  # (half of 100 ms: the running chat's)
+    assert Pace(ttft_s=0.0).piece() is None
