@@ -107,6 +107,7 @@ class Execution:
         "job",
         "outcome",
         "parts",
+        "pieces",
         "replies",
         "result",
         "resumes",
@@ -145,6 +146,7 @@ class Execution:
         self.parts: list[str] = []  # its first sequence's text, as it came
         self.result: dict[str, Any] | None = None
         self.resumes: Sequence[Resume] = ()  # its runner's measure of each resume
+        self.pieces: Sequence[float] = ()  # and of each prompt piece sent ahead
         self.terminal_sent = False
         self.outcome = "cancelled"  # "done", a need_code, or "client_gone"
         # The task and the callback that releases its ticket, in one step: nothing can run
@@ -281,7 +283,7 @@ class Execution:
     def _finished(self, item: Finished) -> tuple[dict[str, Any], Relayed | None]:
         """The job's result, with the governor's own timings and the ladder's steps."""
         ticket, parts = self.ticket, self.parts
-        self.resumes = item.resumes
+        self.resumes, self.pieces = item.resumes, item.pieces
         result = dict(item.result)
         if parts:
             result.setdefault("text", "".join(parts))
@@ -351,6 +353,8 @@ class Execution:
         metrics.observe_job(lane, held_s, ttft_s, tpot_s, prompt, completion)
         for resume in self.resumes:
             metrics.resumes.observe(lane, resume.first_token_s, resume.recomputed)
+        for seconds in self.pieces:
+            metrics.prompt_pieces.observe(lane, seconds)
         objectives, verdict = ticket.objectives, None
         if outcome == "done" or outcome in JUDGED_FAILURES:
             # TTFT as the client felt it: its wait in line too; a job with no text, its end.
@@ -381,6 +385,7 @@ class Execution:
             suspended=ticket.slot.pause.suspensions if ticket.slot.pause is not None else 0,
             resume_ms=[_ms(r.first_token_s) for r in self.resumes] or None,
             resume_recomputed=[r.recomputed for r in self.resumes] or None,
+            prompt_pieces=len(self.pieces) or None,
             wait_ms=_ms(self.waited_s),
             expected_ms=_ms(ticket.slot.expected_s),
             ttft_ms=_ms(ttft_s),

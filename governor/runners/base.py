@@ -157,6 +157,9 @@ class Finished:
     # Each resume of the job after a pause, where its runner measures them: the prompt tokens
     # computed again and the seconds to its next token.
     resumes: Sequence[Resume] = ()
+    # Each piece of its prompt sent ahead (the http runner's, in front of llama-server): the
+    # seconds from its request to its answer.
+    pieces: Sequence[float] = ()
 
 
 RunEvent = Token | Fed | Relay | Finished

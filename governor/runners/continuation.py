@@ -185,6 +185,7 @@ class Continuation:
     cached_tokens: int | None = None
     finish: str | None = None
     resumes: list[Resume] = field(default_factory=list)
+    pieces: list[float] = field(default_factory=list)  # each prompt piece's seconds
 
     def body(self, template: str | None) -> dict[str, Any]:
         """The next attempt's ``/completion`` request: the first with the prompt's text

@@ -254,7 +254,9 @@ class HttpRunner:
                         yield Token(piece, continued.completion_tokens)
                 result = {"text": "".join(continued.text), **continued.counts()}
                 yield Finished(
-                    {**result, "finish_reason": continued.finish}, resumes=continued.resumes
+                    {**result, "finish_reason": continued.finish},
+                    resumes=continued.resumes,
+                    pieces=continued.pieces,
                 )
                 return
             path, body = self._request(spec)
@@ -376,8 +378,10 @@ class Resumable:
                 sink(Token(text, answer.completion_tokens, raw=raw))
         counts = {**answer.counts(), "finish_reason": answer.finish}
         if shape.stream:
-            return Finished(counts, Relayed(200, SSE, shape.end(answer)), resumes=answer.resumes)
-        return Finished(counts, Relayed(200, JSON, shape.whole(answer)), resumes=answer.resumes)
+            relayed = Relayed(200, SSE, shape.end(answer))
+        else:
+            relayed = Relayed(200, JSON, shape.whole(answer))
+        return Finished(counts, relayed, resumes=answer.resumes, pieces=answer.pieces)
 
     async def answer(self, job: Job, answer: Continuation) -> AsyncGenerator[str, None]:
         """The answer's text as it comes, over as many attempts as its pauses make: each a
@@ -440,7 +444,9 @@ class Resumable:
                 return
             fed += piece
             body = {"prompt": prompt[:fed], "n_predict": 0, "cache_prompt": True}
+            sent = time.monotonic()
             self.pace.learn(await self._call("/completion", body, "timings"))
+            answer.pieces.append(time.monotonic() - sent)
 
     async def _call(self, path: str, body: dict[str, Any], key: str) -> Any:
         """One of llama-server's own endpoints: its answer's ``key``."""

@@ -149,6 +149,12 @@ class JobMetrics:
             "governor_job_output_tokens", "Generated tokens of jobs that finished.", TOKEN_BUCKETS
         )
         self.resumes = ResumeMetrics()
+        self.prompt_pieces = LaneHistograms(
+            "governor_prompt_piece_seconds",
+            "Each piece of a long prompt sent ahead into the upstream's cache (the sidecar's, "
+            "in front of llama-server), from its request to its answer.",
+            TPOT_BUCKETS,
+        )
         self.probe = Histogram(PROBE_BUCKETS)
         # Admitted jobs' ends, by outcome (done, an abort's need code, client_gone), lane, pool.
         self.finished: collections.Counter[tuple[str, str, str]] = collections.Counter()
@@ -186,5 +192,6 @@ class JobMetrics:
             self.output_tokens,
             self.resumes.seconds,
             self.resumes.recomputed,
+            self.prompt_pieces,
         ):
             yield h.family()

@@ -66,6 +66,7 @@ def populated_server() -> Server:
     jobs.prompt_tokens.observe("interactive", 40)
     jobs.output_tokens.observe("interactive", 8)
     jobs.resumes.observe("heavy", 0.05, 1)
+    jobs.prompt_pieces.observe("heavy", 0.06)
     state.line.join(Waiting(), rank=0, tenant="alpha", since=0.0)
     jobs.door_wait.observe("interactive", 0.5)
     jobs.door_waits[("interactive", "admitted")] += 2
@@ -148,6 +149,7 @@ FAMILIES = {
     "governor_job_output_tokens": ("histogram", ("lane",)),
     "governor_resume_seconds": ("histogram", ("lane",)),
     "governor_resume_recomputed_tokens": ("histogram", ("lane",)),
+    "governor_prompt_piece_seconds": ("histogram", ("lane",)),
     "governor_slo_jobs": ("counter", ("lane",)),
     "governor_slo_met": ("counter", ("lane", "objective")),
     "governor_slo_attainment": ("gauge", ("lane", "objective")),
@@ -244,6 +246,7 @@ def test_the_values_are_the_state_s(text: str) -> None:
     assert m["governor_ready"] == 0  # never started
     assert m['governor_resume_seconds_count{lane="heavy"}'] == 1
     assert m['governor_resume_recomputed_tokens_sum{lane="heavy"}'] == 1
+    assert m['governor_prompt_piece_seconds_sum{lane="heavy"}'] == 0.06
 
 
 def test_without_lanes_overload_or_fleet_those_families_are_absent() -> None:

@@ -198,6 +198,22 @@ async def test_a_paused_heavy_answer_is_the_unpaused_one(
     assert (server.ledger.inflight, server.ledger.suspended, server.ledger.taken) == (0, 0, 0)
 
 
+async def test_a_long_prompt_goes_up_in_pieces_and_answers_as_it_would_at_once(
+    make_server: ServerFactory, upstream: str
+) -> None:
+    """No chat runs, but one may come: a heavy job's long prompt goes into llama-server's cache
+    in pieces that a chat's TTFT objective leaves room for, then its answer is generated, the
+    same greedy text as llama-server's own for the whole prompt."""
+    server = await sidecar(make_server, upstream)
+    topic = " ".join(f"On day {day} the keeper climbed the stairs again." for day in range(40))
+    job = Tcp(server, topic)
+    await asyncio.wait_for(job.run(), 120)
+    pieces = server.metrics.prompt_pieces.by_lane["heavy"]
+    assert sum(pieces.counts) >= 2  # (a prompt of about 500 tokens, pieces of at most 250 ms)
+    assert job.text == await asyncio.to_thread(unpaused, upstream, topic)
+    assert (server.ledger.inflight, server.ledger.taken) == (0, 0)
+
+
 async def test_a_client_leaving_while_paused_frees_all_and_is_not_resumed(
     make_server: ServerFactory, upstream: str
 ) -> None:
