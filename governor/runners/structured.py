@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from protocol.codes import NeedCode
-from protocol.spec import JobSpec, SpecInvalid
+from protocol.spec import ANY_OBJECT, JobSpec, SpecInvalid
 
 from .base import Finished, Job, Token
 
@@ -60,6 +60,25 @@ JSON_CHARACTERS = (
     ),
     (re.compile(r"^dot ::= .*$", re.MULTILINE), r'dot ::= [^"\\\x00-\x1F]'),
 )
+# Any JSON object, as llama.cpp's own converter writes it (llama-server's JSON mode, its schema
+# ``{"type": "object"}``): the whitespace before a closing bracket and after an opening one, a
+# colon or a comma, where llama-cpp-python's converter puts one space at most after each value.
+# The same prompt then has the same paths open to the model: greedy, the embedded model that
+# llama-server answers with an indented, closed object otherwise nests objects to the token
+# limit. (Its strings' characters are JSON's, :data:`JSON_CHARACTERS`.)
+JSON_OBJECT_GRAMMAR = r"""root ::= object
+object ::= "{" space ( string ":" space value ("," space string ":" space value)* )? space "}"
+value ::= object | array | string | number | boolean | null
+array ::= "[" space ( value ("," space value)* )? space "]"
+string ::= "\"" char* "\""
+char ::= .
+number ::= ("-"? integral-part) ("." decimal-part)? ([eE] [-+]? integral-part)?
+integral-part ::= [0] | [1-9] [0-9]{0,15}
+decimal-part ::= [0-9]{1,16}
+boolean ::= "true" | "false"
+null ::= "null"
+space ::= | " " | "\n"{1,2} [ \t]{0,20}
+"""
 FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -247,6 +266,8 @@ def job_grammar(spec: JobSpec) -> str | None:
         return schema_grammar(parameters_of(function), f"the parameters of {mode!r}")
     if mode == "required":
         return calls_grammar(functions_of(spec))
+    if spec.json_schema == ANY_OBJECT:
+        return json_strings(JSON_OBJECT_GRAMMAR)
     if spec.json_schema is not None:
         return schema_grammar(orjson.loads(spec.json_schema), "the response_format's schema")
     return None

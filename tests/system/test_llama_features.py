@@ -244,6 +244,36 @@ def test_fifty_json_mode_requests_all_answer_json_objects(model: Model) -> None:
     assert len({text for text in texts[25:]}) > 5  # (not one answer fifty times)
 
 
+INDENTED_SUMS = [
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": '{\n    "answer": 4\n}'},
+    {"role": "user", "content": "What is 3 + 5?"},
+    {"role": "assistant", "content": '{\n    "answer": 8\n}'},
+]
+
+
+def test_json_mode_answers_with_the_whitespace_llama_server_allows(model: Model) -> None:
+    """JSON mode's grammar is llama.cpp's: whitespace (newlines, an indent) after an opening
+    bracket and before a closing one. After two answers written so, the model indents its own,
+    and each is a closed object (held to one space at most after each value, as before, it
+    could not write the newline it wants)."""
+    outcomes = model.runs(
+        [
+            {
+                "messages": [*INDENTED_SUMS, {"role": "user", "content": f"What is {i} + 2?"}],
+                "response_format": {"type": "json_object"},
+                "max_new_tokens": 48,
+                "temperature": 0.0,
+            }
+            for i in range(8)
+        ]
+    )
+    texts = [o.result["text"] for o in outcomes]
+    assert [o.result["finish_reason"] for o in outcomes] == ["stop"] * 8, texts
+    assert all(is_json_object(text) for text in texts), texts
+    assert all(text.startswith('{\n    "') for text in texts), texts
+
+
 def test_twenty_json_schema_requests_all_answer_valid_json(model: Model) -> None:
     requests: list[dict[str, Any]] = [
         {

@@ -231,7 +231,10 @@ def test_each_tool_choice_has_its_grammar() -> None:
     assert job_grammar(spec(tools=tools, tool_choice="none")) is None
     json_mode = job_grammar(spec(response_format={"type": "json_object"}))
     assert json_mode is not None
-    assert json_mode.startswith("array ::=")
+    # (llama.cpp's own JSON mode: whitespace after an opening bracket and before a closing one)
+    assert json_mode.startswith("root ::= object\n")
+    assert 'space "}"' in json_mode
+    assert 'space ::= | " " | "\\n"{1,2} [ \\t]{0,20}' in json_mode
     named = job_grammar(spec(tools=tools, tool_choice=WEATHER))
     assert named is not None
     assert '"\\"city\\""' in named
