@@ -68,12 +68,14 @@ FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
 @dataclass(frozen=True, slots=True)
 class Upstream:
     """What llama-server says of itself (``GET /props``): the model's name in its answers,
-    its build (their ``system_fingerprint``), a slot's context and its slots."""
+    its build (their ``system_fingerprint``), a slot's context and its slots, and the model's
+    file ("": not said)."""
 
     model: str
     fingerprint: str
     n_ctx: int
     slots: int
+    model_path: str = ""
 
 
 def upstream_of(props: Any) -> Upstream | None:
@@ -91,6 +93,7 @@ def upstream_of(props: Any) -> Upstream | None:
         fingerprint=str(props.get("build_info") or ""),
         n_ctx=n_ctx,
         slots=slots,
+        model_path=str(props.get("model_path") or ""),
     )
 
 

@@ -53,6 +53,7 @@ from .continuation import Ask, Continuation, Pace, ask_of_body, upstream_of
 from .continuation import Upstream as Native
 from .framing import SseEvents, UpstreamError, UpstreamTimeout
 from .upstream import Answer, Upstream
+from .upstream_prompts import UpstreamPrompts
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
 JSON = "application/json"
@@ -86,6 +87,9 @@ class HttpRunner:
         # paused and resumed (:mod:`.continuation`). None: another server.
         self.native: Native | None = None
         self._resumable: Resumable | None = None
+        # Its slot context and its model's vocabulary, where its file can be read here: each
+        # prompt is counted at the door (:mod:`.upstream_prompts`). None: not counted.
+        self.prompts: UpstreamPrompts | None = None
         self.pace = Pace(settings.chat_ttft_ms / 1000)  # for a long prompt's pieces
 
     @property
@@ -104,9 +108,10 @@ class HttpRunner:
                 async with upstream.request("GET", "/v1/models", timeout_s=5.0) as answer:
                     await read_bounded(answer)
                 if answer.status < 500:
-                    self.native = await self._props()
-                    if self.native is not None:
-                        self._resumable = Resumable(upstream, self.native, s.timeout_s, self.pace)
+                    self.native = native = await self._props()
+                    if native is not None:
+                        self._resumable = Resumable(upstream, native, s.timeout_s, self.pace)
+                        self.prompts = await asyncio.to_thread(UpstreamPrompts.load, native)
                     return
                 problem = f"answered {answer.status}"
             except UpstreamError as exc:
@@ -177,16 +182,19 @@ class HttpRunner:
         return path, body
 
     def prepare(self, job_id: str, spec: JobSpec | None, payload: bytes = b"") -> Job:
+        prompts = self.prompts  # (None: a prompt too long is the upstream's error to give)
         if spec is not None and spec.forward is not None:
             spec = check_ceiling(spec, self.settings.max_new_tokens)
-            return Job(job_id, payload, spec=spec, plan=self._forward_plan(spec))
-        # No tokenizer here: a prompt too long for the upstream's context is its error to give.
+            plan = self._forward_plan(spec)
+            tokens = prompts.count_ask(plan) if prompts is not None and plan is not None else ()
+            return Job(job_id, payload, spec=spec, tokens=tokens, plan=plan)
         spec = spec_or_prompt(spec, payload, self.settings.max_new_tokens)
+        tokens = prompts.count(spec) if prompts is not None else ()
         plan = None
         if self.native is not None:  # (the request :meth:`run` would send, continued)
             path, body = self._request(spec)
             plan = ask_of_body(body, path, shaped=False)
-        return Job(job_id, payload, spec=spec, stop=spec.stop, plan=plan)
+        return Job(job_id, payload, spec=spec, tokens=tokens, stop=spec.stop, plan=plan)
 
     def _forward_plan(self, spec: JobSpec) -> Ask | None:
         """A forwarded request that llama-server can continue after a pause, read as such."""

@@ -108,11 +108,10 @@ class LlamaPrompts:
         and stop strings; ``SpecInvalid`` for what the model cannot do, or a prompt too long."""
         spec = spec_or_prompt(spec, payload, self.max_new_tokens)
         if spec.input is not None:  # (texts to embed: its tokens are what it costs)
-            tokens = self.embedding_tokens(list(spec.input))
-            return Job(job_id, payload, spec=spec, tokens=tuple(t for each in tokens for t in each))
+            texts = self.embedding_tokens(list(spec.input))
+            return Job(job_id, payload, spec=spec, tokens=tuple(t for each in texts for t in each))
         self._check_features(spec)
-        text, special, stop = prompt_of(spec, self._chat, self._tool_template)
-        tokens = self.vocab.tokenize(text.encode(), add_bos=self._add_bos, special=special)
+        tokens, stop = self.prompt_tokens(spec)
         if len(tokens) + spec.max_new_tokens > self.n_ctx:
             raise SpecInvalid(
                 NeedCode.PROMPT_TOO_LONG,
@@ -126,6 +125,12 @@ class LlamaPrompts:
                 f"cache has {self.cells}: ask for fewer choices or fewer tokens"
             )
         return Job(job_id, payload, spec=spec, tokens=tuple(tokens), stop=tuple(stop))
+
+    def prompt_tokens(self, spec: JobSpec) -> tuple[list[int], list[str]]:
+        """The tokens of the spec's prompt (its messages through the chat template, its
+        tools), and its stop strings (the spec's and the template's)."""
+        text, special, stop = prompt_of(spec, self._chat, self._tool_template)
+        return self.vocab.tokenize(text.encode(), add_bos=self._add_bos, special=special), stop
 
     def _check_features(self, spec: JobSpec) -> None:
         """Refuse what the model cannot do of the spec: a token it does not have, a schema

@@ -2,8 +2,9 @@
 llama-server (``deploy/build-llama-server.sh`` builds it; ``.ci/run`` does): two slots, both
 lent to heavy jobs, then a chat that takes one back. The heavy job's greedy text through both
 doors, streamed and whole, is the one llama-server gives with no pause; a client that leaves
-while its job is paused frees everything, and no request for it reaches the upstream again.
-The server is stopped by its own PID."""
+while its job is paused frees everything, and no request for it reaches the upstream again. A
+prompt is counted at the door as llama-server counts it, and one a slot cannot hold is refused
+there. The server is stopped by its own PID."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import httpx
 import orjson
 import pytest
 
-from clients import GovernorClient, RetryPolicy
+from clients import NO_RETRY, GovernorClient, RetryPolicy
 from governor.runners.http import HttpRunner
 from governor.runners.llama import embedded_model_path
 from governor.server import Server
@@ -241,3 +242,55 @@ async def test_a_client_leaving_while_paused_frees_all_and_is_not_resumed(
 def direct_get(url: str, path: str) -> Any:
     with urllib.request.urlopen(url + path, timeout=30) as response:
         return orjson.loads(response.read())
+
+
+# Prompts counted at the door ------------------------------------------------------------------
+
+
+def upstream_count(url: str, messages: list[dict[str, str]] | None, prompt: str | None) -> int:
+    """llama-server's own count of a chat's (templated) or a prompt's tokens."""
+    if messages is not None:
+        prompt = direct(url, "/apply-template", {"messages": messages})["prompt"]
+    body = {"content": prompt, "add_special": True, "parse_special": messages is not None}
+    return len(direct(url, "/tokenize", body)["tokens"])
+
+
+async def test_a_prompt_is_counted_as_llama_server_counts_it_and_one_too_long_refused_at_the_door(
+    make_server: ServerFactory, upstream: str
+) -> None:
+    server = await sidecar(make_server, upstream)
+    runner = server.runner
+    assert isinstance(runner, HttpRunner)
+    prompts = runner.prompts  # (the model's file is readable here: its vocabulary loaded)
+    assert prompts is not None
+    assert prompts.n_ctx == 2048  # (-c 4096 over 2 slots)
+    cases: list[tuple[list[dict[str, str]] | None, str | None]] = [
+        ([{"role": "user", "content": STORY}], None),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}], None),
+        (None, "Once upon a time, in a café by the sea,"),
+    ]
+    for messages, prompt in cases:
+        spec = JobSpec(
+            messages=tuple(Message(**m) for m in messages) if messages else None, prompt=prompt
+        )
+        job = runner.prepare("J", spec)
+        assert len(job.tokens) == await asyncio.to_thread(
+            upstream_count, upstream, messages, prompt
+        )
+    # A prompt longer than a slot's context: refused on both doors, and no slot taken.
+    long = " ".join(["lighthouse"] * 2100)
+    host, port = server.address
+    async with await GovernorClient.connect(host, port) as client:
+        got = await client.generate(JobSpec(prompt=long, max_new_tokens=4), retry=NO_RETRY)
+    assert not got.done
+    assert got.reply.need_code == "prompt_too_long", got.reply
+    address = server.http_address
+    assert address is not None
+    async with httpx.AsyncClient(timeout=60) as http:
+        answer = await http.post(
+            f"http://{address[0]}:{address[1]}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": long}], "max_tokens": 4},
+        )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "prompt_too_long"
+    assert server.ledger.executed_total == 0

@@ -11,6 +11,7 @@ for the prompt and the kept tokens with ``n_predict`` less what was kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -30,6 +31,7 @@ from governor.runners.continuation import (
     upstream_of,
 )
 from governor.runners.http import HttpRunner, HttpSettings
+from governor.runners.upstream_prompts import UpstreamPrompts
 from protocol.spec import JobSpec, Message
 
 PROMPT = [1, 2, 3]
@@ -257,9 +259,23 @@ def test_only_llama_servers_props_are_read_as_one() -> None:
         "build_info": "b1",
     }
     assert upstream_of(props) == Upstream("m", "b1", 4096, 4)
+    assert upstream_of({**props, "model_path": "/m.gguf"}) == Upstream(
+        "m", "b1", 4096, 4, "/m.gguf"
+    )
     assert upstream_of({"total_slots": 4}) is None
     assert upstream_of({"detail": "Not Found"}) is None
     assert upstream_of([]) is None
+
+
+def test_prompts_are_not_counted_where_the_upstreams_model_cannot_be_read_here(
+    tmp_path: Path,
+) -> None:
+    """(A sidecar on another host than its server: llama-server counts, and refuses.)"""
+    assert UpstreamPrompts.load(Upstream("m", "b1", 4096, 4)) is None  # (no path said)
+    assert UpstreamPrompts.load(Upstream("m", "b1", 4096, 4, str(tmp_path / "no.gguf"))) is None
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a model")
+    assert UpstreamPrompts.load(Upstream("m", "b1", 4096, 4, str(garbage))) is None
 
 
 def test_a_whole_answer_carries_its_text_and_usage() -> None:
