@@ -33,14 +33,14 @@ objective: those that have not generated a token yet and were never suspended
 (:func:`~.preemption.fresh`: a burst's rewrites that came in the same instant as its chats do
 not keep the chats waiting; a job is suspended so once at most), and those whose TPOT
 objective leaves them slack for the chat's expected service (:meth:`Slot.slack_s`: a job
-suspended so spends its slack, and is left be once it has too little). A suspended job holds no slot and no reserved cells (its runner keeps its cells
-while its cache has room, else computes them again), stays admitted (one terminal frame,
-whatever happens), and is resumed, oldest first and before any newer job of a lower lane starts,
-as soon as a slot it may take and its cells in its own cache are free again: at a release, at
-the next decision, or at :meth:`SlotPool.resume` (the server calls it periodically). Lower lanes
-may then reserve the whole KV capacity (the interactive share and the danger line are for
-runners that cannot preempt). A :class:`~governor.runners.base.Pause` on the job tells its
-runner.
+suspended so spends its slack, and is left be once it has too little). A suspended job holds
+no slot and no reserved cells (its runner keeps its cells while its cache has room, else
+computes them again), stays admitted (one terminal frame, whatever happens), and is resumed,
+oldest first and before any newer job of a lower lane starts, as soon as a slot it may take
+and its cells in its own cache are free again: at a release, at the next decision, or at
+:meth:`SlotPool.resume` (the server calls it periodically). Lower lanes may then reserve the
+whole KV capacity (the interactive share and the danger line are for runners that cannot
+preempt). A :class:`~governor.runners.base.Pause` on the job tells its runner.
 
 A refused client is told when to come back (:mod:`.hints`: the slot releases to come, from the
 running jobs' expected ends, :mod:`.estimates`) and given its place in line, which it keeps
