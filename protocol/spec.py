@@ -104,10 +104,12 @@ class JobSpec:
     prompt: str | None = None
     messages: tuple[Message, ...] | None = None
     max_new_tokens: int = 128
+    # Sampling: llama-server's defaults, so that a request that leaves them out is drawn as
+    # llama-server would draw it (top_k 0 and min_p 0 are off).
     temperature: float = 0.8
     top_p: float = 0.95
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0  # 0: off
+    top_k: int = 40
+    min_p: float = 0.05
     seed: int | None = None  # None: a random seed
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
@@ -155,11 +157,9 @@ class JobSpec:
             obj["input"] = list(self.input)
         else:
             obj["max_new_tokens"] = self.max_new_tokens
-        obj.update(temperature=self.temperature, top_p=self.top_p)
-        if self.top_k:
-            obj["top_k"] = self.top_k
-        if self.min_p:
-            obj["min_p"] = self.min_p
+        obj.update(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p
+        )
         if self.seed is not None:
             obj["seed"] = self.seed
         if self.stop:
@@ -274,7 +274,7 @@ def spec_from_object(obj: Any, *, max_new_tokens_ceiling: int) -> JobSpec:
     top_p = _number(obj, "top_p", 0.95, 0.0, 1.0)
     if top_p == 0:
         raise _invalid("'top_p' must be above 0")
-    top_k = obj.get("top_k", 0)
+    top_k = obj.get("top_k", 40)
     if type(top_k) is not int or not 0 <= top_k <= MAX_TOP_K:
         raise _invalid(f"'top_k' must be an integer from 0 to {MAX_TOP_K}")
     return JobSpec(
@@ -284,7 +284,7 @@ def spec_from_object(obj: Any, *, max_new_tokens_ceiling: int) -> JobSpec:
         temperature=_number(obj, "temperature", 0.8, 0.0, 2.0),
         top_p=top_p,
         top_k=top_k,
-        min_p=_number(obj, "min_p", 0.0, 0.0, 1.0),
+        min_p=_number(obj, "min_p", 0.05, 0.0, 1.0),
         seed=seed,
         stop=stop,
         ignore_eos=ignore_eos,

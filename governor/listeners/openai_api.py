@@ -398,8 +398,9 @@ def _sampling(obj: dict[str, Any], spec: dict[str, Any]) -> None:
                 raise bad_request(f"{name!r} must be an integer", name)
             spec["max_new_tokens"] = value
             break
-    spec["temperature"] = _number(obj, "temperature", 1.0)
-    spec["top_p"] = _number(obj, "top_p", 1.0)
+    for name in ("temperature", "top_p"):  # (absent: the spec's, llama-server's defaults)
+        if obj.get(name) is not None:
+            spec[name] = obj[name]
     seed = obj.get("seed")
     if seed is not None:
         if type(seed) is not int or not 0 <= seed <= MAX_SEED:
@@ -429,11 +430,6 @@ def _streaming(obj: dict[str, Any]) -> tuple[bool, bool]:
 
 def _json(value: Any) -> str:
     return orjson.dumps(value).decode()
-
-
-def _number(obj: dict[str, Any], name: str, default: float) -> Any:
-    value = obj.get(name)
-    return default if value is None else value  # (checked with the spec)
 
 
 def _prompt(prompt: Any) -> str:

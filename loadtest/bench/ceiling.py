@@ -18,7 +18,9 @@ processes, no protocol), a unified KV cache shared by every sequence.
   gave each its logits (prompts of random words: a model unsure of its next token, the
   governor's dearer case): llama.cpp's sampler chain against the governor's draws
   (:mod:`governor.runners.sampling`), with OpenAI's defaults (temperature 1), with min_p, and
-  greedy; the median of ``--repeats`` rounds of ``--steps`` draws each.
+  greedy, and the chain alone with llama-server's defaults (top_k 40, top_p 0.95, min_p 0.05,
+  temperature 0.8: the job spec's, which the draws leave to it); the median of ``--repeats``
+  rounds of ``--steps`` draws each.
 
 One ``llama_decode`` is one graph evaluation: ``n_ubatch`` is set to ``n_batch``, which holds
 the largest batch asked for. On a machine shared with other work, each round (all of the
@@ -227,17 +229,18 @@ def prefill_times(engine: Engine, chunks: Sequence[int], repeats: int) -> list[d
 
 
 # (name, temperature, min_p): what the governor draws itself (top_k and top_p: the chain)
-SAMPLINGS = (
-    ("OpenAI's defaults", 1.0, 0.0),
-    ("temperature 0.7, min_p 0.05", 0.7, 0.05),
-    ("greedy", 0.0, 0.0),
+SAMPLINGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("OpenAI's defaults", {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
+    ("temperature 0.7, min_p 0.05", {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.05}),
+    ("greedy", {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
+    ("llama-server's defaults", {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}),
 )
 
 
 def sampling_times(engine: Engine, steps: int, repeats: int) -> list[dict[str, Any]]:
     """Per sampling setting: the median time of RUNNING draws, by llama.cpp's chain and by
     the governor's draws, each from the logits of a step of RUNNING prompts."""
-    from governor.runners.sampling import Draws
+    from governor.runners.sampling import Draws, plain
 
     lib = engine.lib
     engine.clear()
@@ -245,15 +248,17 @@ def sampling_times(engine: Engine, steps: int, repeats: int) -> list[dict[str, A
     engine.decode([(tokens[-1], len(tokens), s, True) for s, tokens in by_seq.items()])
     n_vocab = lib.llama_vocab_n_tokens(engine.vocab)
     rows = []
-    for name, temperature, min_p in SAMPLINGS:
-        chains = [_chain(lib, temperature, min_p, s) for s in range(RUNNING)]
-        draws = [Draws(temperature=temperature, min_p=min_p, seed=s) for s in range(RUNNING)]
-
-        row: dict[str, Any] = {"sampling": name}
-        for key, draw_all in (
-            ("chain_ms", functools.partial(_by_chain, engine, chains)),
-            ("draws_ms", functools.partial(_by_draws, engine, draws, n_vocab)),
-        ):
+    for name, request in SAMPLINGS:
+        chains = [_chain(lib, request, s) for s in range(RUNNING)]
+        ways = [("chain_ms", functools.partial(_by_chain, engine, chains))]
+        if plain(request):  # (top_k and top_p are the chain's)
+            draws = [
+                Draws(temperature=request["temperature"], min_p=request["min_p"], seed=s)
+                for s in range(RUNNING)
+            ]
+            ways.append(("draws_ms", functools.partial(_by_draws, engine, draws, n_vocab)))
+        row: dict[str, Any] = {"sampling": name, "draws_ms": None}
+        for key, draw_all in ways:
             times = []
             for _ in range(repeats):
                 started = time.perf_counter()
@@ -279,12 +284,11 @@ def _by_draws(engine: Engine, draws: list[Any], n_vocab: int) -> None:
         draw(np.ctypeslib.as_array(engine.lib.llama_get_logits_ith(engine.ctx, i), (n_vocab,)))
 
 
-def _chain(lib: Any, temperature: float, min_p: float, seed: int) -> Any:
-    """llama.cpp's chain as the governor's worker makes it for these settings."""
+def _chain(lib: Any, request: dict[str, Any], seed: int) -> Any:
+    """llama.cpp's chain as the governor's worker makes it for the ``request``'s settings."""
     from governor.runners.llama_worker import add_draw
 
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-    request = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": min_p}
     add_draw(lib, chain, request, seed)
     return chain
 
@@ -423,10 +427,13 @@ def render(report: dict[str, Any]) -> list[str]:
             f"{'sampling':<26} {'chain ms':>9} {'draws ms':>9} {'ratio':>6}",
         ]
         for row in report["sampling"]:
-            ratio = row["draws_ms"] / row["chain_ms"] if row["chain_ms"] else 0.0
+            draws = row["draws_ms"]
+            if draws is None:  # (the chain's alone)
+                lines.append(f"{row['sampling']:<26} {row['chain_ms']:>9.3f} {'-':>9} {'-':>6}")
+                continue
+            ratio = draws / row["chain_ms"] if row["chain_ms"] else 0.0
             lines.append(
-                f"{row['sampling']:<26} {row['chain_ms']:>9.3f} {row['draws_ms']:>9.3f} "
-                f"{ratio:>6.2f}"
+                f"{row['sampling']:<26} {row['chain_ms']:>9.3f} {draws:>9.3f} {ratio:>6.2f}"
             )
         return [*lines, _others(report)]
     if "prefill" in report:

@@ -305,7 +305,9 @@ async def test_parameters_and_the_lane_reach_the_job(make_server: ServerFactory,
     assert chat.messages == (Message("system", "s"), Message("user", "u"))
     assert (chat.max_new_tokens, chat.temperature, chat.top_p, chat.seed) == (6, 0.3, 0.9, 11)
     assert (chat.stop, chat.lane, chat.top_k, chat.stream) == (("END",), "background", 4, False)
-    assert (text.prompt, text.max_new_tokens, text.lane, text.temperature) == ("p", 2, "heavy", 1.0)
+    assert (text.prompt, text.max_new_tokens, text.lane) == ("p", 2, "heavy")
+    # (what a request leaves out is drawn as llama-server draws it)
+    assert (text.temperature, text.top_p, text.top_k, text.min_p) == (0.8, 0.95, 40, 0.05)
     finished = server.metrics.finished
     assert finished[("done", "background", "primary")] == 1
     assert finished[("done", "heavy", "primary")] == 1

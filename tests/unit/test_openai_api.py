@@ -51,9 +51,14 @@ def test_openai_parameters_map_to_the_job_spec() -> None:
         "stop": ["\n"],
         "stream": True,
     }
-    # max_completion_tokens (the newer name) wins over max_tokens; OpenAI's defaults apply.
+    # max_completion_tokens (the newer name) wins over max_tokens; llama-server's sampling
+    # defaults apply (the job spec's), not OpenAI's.
     spec = spec_of(chat(max_tokens=7, max_completion_tokens=9))
-    assert (spec["max_new_tokens"], spec["temperature"], spec["top_p"]) == (9, 1.0, 1.0)
+    assert spec["max_new_tokens"] == 9
+    assert "temperature" not in spec
+    assert "top_p" not in spec
+    job = spec_from_object(spec, max_new_tokens_ceiling=64)
+    assert (job.temperature, job.top_p, job.top_k, job.min_p) == (0.8, 0.95, 40, 0.05)
     assert "max_new_tokens" not in spec_of(chat())
     assert spec_of({"prompt": ["one"], "model": "m"}, chat=False)["prompt"] == "one"
 
