@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from .framing import SseEvents, UpstreamError, UpstreamTimeout
 from .upstream import Answer, Upstream
 from .upstream_prompts import UpstreamPrompts
 
+log = logging.getLogger("governor.runners.http")
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -112,6 +114,9 @@ class HttpRunner:
                     if native is not None:
                         self._resumable = Resumable(upstream, native, s.timeout_s, self.pace)
                         self.prompts = await asyncio.to_thread(UpstreamPrompts.load, native)
+                    log.info(
+                        "upstream %s: %s", s.upstream, _described(native, self.prompts is not None)
+                    )
                     return
                 problem = f"answered {answer.status}"
             except UpstreamError as exc:
@@ -538,6 +543,22 @@ class Attempt:
     def close(self) -> None:
         if self._pause is not None:
             self._pause.listen(None)
+
+
+def _described(native: Native | None, counted: bool) -> str:
+    """What the runner learnt of its upstream at start, for the operator."""
+    if native is None:
+        return "not llama-server: no job is paused, prompts are not counted at the door"
+    return (
+        f"llama-server, {native.slots} slot(s) of {native.n_ctx} tokens: jobs it can continue "
+        "may be paused; "
+        + (
+            "prompts counted at the door with its model"
+            if counted
+            else f"its model ({native.model_path or 'not named'}) cannot be read here: prompts "
+            "are not counted at the door"
+        )
+    )
 
 
 def _native_refused(status: int, body: bytes) -> RunnerError:

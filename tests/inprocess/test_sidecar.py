@@ -683,16 +683,20 @@ def native_events(*events: dict[str, Any]) -> list[bytes]:
     ],
 )
 async def test_a_pausable_jobs_upstream_failure_aborts_it_once_and_frees_its_slot(
-    make_server: ServerFactory, completion: Answer, code: str
+    make_server: ServerFactory, completion: Answer, code: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with recording_upstream() as upstream:
         upstream.answers["/props"] = Answer(body=LLAMA_PROPS)
         upstream.answers["/tokenize"] = Answer(body=b'{"tokens": [1, 2, 3]}')
         upstream.answers["/completion"] = completion
-        server = await sidecar(make_server, upstream, lanes=True, max_inflight=2)
+        with caplog.at_level("INFO", logger="governor.runners.http"):
+            server = await sidecar(make_server, upstream, lanes=True, max_inflight=2)
         runner = server.runner
         assert isinstance(runner, HttpRunner)
         assert runner.native is not None
+        # (its /props names no model file: the operator is told prompts are not counted)
+        assert runner.prompts is None
+        assert "(not named) cannot be read here" in caplog.text
         host, port = server.address
         spec = JobSpec(prompt="p", max_new_tokens=8, temperature=0.0, lane="heavy")
         async with await GovernorClient.connect(host, port) as client:
