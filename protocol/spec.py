@@ -34,6 +34,9 @@ MAX_TOOLS = 64
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema or a tool's parameters
 MAX_INPUTS = 2048  # texts one embeddings job may ask for
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# What a request leaves out of its sampling is drawn as llama-server draws it: its defaults
+# (top_k 0 and min_p 0 are off).
+TEMPERATURE, TOP_P, TOP_K, MIN_P = 0.8, 0.95, 40, 0.05
 ANY_OBJECT = '{"type":"object"}'  # the schema of JSON mode (response_format json_object)
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
 
@@ -104,12 +107,11 @@ class JobSpec:
     prompt: str | None = None
     messages: tuple[Message, ...] | None = None
     max_new_tokens: int = 128
-    # Sampling: llama-server's defaults, so that a request that leaves them out is drawn as
-    # llama-server would draw it (top_k 0 and min_p 0 are off).
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
+    # Sampling: llama-server's defaults (:data:`TEMPERATURE` and the rest).
+    temperature: float = TEMPERATURE
+    top_p: float = TOP_P
+    top_k: int = TOP_K
+    min_p: float = MIN_P
     seed: int | None = None  # None: a random seed
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
@@ -271,20 +273,20 @@ def spec_from_object(obj: Any, *, max_new_tokens_ceiling: int) -> JobSpec:
     if type(stream) is not bool or type(ignore_eos) is not bool:
         raise _invalid("'stream' and 'ignore_eos' must be true or false")
     tenant, lane = _label(obj, "tenant"), _label(obj, "lane")
-    top_p = _number(obj, "top_p", 0.95, 0.0, 1.0)
+    top_p = _number(obj, "top_p", TOP_P, 0.0, 1.0)
     if top_p == 0:
         raise _invalid("'top_p' must be above 0")
-    top_k = obj.get("top_k", 40)
+    top_k = obj.get("top_k", TOP_K)
     if type(top_k) is not int or not 0 <= top_k <= MAX_TOP_K:
         raise _invalid(f"'top_k' must be an integer from 0 to {MAX_TOP_K}")
     return JobSpec(
         prompt=prompt,
         messages=messages,
         max_new_tokens=max_new,
-        temperature=_number(obj, "temperature", 0.8, 0.0, 2.0),
+        temperature=_number(obj, "temperature", TEMPERATURE, 0.0, 2.0),
         top_p=top_p,
         top_k=top_k,
-        min_p=_number(obj, "min_p", 0.05, 0.0, 1.0),
+        min_p=_number(obj, "min_p", MIN_P, 0.0, 1.0),
         seed=seed,
         stop=stop,
         ignore_eos=ignore_eos,

@@ -244,11 +244,12 @@ def test_fifty_json_mode_requests_all_answer_json_objects(model: Model) -> None:
     assert len({text for text in texts[25:]}) > 5  # (not one answer fifty times)
 
 
+# (the same answers, written as llama-server's JSON mode may write them: indented)
 INDENTED_SUMS = [
-    {"role": "user", "content": "What is 2 + 2?"},
-    {"role": "assistant", "content": '{\n    "answer": 4\n}'},
-    {"role": "user", "content": "What is 3 + 5?"},
-    {"role": "assistant", "content": '{\n    "answer": 8\n}'},
+    {**m, "content": json.dumps(json.loads(m["content"]), indent=4)}
+    if m["role"] == "assistant"
+    else m
+    for m in SUMS
 ]
 
 
