@@ -426,11 +426,12 @@ class Scheduler:
         """The next step's entries (empty when there is nothing to compute), planned at
         ``now`` (the clock of the sequences' ``first_at``); in slot order where ``lowest``.
         A sequence ``alone`` is stepped in steps of its own: when no other has anything to
-        compute, or once it has been passed over ``MAX_PASSED`` steps."""
+        compute, once it has been passed over ``MAX_PASSED`` steps, or at once while a
+        sequence waits for a slot (the probe may hold a job's slot: a stream a slot)."""
         if self.lowest:
             _settle(self)
         alone = next((s for s in self.running.values() if s.alone and _due(s)), None)
-        if alone is None or alone.passed < MAX_PASSED:
+        if alone is None or (alone.passed < MAX_PASSED and not self.waiting):
             entries = self._shared(now, [s for s in self.running.values() if not s.alone])
             if alone is None or entries:
                 if alone is not None:
@@ -580,11 +581,14 @@ def _cap(seq: Sequence) -> float:
 def _deferrable(seq: Sequence, now: float, step: float) -> bool:
     """Whether a generating sequence may skip the step (of ``step`` seconds) that samples a
     chat's first token: a less urgent one with a TPOT objective, more than a token's share
-    ahead of it, whose cap leaves room for that step and one as long after it."""
+    ahead of it, whose cap leaves room, after the time since its latest token, for that step
+    and one as long after it."""
     if seq.priority == 0 or seq.tpot_s <= 0 or seq.first_at is None:
         return False
     per = MARGIN * seq.tpot_s
-    return seq.first_at + per * seq.generated - now > per and 2 * step <= max(per, _cap(seq))
+    since = now - seq.last_at if seq.last_at is not None else 0.0
+    ahead = seq.first_at + per * seq.generated - now > per
+    return ahead and since + 2 * step <= max(per, _cap(seq))
 
 
 def _taken_first(seq: Sequence) -> tuple[int, int, int]:

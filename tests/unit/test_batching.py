@@ -14,7 +14,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -534,6 +534,62 @@ def test_several_short_prompts_go_in_one_step_interactive_first_and_shortest_fir
     assert s.running["rewrite"].passed == 2
 
 
+@given(
+    step_ms=st.floats(0.5, 5),
+    token_ms=st.floats(0.05, 2),
+    streams=st.integers(0, 6),
+    ahead=st.integers(0, 30),
+    prompts=st.lists(st.integers(1, 120), min_size=2, max_size=6),
+    priority=st.integers(0, 2),
+    lowest=st.booleans(),
+)
+@settings(max_examples=200, deadline=None)
+def test_prompts_that_wait_together_go_in_one_step_where_the_streams_slack_allows(
+    step_ms: float,
+    token_ms: float,
+    streams: int,
+    ahead: int,
+    prompts: list[int],
+    priority: int,
+    lowest: bool,
+) -> None:
+    """Prompts of one lane that reach the worker together (a wave: jobs that ended together
+    replaced at once) are fed together: where the step that takes them all whole beside the
+    generating chats fits the time those chats have banked (each ``ahead`` tokens ahead of its
+    TPOT objective) and the step's tokens, one step feeds every one of them whole and samples
+    each one's first token."""
+    s, cache = budgeted(costs(step_ms, token_ms), slots=16, step_tokens=512)
+    s.lowest = lowest
+    now = 100.0
+    for i in range(streams):
+        q = generating(s, cache, f"g{i}", tpot_s=0.1, gap_s=0.5, ttft_s=1.0)
+        q.generated = 40
+        q.first_at = now - MARGIN * 0.1 * (q.generated - ahead)
+        q.last_at = now - 0.01
+    tpot, ttft, gap = LANE_LIMITS[priority]
+    for i, length in enumerate(prompts):
+        prompt = tuple(range(10_000 * (i + 1), 10_000 * (i + 1) + length))
+        s.submit(Sequence(f"p{i}", prompt, 4, priority, tpot_s=tpot, ttft_s=ttft, gap_s=gap))
+    decodes = [
+        Entry(q, (q.pending,), len(s.held[q.slot]), True)
+        for q in s.running.values()
+        if q.pending >= 0
+    ]
+    waiting = [q for q in s.running.values() if q.prefilling]
+    whole = [Entry(q, q.prompt, 0, True) for q in waiting]
+    bound = s.bound(decodes, now)
+    fits = sum(prompts) <= 512 - len(decodes) and (
+        bound is None or s.cost(decodes + whole) <= bound
+    )
+    entries = s.plan(now)
+    fed = {e.seq.key: len(e.tokens) for e in entries if e.seq.prefilling}
+    if fits:
+        assert fed == {q.key: len(q.prompt) for q in waiting}
+        assert all(e.sample for e in entries if e.seq.key in fed)
+    else:
+        assert sum(fed.values()) <= 512 - len(decodes)
+
+
 @pytest.mark.parametrize("streams", [True, False])
 def test_a_prompt_between_generating_streams_is_fed_a_token_a_step_that_bridges_them(
     streams: bool,
@@ -842,6 +898,15 @@ LANE_LIMITS = {  # (tpot_s, ttft_s, gap_s) of the worker's jobs by priority, as 
         ),
         max_size=8,
     ),
+)
+@example(  # a heavy stream deferred for two chats' first tokens in a row, past its cap (fixed)
+    step_ms=4.0,
+    token_ms=0.8125,
+    sample_ms=0.0,
+    knee=1,
+    step_tokens=67,
+    streams=[(0.05, 0.2, 0.0, 1)],
+    arrivals=[(4, 1, 0), (4, 66, 0), (4, 128, 0)],
 )
 @settings(max_examples=200, deadline=None)
 def test_every_stream_keeps_its_pace_and_gap_and_every_prompt_is_fed_in_chunks_past_the_knee(
