@@ -31,7 +31,6 @@ from .runners.batching import KNEE
 RUNNERS = ("llama", "http", "stub")
 KV_TYPES = ("f16", "q8_0")
 KV_LAYOUTS = ("auto", "pool", "slots")
-AUTO_STREAMS = 8  # a worker's slots from which kv_layout auto gives each slot a stream
 # Old keys, refused with what took their place.
 RENAMED = {
     "ttft_slo_ms": "now 'interactive_ttft_slo_ms'",
@@ -42,6 +41,7 @@ RENAMED = {
         "gone: failed keys now slow their address's key checks (auth_guess_rate, "
         "auth_guess_burst) instead of refusing its connections"
     ),
+    "kv_type": "now 'kv_cache_type'",
     "interactive_stall": (
         "gone: a running chat's steps are held to the time it has banked against its TPOT "
         "objective and to interactive_gap_ms, its longest pause"
@@ -293,11 +293,11 @@ class RunnerSection:
     threads: int = _opt(0, min=0)(
         "llama: CPU threads per worker; 0: the cores shared out among the workers."
     )
-    kv_type: str = _opt("f16", choices=KV_TYPES)(
+    kv_cache_type: str = _opt("f16", choices=KV_TYPES)(
         "llama: the type of the KV cache's cells: f16, or q8_0 (8-bit, with flash attention: about half the memory a cell; on a CPU, long prompts are fed up to twice as slowly)."
     )
     kv_layout: str = _opt("auto", choices=KV_LAYOUTS)(
-        "llama: the KV cache's layout. pool: kv_capacity cells that every job takes its cells from (each token attends over the span of cells in use, every job's). slots: n_ctx cells for each slot and one more for the health probe, as llama-server -np has: each token attends over its own job's cells only, so steps cost less at many slots and long contexts, for (max_inflight + workers) * n_ctx cells of memory (kv_capacity unset); a job's further choices (n) wait for free slots. auto: slots where a worker has 8 slots or more and kv_capacity is unset (there, attending over every job's cells cost a chunk's tokens 1.7 times as much on a CPU), else pool."
+        "llama: the KV cache's layout. slots: n_ctx cells for each slot, as llama-server -np N -c N*n_ctx has them: each token attends over its own job's cells only, for max_inflight * n_ctx cells of memory (kv_capacity unset); a job's further choices (n) wait for free slots, and the health probe takes a free slot's cells. pool: kv_capacity cells that every job takes its cells from, memory sized to the work, but each token attends over the span of cells in use, every job's (a tenth of the output at 4 slots, more at 8, on a CPU). auto: slots, unless kv_capacity is set (then pool)."
     )
     n_gpu_layers: int = _opt(0, check=_gpu_layers)(
         "llama: layers offloaded to the GPU when llama-cpp-python is built with CUDA; -1: all; 0: CPU only."
@@ -531,8 +531,7 @@ class Config(
         """The KV layout the llama runner takes: ``kv_layout``, with auto resolved."""
         if self.kv_layout != "auto":
             return self.kv_layout
-        many = self.max_inflight // self.workers >= AUTO_STREAMS
-        return "slots" if many and not self.kv_capacity else "pool"
+        return "pool" if self.kv_capacity else "slots"
 
     @property
     def listen_address(self) -> tuple[str, int]:

@@ -78,7 +78,7 @@ def build_runner(config: Config) -> Runner:
                 n_gpu_layers=config.n_gpu_layers,
                 step_tokens=config.batch_tokens,
                 min_chunk=config.min_prompt_chunk,
-                kv_type=config.kv_type,
+                kv_cache_type=config.kv_cache_type,
                 kv_layout=config.layout,
                 max_new_tokens=config.max_new_tokens,
                 job_timeout_s=config.job_timeout,

@@ -143,7 +143,7 @@ def test_a_bad_environment_value_is_refused_by_name(variable: str, text: str, me
         ({"interactive_stall": 1.5}, "'interactive_stall' is gone: a running chat's steps"),
         ({"interactive_gap_ms": -1}, "interactive_gap_ms must not be negative"),
         ({"min_prompt_chunk": 0}, "min_prompt_chunk must be at least 1"),
-        ({"kv_type": "q4_0"}, "kv_type must be one of f16, q8_0"),
+        ({"kv_cache_type": "q4_0"}, "kv_cache_type must be one of f16, q8_0"),
         ({"auth_backoff": 10.0}, "'auth_backoff' is gone: failed keys now slow"),
         ({"trusted_sources": "10.0.0.0/8, nowhere"}, "trusted_sources: 'nowhere' is not"),
         ({"auth_guess_rate": 0}, "auth_guess_rate must be positive"),
@@ -301,16 +301,15 @@ def test_every_key_is_in_one_section_and_the_sections_make_the_config() -> None:
 @pytest.mark.parametrize(
     ("settings", "layout"),
     [
-        ({}, "pool"),  # (4 slots)
-        ({"max_inflight": 8}, "slots"),
+        ({}, "slots"),  # (4 slots)
+        ({"max_inflight": 1}, "slots"),
         ({"max_inflight": 16, "workers": 2}, "slots"),
-        ({"max_inflight": 15, "workers": 2}, "pool"),  # (one worker of 7)
         ({"max_inflight": 8, "kv_capacity": 20_000}, "pool"),  # (cells said: a pool of them)
         ({"max_inflight": 2, "kv_layout": "slots"}, "slots"),
         ({"max_inflight": 8, "kv_layout": "pool"}, "pool"),
     ],
 )
-def test_the_kv_layout_auto_gives_a_stream_a_slot_from_8_slots_a_worker(
+def test_the_kv_layout_auto_gives_a_stream_a_slot_unless_cells_are_said(
     settings: dict[str, object], layout: str
 ) -> None:
     assert Config(**settings).layout == layout  # type: ignore[arg-type]
