@@ -426,8 +426,7 @@ class Scheduler:
         """The next step's entries (empty when there is nothing to compute), planned at
         ``now`` (the clock of the sequences' ``first_at``); in slot order where ``lowest``.
         A sequence ``alone`` is stepped in steps of its own: when no other has anything to
-        compute, once it has been passed over ``MAX_PASSED`` steps, or at once while a
-        sequence waits for a slot (the probe may hold a job's slot: a stream a slot)."""
+        compute, once passed over ``MAX_PASSED`` steps, or while a sequence waits for a slot."""
         if self.lowest:
             _settle(self)
         alone = next((s for s in self.running.values() if s.alone and _due(s)), None)
