@@ -12,9 +12,9 @@ import pytest
 
 from governor.runners.sampling import plain
 from loadtest.bench import ceiling, generation
+from loadtest.bench.generation import options, rows, servers
 from loadtest.bench.generation import prompts as texts
 from loadtest.bench.generation import report as tables
-from loadtest.bench.generation import rows, servers
 from loadtest.cli import build_parser
 from loadtest.support import baseline_server, llama_server
 from loadtest.support.machine import others_share, parse_busy_s
@@ -98,7 +98,7 @@ def test_generation_defaults_and_choices() -> None:
     assert args.targets == ("llama-server", "governor")
     assert args.measures == ("burst",)
     assert args.slots == 4
-    parse = generation.parse_choices(servers.TARGETS)
+    parse = options.parse_choices(servers.TARGETS)
     for bad in ("vllm", "governor,governor", ","):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
@@ -270,22 +270,28 @@ def test_round_row_and_the_ratios_the_targets_are_set_on() -> None:
     assert rows.burst_ratios({})["over_ttft"] is None
 
 
-def test_memory_ratio() -> None:
-    slots = rows.Memory(4096 * 1024, 3072 * 1024, 17)
-    one = rows.Memory(1024**2, 512 * 1024, 2)
-    assert rows.memory_row(slots, one) == {
-        "pss_slots_mib": 4096.0,
-        "pss_anon_slots_mib": 3072.0,
-        "processes_slots": 17,
-        "pss_one_mib": 1024.0,
-        "pss_anon_one_mib": 512.0,
-        "processes_one": 2,
-        "ratio": 4.0,
-        "anon_ratio": 6.0,
+def test_memory_rows_and_their_ratio_to_llama_server_at_the_same_slots() -> None:
+    assert rows.memory_row(4, rows.Memory(4096 * 1024, 3072 * 1024, 3)) == {
+        "slots": 4,
+        "pss_mib": 4096.0,
+        "pss_anon_mib": 3072.0,
+        "processes": 3,
     }
-    unread = rows.memory_row(rows.Memory(None, None, 0), one)
-    assert unread["ratio"] is None
-    assert unread["anon_ratio"] is None
+    assert rows.memory_row(1, rows.Memory(None, None, 0))["pss_mib"] is None
+    report = {
+        "targets": {
+            "governor": {"memory": [rows.memory_row(1, rows.Memory(300 * 1024, 100 * 1024, 2))]},
+            "llama-server": {
+                "memory": [
+                    rows.memory_row(1, rows.Memory(200 * 1024, 80 * 1024, 1)),
+                    rows.memory_row(8, rows.Memory(500 * 1024, 400 * 1024, 1)),
+                ]
+            },
+        }
+    }
+    text = "\n".join(tables._memory_table(report, report["targets"], 12))
+    assert "governor       1     300.0    100.0     2           1.5    1.25" in text
+    assert "llama-server   8     500.0    400.0     1           1.0     1.0" in text
     assert ratio(1.0, 0.0) is None
 
 
@@ -312,7 +318,7 @@ def test_render_has_a_row_per_target_and_measure() -> None:
                 "idle": rows.ttft_row([outcome("chat", first=0.1)]),
             },
             "per-process": {
-                "memory": rows.memory_row(rows.Memory(2048, 1024, 5), rows.Memory(1024, 512, 2)),
+                "memory": [rows.memory_row(1, rows.Memory(2048, 1024, 5))],
                 "bursts": [
                     {
                         "slots": 8,

@@ -5,6 +5,7 @@ stopped by its PID before the next starts:
 
 * ``governor``: ``governor serve --runner llama --max-inflight S --workers 1 --threads T``:
   the batched runner, one worker process running S sequences;
+* ``governor-q8_0``: the same with ``--kv-cache-type q8_0`` (the KV cache's cells 8-bit);
 * ``per-process``: the same with ``--workers S --threads 0`` (one sequence per worker process,
   the cores shared out among them: the governor's runner before it batched);
 * ``llama-server``: llama.cpp's own server (``deploy/build-llama-server.sh``), ``-np S -kvu``
@@ -44,9 +45,15 @@ during the measures. Measures (``--measures``):
   targets are set on: ``beside`` over ``alone`` (TTFT p99, TPOT p99), ``over``'s TPOT p99 over
   ``alone_all``'s, and ``over``'s TTFT p99 over ``alone_all``'s TTFT p99 + e2e p99 (a waiting
   chat starts within about one chat's run).
+* ``greedy``: on a governor target, the greedy texts (temperature 0, ``--chat-tokens`` x 4
+  new tokens) of the README's prompts and of a rewrite of ``--rewrite-tokens`` tokens (a long
+  context), one after another, with each one's time to first token; and for each text whether
+  the first governor target said the same, or the characters they share.
 * ``memory``: proportional set size (``Pss`` of ``/proc/PID/smaps_rollup``) of the target and
-  every process below it, after the warm-up round, with S slots; then on a fresh target with
-  1 slot after one job; and their ratio.
+  every process below it, for each N of ``--memory-slots`` on a target started with N slots,
+  after a warm-up round of N short jobs; llama-server then gets ``-c N x n_ctx``, the cells of
+  N slots of the governor's ``n_ctx`` each (an equal context a slot); and each target's PSS
+  over llama-server's at the same N.
 
 Every round is bounded by ``--timeout``. On a machine shared with other work, each measure
 first waits (``--wait-quiet`` seconds at most) until other processes leave the CPUs below 3 %
@@ -60,38 +67,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from clients.client import DEFAULT_MAX_WAIT_S, ClientError
-from clients.helptext import RawDescriptionDefaultsHelpFormatter, add_renamed
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
+from protocol.spec import JobSpec, Message
 
-from ...support.arguments import add_llama_server, add_model, add_n_ctx, add_threads
 from ...support.connections import StartError, run_loop
 from ...support.driver import closed_loop, open_loop
 from ...support.machine import QUIET_SHARE, CpuWindow, wait_quiet
-from ...support.options import (
-    positive_float,
-    positive_int,
-    positive_ints,
-    print_json,
-)
-from ...support.processes import (
-    stop,
-)
+from ...support.options import print_json
+from ...support.processes import stop
 from ...support.targets import Outcome, Shape
 from ...support.workload import Request
+from .options import add_target_options, add_workload_options
 from .prompts import question, rewrite_prompts, story
 from .report import render
 from .rows import Memory, burst_ratios, memory_row, round_row, throughput_row, ttft_row
-from .servers import DEFAULT_TARGETS, GOVERNORS, TARGETS, Instance, Settings, start
+from .servers import GOVERNORS, Instance, Settings, start
 
 NAME = "generation"
-MEASURES = ("throughput", "idle", "burst", "memory")
+MEASURES = ("throughput", "idle", "burst", "greedy", "memory")
+# The README's prompts (chats but for the completion "The sea is"), for the greedy measure.
+README_PROMPTS = (
+    ("chat", "What is 2 + 2?"),
+    ("chat", "Paris: which country?"),
+    ("chat", "Hi"),
+    ("prompt", "The sea is"),
+)
 SAMPLE_S = 1.0
 IDLE_IN_BURST = 3  # chats one after another before the burst: its idle reference
 REWRITES = 2
@@ -103,21 +111,6 @@ ROUNDS = (
     ("over", REWRITES, 0),
 )
 WARMUP_TOKENS = 8
-
-
-def parse_choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse type: a comma-separated list of ``allowed`` names, in the order given."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(name.strip() for name in text.split(",") if name.strip())
-        unknown = [name for name in names if name not in allowed]
-        if not names or unknown or len(set(names)) != len(names):
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: a list of distinct names among {','.join(allowed)}"
-            )
-        return names
-
-    return parse
 
 
 # Measures ----------------------------------------------------------------------------------
@@ -175,10 +168,9 @@ async def measure_target(
     slots = args.slots or max(args.streams)
     want = set(args.measures)
     result: dict[str, Any] = {"slots": slots}
-    at_slots = Memory(None, None, 0)
     logs: Path = args.logs
 
-    if want & {"throughput", "idle", "memory"}:
+    if want & {"throughput", "idle"}:
         inst = await start(name, settings, slots=slots, lanes=False, log=logs / f"{name}.log")
         result["argv"] = inst.argv
         _note(f"{name} up (pid {inst.proc.pid}, {slots} slots)")
@@ -187,7 +179,6 @@ async def measure_target(
             await _round(
                 inst, warm, _requests("warmup", slots, WARMUP_TOKENS), args.round_timeout, "warm"
             )
-            at_slots = Memory.of(inst.proc.pid)
             if "throughput" in want:
                 result["throughput"] = await measure_throughput(name, inst, args)
             if "idle" in want:
@@ -211,19 +202,65 @@ async def measure_target(
             for slots in args.burst_slots or (slots,)
         ]
 
-    if "memory" in want:
-        inst = await start(name, settings, slots=1, lanes=False, log=logs / f"{name}-one.log")
+    if "greedy" in want and name in GOVERNORS:
+        inst = await start(name, settings, slots=1, lanes=False, log=logs / f"{name}-greedy.log")
         try:
-            warm = Shape(temperature=0.0, prompts=(story(20_000),))
-            await _round(
-                inst, warm, _requests("warmup", 1, WARMUP_TOKENS), args.round_timeout, "warm"
-            )
-            at_one = Memory.of(inst.proc.pid)
+            result["greedy"] = await measure_greedy(inst, args, rewrites[:1])
         finally:
             stop(inst.proc, 15.0)
-        result["memory"] = memory_row(at_slots, at_one)
-        _note(f"{name} memory {result['memory']}")
+    if "memory" in want:
+        result["memory"] = [
+            await measure_memory(name, args, settings, n) for n in args.memory_slots or (1, slots)
+        ]
     return result
+
+
+async def measure_greedy(
+    inst: Instance, args: argparse.Namespace, rewrites: list[tuple[str, int]]
+) -> list[dict[str, Any]]:
+    """Each README prompt's greedy text, and a rewrite's, with its time to first token."""
+    assert inst.endpoint is not None
+    jobs = [*README_PROMPTS, *(("chat", text) for text, _ in rewrites)]
+    rows = []
+    async with await inst.endpoint.connect(timeout=args.round_timeout) as client:
+        for kind, text in jobs:
+            spec = JobSpec(
+                prompt=text if kind == "prompt" else None,
+                messages=(Message("user", text),) if kind == "chat" else None,
+                max_new_tokens=4 * args.chat_tokens,
+                temperature=0.0,
+            )
+            done = await client.generate(spec, timeout=args.round_timeout)
+            answer = done.reply.result or {}
+            rows.append(
+                {
+                    "prompt": text[:40],
+                    "prompt_tokens": answer.get("prompt_tokens"),
+                    "text": answer.get("text"),
+                    "ttft_ms": answer.get("ttft_ms"),
+                }
+            )
+    return rows
+
+
+async def measure_memory(
+    name: str, args: argparse.Namespace, settings: Settings, slots: int
+) -> dict[str, Any]:
+    """PSS of a target started with ``slots`` slots (llama-server: ``slots`` x ``n_ctx``
+    cells), after a warm-up round of a short job a slot."""
+    equal = dataclasses.replace(settings, server_ctx=slots * settings.n_ctx)
+    log = args.logs / f"{name}-memory-{slots}.log"
+    inst = await start(name, equal, slots=slots, lanes=False, log=log)
+    try:
+        warm = Shape(temperature=0.0, prompts=tuple(story(20_000 + i) for i in range(slots)))
+        await _round(
+            inst, warm, _requests("warmup", slots, WARMUP_TOKENS), args.round_timeout, "warm"
+        )
+        row = memory_row(slots, Memory.of(inst.proc.pid))
+    finally:
+        stop(inst.proc, 15.0)
+    _note(f"{name} memory {row}")
+    return row
 
 
 async def measure_throughput(
@@ -348,7 +385,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "notes": [],
     }
     rewrites: list[tuple[str, int]] = []
-    if "burst" in args.measures:
+    if {"burst", "greedy"} & set(args.measures):
         from llama_cpp import Llama
 
         vocab = Llama(model_path=str(model), vocab_only=True, verbose=False)
@@ -377,8 +414,8 @@ def add_parser(commands: Any) -> None:
         description=__doc__,
         formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
-    _add_target_options(parser)
-    _add_workload_options(parser)
+    add_target_options(parser, MEASURES)
+    add_workload_options(parser)
     parser.add_argument(
         "--governor-arg",
         action="append",
@@ -389,88 +426,6 @@ def add_parser(commands: Any) -> None:
         "--logs", type=Path, help="directory for the targets' output (default: a new temporary one)"
     )
     parser.add_argument("--report", type=Path, metavar="FILE", help="also write the report here")
-
-
-def _add_target_options(parser: argparse.ArgumentParser) -> None:
-    """Which targets and measures, and how each target is started."""
-    parser.add_argument(
-        "--targets",
-        type=parse_choices(TARGETS),
-        default=DEFAULT_TARGETS,
-        help=f"comma-separated, among {','.join(TARGETS)}",
-    )
-    parser.add_argument(
-        "--measures",
-        type=parse_choices(MEASURES),
-        default=MEASURES,
-        help=f"comma-separated, among {','.join(MEASURES)}",
-    )
-    add_model(parser)
-    parser.add_argument(
-        "--streams",
-        type=positive_ints,
-        default=(1, 4, 8, 16),
-        help="concurrent streams, a round each",
-    )
-    parser.add_argument(
-        "--slots", type=positive_int, help="S: max_inflight, -np (default: the most --streams)"
-    )
-    add_threads(parser, default=2, text="governor and servers")
-    add_n_ctx(parser, text="governor --n-ctx")
-    parser.add_argument("--server-ctx", type=positive_int, default=16384, help="llama-server -c")
-    parser.add_argument("--n-gpu-layers", type=int, default=0, help="-1: all")
-    add_llama_server(
-        parser, text="llama-server binary (where deploy/build-llama-server.sh puts it)"
-    )
-
-
-def _add_workload_options(parser: argparse.ArgumentParser) -> None:
-    """What each measure sends, and how its rounds are timed."""
-    parser.add_argument(
-        "--max-new-tokens",
-        type=positive_int,
-        default=128,
-        help="new tokens of each throughput stream and each rewrite",
-    )
-    parser.add_argument("--chats", type=positive_int, default=20, help="idle chats")
-    parser.add_argument("--chat-tokens", type=positive_int, default=16, help="a chat's new tokens")
-    parser.add_argument(
-        "--rewrite-tokens",
-        type=positive_int,
-        default=1400,
-        help="a rewrite's prompt, in tokens at least",
-    )
-    parser.add_argument(
-        "--burst-slots",
-        type=positive_ints,
-        help="the burst's slot counts S, a target started for each (default: --slots)",
-    )
-    parser.add_argument(
-        "--burst-delay",
-        type=positive_float,
-        default=0.2,
-        help="seconds from the rewrites to the chats",
-    )
-    add_renamed(
-        parser,
-        "--timeout",
-        parser.add_argument(
-            "--round-timeout", type=positive_float, default=300.0, help="seconds a round may take"
-        ),
-    )
-    parser.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=120.0,
-        help="seconds to wait at most, before each measure, for other processes to leave the "
-        "CPUs below 3%% busy; 0: start at once",
-    )
-    parser.add_argument(
-        "--attempts",
-        type=positive_int,
-        default=3,
-        help="runs of a throughput round while others disturbed it; the least disturbed is kept",
-    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...support.stats import ratio
+
 
 def _cell(value: Any, width: int) -> str:
     return f"{'-' if value is None else value:>{width}}"
@@ -29,6 +31,7 @@ def render(report: dict[str, Any]) -> list[str]:
         ("throughput", _throughput_table),
         ("idle", _idle_table),
         ("bursts", _burst_table),
+        ("greedy", _greedy_table),
         ("memory", _memory_table),
     ):
         if any(key in t for t in targets.values()):
@@ -113,21 +116,48 @@ def _burst_table(
     return lines
 
 
+def _greedy_table(
+    report: dict[str, Any], targets: dict[str, dict[str, Any]], width: int
+) -> list[str]:
+    """Each greedy text's TTFT, and whether the first target with texts said the same (else the
+    characters the two share at their start, of the first's)."""
+    said = [t["greedy"] for t in targets.values() if "greedy" in t]
+    lines = [
+        "e. greedy texts: TTFT ms; the same as the first target's, or the characters shared",
+        f"{'target':<{width}} {'prompt':<40} {'tokens':>6} {'TTFT':>8} same",
+    ]
+    for name, t in targets.items():
+        for row, first in zip(t.get("greedy", ()), said[0] if said else (), strict=False):
+            mine, theirs = row["text"] or "", first["text"] or ""
+            shared = next(
+                (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                min(len(mine), len(theirs)),
+            )
+            same = "yes" if mine == theirs else f"{shared} of {len(theirs)}"
+            lines.append(
+                f"{name:<{width}} {row['prompt']:<40} {_cell(row['prompt_tokens'], 6)} "
+                f"{_cell(row['ttft_ms'], 8)} {same}"
+            )
+    return lines
+
+
 def _memory_table(
     report: dict[str, Any], targets: dict[str, dict[str, Any]], width: int
 ) -> list[str]:
     lines = [
-        f"d. memory: PSS of the target and its children (MiB), {report['slots']} slots "
-        "and 1 slot (anon: without file pages, which other programs mapping the model share)",
-        f"{'target':<{width}} {'S slots':>9} {'anon':>8} {'procs':>5} {'1 slot':>9} "
-        f"{'anon':>8} {'procs':>5} {'ratio':>7} {'anon':>7}",
+        "d. memory: PSS of the target and its children (MiB) with N slots, llama-server with "
+        "-c N x n_ctx (anon: without file pages, which other programs mapping the model share)",
+        f"{'target':<{width}} {'N':>3} {'PSS':>9} {'anon':>8} {'procs':>5} "
+        f"{'/llama-server':>13} {'anon':>7}",
     ]
+    server = {r["slots"]: r for r in targets.get("llama-server", {}).get("memory", ())}
     for name, t in targets.items():
-        if (r := t.get("memory")) is not None:
+        for r in t.get("memory", ()):
+            peer = server.get(r["slots"], {})
             lines.append(
-                f"{name:<{width}} {_cell(r['pss_slots_mib'], 9)} "
-                f"{_cell(r['pss_anon_slots_mib'], 8)} {r['processes_slots']:>5} "
-                f"{_cell(r['pss_one_mib'], 9)} {_cell(r['pss_anon_one_mib'], 8)} "
-                f"{r['processes_one']:>5} {_cell(r['ratio'], 7)} {_cell(r['anon_ratio'], 7)}"
+                f"{name:<{width}} {r['slots']:>3} {_cell(r['pss_mib'], 9)} "
+                f"{_cell(r['pss_anon_mib'], 8)} {r['processes']:>5} "
+                f"{_cell(ratio(r['pss_mib'], peer.get('pss_mib')), 13)} "
+                f"{_cell(ratio(r['pss_anon_mib'], peer.get('pss_anon_mib')), 7)}"
             )
     return lines

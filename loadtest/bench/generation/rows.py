@@ -109,19 +109,15 @@ class Memory:
         return cls(fields.get("Pss"), fields.get("Pss_Anon"), len(process_tree(pid)))
 
 
-def memory_row(slots: Memory, one: Memory) -> dict[str, Any]:
-    """PSS with S slots and with 1 (MiB), and their ratios."""
+def memory_row(slots: int, memory: Memory) -> dict[str, Any]:
+    """A target's PSS with ``slots`` slots (MiB), and its anonymous part."""
 
     def mib(kib: int | None) -> float | None:
         return _r(None if kib is None else kib / 1024)
 
     return {
-        "pss_slots_mib": mib(slots.pss_kib),
-        "pss_anon_slots_mib": mib(slots.anon_kib),
-        "processes_slots": slots.processes,
-        "pss_one_mib": mib(one.pss_kib),
-        "pss_anon_one_mib": mib(one.anon_kib),
-        "processes_one": one.processes,
-        "ratio": ratio(slots.pss_kib, one.pss_kib),
-        "anon_ratio": ratio(slots.anon_kib, one.anon_kib),
+        "slots": slots,
+        "pss_mib": mib(memory.pss_kib),
+        "pss_anon_mib": mib(memory.anon_kib),
+        "processes": memory.processes,
     }

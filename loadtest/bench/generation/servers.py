@@ -22,9 +22,9 @@ from ...support.processes import (
 )
 from ...support.targets import GovernorTarget, OpenAITarget, Shape, Target
 
-TARGETS = ("governor", "per-process", "llama-server", "llama-cpp-python")
+TARGETS = ("governor", "governor-q8_0", "per-process", "llama-server", "llama-cpp-python")
 DEFAULT_TARGETS = ("governor", "per-process", "llama-server")
-GOVERNORS = ("governor", "per-process")
+GOVERNORS = ("governor", "governor-q8_0", "per-process")
 READY_TIMEOUT_S = 180.0
 RETRY = RetryPolicy(max_attempts=10_000, max_sleep_s=2.0)  # bounded by --timeout
 
@@ -70,7 +70,8 @@ def command(name: str, settings: Settings, *, slots: int, lanes: bool, port: int
         raise ValueError(f"no target {name!r}")
     # per-process: one worker per slot, --threads 0 (the governor's default: the cores shared
     # out among its workers), the runner that ran one sequence per worker process.
-    workers, threads = (1, settings.threads) if name == "governor" else (slots, 0)
+    workers, threads = (slots, 0) if name == "per-process" else (1, settings.threads)
+    cache = ["--kv-cache-type", "q8_0"] if name == "governor-q8_0" else []
     return [
         sys.executable,
         "-m",
@@ -98,6 +99,7 @@ def command(name: str, settings: Settings, *, slots: int, lanes: bool, port: int
         "600",
         "--log-level",
         "warning",
+        *cache,
         *settings.governor_args,
     ]
 
