@@ -28,6 +28,7 @@ from .core.slo import Attainment
 from .core.sources import Displaced, Refused, Sources, parse_networks
 from .core.tenants import Tenant, Tenants
 from .core.waitline import Candidate, WaitLine
+from .runners.base import Refilling
 from .telemetry.metrics import JobMetrics
 
 if TYPE_CHECKING:  # (imported by the server only with redis_url: no Redis client otherwise)
@@ -155,7 +156,10 @@ class ServerState:
         self.jobs = Jobs(self.offer)
         # The jobs waiting for their turn, from both doors (governor.intake.Wait).
         self.line: WaitLine[Candidate] = WaitLine(
-            len(LANES), limit=config.max_waiting, per_tenant=config.max_waiting_per_tenant
+            len(LANES),
+            limit=config.max_waiting,
+            per_tenant=config.max_waiting_per_tenant,
+            watch=self._waiting,
         )
         self.fleet: Fleet | None = None  # with redis_url: the fleet's step of every admission
 
@@ -185,6 +189,13 @@ class ServerState:
     def inflight(self) -> int:
         """Jobs holding a slot, in the primary pool and the fallback pool."""
         return self.admission.inflight
+
+    def _waiting(self, jobs: bool) -> None:
+        """Jobs wait at the doors, or none does: a runner that keeps freed slots busy is told
+        (the next job is offered the slot as soon as it frees)."""
+        runner = self.admission.primary.runner
+        if isinstance(runner, Refilling):
+            runner.waiting(jobs)
 
     def offer(self) -> None:
         """A slot may have freed (a job ended, a waiter left) or a drain began: the jobs waiting

@@ -50,11 +50,19 @@ class Waiter(Generic[T]):
 class WaitLine(Generic[T]):
     """The requests waiting at the door, by rank then arrival, within the bounds."""
 
-    __slots__ = ("_again", "_offering", "_ranks", "_tenants", "limit", "per_tenant")
+    __slots__ = ("_again", "_offering", "_ranks", "_tenants", "limit", "per_tenant", "watch")
 
-    def __init__(self, ranks: int, *, limit: int, per_tenant: int) -> None:
+    def __init__(
+        self,
+        ranks: int,
+        *,
+        limit: int,
+        per_tenant: int,
+        watch: Callable[[bool], None] | None = None,
+    ) -> None:
         self.limit = limit
         self.per_tenant = per_tenant  # 0: none but ``limit``
+        self.watch = watch  # told when the line stops being empty (True) and becomes so again
         # One insertion-ordered dict per rank: arrival order, and removal in constant time.
         self._ranks: list[dict[Waiter[T], None]] = [{} for _ in range(ranks)]
         self._tenants: collections.Counter[str] = collections.Counter()
@@ -80,6 +88,8 @@ class WaitLine(Generic[T]):
         waiter = Waiter(item, rank, tenant, since)
         self._ranks[rank][waiter] = None
         self._tenants[tenant] += 1
+        if self.watch is not None and len(self._tenants) == 1 == self._tenants[tenant]:
+            self.watch(True)
         return waiter
 
     def leave(self, waiter: Waiter[T]) -> bool:
@@ -91,6 +101,8 @@ class WaitLine(Generic[T]):
         self._tenants[waiter.tenant] -= 1
         if not self._tenants[waiter.tenant]:
             del self._tenants[waiter.tenant]
+            if self.watch is not None and not self._tenants:
+                self.watch(False)
         return True
 
     def in_order(self) -> list[Waiter[T]]:

@@ -239,6 +239,16 @@ class Runner(Protocol):
 
 
 @runtime_checkable
+class Refilling(Protocol):
+    """A runner that keeps a freed slot busy: told whether jobs wait at the doors, it holds the
+    step after a job's last token for the next job's run (the batched llama runner)."""
+
+    def waiting(self, jobs: bool) -> None:
+        """Jobs wait for a slot (True), or no longer do."""
+        ...
+
+
+@runtime_checkable
 class Forwarding(Protocol):
     """A runner that OpenAI requests go to as they came (:attr:`JobSpec.forward`), not as job
     specs: the http runner, a sidecar that leaves what it does not read to its upstream."""

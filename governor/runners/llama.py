@@ -104,7 +104,7 @@ class LlamaSettings:
     n_gpu_layers: int = 0
     step_tokens: int = 256  # tokens per decode step
     min_chunk: int = KNEE  # the fewest tokens of a prompt's chunk (the batched runner's knee)
-    kv_type: str = "f16"  # the cache's cells: f16 or q8_0
+    kv_cache_type: str = "f16"  # the cache's cells: f16 or q8_0
     kv_layout: str = "pool"  # one pool of cells, or n_ctx of them for each slot (streams)
     max_new_tokens: int = 1024  # the ceiling a job may ask for
     job_timeout_s: float = 120.0  # a worker silent this long with jobs in hand is hung
@@ -177,7 +177,7 @@ class WorkerProcess:
             "step-tokens": s.step_tokens,
             "min-chunk": s.min_chunk,
             "threads": s.threads,
-            "kv-type": s.kv_type,
+            "kv-cache-type": s.kv_cache_type,
             "kv-layout": s.kv_layout,
             "n-gpu-layers": s.n_gpu_layers,
         }
@@ -316,6 +316,9 @@ class WorkerProcess:
             self.suspended.discard(key)
         self._send({"op": "suspend" if suspended else "resume", "id": key})
 
+    def waiting(self, jobs: bool) -> None:
+        self._send({"op": "waiting", "jobs": jobs})
+
     def cancel(self, key: str) -> None:
         self.suspended.discard(key)
         if self.jobs.pop(key, None) is not None and self._send({"op": "cancel", "id": key}):
@@ -383,6 +386,7 @@ class LlamaRunner:
         )
         self._ids = 0
         self._embeds = 0
+        self._waiting = False  # jobs wait at the doors (the workers are told)
 
     @property
     def expected_service_s(self) -> float:
@@ -429,7 +433,17 @@ class LlamaRunner:
             s.n_gpu_layers,
         )
 
+    def waiting(self, jobs: bool) -> None:
+        """Jobs wait at the doors (or no longer do): each worker holds the step after a job's
+        last token for the next job's run (:mod:`.llama_worker`, "Refills")."""
+        self._waiting = jobs
+        for worker in self._workers:
+            if worker is not None:
+                worker.waiting(jobs)
+
     def _adopt(self, worker: WorkerProcess) -> None:
+        if self._waiting:
+            worker.waiting(True)
         self._workers[worker.index] = worker
         self._back[worker.index].set()
         self._spawn(self._supervise(worker))
@@ -489,13 +503,16 @@ class LlamaRunner:
         return event["vectors"], sum(map(len, tokens))
 
     async def probe(self) -> bool:
-        """One greedy token on each worker in turn, in a sequence and cells kept for the probe
-        beside the admitted jobs', stepped in steps of its own (sharing a job's would change its
-        numerics, and so perhaps its greedy text). False while that worker is being restarted,
-        or another probe is running."""
+        """One greedy token on each worker in turn, stepped in steps of its own (sharing a
+        job's would change its numerics, and so perhaps its greedy text): in a pool, in a
+        sequence and cells kept for the probe beside the admitted jobs'; with a stream a slot,
+        in a free slot's. False while that worker is being restarted, has no slot free for it,
+        or another probe is running (its jobs' tokens are the evidence then)."""
         worker = self._workers[self._probes % len(self._workers)]
         self._probes += 1
         if self._probing or worker is None or not worker.alive:
+            return False
+        if self.settings.kv_layout == "slots" and len(worker.jobs) >= worker.shape.sequences:
             return False
         self._probing = True
         try:

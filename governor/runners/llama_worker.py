@@ -17,6 +17,8 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
             {"op": "suspend", "id": str}                        not stepped until resumed
             {"op": "resume", "id": str}
             {"op": "embed", "id": str, "texts": [[int]]}
+            {"op": "waiting", "jobs": bool}                     jobs wait at the daemon's
+                                                                doors for a slot, or none does
     stdout: {"ev": "ready", "cells": int, "slots": int, "n_ctx_train": int}
                                                                 once, after loading and warming up
             {"ev": "refused", "error": str}                     instead, for an ``--n-ctx`` the
@@ -95,6 +97,12 @@ when resumed (:class:`~.batching.Scheduler`). Its samplers and its text wait as 
 resumed job lets out the tokens it would have, none lost or repeated. A worker whose jobs are
 all suspended is idle.
 
+**Refills.** While the daemon says jobs wait for a slot, a step that ends jobs is followed by
+a wait (``--refill-ms`` at most) for the runs of the jobs it gives the freed slots, so that their
+prompts go into the very next step, beside the running streams, as llama-server's queued
+requests do: no step runs with a slot left empty that a job was waiting for, and jobs that
+end together start their successors' prompts together.
+
 **Embeddings.** An "embed" request is answered between two steps, in a second context made at
 the first one (:class:`Embedder`); the generating sequences wait for it (a step event, empty,
 after each of its own steps says that the worker is alive).
@@ -134,8 +142,14 @@ from .batching import KNEE, MAX_PASSED, Entry, Scheduler, Sequence
 from .sampling import NO_PENALTIES, Draws, penalties, plain
 from .stepcost import StepCosts
 
-PROBE_SLOTS = 1  # a sequence beyond the admitted ones, for the health probe
-PROBE_CELLS = 16  # and the cells its job (a few prompt tokens, one generated) needs
+# In a pool, a sequence beyond the admitted ones for the health probe, and the cells its job
+# (a few prompt tokens, one generated) needs; with a stream a slot, the probe takes a free
+# slot's (a stream of its own would cost n_ctx cells: the daemon skips the probe when none is).
+PROBE_SLOTS = 1
+PROBE_CELLS = 16
+# The most a step waits, after a job's last token, for the run of the job the daemon gives the
+# freed slot (a round trip through its admission: about a millisecond on a quiet CPU).
+REFILL_MS = 5.0
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequence ids one context may have
 EMBED_SEQUENCES = 64  # texts one embedding step takes at most
 # llama.cpp's warning for a context whose cells per sequence exceed the model's training
@@ -301,12 +315,12 @@ class Model:
         if refusal is not None:
             ll.llama_model_free(self.model)
             raise Refused(refusal)
-        # Sequence ids: one for each admitted job, the probe's, and in a pool MAX_N - 1 more
+        # Sequence ids: one for each admitted job, and in a pool the probe's and MAX_N - 1 more
         # that the jobs' further choices share (llama.cpp reserves a row of logits for each
         # id; with a stream a slot, each id would hold n_ctx cells: choices wait for slots).
         self.streams = args.kv_layout == "slots"
-        further = 0 if self.streams else MAX_N - 1
-        self.slots = min(args.slots + further + PROBE_SLOTS, MAX_SEQUENCES)
+        further = 0 if self.streams else MAX_N - 1 + PROBE_SLOTS
+        self.slots = min(args.slots + further, MAX_SEQUENCES)
         self.n_ctx, self.threads = args.n_ctx, args.threads  # (for the embedding context)
         self.batch_size = args.step_tokens + self.slots
         cparams = ll.llama_context_default_params()
@@ -317,7 +331,9 @@ class Model:
         # rounds each up to 256), or one pool of cells that any sequence may take.
         cparams.kv_unified = not self.streams
         cparams.n_ctx = self.slots * args.n_ctx if self.streams else args.cells + PROBE_CELLS
-        if args.kv_type == "q8_0":  # (llama.cpp quantises the V cache only with flash attention)
+        if (
+            args.kv_cache_type == "q8_0"
+        ):  # (llama.cpp quantises the V cache only with flash attention)
             cparams.type_k = cparams.type_v = ll.GGML_TYPE_Q8_0
             cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cparams.no_perf = True
@@ -326,9 +342,7 @@ class Model:
             raise SystemExit("cannot create the llama.cpp context (out of memory?)")
         self.size = ll.llama_n_ctx(self.ctx)
         # (what admission may reserve: the slots' streams, or the pool but the probe's cells)
-        self.cells = (
-            self.size // self.slots * args.slots if self.streams else self.size - PROBE_CELLS
-        )
+        self.cells = self.size if self.streams else self.size - PROBE_CELLS
         self.memory = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(self.batch_size, 0, 1)
         self._piece = ctypes.create_string_buffer(256)
@@ -602,6 +616,8 @@ class Worker:
         # While a step feeds prompts of this priority or less urgent, a run more urgent than
         # it preempts the step (-1: the step in progress cannot be preempted).
         self.preemptible_above = -1
+        self.waiting = False  # jobs wait at the daemon's doors for a slot
+        self.freed = 0  # slots the last step freed that no run has taken since (see refill)
 
     def arrived(self, request: dict[str, Any]) -> None:
         """Called by the request reader as a request arrives, while a step may be running."""
@@ -610,7 +626,10 @@ class Worker:
 
     def handle(self, request: dict[str, Any]) -> None:
         if request["op"] == "run":
+            self.freed = max(self.freed - request.get("n", 1), 0)
             self._start(request)
+        elif request["op"] == "waiting":
+            self.waiting = request["jobs"]
         elif request["op"] == "cancel":
             self._drop(request["id"])
             self.acks += 1
@@ -685,7 +704,14 @@ class Worker:
         """It has a job to step (one not suspended)."""
         return any(not job.suspended for job in self.jobs.values())
 
+    @property
+    def refilling(self) -> bool:
+        """The last step freed slots the daemon has jobs waiting for: the next step waits for
+        their runs (:func:`refill`)."""
+        return self.waiting and self.freed > 0
+
     def step(self) -> None:
+        self.freed = 0
         started = time.perf_counter()
         scheduler = self.scheduler
         entries = scheduler.plan(started)
@@ -819,6 +845,8 @@ class Worker:
         if not job.finished:
             return
         del self.jobs[job.key]
+        if not job.request.get("alone", False):  # (the probe holds no slot of the daemon's)
+            self.freed += len(job.branches)
         done.append(
             {
                 "id": job.key,
@@ -841,7 +869,8 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-chunk", type=int, default=KNEE, help="a prompt chunk's least")
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
-    parser.add_argument("--kv-type", choices=("f16", "q8_0"), default="f16")
+    parser.add_argument("--refill-ms", type=float, default=REFILL_MS, help="see Refills")
+    parser.add_argument("--kv-cache-type", choices=("f16", "q8_0"), default="f16")
     parser.add_argument("--kv-layout", choices=("pool", "slots"), default="pool")
     return parser.parse_args(argv)
 
@@ -901,6 +930,8 @@ def main(argv: list[str] | None = None) -> int:
             worker.handle(request)
             request = _poll(inbox)
         worker.step()
+        if worker.refilling and not refill(worker, inbox, args.refill_ms / 1000):
+            return 0
 
 
 def greedy_request(key: str, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
@@ -936,6 +967,21 @@ def calibrate(worker: Worker) -> None:
     worker.handle(greedy_request("calibration-2", second, 4))
     while worker.busy:
         worker.step()
+
+
+def refill(worker: Worker, inbox: queue.SimpleQueue[dict[str, Any]], limit_s: float) -> bool:
+    """Wait, ``limit_s`` at most, until the daemon has sent a run for each slot the last step
+    freed (it said jobs wait for one), handling what comes meanwhile; False: it said exit."""
+    deadline = time.perf_counter() + limit_s
+    while worker.refilling and (left := deadline - time.perf_counter()) > 0:
+        try:
+            request = inbox.get(timeout=left)
+        except queue.Empty:
+            break
+        if request["op"] == "exit":
+            return False
+        worker.handle(request)
+    return True
 
 
 def _poll(inbox: queue.SimpleQueue[dict[str, Any]]) -> dict[str, Any] | None:

@@ -441,7 +441,7 @@ def test_a_cache_past_the_training_context_is_no_alarm_when_each_sequence_fits(
     copy's "n_ctx_train (0)" reaches the log."""
     d = daemon(
         "--runner", "llama", "--n-ctx", str(N_CTX_TRAIN), "--max-inflight", "1",
-        "--threads", "1", "--n-gpu-layers", str(N_GPU_LAYERS),
+        "--threads", "1", "--n-gpu-layers", str(N_GPU_LAYERS), "--kv-layout", "pool",
     )  # fmt: skip
     log = d.stderr_head.decode(errors="replace")
     assert f"KV cells (one pool), n_ctx={N_CTX_TRAIN} (trained for {N_CTX_TRAIN})" in log

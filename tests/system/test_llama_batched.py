@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -34,6 +35,8 @@ from .test_suspension import WorkerPipe
 # The tokens a stream says beside others as alone: 4 on the CPU; on a GPU (an H100, measured)
 # llama.cpp's kernels for one token and for a batch differ more, and the third token can differ.
 FIRST_TOKENS = 4 if N_GPU_LAYERS == 0 else 1
+
+PROMPT_TOKENS = [1, 504, 3458, 281, 253, 1164, 28, 260, 1849, 30, 2373]  # (words of the model)
 
 PROMPTS = [
     "Once upon a time",
@@ -390,6 +393,31 @@ def test_short_prompts_that_arrive_together_are_fed_in_one_step() -> None:
                 break
         assert len(set(first.values())) == 1, first
         assert pipe.tokens["running"] < 64  # (it was generating all along)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("waiting", [True, False], ids=["jobs-wait", "none-waits"])
+def test_a_job_given_a_freed_slot_while_jobs_wait_starts_at_the_next_step(waiting: bool) -> None:
+    """While the daemon says jobs wait for a slot, the step after a job's last token waits for
+    the run of the job given the freed slot (here 0.3 s late: a slow daemon; the worker waits
+    up to 5 s), so its prompt goes into that very step beside the running stream; with none
+    waiting, the running stream does not wait (its next step has no new job in it)."""
+    pipe = WorkerPipe(1024, slots=2, extra=("--refill-ms", "5000"))
+    try:
+        if waiting:
+            pipe.send({"op": "waiting", "jobs": True})
+        pipe.run("long", PROMPT_TOKENS, 64, priority=0)
+        pipe.run("short", PROMPT_TOKENS[:6], 3, priority=0)
+        for finished in pipe.steps():
+            if "short" in finished:
+                break
+        made = pipe.tokens["long"]
+        time.sleep(0.3)
+        pipe.run("next", PROMPT_TOKENS[2:], 4, priority=0)
+        next(pipe.steps())
+        assert pipe.tokens["long"] == made + 1  # (a step of the running stream)
+        assert ("next" in pipe.tokens) == waiting, pipe.tokens
     finally:
         pipe.close()
 

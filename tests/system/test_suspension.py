@@ -32,8 +32,11 @@ LONG = 48  # the suspended job's tokens
 class WorkerPipe:
     """A worker process, spoken to over its pipes as the daemon does."""
 
-    def __init__(self, cells: int, slots: int = 2, layout: str = "pool") -> None:
-        """``cells``: the pool's, and the longest job (in the ``slots`` layout, each slot's)."""
+    def __init__(
+        self, cells: int, slots: int = 2, layout: str = "pool", extra: tuple[str, ...] = ()
+    ) -> None:
+        """``cells``: the pool's, and the longest job (in the ``slots`` layout, each slot's);
+        ``extra``: further options of the worker's."""
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -55,6 +58,7 @@ class WorkerPipe:
                 str(N_GPU_LAYERS),
                 "--kv-layout",
                 layout,
+                *extra,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

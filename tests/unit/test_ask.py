@@ -112,6 +112,39 @@ def test_a_busy_job_that_may_wait_waits_then_runs_when_the_line_offers_the_freed
     assert ask.wait.waited_ms == 250
 
 
+class RefillingStub(StubRunner):
+    """A stub that hears, as the batched llama runner does, whether jobs wait at the doors."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.told: list[bool] = []
+
+    def waiting(self, jobs: bool) -> None:
+        self.told.append(jobs)
+
+
+def test_a_refilling_runner_is_told_while_jobs_wait_for_a_slot(clock: FakeClock) -> None:
+    """The runner hears when the first job lines up and when the last leaves the line (here,
+    admitted to the slot that freed), and nothing in between."""
+    runner = RefillingStub()
+    ledger = SlotLedger(1, expected_service_s=HINT_S, clock=clock)
+    config = Config(max_inflight=1)
+    pool = Pool("primary", runner, ledger, build_breaker(config, ledger, "primary"))
+    state = ServerState(config, Admission(pool, Tenants((), clock)))
+    first = asking(state, "J_1").decide()
+    assert isinstance(first, Admitted)
+    asks = [asking(state, f"J_{i}", wait_ms=5000) for i in (2, 3)]
+    for ask in asks:
+        assert isinstance(ask.decide(), Waiting)
+    assert runner.told == [True]
+    first.ticket.release("done")
+    outcome = asks[0].decide()
+    assert isinstance(outcome, Admitted)
+    assert runner.told == [True]  # (J_3 still waits)
+    asks[1].leave_line()  # (its client left)
+    assert runner.told == [True, False]
+
+
 def record(outcomes: list[object], outcome: object) -> str | None:
     outcomes.append(outcome)
     return None if isinstance(outcome, Admitted) else getattr(outcome, "need_code", None)

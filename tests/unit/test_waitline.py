@@ -1,7 +1,8 @@
 """The waiting line both doors share, against a model: the order a freed slot is offered in
 (rank, then arrival), the bounds (in all, per declared tenant), each waiter out exactly once,
 and an offer's round: the waiters decided in order while a slot may be free, the round ended by
-one refused ``server_busy``, and a round asked for from within one run after it."""
+one refused ``server_busy``, a round asked for from within one run after it, and its watch
+told each time the line stops being empty or becomes so."""
 
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ class Job:
 class Line(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.line: WaitLine[Job] = WaitLine(RANKS, limit=LIMIT, per_tenant=PER_TENANT)
+        self.told: list[bool] = []  # what the line's watch was told, in order
+        self.line: WaitLine[Job] = WaitLine(
+            RANKS, limit=LIMIT, per_tenant=PER_TENANT, watch=self.told.append
+        )
         self.model: list[tuple[int, int, str, bool]] = []  # (rank, arrival, tenant, bounded)
         self.waiters: dict[int, Waiter[Job]] = {}
         self.arrivals = 0
@@ -117,6 +121,12 @@ class Line(RuleBasedStateMachine):
         for tenant in TENANTS:
             assert self.line.waiting(tenant) == self.tenant_count(tenant)
         assert len(self.out) == len(set(self.out))
+
+    @invariant()
+    def its_watch_knows_whether_anyone_waits(self) -> None:
+        """Told at each change between an empty line and one with jobs, and only then."""
+        assert self.told == [i % 2 == 0 for i in range(len(self.told))]
+        assert (self.told[-1] if self.told else False) == bool(self.model)
 
 
 def simulate(order: list[int], free: int, refused: set[int], reenter: bool) -> list[int]:
