@@ -339,7 +339,7 @@ class Execution:
         )
         held_s = ticket.release(self.outcome, done)
         self.replies.job_ended(self)
-        self.state.jobs.ended(task)
+        self.state.released(task, ticket)
         self._record(held_s, ttft_s, prompt, completion)
 
     def _record(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from protocol.codes import ErrorCode, NeedCode, Receipt
 
 from .config import Config
-from .core.admission import Admission, Budget, Pool
+from .core.admission import Admission, Budget, Pool, Ticket
 from .core.ledger import SlotLedger
 from .core.overload import OverloadController
 from .core.policy import LANES
@@ -196,6 +196,13 @@ class ServerState:
         runner = self.admission.primary.runner
         if isinstance(runner, Refilling):
             runner.waiting(jobs)
+
+    def released(self, task: asyncio.Task[None], ticket: Ticket) -> None:
+        """A job has given back its ticket: its slot is offered to the jobs waiting, and a
+        runner that keeps freed slots busy is told so, after them."""
+        self.jobs.ended(task)
+        if isinstance(runner := ticket.pool.runner, Refilling):
+            runner.offered(ticket.job)
 
     def offer(self) -> None:
         """A slot may have freed (a job ended, a waiter left) or a drain began: the jobs waiting

@@ -247,6 +247,11 @@ class Refilling(Protocol):
         """Jobs wait for a slot (True), or no longer do."""
         ...
 
+    def offered(self, job: Job) -> None:
+        """The slot ``job`` held has been offered to the jobs waiting: those admitted to it
+        have started (their runs go out before anything this call sends)."""
+        ...
+
 
 @runtime_checkable
 class Forwarding(Protocol):

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
+import itertools
 import logging
 import os
 import sys
@@ -153,6 +154,9 @@ class WorkerProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.jobs: dict[str, asyncio.Queue[dict[str, Any] | Token | Fed | _Ended]] = {}
         self.suspended: set[str] = set()  # of its jobs, those suspended (not stepped)
+        self.ran: dict[
+            int, str
+        ] = {}  # the keys of ended jobs, by id, until their slots are offered
         self.kv_used = 0
         self.n_ctx_train = 0  # what the model was trained for, as the worker read it (0: unsaid)
         self.killed = False
@@ -319,6 +323,9 @@ class WorkerProcess:
     def waiting(self, jobs: bool) -> None:
         self._send({"op": "waiting", "jobs": jobs})
 
+    def offered(self, key: str) -> None:
+        self._send({"op": "offered", "id": key})
+
     def cancel(self, key: str) -> None:
         self.suspended.discard(key)
         if self.jobs.pop(key, None) is not None and self._send({"op": "cancel", "id": key}):
@@ -384,7 +391,7 @@ class LlamaRunner:
             cells=max((cache.cells for cache in settings.caches()), default=0),
             max_new_tokens=settings.max_new_tokens,
         )
-        self._ids = 0
+        self._ids = itertools.count(1)  # the workers' job keys
         self._embeds = 0
         self._waiting = False  # jobs wait at the doors (the workers are told)
 
@@ -434,12 +441,16 @@ class LlamaRunner:
         )
 
     def waiting(self, jobs: bool) -> None:
-        """Jobs wait at the doors (or no longer do): each worker holds the step after a job's
-        last token for the next job's run (:mod:`.llama_worker`, "Refills")."""
+        """Jobs wait at the doors, or no longer do (:mod:`.llama_worker`, "Refills")."""
         self._waiting = jobs
-        for worker in self._workers:
-            if worker is not None:
-                worker.waiting(jobs)
+        for worker in filter(None, self._workers):
+            worker.waiting(jobs)
+
+    def offered(self, job: Job) -> None:
+        """Its worker is told, after the runs of the jobs admitted to the slot (started first)."""
+        worker = self._workers[job.kv_cache or 0]
+        if worker is not None and (key := worker.ran.pop(id(job), None)) is not None:
+            asyncio.get_running_loop().call_soon(worker.offered, key)
 
     def _adopt(self, worker: WorkerProcess) -> None:
         if self._waiting:
@@ -476,7 +487,8 @@ class LlamaRunner:
             yield Finished({"embeddings": vectors, "prompt_tokens": tokens, "completion_tokens": 0})
             return
         worker = await self._worker(job.kv_cache if job.kv_cache is not None else 0)
-        async with contextlib.aclosing(self._generate(worker, job)) as events:
+        key = worker.ran[id(job)] = f"{next(self._ids)}"  # (until its slot is offered)
+        async with contextlib.aclosing(self._generate(worker, job, key)) as events:
             async for event in events:
                 yield event
 
@@ -488,8 +500,7 @@ class LlamaRunner:
         tokens = self._prompts.embedding_tokens(texts)
         worker = await self._worker(self._embeds % len(self._workers))
         self._embeds += 1
-        self._ids += 1
-        key = f"e{self._ids}"
+        key = f"e{next(self._ids)}"
         events = worker.submit({"op": "embed", "id": key, "texts": tokens})
         try:
             event = await events.get()
@@ -503,11 +514,10 @@ class LlamaRunner:
         return event["vectors"], sum(map(len, tokens))
 
     async def probe(self) -> bool:
-        """One greedy token on each worker in turn, stepped in steps of its own (sharing a
-        job's would change its numerics, and so perhaps its greedy text): in a pool, in a
-        sequence and cells kept for the probe beside the admitted jobs'; with a stream a slot,
-        in a free slot's. False while that worker is being restarted, has no slot free for it,
-        or another probe is running (its jobs' tokens are the evidence then)."""
+        """One greedy token on each worker in turn, in steps of its own (sharing a job's would
+        change its numerics, and so perhaps its greedy text), in cells kept for it (a pool) or
+        a free slot's (a stream a slot). False while that worker is being restarted or has no
+        slot free (its jobs' tokens are the evidence then), or another probe is running."""
         worker = self._workers[self._probes % len(self._workers)]
         self._probes += 1
         if self._probing or worker is None or not worker.alive:
@@ -517,7 +527,8 @@ class LlamaRunner:
         self._probing = True
         try:
             job = dataclasses.replace(probe_job(self), priority=PROBE_PRIORITY)
-            async with contextlib.aclosing(self._generate(worker, job)) as events:
+            key = f"{next(self._ids)}"
+            async with contextlib.aclosing(self._generate(worker, job, key)) as events:
                 async for _ in events:
                     pass
         finally:
@@ -552,13 +563,13 @@ class LlamaRunner:
             ) from None
         return worker
 
-    async def _generate(self, worker: WorkerProcess, job: Job) -> AsyncGenerator[RunEvent, None]:
-        """Run ``job`` in ``worker``; cancelled (the task, or the generator closed early), it
-        tells the worker to drop the job."""
+    async def _generate(
+        self, worker: WorkerProcess, job: Job, key: str
+    ) -> AsyncGenerator[RunEvent, None]:
+        """Run ``job`` in ``worker`` as ``key``; cancelled (the task, or the generator closed
+        early), it tells the worker to drop the job."""
         spec = job.spec
         assert spec is not None
-        self._ids += 1
-        key = f"{self._ids}"
         events = worker.submit(run_request(key, job, spec, self._prompts.run_grammar(spec)))
         if job.pause is not None:
             job.pause.listen(lambda suspended: worker.pause(key, suspended))

@@ -19,6 +19,8 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
             {"op": "embed", "id": str, "texts": [[int]]}
             {"op": "waiting", "jobs": bool}                     jobs wait at the daemon's
                                                                 doors for a slot, or none does
+            {"op": "offered", "id": str}                        the slot of a job it ended
+                                                                has been offered (Refills)
     stdout: {"ev": "ready", "cells": int, "slots": int, "n_ctx_train": int}
                                                                 once, after loading and warming up
             {"ev": "refused", "error": str}                     instead, for an ``--n-ctx`` the
@@ -98,8 +100,10 @@ resumed job lets out the tokens it would have, none lost or repeated. A worker w
 all suspended is idle.
 
 **Refills.** While the daemon says jobs wait for a slot, a step that ends jobs is followed by
-a wait (``--refill-ms`` at most) for the runs of the jobs it gives the freed slots, so that their
-prompts go into the very next step, beside the running streams, as llama-server's queued
+a wait for the runs of the jobs it gives the freed slots, until the daemon says it has offered
+each ended job's slot (an "offered" after the runs it caused) or runs have taken them all
+(``--refill-ms`` at most: about a millisecond to five are the daemon's round trip), so that
+their prompts go into the very next step, beside the running streams, as llama-server's queued
 requests do: no step runs with a slot left empty that a job was waiting for, and jobs that
 end together start their successors' prompts together.
 
@@ -148,8 +152,8 @@ from .stepcost import StepCosts
 PROBE_SLOTS = 1
 PROBE_CELLS = 16
 # The most a step waits, after a job's last token, for the run of the job the daemon gives the
-# freed slot (a round trip through its admission: about a millisecond on a quiet CPU).
-REFILL_MS = 5.0
+# freed slot, should the daemon not say it has offered the slot (see Refills).
+REFILL_MS = 10.0
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequence ids one context may have
 EMBED_SEQUENCES = 64  # texts one embedding step takes at most
 # llama.cpp's warning for a context whose cells per sequence exceed the model's training
@@ -618,6 +622,7 @@ class Worker:
         self.preemptible_above = -1
         self.waiting = False  # jobs wait at the daemon's doors for a slot
         self.freed = 0  # slots the last step freed that no run has taken since (see refill)
+        self.unoffered: set[str] = set()  # jobs it ended whose slots the daemon has not offered
 
     def arrived(self, request: dict[str, Any]) -> None:
         """Called by the request reader as a request arrives, while a step may be running."""
@@ -630,6 +635,8 @@ class Worker:
             self._start(request)
         elif request["op"] == "waiting":
             self.waiting = request["jobs"]
+        elif request["op"] == "offered":
+            self.unoffered.discard(request["id"])
         elif request["op"] == "cancel":
             self._drop(request["id"])
             self.acks += 1
@@ -706,12 +713,13 @@ class Worker:
 
     @property
     def refilling(self) -> bool:
-        """The last step freed slots the daemon has jobs waiting for: the next step waits for
-        their runs (:func:`refill`)."""
-        return self.waiting and self.freed > 0
+        """The last step freed slots that the daemon has not yet offered to the jobs waiting,
+        or runs have not yet taken: the next step waits for them (:func:`refill`)."""
+        return self.freed > 0 and bool(self.unoffered)
 
     def step(self) -> None:
         self.freed = 0
+        self.unoffered.clear()
         started = time.perf_counter()
         scheduler = self.scheduler
         entries = scheduler.plan(started)
@@ -847,6 +855,7 @@ class Worker:
         del self.jobs[job.key]
         if not job.request.get("alone", False):  # (the probe holds no slot of the daemon's)
             self.freed += len(job.branches)
+            self.unoffered.add(job.key)
         done.append(
             {
                 "id": job.key,
@@ -930,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.handle(request)
             request = _poll(inbox)
         worker.step()
-        if worker.refilling and not refill(worker, inbox, args.refill_ms / 1000):
+        if worker.waiting and worker.refilling and not refill(worker, inbox, args.refill_ms / 1000):
             return 0
 
 
@@ -970,8 +979,9 @@ def calibrate(worker: Worker) -> None:
 
 
 def refill(worker: Worker, inbox: queue.SimpleQueue[dict[str, Any]], limit_s: float) -> bool:
-    """Wait, ``limit_s`` at most, until the daemon has sent a run for each slot the last step
-    freed (it said jobs wait for one), handling what comes meanwhile; False: it said exit."""
+    """Wait, ``limit_s`` at most, until the daemon has offered every slot the last step freed
+    (it said jobs wait for one) or runs have taken them all, handling what comes meanwhile;
+    False: it said exit."""
     deadline = time.perf_counter() + limit_s
     while worker.refilling and (left := deadline - time.perf_counter()) > 0:
         try:

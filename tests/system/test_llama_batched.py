@@ -397,12 +397,19 @@ def test_short_prompts_that_arrive_together_are_fed_in_one_step() -> None:
         pipe.close()
 
 
-@pytest.mark.parametrize("waiting", [True, False], ids=["jobs-wait", "none-waits"])
-def test_a_job_given_a_freed_slot_while_jobs_wait_starts_at_the_next_step(waiting: bool) -> None:
+@pytest.mark.parametrize(
+    ("waiting", "offered"),
+    [(True, False), (True, True), (False, False)],
+    ids=["jobs-wait", "offered-to-none", "none-waits"],
+)
+def test_a_job_given_a_freed_slot_while_jobs_wait_starts_at_the_next_step(
+    waiting: bool, offered: bool
+) -> None:
     """While the daemon says jobs wait for a slot, the step after a job's last token waits for
     the run of the job given the freed slot (here 0.3 s late: a slow daemon; the worker waits
-    up to 5 s), so its prompt goes into that very step beside the running stream; with none
-    waiting, the running stream does not wait (its next step has no new job in it)."""
+    up to 5 s), so its prompt goes into that very step beside the running stream. It goes on
+    at once when the daemon says it offered the slot and none took it ("offered" first: the
+    run that follows 0.3 s later misses the step), or when no job waits."""
     pipe = WorkerPipe(1024, slots=2, extra=("--refill-ms", "5000"))
     try:
         if waiting:
@@ -413,11 +420,14 @@ def test_a_job_given_a_freed_slot_while_jobs_wait_starts_at_the_next_step(waitin
             if "short" in finished:
                 break
         made = pipe.tokens["long"]
+        if offered:
+            time.sleep(0.3)
+            pipe.send({"op": "offered", "id": "short"})
         time.sleep(0.3)
         pipe.run("next", PROMPT_TOKENS[2:], 4, priority=0)
         next(pipe.steps())
         assert pipe.tokens["long"] == made + 1  # (a step of the running stream)
-        assert ("next" in pipe.tokens) == waiting, pipe.tokens
+        assert ("next" in pipe.tokens) == (waiting and not offered), pipe.tokens
     finally:
         pipe.close()
 

@@ -28,7 +28,7 @@ from governor.core.admission import (
 from governor.core.ledger import Refusal, SlotLedger
 from governor.core.tenants import Tenant, Tenants
 from governor.intake import Ask, Credentials, KeyStep, Waiting
-from governor.runners import StubRunner
+from governor.runners import Job, StubRunner
 from governor.server import build_breaker
 from governor.state import ServerState
 from protocol.codes import ErrorCode, NeedCode
@@ -121,6 +121,9 @@ class RefillingStub(StubRunner):
 
     def waiting(self, jobs: bool) -> None:
         self.told.append(jobs)
+
+    def offered(self, job: Job) -> None:
+        raise AssertionError("no job ends here")
 
 
 def test_a_refilling_runner_is_told_while_jobs_wait_for_a_slot(clock: FakeClock) -> None:
