@@ -221,9 +221,10 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--kv-layout",
         choices=("pool", "slots"),
-        default="pool",
-        help="the governor's KV cache: one pool of llama-server's cells, or a stream of a "
-        "slot's context for each slot, as llama-server has",
+        default="slots",
+        help="the governor's KV cache: a stream of a llama-server slot's context for each "
+        "slot, as llama-server has (the governor's default), or one pool of llama-server's "
+        "cells",
     )
     parser.add_argument(
         "--server-ctx",

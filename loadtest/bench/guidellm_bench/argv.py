@@ -57,8 +57,8 @@ def server_ctx(args: argparse.Namespace) -> int:
 def governor_command(args: argparse.Namespace, model: Path, port: int) -> list[str]:
     """The governor with llama-server's KV cache: as many cells (its ``-c``), each job's
     context as long as a llama-server slot's (a larger cache costs every decode step, so the
-    two are compared on equal memory); with ``--kv-layout slots``, as llama-server has them,
-    a stream of that context for each slot (and one for the health probe)."""
+    two are compared on equal memory): by default as llama-server has them, a stream of that
+    context for each slot; with ``--kv-layout pool``, one pool of them."""
     cells = server_ctx(args)
     cache = ["--kv-capacity", str(cells)] if args.kv_layout == "pool" else ["--kv-layout", "slots"]
     return [
