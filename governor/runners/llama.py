@@ -154,9 +154,7 @@ class WorkerProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.jobs: dict[str, asyncio.Queue[dict[str, Any] | Token | Fed | _Ended]] = {}
         self.suspended: set[str] = set()  # of its jobs, those suspended (not stepped)
-        self.ran: dict[
-            int, str
-        ] = {}  # the keys of ended jobs, by id, until their slots are offered
+        self.ran: dict[int, str] = {}  # keys of jobs run here, by id, until their slot is offered
         self.kv_used = 0
         self.n_ctx_train = 0  # what the model was trained for, as the worker read it (0: unsaid)
         self.killed = False

@@ -73,12 +73,13 @@ tokens from the same logits. In a pool the slots share ``MAX_N - 1`` sequence id
 the forks take free slots. A fork that finds no id free waits for one, and feeds the prompt's
 last token itself.
 
-**The cache's layout.** ``--kv-layout pool`` (the default): one pool of ``--cells`` cells that
-every sequence takes its cells from (llama.cpp's unified cache), a prefix two sequences share
-held once; every token attends over the span of cells in use. ``slots``: a stream of
-``--n-ctx`` cells for each slot and the probe (llama.cpp's cache with ``kv_unified`` off, as
-llama-server has it): a token attends over its own sequence's cells only, a shared prefix is
-copied from stream to stream, and ``cells`` in "ready" counts the slots' streams. llama.cpp
+**The cache's layout.** ``--kv-layout slots`` (the daemon's default): a stream of ``--n-ctx``
+cells for each slot (llama.cpp's cache with ``kv_unified`` off, as llama-server has it; the
+health probe takes a free slot's): a token attends over its own sequence's cells only, a
+shared prefix is copied from stream to stream, and ``cells`` in "ready" counts the slots'
+streams. ``pool``: one pool of ``--cells`` cells that every sequence takes its cells from
+(llama.cpp's unified cache), a prefix two sequences share held once, and a sequence and
+cells kept for the probe; every token attends over the span of cells in use. llama.cpp
 runs a step in one pass for each run of consecutive streams, so a sequence takes the lowest
 free slot and a step's entries come in slot order (:class:`~.batching.Scheduler`'s ``lowest``).
 
@@ -102,7 +103,7 @@ all suspended is idle.
 **Refills.** While the daemon says jobs wait for a slot, a step that ends jobs is followed by
 a wait for the runs of the jobs it gives the freed slots, until the daemon says it has offered
 each ended job's slot (an "offered" after the runs it caused) or runs have taken them all
-(``--refill-ms`` at most: about a millisecond to five are the daemon's round trip), so that
+(``--refill-ms`` at most; the daemon's round trip takes a millisecond to seven), so that
 their prompts go into the very next step, beside the running streams, as llama-server's queued
 requests do: no step runs with a slot left empty that a job was waiting for, and jobs that
 end together start their successors' prompts together.
@@ -335,9 +336,7 @@ class Model:
         # rounds each up to 256), or one pool of cells that any sequence may take.
         cparams.kv_unified = not self.streams
         cparams.n_ctx = self.slots * args.n_ctx if self.streams else args.cells + PROBE_CELLS
-        if (
-            args.kv_cache_type == "q8_0"
-        ):  # (llama.cpp quantises the V cache only with flash attention)
+        if args.kv_cache_type == "q8_0":  # (llama.cpp quantises V only with flash attention)
             cparams.type_k = cparams.type_v = ll.GGML_TYPE_Q8_0
             cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cparams.no_perf = True

@@ -11,15 +11,15 @@ project has, and pulls in torch): see :data:`SETUP_VENV`, printed when it is mis
 Servers, each started here on a free loopback port for its run and stopped by its PID after it:
 
 * ``governor``: ``governor serve --runner llama --model M --max-inflight S --lanes true
-  --threads T --kv-capacity C --n-ctx C/S --http-listen 127.0.0.1:PORT --listen 127.0.0.1:0``
-  and ``--extra-governor-args``; ready once its front door answers ``/v1/models``;
+  --threads T --kv-layout slots --n-ctx C/S --http-listen 127.0.0.1:PORT --listen 127.0.0.1:0``
+  (``--kv-capacity C`` with ``--kv-layout pool``) and ``--extra-governor-args``; ready once its
+  front door answers ``/v1/models``;
 * ``llama-server``: ``llama-server -m M -np S -c C -t T`` (``deploy/build-llama-server.sh``),
   ``C`` enough for S slots of the run's requests; ready once ``/health`` answers.
 
-Both get the same KV cache, ``C`` cells (``--server-ctx``), each request the same context: a
-larger cache costs every decode step (the governor's default, room for two jobs of ``n_ctx``
-2048 and a quarter of that for each further slot, is 5,120 cells for 4 slots; llama-server's is
-the model's training context), so the two are compared on equal memory.
+Both get the same KV cache, ``C`` cells (``--server-ctx``), each request the same context
+(``C/S`` a slot): a larger cache costs memory and, in a pool, every decode step, so the two are
+compared on equal memory.
 
 Runs alternate (governor, llama-server, llama-server, governor, ...), ``--rounds`` of each, so
 that a drift of this shared machine falls on both. Each run sends one chat first (not counted:
