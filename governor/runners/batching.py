@@ -102,11 +102,15 @@ worker's own probe and for safety.
 it keeps its slot and its cells, counted beside the running reservations, for as long as the
 cache has room for them. When it has not (a running sequence's reservation needs them), the
 newest suspended sequence gives up its slot, its cells left behind as a free slot's, which a
-later sequence may clear. Resumed, a sequence that kept its slot goes on at its next token; one
-that gave it up is placed again, as a new prompt made of the tokens it held and the one it
-sampled last (:meth:`Scheduler.resume`): the prefix it finds still cached is reused, the rest
-is computed again as any prompt is (within the running chats' objectives), and the step that
-feeds its last token samples its next one, as the step it missed would have. Either way it
+later sequence may clear; they are also copied out of the cache (:meth:`Cache.stash`: host
+memory, for as long as it is suspended). Resumed, a sequence that kept its slot goes on at its
+next token; one that gave it up is placed again, as a new prompt made of the tokens it held and
+the one it sampled last (:meth:`Scheduler.resume`): its copied cells are put back in the slot
+it gets, so that it feeds only that last token (with a stream a slot, a chat that takes a
+suspended job's slot would otherwise cost the job its whole context computed again); where
+llama.cpp cannot put them back, the prefix it finds still cached is reused, the rest is
+computed again as any prompt is (within the running chats' objectives). Either way the step
+that feeds its last token samples its next one, as the step it missed would have. Either way it
 takes up, before any sequence of its priority submitted after it, where it stopped: no token
 is lost or repeated.
 """
@@ -142,6 +146,15 @@ class Cache(Protocol):
         ``length``."""
         ...
 
+    def stash(self, slot: int) -> object:
+        """The slot's cells, copied out of the cache (to be put back by :meth:`unstash`)."""
+        ...
+
+    def unstash(self, slot: int, saved: object) -> bool:
+        """Put cells :meth:`stash` copied into ``slot`` (holding nothing); False if it could
+        not (the slot then holds nothing)."""
+        ...
+
 
 @dataclass(slots=True, eq=False)
 class Sequence:
@@ -165,6 +178,8 @@ class Sequence:
     first_at: float | None = None  # when its first token was sampled (plan's clock)
     last_at: float | None = None  # when its latest token was sampled (plan's clock)
     output_in_prompt: int = 0  # tokens it generated that a resume put in its prompt
+    # Its cells, copied out when it gave up its slot (suspended), and how many tokens they hold.
+    stash: tuple[object, int] | None = None
     # Stepped in steps of its own, and its cells cleared when it ends (the health probe):
     # llama.cpp's numerics depend on a step's batch and, in a pool, on the cells a token goes
     # to, so a probe that shared a job's steps, or left cells among the job's, could change
@@ -286,19 +301,6 @@ class Scheduler:
             self._assign()
         return True
 
-    def _drop(self, seq: Sequence) -> None:
-        """A suspended sequence gives up its slot (its cells stay as the free slot's) and will
-        compute again what it held, then feed the token it sampled last."""
-        tokens = self.held[seq.slot]
-        if seq.fed >= len(seq.prompt):  # it was generating: its prompt becomes what it had
-            context = tuple(tokens) + ((seq.pending,) if seq.pending >= 0 else ())
-            seq.output_in_prompt += len(context) - len(seq.prompt)
-            seq.prompt = context
-        seq.pending = -1
-        self._free[seq.slot] = next(self._freed)
-        seq.slot = -1
-        seq.fed = 0
-
     def fork(self, source: Sequence, seq: Sequence) -> bool:
         """Start ``seq``, another sequence of ``source``'s prompt, from ``source``'s cells the
         step after it fed the whole prompt: ``seq`` shares all of them and samples its first
@@ -324,7 +326,7 @@ class Scheduler:
         # (A suspended sequence's slot is the cells' to keep, not a running one's to deny.)
         pinned = self._pinned()
         while self.waiting and len(self._free) < len(self.waiting) and pinned:
-            self._drop(pinned.pop())
+            _drop(self, pinned.pop())
         while self._free and self.waiting:
             seq = min(self.waiting, key=_urgency)
             self.waiting.remove(seq)
@@ -340,6 +342,8 @@ class Scheduler:
             if self.lowest
             else max(self._free, key=lambda s: (_common(self.held[s], seq.prompt), -self._free[s]))
         )
+        if seq.stash is not None and _unstash(self, seq, own):
+            return
         kept = min(_common(self.held[own], seq.prompt), limit)
         source, shared = own, kept
         for slot, tokens in enumerate(self.held):
@@ -374,12 +378,12 @@ class Scheduler:
         """Clear free slots, least recently used first, until every running sequence's
         reservation fits beside what the free slots keep and the suspended sequences hold, and
         the free slots keep ``keep`` cells at most; where clearing them all is not enough, the
-        newest suspended sequences give up their slots (:meth:`_drop`) and their cells are
+        newest suspended sequences give up their slots (:func:`_drop`) and their cells are
         cleared in turn."""
         need = sum(seq.reservation for seq in self.running.values())
         pinned = self._pinned()
         while pinned and need + sum(len(self.held[s.slot]) for s in pinned) > self.cells:
-            self._drop(pinned.pop())
+            _drop(self, pinned.pop())
         need += sum(len(self.held[s.slot]) for s in pinned)
         kept = sum(len(self.held[slot]) for slot in self._free)
         for slot in sorted(self._free, key=self._free.__getitem__):
@@ -606,6 +610,40 @@ def _urgency(seq: Sequence) -> tuple[int, int]:
 def _due(seq: Sequence) -> bool:
     """Whether ``seq`` has tokens to compute."""
     return seq.prefilling or seq.pending >= 0
+
+
+def _drop(s: Scheduler, seq: Sequence) -> None:
+    """A suspended sequence gives up its slot (its cells stay as the free slot's, and are
+    copied out of the cache) and will put them back in the slot it is given, or where it
+    cannot compute again what it held, then feed the token it sampled last."""
+    tokens = s.held[seq.slot]
+    if tokens:
+        seq.stash = (s.cache.stash(seq.slot), len(tokens))
+    if seq.fed >= len(seq.prompt):  # it was generating: its prompt becomes what it had
+        context = tuple(tokens) + ((seq.pending,) if seq.pending >= 0 else ())
+        seq.output_in_prompt += len(context) - len(seq.prompt)
+        seq.prompt = context
+    seq.pending = -1
+    s._free[seq.slot] = next(s._freed)
+    seq.slot = -1
+    seq.fed = 0
+
+
+def _unstash(s: Scheduler, seq: Sequence, slot: int) -> bool:
+    """Put a dropped sequence's cells back, in ``slot``: it goes on from them (all it held
+    but the token it sampled last, which it feeds); False where llama.cpp could not."""
+    assert seq.stash is not None
+    (saved, length), seq.stash = seq.stash, None
+    s._truncate(slot, 0)
+    if not s.cache.unstash(slot, saved):
+        return False
+    if length >= len(seq.prompt):  # (its last token is fed again, for its logits)
+        length = len(seq.prompt) - 1
+        s.cache.forget(slot, length)
+    s.held[slot] = list(seq.prompt[:length])
+    del s._free[slot]
+    seq.slot, seq.fed = slot, length
+    return True
 
 
 def _settle(s: Scheduler) -> None:

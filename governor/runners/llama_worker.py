@@ -399,6 +399,20 @@ class Model:
         else:
             self.ll.llama_memory_seq_cp(self.memory, source, slot, 0, length)
 
+    def stash(self, slot: int) -> object:
+        """The slot's cells, as llama.cpp writes a sequence's state (host memory, not the
+        cache's)."""
+        size = self.ll.llama_state_seq_get_size(self.ctx, slot)
+        buffer = (ctypes.c_uint8 * size)()
+        return ctypes.string_at(
+            buffer, self.ll.llama_state_seq_get_data(self.ctx, buffer, size, slot)
+        )
+
+    def unstash(self, slot: int, saved: object) -> bool:
+        assert isinstance(saved, bytes)
+        buffer = (ctypes.c_uint8 * len(saved)).from_buffer_copy(saved)
+        return bool(self.ll.llama_state_seq_set_data(self.ctx, buffer, len(saved), slot))
+
     def sampler(self, request: dict[str, Any], index: int = 0) -> Any:
         """The sampler of the request's ``index``-th sequence: :class:`~.sampling.Draws` for a
         plain one, else llama.cpp's chain; None when its grammar does not parse (the daemon

@@ -133,7 +133,7 @@ def worker(request: pytest.FixtureRequest) -> Iterator[WorkerPipe]:
 PROMPT = [1, 504, 3458, 281, 253, 1164, 28, 260, 1849, 30, 2373]  # (any tokens of the model)
 
 
-@pytest.mark.parametrize("worker", [1024, 256], ids=["cells-kept", "recomputed"], indirect=True)
+@pytest.mark.parametrize("worker", [1024, 256], ids=["cells-kept", "cells-stashed"], indirect=True)
 def test_a_suspended_job_says_what_it_says_unsuspended(worker: WorkerPipe) -> None:
     worker.run("alone", PROMPT, LONG, 1)
     unsuspended = worker.until_done("alone")
@@ -145,7 +145,7 @@ def test_a_suspended_job_says_what_it_says_unsuspended(worker: WorkerPipe) -> No
             break
     worker.send({"op": "suspend", "id": "heavy"})
     # A chat meanwhile; in the small cache, its reservation leaves no room for the suspended
-    # job's cells, which are dropped (and computed again on resume).
+    # job's cells, which are dropped (copied out of the cache, and put back on resume).
     dropped = worker.cells < 512
     chat = worker.cells - 8 if dropped else 32  # (its prompt: with max_new_tokens, all cells)
     worker.run("chat", [PROMPT[0], *([281] * (chat - 1))], 8, 0)
@@ -159,6 +159,32 @@ def test_a_suspended_job_says_what_it_says_unsuspended(worker: WorkerPipe) -> No
     assert worker.tokens["heavy"] == before  # not stepped while suspended
     worker.send({"op": "resume", "id": "heavy"})
     assert worker.until_done("heavy") == unsuspended
+
+
+def test_with_a_stream_a_slot_a_job_whose_slot_a_chat_took_goes_on_from_its_stashed_cells() -> None:
+    """One slot, a stream of cells: the chat needs the suspended job's slot, so its cells are
+    copied out of the cache (llama.cpp's sequence state) and put back when it resumes. It
+    then feeds only the token it sampled last: its next token comes out of the first step
+    after the resume (computing again its 290 tokens would take two steps of 256), and its
+    text is what it says unsuspended."""
+    pipe = WorkerPipe(512, slots=1, layout="slots")
+    try:
+        pipe.run("alone", PROMPT, 400, 1)
+        unsuspended = pipe.until_done("alone")
+        pipe.run("heavy", PROMPT, 400, 1)
+        for _ in pipe.steps():
+            if pipe.tokens.get("heavy", 0) >= 280:
+                break
+        pipe.send({"op": "suspend", "id": "heavy"})
+        pipe.run("chat", [PROMPT[0], *([281] * 40)], 8, 0)
+        pipe.until_done("chat")
+        before = pipe.tokens["heavy"]
+        pipe.send({"op": "resume", "id": "heavy"})
+        next(pipe.steps())
+        assert pipe.tokens["heavy"] == before + 1
+        assert pipe.until_done("heavy") == unsuspended
+    finally:
+        pipe.close()
 
 
 # Through the daemon: admission suspends a lent job for a chat ------------------------------

@@ -43,6 +43,7 @@ class FakeCache:
         self.cells: list[list[int]] = [[] for _ in range(slots)]
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
         self._ids = itertools.count()
+        self.restores = True  # stashed cells go back (False: llama.cpp could not put them back)
 
     def forget(self, slot: int, start: int) -> None:
         assert 0 <= start < len(self.cells[slot]), "forgetting nothing"
@@ -54,6 +55,17 @@ class FakeCache:
         assert 0 < length <= len(self.cells[source])
         self.cells[slot] = self.cells[source][:length]
         self.tokens[slot] = self.tokens[source][:length]
+
+    def stash(self, slot: int) -> object:
+        return (list(self.cells[slot]), list(self.tokens[slot]))
+
+    def unstash(self, slot: int, saved: object) -> bool:
+        assert not self.cells[slot], "restoring into a slot that holds cells"
+        if not self.restores:
+            return False
+        assert isinstance(saved, tuple)
+        self.cells[slot], self.tokens[slot] = list(saved[0]), list(saved[1])
+        return True
 
     def decode(self, entries: list[Entry]) -> None:
         for entry in entries:
@@ -218,10 +230,13 @@ class Batching(RuleBasedStateMachine):
         # Each sequence's prompt and the tokens it sampled: what its cells must come to hold.
         self.history: dict[str, list[int]] = {}
 
-    @initialize(streams=st.booleans())
-    def layout(self, streams: bool) -> None:
+    @initialize(streams=st.booleans(), restores=st.booleans())
+    def layout(self, streams: bool, restores: bool) -> None:
         """A pool, its kept cells bounded; or a stream a slot: the lowest free slot first,
-        kept cells unbounded (they cost no other slot)."""
+        kept cells unbounded (they cost no other slot). A suspended sequence that gives up its
+        slot has its cells put back when resumed, or (llama.cpp could not) computes them
+        again."""
+        self.cache.restores = restores
         self.s.lowest = streams
         if streams:
             self.s.keep = 0
@@ -1007,8 +1022,15 @@ def test_a_suspended_sequence_is_not_stepped_and_goes_on_where_it_stopped() -> N
     assert cache.tokens[entry.seq.slot] == [1, 2, 3, 4, 5]
 
 
-def test_a_suspended_sequence_the_cache_cannot_keep_computes_again_what_it_held() -> None:
+@pytest.mark.parametrize("restores", [True, False], ids=["cells-put-back", "computed-again"])
+def test_a_suspended_sequence_the_cache_cannot_keep_goes_on_from_its_stashed_cells(
+    restores: bool,
+) -> None:
+    """Its slot given up, its cells are copied out of the cache and put back in the slot it
+    gets when resumed: it feeds only the token it sampled last. Where llama.cpp cannot put
+    them back, it computes again what it held."""
     s, cache = scheduler(slots=2, cells=40, step_tokens=64)
+    cache.restores = restores
     s.submit(seq("heavy", list(range(10, 30)), max_new=10, priority=1))
     run_step(s, cache, token=5)  # the prompt, and its first token sampled
     run_step(s, cache, token=6)
@@ -1024,11 +1046,12 @@ def test_a_suspended_sequence_the_cache_cannot_keep_computes_again_what_it_held(
     assert s.resume("heavy")
     entries = run_step(s, cache, token=8)
     (entry,) = entries
-    # Whatever of it the cache still kept is reused; the rest is fed again, and the step that
-    # feeds the token it sampled last samples its next one.
+    # Its cells put back, or whatever of it the cache still kept is reused and the rest fed
+    # again; the step that feeds the token it sampled last samples its next one.
     assert entry.seq.key == "heavy"
     assert entry.sample
     assert entry.tokens[-1] == 6
+    assert (entry.tokens == (6,)) == restores
     assert cache.tokens[heavy.slot] == [*range(10, 30), 5, 6]
     assert heavy.generated == 3
     assert heavy.pending == 8

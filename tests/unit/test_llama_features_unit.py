@@ -119,6 +119,12 @@ class Cells:
     def share(self, source: int, slot: int, length: int) -> None:
         self.calls.append(("share", source, slot, length))
 
+    def stash(self, slot: int) -> object:
+        raise AssertionError("no sequence is suspended here")
+
+    def unstash(self, slot: int, saved: object) -> bool:
+        raise AssertionError("no sequence is suspended here")
+
 
 def test_a_fork_shares_the_whole_prompt_and_samples_beside_its_first() -> None:
     cells = Cells()
