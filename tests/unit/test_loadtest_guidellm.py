@@ -278,8 +278,11 @@ def test_the_governor_gets_its_slots_lanes_and_front_door() -> None:
     assert flag(argv, "--max-inflight") == "4"
     assert flag(argv, "--lanes") == "true"
     assert flag(argv, "--threads") == "2"
-    # llama-server's KV cache (its -c, below): as many cells, a slot's context each.
-    assert (flag(argv, "--kv-capacity"), flag(argv, "--n-ctx")) == ("2048", "512")
+    # llama-server's KV cache (its -c, below): a stream of a slot's context for each slot, or
+    # with --kv-layout pool as many cells in one pool.
+    assert (flag(argv, "--kv-layout"), flag(argv, "--n-ctx")) == ("slots", "512")
+    pooled = command_lines.governor_command(parse("--kv-layout", "pool"), MODEL, 7001)
+    assert (flag(pooled, "--kv-capacity"), flag(pooled, "--n-ctx")) == ("2048", "512")
     assert flag(argv, "--http-listen") == "127.0.0.1:7001"
     assert flag(argv, "--listen") == "127.0.0.1:0"
     assert argv[-4:] == ["--max-wait", "30", "--log-format", "json"]
