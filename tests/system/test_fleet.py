@@ -1080,8 +1080,17 @@ async def test_a_busy_yield_waits_for_the_stores_word_and_a_cancel_meanwhile_is_
     cancel's answer at once, and then its frame's yield, its payload no longer held; a client
     that leaves meanwhile leaves nothing held. A job whose client does not say it goes where it
     is sent (``fleet_wide``) is not placed: its yield goes at once, its place kept here."""
+    # lease_ttl 6: a renewal every 2 s, each bringing the store's word of the other replica (the
+    # wait below needs the word written after both jobs began; with the default 10 s, a
+    # renewal every 3.3 s, a late one left it past the wait's 5 s: a CI run failed so).
     first, second = await fleet_of(
-        make_server, redis_server.url, 2, max_inflight=1, stub_ms=20_000, fleet_timeout=5.0
+        make_server,
+        redis_server.url,
+        2,
+        max_inflight=1,
+        stub_ms=20_000,
+        fleet_timeout=5.0,
+        lease_ttl=6.0,
     )
     fleet = first.fleet
     assert fleet is not None
