@@ -16,7 +16,8 @@ node)::
     gov{NAME}:t:TENANT:leases     sorted set: the tenant's lease ids -> expiry (ms)
     gov{NAME}:t:TENANT:bucket     hash: the tenant's token buckets (level and stamp of each)
     gov{NAME}:ready               hash: replica id -> when it could serve a newcomer (ms), and
-                                  REPLICA@ -> where the fleet's clients reach it (HOST:PORT)
+                                  REPLICA@ -> where the fleet's clients reach it (HOST:PORT),
+                                  REPLICA# -> the seq of its last write of the first
     gov{NAME}:unserved            hash: the fleet's unserved demand, ["jobs"|"tokens"|"gave_up",
                                   lane, tenant] -> count (each replica adds what it counted
                                   since its last renewal)
@@ -49,8 +50,12 @@ log = logging.getLogger("governor.core.fleetgate")
 # Every script that hears from a replica: its heartbeat's set cleared of the dead (what they
 # said forgotten), when it could next serve a newcomer written (``ready``: ms from now), and the
 # soonest of the others alive returned (ms from now; -1: there is no other). A replica that
-# stops says -1 and leaves the set. (The ready hash also holds, under ``REPLICA@``, where the
-# fleet's clients reach each replica: written by its renewals.)
+# stops says -1 and leaves the set. A replica's writes go over several connections, so one can
+# overtake another: each is numbered (``seq``), and one older than the last written (kept under
+# ``REPLICA#``) does not write its ``ready`` (a renewal reckoned before an admission, arriving
+# after it, said "free now" of a replica whose last slot the admission took). (The ready hash
+# also holds, under ``REPLICA@``, where the fleet's clients reach each replica: written by its
+# renewals.)
 HEARTBEAT = """
 local function soonest(replicas_key, ready_key, replica, now)
   local best, sooner = nil, -1
@@ -62,17 +67,17 @@ local function soonest(replicas_key, ready_key, replica, now)
   end
   return best, sooner
 end
-local function heartbeat(replicas_key, ready_key, replica, ready, now)
+local function heartbeat(replicas_key, ready_key, replica, ready, seq, now)
   local dead = redis.call('ZRANGEBYSCORE', replicas_key, '-inf', now)
   if #dead > 0 then
     redis.call('ZREMRANGEBYSCORE', replicas_key, '-inf', now)
-    for _, r in ipairs(dead) do redis.call('HDEL', ready_key, r, r .. '@') end
+    for _, r in ipairs(dead) do redis.call('HDEL', ready_key, r, r .. '@', r .. '#') end
   end
   if tonumber(ready) < 0 then  -- it stops: gone from the fleet's view at once
     redis.call('ZREM', replicas_key, replica)
-    redis.call('HDEL', ready_key, replica, replica .. '@')
-  else
-    redis.call('HSET', ready_key, replica, now + tonumber(ready))
+    redis.call('HDEL', ready_key, replica, replica .. '@', replica .. '#')
+  elseif tonumber(seq) >= tonumber(redis.call('HGET', ready_key, replica .. '#') or 0) then
+    redis.call('HSET', ready_key, replica, now + tonumber(ready), replica .. '#', seq)
   end
   local _, sooner = soonest(replicas_key, ready_key, replica, now)
   return redis.call('ZCARD', replicas_key), sooner
@@ -90,13 +95,13 @@ local lease, ttl, expected = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local cap, tcap = tonumber(ARGV[4]), tonumber(ARGV[5])
 local rrate, rburst = tonumber(ARGV[6]), tonumber(ARGV[7])
 local trate, tburst, tokens = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local replica, ready = ARGV[11], ARGV[12]
+local replica, ready, seq = ARGV[11], ARGV[12], ARGV[13]
 -- This replica's releases not yet written go first, so that the job taking a slot its last
 -- job left never finds that job's lease still counted.
-for i = 13, #ARGV do
+for i = 14, #ARGV do
   redis.call('ZREM', KEYS[1], ARGV[i])
   redis.call('ZREM', KEYS[2], ARGV[i])
-  redis.call('ZREM', KEYS[i - 5], ARGV[i])
+  redis.call('ZREM', KEYS[i - 6], ARGV[i])
 end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 512)
 if #dead > 0 then
@@ -105,7 +110,7 @@ if #dead > 0 then
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 redis.call('ZADD', KEYS[5], now + ttl, replica)
-local replicas, sooner = heartbeat(KEYS[5], KEYS[7], replica, ready, now)
+local replicas, sooner = heartbeat(KEYS[5], KEYS[7], replica, ready, seq, now)
 local inflight = redis.call('ZCARD', KEYS[1])
 local function soonest(members)
   local best = nil
@@ -176,28 +181,28 @@ return {1, '', 0, replicas, inflight + 1, sooner}
 )
 
 # KEYS: leases, ends, replicas, ready, then each lease's tenant set; ARGV: the replica, how soon
-# it could serve a newcomer, then the lease ids, in the tenant sets' order. Returns how soon
+# it could serve a newcomer, the write's seq, then the lease ids, in the tenant sets' order. Returns how soon
 # another could (HEARTBEAT).
 RELEASE = (
     HEARTBEAT
     + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   redis.call('ZREM', KEYS[1], ARGV[i])
   redis.call('ZREM', KEYS[2], ARGV[i])
-  redis.call('ZREM', KEYS[i + 2], ARGV[i])
+  redis.call('ZREM', KEYS[i + 1], ARGV[i])
 end
-local _, sooner = heartbeat(KEYS[3], KEYS[4], ARGV[1], ARGV[2], now)
+local _, sooner = heartbeat(KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], now)
 return sooner
 """
 )
 
 # KEYS: leases, replicas, ready, then each lease's tenant set; ARGV: ttl, replica, how soon it
-# could serve a newcomer, where its clients reach it, then the lease ids. A lease the store
-# lost (it expired while the store was unreachable, or the store restarted) is written again:
-# the fleet counts the jobs that run, not only those it remembers. Returns the replicas alive and how soon another could
-# serve a newcomer (HEARTBEAT).
+# could serve a newcomer, the write's seq, where its clients reach it, then the lease ids. A
+# lease the store lost (it expired while the store was unreachable, or the store restarted) is
+# written again: the fleet counts the jobs that run, not only those it remembers. Returns the
+# replicas alive and how soon another could serve a newcomer (HEARTBEAT).
 RENEW = (
     HEARTBEAT
     + """
@@ -205,19 +210,19 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
 redis.call('ZADD', KEYS[2], now + ttl, ARGV[2])
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[2] .. '@', ARGV[4]) end
-for i = 5, #ARGV do
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[3], ARGV[2] .. '@', ARGV[5]) end
+for i = 6, #ARGV do
   redis.call('ZADD', KEYS[1], now + ttl, ARGV[i])
-  redis.call('ZADD', KEYS[i - 1], now + ttl, ARGV[i])
-  redis.call('PEXPIRE', KEYS[i - 1], ttl * 2)
+  redis.call('ZADD', KEYS[i - 2], now + ttl, ARGV[i])
+  redis.call('PEXPIRE', KEYS[i - 2], ttl * 2)
 end
-local replicas, sooner = heartbeat(KEYS[2], KEYS[3], ARGV[2], ARGV[3], now)
+local replicas, sooner = heartbeat(KEYS[2], KEYS[3], ARGV[2], ARGV[3], ARGV[4], now)
 return {replicas, sooner}
 """
 )
 
 # KEYS: replicas, ready; ARGV: the replica, how soon it could serve a newcomer, the slack and
-# the turn (ms), and the hint of a job a busy yield there refused. A
+# the turn (ms), the hint of a job a busy yield there refused, and the write's seq. A
 # heartbeat (HEARTBEAT), then where the job should go: nowhere else (it is the fleet's: no other
 # replica would serve it the slack sooner than its hint), or to the soonest other, whose line
 # is then a turn longer. Every replica's refusals pass through here one at a time, interleaved
@@ -232,7 +237,7 @@ PLACE = (
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local replica, slack, turn = ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[4])
-heartbeat(KEYS[1], KEYS[2], replica, ARGV[2], now)
+heartbeat(KEYS[1], KEYS[2], replica, ARGV[2], ARGV[6], now)
 local other, wait, elsewhere = nil, -1, ''
 for _, r in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local address = redis.call('HGET', KEYS[2], r .. '@')
@@ -286,10 +291,12 @@ class RedisStore:
         cap: int,
         replica: str,
         ready_ms: int = 0,
+        seq: int = 0,
         released: Sequence[Lease] = (),
     ) -> Answer:
         """The admission's one step; ``ready_ms``: how soon this replica could serve a
-        newcomer; ``released``: leases to free first (at most :data:`BATCH`)."""
+        newcomer, as of its write numbered ``seq`` (:data:`HEARTBEAT`: an older write's is not
+        written); ``released``: leases to free first (at most :data:`BATCH`)."""
         tenant = ask.tenant
         reply = await self._acquire(
             keys=[
@@ -315,6 +322,7 @@ class RedisStore:
                 ask.tokens,
                 replica,
                 ready_ms,
+                seq,
                 *(lease.id for lease in released),
             ],
         )
@@ -322,9 +330,11 @@ class RedisStore:
         code = code.decode() if isinstance(code, bytes) else str(code)
         return Answer(bool(allowed), code, int(wait_ms), int(replicas), int(inflight), int(sooner))
 
-    async def release(self, leases: Sequence[Lease], *, replica: str, ready_ms: int) -> int:
+    async def release(
+        self, leases: Sequence[Lease], *, replica: str, ready_ms: int, seq: int = 0
+    ) -> int:
         """Free ``leases`` (none: a heartbeat), and tell the store how soon this replica could
-        serve a newcomer; returns how soon another could (ms; -1: there is no other)."""
+        serve a newcomer (as :meth:`acquire`); returns how soon another could (ms; -1: there is no other)."""
         sooner = -1
         for start in range(0, max(len(leases), 1), BATCH):
             batch = leases[start : start + BATCH]
@@ -336,7 +346,7 @@ class RedisStore:
                     self.ready_key,
                     *(self.tenant_key(lease.tenant, "leases") for lease in batch),
                 ],
-                args=[replica, ready_ms, *(lease.id for lease in batch)],
+                args=[replica, ready_ms, seq, *(lease.id for lease in batch)],
             )
         return int(sooner)
 
@@ -347,6 +357,7 @@ class RedisStore:
         ttl_ms: int,
         replica: str,
         ready_ms: int = 0,
+        seq: int = 0,
         address: str = "",
     ) -> tuple[int, int]:
         """Renew ``leases`` and this replica's heartbeat (and how soon it could serve a
@@ -362,12 +373,19 @@ class RedisStore:
                     self.ready_key,
                     *(self.tenant_key(lease.tenant, "leases") for lease in batch),
                 ],
-                args=[ttl_ms, replica, ready_ms, address, *(lease.id for lease in batch)],
+                args=[ttl_ms, replica, ready_ms, seq, address, *(lease.id for lease in batch)],
             )
         return int(replicas), int(sooner)
 
     async def place(
-        self, hint_ms: int, *, replica: str, ready_ms: int, turn_ms: int, slack_ms: int
+        self,
+        hint_ms: int,
+        *,
+        replica: str,
+        ready_ms: int,
+        turn_ms: int,
+        slack_ms: int,
+        seq: int = 0,
     ) -> tuple[int, str]:
         """Where the job a busy yield here refused (its hint: ``hint_ms``) should go
         (:data:`PLACE`): nowhere else (''), or the address of a replica that would serve it
@@ -375,7 +393,7 @@ class RedisStore:
         serve a newcomer, and that address."""
         sooner, elsewhere = await self._place(
             keys=[self.replicas_key, self.ready_key],
-            args=[replica, ready_ms, slack_ms, turn_ms, hint_ms],
+            args=[replica, ready_ms, slack_ms, turn_ms, hint_ms, seq],
         )
         if isinstance(elsewhere, bytes):
             elsewhere = elsewhere.decode()
@@ -488,6 +506,7 @@ class Fleet:
                         cap=gate.settings.max_inflight,
                         replica=gate.settings.replica_id,
                         ready_ms=told.ms,
+                        seq=told.seq,
                         released=released,
                     )
             except STORE_ERRORS as exc:
@@ -582,12 +601,13 @@ class Fleet:
                         ttl_ms=self.ttl_ms,
                         replica=s.replica_id,
                         ready_ms=told.ms,
+                        seq=told.seq,
                         address=self.address,
                     )
                     await self._add_unserved()
                 else:
                     sooner = await self.store.release(
-                        leases, replica=s.replica_id, ready_ms=told.ms
+                        leases, replica=s.replica_id, ready_ms=told.ms, seq=told.seq
                     )
         except STORE_ERRORS as exc:
             _reraise_cancel()
@@ -732,6 +752,7 @@ class Placements:
                     hint_ms,
                     replica=gate.settings.replica_id,
                     ready_ms=told.ms,
+                    seq=told.seq,
                     turn_ms=round(turn_ms),
                     slack_ms=round(turn_ms / 2),  # (as FleetGate.saturated)
                 )

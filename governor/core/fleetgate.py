@@ -100,10 +100,12 @@ class Answer:
 @dataclass(frozen=True, slots=True)
 class Told:
     """What a write told the store of this replica: how soon it could serve a newcomer
-    (``ms``), as of ``at`` (the gate's clock)."""
+    (``ms``), as of ``at`` (the gate's clock); ``seq`` numbers the writes (writes and answers
+    can overtake each other: the store and the gate keep only the newer)."""
 
     ms: int
     at: float
+    seq: int
 
 
 class FleetGate:
@@ -119,7 +121,8 @@ class FleetGate:
         # it has not yet; inf: there is no other), and this one as it told the store then.
         self.elsewhere_at: float | None = None
         self.ready_at = 0.0
-        self._told_at = -math.inf  # (an answer to an older write says nothing newer)
+        self._writes = itertools.count(1)
+        self._told = 0  # the newest write heard of (an answer to an older one says nothing newer)
         self.leases: dict[str, Lease] = {}  # this replica's, for running jobs
         self.answers: collections.Counter[str] = collections.Counter()  # by answer
         self._ids = itertools.count(1)
@@ -195,12 +198,12 @@ class FleetGate:
     def told(self, ready_ms: int) -> Told:
         """What a write about to go tells the store: this replica could serve a newcomer in
         ``ready_ms``."""
-        return Told(ready_ms, self.clock())
+        return Told(ready_ms, self.clock(), next(self._writes))
 
     def _heard(self, sooner_ms: int, told: Told) -> None:
-        if told.at < self._told_at:  # (its answer overtaken by a newer write's)
+        if told.seq < self._told:  # (its answer overtaken by a newer write's)
             return
-        self._told_at = told.at
+        self._told = told.seq
         self.elsewhere_at = math.inf if sooner_ms < 0 else self.clock() + sooner_ms / 1000
         self.ready_at = told.at + told.ms / 1000
 

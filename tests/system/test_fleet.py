@@ -260,14 +260,23 @@ class SlowStore:
         self.released: list[str] = []
         self.renewals = 0
 
-    async def release(self, leases: list[Lease], *, replica: str, ready_ms: int) -> int:
+    async def release(
+        self, leases: list[Lease], *, replica: str, ready_ms: int, seq: int = 0
+    ) -> int:
         self.writing += 1
         await self.gate.wait()
         self.released += [lease.id for lease in leases]
         return -1
 
     async def renew(
-        self, leases: list[Lease], *, ttl_ms: int, replica: str, ready_ms: int, address: str
+        self,
+        leases: list[Lease],
+        *,
+        ttl_ms: int,
+        replica: str,
+        ready_ms: int,
+        seq: int = 0,
+        address: str,
     ) -> tuple[int, int]:
         self.renewals += 1
         return 1, 0
@@ -304,12 +313,21 @@ class ReadyStore(SlowStore):
         self.gate.set()
         self.told: list[int] = []
 
-    async def release(self, leases: list[Lease], *, replica: str, ready_ms: int) -> int:
+    async def release(
+        self, leases: list[Lease], *, replica: str, ready_ms: int, seq: int = 0
+    ) -> int:
         self.told.append(ready_ms)
         return await super().release(leases, replica=replica, ready_ms=ready_ms)
 
     async def renew(
-        self, leases: list[Lease], *, ttl_ms: int, replica: str, ready_ms: int, address: str
+        self,
+        leases: list[Lease],
+        *,
+        ttl_ms: int,
+        replica: str,
+        ready_ms: int,
+        seq: int = 0,
+        address: str,
     ) -> tuple[int, int]:
         self.told.append(ready_ms)
         return await super().renew(
@@ -385,7 +403,14 @@ class CancelHidingStore(SlowStore):
         self.renewing = asyncio.Event()
 
     async def renew(
-        self, leases: list[Lease], *, ttl_ms: int, replica: str, ready_ms: int, address: str
+        self,
+        leases: list[Lease],
+        *,
+        ttl_ms: int,
+        replica: str,
+        ready_ms: int,
+        seq: int = 0,
+        address: str,
     ) -> tuple[int, int]:
         self.renewals += 1
         self.renewing.set()
@@ -496,6 +521,41 @@ async def test_each_replica_hears_how_soon_the_others_could_serve_a_newcomer(
         assert await store.release([], replica="a", ready_ms=900) in range(250, 301)
         await asyncio.sleep(0.5)  # b's heartbeat lapses (ttl 400 ms)
         assert await store.release([], replica="a", ready_ms=900) == -1
+    finally:
+        await store.close()
+
+
+async def test_a_replicas_write_overtaken_by_a_newer_one_does_not_say_its_ready_time(
+    redis_server: RedisServer,
+) -> None:
+    """A replica's writes go over several connections and can arrive out of order: one
+    numbered before the last written (its ``seq``) keeps the replica alive but does not write
+    how soon it could serve, in any of the four scripts (a renewal reckoned before an admission
+    that took the last slot, arriving after it, said "free now")."""
+    store = RedisStore(redis_server.url, name="overtaken")
+    g = gate(FakeClock())
+
+    async def sooner_seen_by_a() -> int:
+        return await store.release([], replica="a", ready_ms=0)
+
+    try:
+        await store.renew([], ttl_ms=10_000, replica="a", ready_ms=0, address="a:1")
+        await store.renew([], ttl_ms=10_000, replica="b", ready_ms=5000, seq=5, address="b:2")
+        assert await sooner_seen_by_a() in range(4900, 5001)
+        await store.release([], replica="b", ready_ms=0, seq=4)
+        await store.renew([], ttl_ms=10_000, replica="b", ready_ms=0, seq=3, address="b:2")
+        await store.acquire(
+            g.question(g.lease("t", "-"), tenant(), 1, 5.0),
+            ttl_ms=10_000,
+            cap=0,
+            replica="b",
+            ready_ms=0,
+            seq=2,
+        )
+        await store.place(9000, replica="b", ready_ms=0, turn_ms=300, slack_ms=150, seq=1)
+        assert await sooner_seen_by_a() in range(4800, 5001)  # (still the fifth's word)
+        await store.release([], replica="b", ready_ms=0, seq=6)
+        assert await sooner_seen_by_a() == 0
     finally:
         await store.close()
 
