@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..support.arguments import add_model, add_threads
+from ..support.arguments import add_model, add_quiet_wait, add_threads
 from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
 from ..support.options import positive_int, positive_ints, print_json
 from ..support.workload import synth_prompt
@@ -344,19 +344,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--repeats", type=positive_int, default=7, help="--prefill, --sampling: runs per median"
     )
-    parser.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=120.0,
-        help="seconds to wait at most, before each round, for other processes to leave the "
-        "CPUs below 3%% busy; 0: start at once",
-    )
-    parser.add_argument(
-        "--attempts",
-        type=positive_int,
-        default=3,
-        help="runs of a round while others disturbed it; the least disturbed is kept",
-    )
+    add_quiet_wait(parser, what="round")
     parser.add_argument("--report", type=Path, metavar="FILE", help="also write the report here")
 
 

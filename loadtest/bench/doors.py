@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from clients.client import DEFAULT_MAX_WAIT_S, RetryPolicy
-from clients.helptext import RawDescriptionDefaultsHelpFormatter, add_renamed
+from clients.helptext import RawDescriptionDefaultsHelpFormatter
 from governor.runners.llama import embedded_model_path
 
 from ..support import llama_server
-from ..support.arguments import add_llama_server
+from ..support.arguments import add_llama_server, add_round_timeout
 from ..support.connections import Endpoint
 from ..support.driver import open_loop
-from ..support.options import positive_float, positive_ints, print_json
+from ..support.options import positive_ints, print_json
 from ..support.processes import REPO, free_port, stop, wait_http_ready, wait_listening
 from ..support.stats import percentile
 from ..support.targets import GovernorTarget, OpenAITarget, Outcome, Shape, Target
@@ -73,13 +73,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--max-wait", type=float, default=DEFAULT_MAX_WAIT_S, help="tcp-wait's max_wait, seconds"
     )
-    add_renamed(
-        parser,
-        "--timeout",
-        parser.add_argument(
-            "--round-timeout", type=positive_float, default=300.0, help="seconds a round may take"
-        ),
-    )
+    add_round_timeout(parser)
     parser.add_argument(
         "--lane",
         choices=("heavy", "background"),

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from clients.helptext import add_renamed
+
 from . import llama_server
-from .options import positive_int
+from .options import positive_float, positive_int
 
 # A parser or one of its groups: what ``add_argument`` is called on.
 Options = argparse._ActionsContainer
@@ -37,4 +39,33 @@ def add_llama_server(parser: Options, *, text: str) -> None:
     unless given."""
     parser.add_argument(
         "--llama-server", type=Path, default=llama_server.default_binary(), help=text
+    )
+
+
+def add_round_timeout(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--round-timeout`` (once ``--timeout``, still taken): how long a round may take."""
+    add_renamed(
+        parser,
+        "--timeout",
+        parser.add_argument(
+            "--round-timeout", type=positive_float, default=300.0, help="seconds a round may take"
+        ),
+    )
+
+
+def add_quiet_wait(parser: Options, *, what: str) -> None:
+    """``--wait-quiet`` and ``--attempts``: how long to wait, before each of ``what``, for other
+    processes to leave the CPUs, and how many runs of a round others disturbed to try."""
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=120.0,
+        help=f"seconds to wait at most, before each {what}, for other processes to leave the "
+        "CPUs below 3%% busy; 0: start at once",
+    )
+    parser.add_argument(
+        "--attempts",
+        type=positive_int,
+        default=3,
+        help="runs of a round while others disturbed it; the least disturbed is kept",
     )

@@ -6,9 +6,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from clients.helptext import add_renamed
-
-from ...support.arguments import add_llama_server, add_model, add_n_ctx, add_threads
+from ...support.arguments import (
+    add_llama_server,
+    add_model,
+    add_n_ctx,
+    add_quiet_wait,
+    add_round_timeout,
+    add_threads,
+)
 from ...support.options import positive_float, positive_int, positive_ints
 from .servers import DEFAULT_TARGETS, TARGETS
 
@@ -98,23 +103,5 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
         default=0.2,
         help="seconds from the rewrites to the chats",
     )
-    add_renamed(
-        parser,
-        "--timeout",
-        parser.add_argument(
-            "--round-timeout", type=positive_float, default=300.0, help="seconds a round may take"
-        ),
-    )
-    parser.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=120.0,
-        help="seconds to wait at most, before each measure, for other processes to leave the "
-        "CPUs below 3%% busy; 0: start at once",
-    )
-    parser.add_argument(
-        "--attempts",
-        type=positive_int,
-        default=3,
-        help="runs of a throughput round while others disturbed it; the least disturbed is kept",
-    )
+    add_round_timeout(parser)
+    add_quiet_wait(parser, what="measure")
