@@ -44,7 +44,7 @@ from .listeners.base import Listener
 from .listeners.http import FrontDoor
 from .listeners.tcp import TcpListener
 from .ops.health import Health
-from .runners import KvCacheRunner, Pausing, Runner, StubRunner
+from .runners import KvCacheRunner, Pausing, Rated, Runner, StubRunner
 from .state import ServerState
 from .telemetry import memory
 from .telemetry.logs import event
@@ -259,6 +259,8 @@ class Server:
             kv_used=kv_used,
             preemptible=preemptible(config, self.runner),
         )
+        if isinstance(self.runner, Rated):  # (its jobs predicted from their sizes at once)
+            self.ledger.estimates.model.assumed = self.runner.rates
         self.tenants = Tenants(config.tenants, self.ledger.clock)
         self.primary = Pool(
             "primary", self.runner, self.ledger, build_breaker(config, self.ledger, "primary")

@@ -36,7 +36,7 @@ execution reports its progress, and its end is predicted again from its own pace
   p``, ``q`` the fewest seconds per prompt token between two of its reports so far (a prompt
   fed slowly beside chats goes faster once they end: a client told too early is refused and
   told again, one told too late leaves the slot idle), ``p`` the running jobs' mean pace
-  (below), else the decode rate learnt;
+  (below), else the decode rate (learnt, or the runner's);
 * while it generates (:meth:`ServiceEstimates.progress`: tokens generated, and when the first
   came), ``p`` its own seconds per token so far, ``end = now + (ratio * max_new - generated) *
   p``.
@@ -192,7 +192,7 @@ class ServiceEstimates:
         job.fed_from = (now, fed, pace)
         decode_s = self.running_pace()
         if decode_s is None:
-            decode_s = self.model.decode_s or 0.0
+            decode_s = self.model.decode_rate() or 0.0
         after_first = max(self.model.ratio * size.max_new_tokens - 1.0, 0.0)
         job.live_end = now + max(size.prompt_tokens - fed, 0) * pace + after_first * decode_s
 

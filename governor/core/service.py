@@ -33,8 +33,14 @@ A prediction is what the slot's waiters are told, so erring late idles the slot 
 back after it freed) and erring early costs one more refusal; the expected output length
 (``ratio * max_new``) rather than the worst case (``max_new``) is the smaller error.
 
-Until a sized job with a ttft has finished, and for a job without a size (a raw payload on the
-stub runner), the prediction is ``mean_s``: the exponentially weighted mean (``ALPHA``) of
+Until a sized job with a ttft has finished, the rates are the runner's own where it knows them
+(:attr:`ServiceModel.assumed`: the batched llama runner's step costs, fitted online from its
+steps, give a prompt token's cost and a generated token's with every slot generating), so that
+the first long jobs are predicted from their size, not from a prior a tenth of their length;
+the learnt rates take over one by one as jobs finish (the overhead stays 0 until then, the
+ratio 1: a job is expected to use its ``max_new_tokens``). Where the runner knows nothing
+(the stub, the http runner), and for a job without a size (a raw payload on the stub runner),
+the prediction is ``mean_s``: the exponentially weighted mean (``ALPHA``) of
 every finished job's ``held``, seeded with the runner's own estimate: the pool's estimate from
 before there was a model. A job that did not finish (a runner failure, a cancel, its client
 gone, out of time) is not passed here, and teaches nothing: its time says nothing about the
@@ -48,7 +54,10 @@ finished job.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from ..runners.base import Rates
 
 ALPHA = 0.2  # the weight of the newest job in the means (the ledger's EWMA_ALPHA)
 FIT_DECAY = 0.95  # the weight left to the older jobs in the ttft line, per job
@@ -73,6 +82,7 @@ class ServiceModel:
         "_asked",
         "_out",
         "_sums",
+        "assumed",
         "base_s",
         "decode_s",
         "mean_s",
@@ -91,20 +101,36 @@ class ServiceModel:
         # The ttft line's weighted sums: weight, prompt, ttft, prompt², prompt x ttft.
         self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
         self._out = self._asked = 0.0  # weighted means of output tokens and of max_new_tokens
+        # The runner's own rates, until they are learnt (None: it does not know them).
+        self.assumed: Callable[[], Rates | None] = lambda: None
 
     def knows(self, size: JobSize | None) -> bool:
         """Whether :meth:`predict_s` tells this job apart from the mean (it has a size, and
-        the rates have been learnt)."""
-        return size is not None and self.prefill_s is not None
+        the rates have been learnt or the runner says them)."""
+        return size is not None and self.prompt_rate() is not None
+
+    def prompt_rate(self) -> float | None:
+        """Seconds a prompt token: learnt, else the runner's (None: neither)."""
+        if self.prefill_s is not None:
+            return self.prefill_s
+        rates = self.assumed()
+        return rates.prompt_s if rates is not None else None
+
+    def decode_rate(self) -> float | None:
+        """Seconds a generated token after the first: learnt, else the runner's."""
+        if self.decode_s is not None:
+            return self.decode_s
+        rates = self.assumed()
+        return rates.decode_s if rates is not None else None
 
     def predict_s(self, size: JobSize | None, decode_s: float | None = None) -> float:
         """The seconds a job of ``size`` is expected to hold its slot (``decode_s``: a decode
         rate known better than the one learnt, the pace of the jobs it will run beside)."""
-        prefill_s = self.prefill_s
+        prefill_s = self.prompt_rate()
         if size is None or prefill_s is None:
             return self.mean_s
         after_first = self.ratio * size.max_new_tokens - 1.0
-        decode_s = decode_s if decode_s is not None else self.decode_s
+        decode_s = decode_s if decode_s is not None else self.decode_rate()
         return (
             self.base_s
             + size.prompt_tokens * prefill_s

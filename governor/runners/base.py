@@ -238,6 +238,26 @@ class Runner(Protocol):
     def health(self) -> RunnerHealth: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """What a runner says a token costs it now, in seconds: a prompt token (``prompt_s``),
+    and a generated token of a stream beside the others every slot holds (``decode_s``)."""
+
+    prompt_s: float
+    decode_s: float
+
+
+@runtime_checkable
+class Rated(Protocol):
+    """A runner that knows what its tokens cost before any job has finished (the batched
+    llama runner, from its steps): admission predicts the first jobs' times from their sizes
+    with it (:attr:`~governor.core.service.ServiceModel.assumed`)."""
+
+    def rates(self) -> Rates | None:
+        """What a token costs now (None: not yet known)."""
+        ...
+
+
 @runtime_checkable
 class Refilling(Protocol):
     """A runner that keeps a freed slot busy: told whether jobs wait at the doors, it holds the

@@ -58,6 +58,7 @@ from .base import (
     Fed,
     Finished,
     Job,
+    Rates,
     RunEvent,
     RunnerConfigError,
     RunnerError,
@@ -157,6 +158,7 @@ class WorkerProcess:
         self.ran: dict[int, str] = {}  # keys of jobs run here, by id, until their slot is offered
         self.kv_used = 0
         self.n_ctx_train = 0  # what the model was trained for, as the worker read it (0: unsaid)
+        self.rates: Rates | None = None  # what its tokens cost, as it last said
         self.killed = False
         self.exited = asyncio.Event()
         self._heard = 0.0  # when it last sent a line, or was given work while idle
@@ -220,6 +222,7 @@ class WorkerProcess:
             await self.proc.wait()
             raise RunnerConfigError(ready["error"])
         self.n_ctx_train = ready["n_ctx_train"]
+        self.rates = Rates(*ready["rates"])
         if ready["cells"] < self.shape.cells:  # (llama.cpp rounds a cache up, never down)
             self.kill()
             raise RunnerStartError(
@@ -279,6 +282,8 @@ class WorkerProcess:
                 job.put_nowait(event)
             return
         self.kv_used = event["kv"]
+        if "rates" in event:
+            self.rates = Rates(*event["rates"])
         self._owed -= event["acks"]
         for key, fed in event["f"].items():
             if (job := self.jobs.get(key)) is not None:
@@ -379,9 +384,8 @@ class LlamaRunner:
         self._workers: list[WorkerProcess | None] = [None] * settings.workers
         self._back: list[asyncio.Event] = []  # set while each index has a live worker
         self._tasks: set[asyncio.Task[None]] = set()
-        self._closing = False
-        self._probing = False
-        self._probes = 0
+        self._closing = self._probing = False
+        self._probes = self._embeds = 0
         # The daemon's vocabulary-only model: loaded at start, it prepares the jobs.
         self._prompts = LlamaPrompts(
             settings.model,
@@ -390,15 +394,18 @@ class LlamaRunner:
             max_new_tokens=settings.max_new_tokens,
         )
         self._ids = itertools.count(1)  # the workers' job keys
-        self._embeds = 0
         self._waiting = False  # jobs wait at the doors (the workers are told)
 
     @property
     def expected_service_s(self) -> float:
-        return 2.0  # a short generation on a small model; observed times take over at once
+        return 2.0  # a short generation on a small model; the workers' rates take over at once
 
     def kv_caches(self) -> tuple[CacheShape, ...]:
         return self.settings.caches()
+
+    def rates(self) -> Rates | None:
+        """What a token costs, as the first live worker last said (the workers are alike)."""
+        return next((w.rates for w in self._workers if w is not None and w.rates), None)
 
     def kv_used(self) -> int:
         return sum(w.kv_used for w in self._workers if w is not None)

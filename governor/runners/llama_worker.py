@@ -21,11 +21,11 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
                                                                 doors for a slot, or none does
             {"op": "offered", "id": str}                        the slot of a job it ended
                                                                 has been offered (Refills)
-    stdout: {"ev": "ready", "cells": int, "slots": int, "n_ctx_train": int}
-                                                                once, after loading and warming up
+    stdout: {"ev": "ready", "cells": int, "slots": int, "n_ctx_train": int,
+             "rates": [float, float]}                           once, after loading and warming up
             {"ev": "refused", "error": str}                     instead, for an ``--n-ctx`` the
                                                                 model was not trained for; exit 2
-            {"ev": "step", "kv": int, "acks": int, "f": {id: int},
+            {"ev": "step", "kv": int, "acks": int, "f": {id: int}, "rates"?: [float, float],
              "out": [{"id": str, "i": int, "text": str, "n": int, "lp"?: [entry]}],
              "done": [{"id": str, "choices": [{"text": str, "finish_reason": "stop" | "length"}],
                        "completion_tokens": int, "cached_tokens": int}
@@ -43,7 +43,10 @@ sequences are kept for a later prompt with the same beginning, ``--n-ctx`` of th
 tokens), the job, the sequence's index ``i`` among the job's ``n``, its text, and ``n``, how
 many tokens the job (all its sequences) has generated so far; ``f`` how many prompt tokens each
 job whose prompt is still being fed has in the cache, ``kv`` the cache cells held after it,
-``acks`` how many cancels were handled since the last event. A job is done when all its
+``acks`` how many cancels were handled since the last event, and ``rates`` (in "ready", and
+in a step event every ``RATES_EVERY`` steps) what a prompt token and a generated token cost now,
+in seconds, the second with every slot generating (:meth:`~.stepcost.StepCosts.rates`): the
+daemon predicts a job's time from its size with them until jobs have finished. A job is done when all its
 sequences are, with each one's whole text and finish in ``choices`` (by index),
 ``completion_tokens`` over all of them, and ``cached_tokens``, how much of its prompt was
 already in the cache (a prefix kept from an earlier job, or shared); or with an ``error``.
@@ -155,6 +158,7 @@ PROBE_CELLS = 16
 # The most a step waits, after a job's last token, for the run of the job the daemon gives the
 # freed slot, should the daemon not say it has offered the slot (see Refills).
 REFILL_MS = 10.0
+RATES_EVERY = 256  # steps between two of the rates a step event says (see above)
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequence ids one context may have
 EMBED_SEQUENCES = 64  # texts one embedding step takes at most
 # llama.cpp's warning for a context whose cells per sequence exceed the model's training
@@ -629,6 +633,7 @@ class Worker:
         self.jobs: dict[str, Job] = {}
         self.branches: dict[str, Branch] = {}  # by their sequences' keys
         self.acks = 0  # cancels handled since the last event
+        self._rates_at = 0  # the steps observed when the next step event says the rates
         self.embedder: Embedder | None = None
         # While a step feeds prompts of this priority or less urgent, a run more urgent than
         # it preempts the step (-1: the step in progress cannot be preempted).
@@ -800,8 +805,17 @@ class Worker:
         fed: dict[str, int] | None = None,
     ) -> None:
         event = {"ev": "step", "kv": self.scheduler.used, "acks": self.acks, "f": fed or {}}
+        if self.scheduler.costs.observed >= self._rates_at:
+            event["rates"] = self.rates()
         emit(self.out, {**event, "out": out, "done": done})
         self.acks = 0
+
+    def rates(self) -> tuple[float, float]:
+        """What a prompt token and a generated token cost now (every slot generating, each
+        stream over half a context); the next are said ``RATES_EVERY`` steps on."""
+        scheduler = self.scheduler
+        self._rates_at = scheduler.costs.observed + RATES_EVERY
+        return scheduler.costs.rates(scheduler.slots, scheduler.cells // 2)
 
     def _sample(
         self, branch: Branch, index: int, out: list[dict[str, Any]], done: list[dict[str, Any]]
@@ -930,6 +944,7 @@ def main(argv: list[str] | None = None) -> int:
             "cells": model.cells,
             "slots": args.slots,
             "n_ctx_train": model.n_ctx_train,
+            "rates": worker.rates(),
         },
     )
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from clients import NO_RETRY, GovernorClient
 from governor.core.overload import State
+from governor.core.service import JobSize
 from governor.runners import Finished, Token
 from governor.runners import llama as llama_runner
 from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_path
@@ -126,6 +127,23 @@ async def test_the_runner_leaves_ttft_and_tpot_to_the_governor(llama: Any) -> No
     assert 0 not in counts
     assert counts == sorted(set(counts))
     assert counts[-1] == 3
+
+
+async def test_before_any_job_ends_a_long_one_is_predicted_from_its_size_at_the_workers_rates(
+    llama: Any,
+) -> None:
+    """The worker says what its tokens cost once it has warmed up (its step costs), and
+    admission predicts a job from its size with them before any job has finished: a 762-token
+    rewrite of 400 tokens, not the runner's prior of 2 s."""
+    server = await llama()
+    rates = server.runner.rates()
+    assert rates is not None
+    assert 0 < rates.prompt_s <= rates.decode_s  # (a token of a step of every slot's tokens)
+    model = server.ledger.model
+    assert model.prefill_s is None  # (nothing has finished)
+    expected = 762 * rates.prompt_s + 399 * rates.decode_s
+    assert model.predict_s(JobSize(762, 400)) == pytest.approx(expected)
+    assert model.predict_s(JobSize(762, 400)) != server.runner.expected_service_s
 
 
 async def test_output_matches_llama_cpp_called_directly(llama: Any) -> None:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
 from governor.core.policy import Demand, Lane, LanePolicy
 from governor.core.service import JobSize, ServiceModel
+from governor.runners.base import Rates
 from tests.clock import FakeClock
 
 # A small model on a CPU: a fixed overhead per job, then per prompt and per output token.
@@ -43,6 +44,77 @@ def test_nothing_learnt_predicts_the_runners_own_estimate() -> None:
     assert model.predict_s(JobSize(100, 50)) == 1.5
     assert model.predict_s(None) == 1.5
     assert not model.knows(JobSize(100, 50))
+
+
+def test_before_any_job_finishes_the_runners_rates_predict_a_job_from_its_size() -> None:
+    """Where the runner says what its tokens cost (the batched llama runner, from its steps),
+    a job is predicted from its size before any has finished, the learnt rates taking over as
+    jobs finish: the prompt's once a job with a first token has, the decode's once one of two
+    tokens has."""
+    model = ServiceModel(2.0)
+    said = Rates(prompt_s=0.004, decode_s=0.06)
+    model.assumed = lambda: said
+    rewrite = JobSize(762, 400)
+    assert model.knows(rewrite)
+    assert model.predict_s(rewrite) == pytest.approx(762 * 0.004 + 399 * 0.06)
+    assert model.predict_s(None) == 2.0  # (no size: the mean)
+    model.observe(JobSize(100, 1), 100, 1, 0.2, 0.2)  # one token: the prompt's rate only
+    assert model.prefill_s == pytest.approx(0.002, rel=0.01)
+    assert model.predict_s(rewrite) == pytest.approx(762 * 0.002 + 399 * 0.06, rel=0.01)
+    teach(model, JobSize(50, 20))
+    assert model.decode_s == pytest.approx(DECODE_S)
+    model.assumed = lambda: None  # (the runner no longer says: what was learnt stands)
+    assert model.knows(rewrite)
+
+
+def test_the_first_rewrites_refused_wait_for_the_running_ones_ends_from_their_size() -> None:
+    """Six rewrites at once on four slots, none finished yet: the two refused are told the
+    running rewrites' predicted end from their size (762 prompt tokens, 400 out, at the rates
+    the runner said), not the runner's prior of 2 s (issue 36's burst: told 1.3 s for slots
+    that freed 50 s later, each refused a dozen times)."""
+    clock = FakeClock()
+    ledger = SlotLedger(4, expected_service_s=2.0, clock=clock)
+    rates = Rates(prompt_s=0.004, decode_s=0.12)
+    ledger.estimates.model.assumed = lambda: rates
+    rewrite = JobSize(762, 400)
+    for _ in range(4):
+        assert isinstance(ledger.admit(size=rewrite), Slot)
+    end_s = 762 * rates.prompt_s + 399 * rates.decode_s
+    refused = [ledger.admit(size=rewrite) for _ in range(2)]
+    assert all(isinstance(r, Refusal) for r in refused)
+    assert refused[0].retry_hint_ms == pytest.approx(end_s * 1000, abs=2)  # type: ignore[union-attr]
+    assert refused[1].retry_hint_ms == pytest.approx(end_s * 1000, abs=2)  # type: ignore[union-attr]
+
+
+@given(
+    max_new=st.integers(2, 400),
+    steps=st.lists(st.floats(0.01, 0.2), min_size=400, max_size=400),
+    rates=st.builds(Rates, st.floats(0.0, 0.01), st.floats(0.001, 0.5)),
+)
+def test_a_running_jobs_predicted_end_converges_to_its_true_end_as_its_tokens_come_out(
+    max_new: int, steps: list[float], rates: Rates
+) -> None:
+    """Whatever the runner said and however its pace varies, once a job generates, the error
+    of its predicted end is at most its tokens left times the spread of its pace: it closes
+    as its tokens come out, to none at its next to last."""
+    clock = FakeClock()
+    ledger = SlotLedger(1, expected_service_s=2.0, clock=clock)
+    ledger.estimates.model.assumed = lambda: rates
+    slot = ledger.admit(size=JobSize(10, max_new))
+    assert isinstance(slot, Slot)
+    times = [clock.now + 0.1]  # (its first token)
+    for step in steps[: max_new - 1]:
+        times.append(times[-1] + step)
+    end = times[-1]
+    spread = max(steps[: max_new - 1]) - min(steps[: max_new - 1])
+    for generated in range(2, max_new):
+        clock.now = times[generated - 1]
+        slot.progress(generated, times[0], clock.now)
+        predicted = ledger.estimates.end_of(slot, clock.now)
+        left = max_new - generated
+        assert abs(predicted - max(end, clock.now + ledger.estimates.floor_s)) <= (
+            left * spread + 1e-6
+        )
 
 
 def test_jobs_tenfold_apart_in_size_are_predicted_from_their_own_sizes() -> None:
