@@ -24,7 +24,9 @@ from ...support.processes import REPO, free_port, stop, wait_http_ready, wait_li
 from ...support.replicas import Replica, Sample, by_label, total
 
 HOST = "127.0.0.1"
-RETRY = RetryPolicy(max_attempts=100_000)  # the hints honoured; bounded by --timeout
+# The hints honoured, up to the daemon's longest (60 s): the client's default cap (5 s) would
+# bring a rewrite back every 5 s while its hint says 20 (each return a refusal).
+RETRY = RetryPolicy(max_attempts=100_000, max_sleep_s=60.0)  # (bounded by --timeout)
 SAMPLE_S = 0.1
 POLL_S = 0.02
 READY_TIMEOUT_S = 180.0
