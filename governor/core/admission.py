@@ -379,6 +379,7 @@ class Admission:
             ttft_ms=objectives.ttft_ms,
             tpot_ms=objectives.tpot_ms,
             gap_ms=self.slo.gap_ms(lane),
+            ratio=pool.ledger.model.ratio,
             pause=slot.pause,
         )
         if self.overload is not None:

@@ -82,6 +82,9 @@ class Job:
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     gap_ms: float = 0.0
+    # Set by admission: the share of ``max_new_tokens`` its pool's jobs use (the learnt ratio):
+    # a batched runner's steps borrow against the tokens a job is expected to generate.
+    ratio: float = 1.0
     # Set by admission for a job it may suspend (:class:`Pause`), on a runner that can.
     pause: Pause | None = None
     # The runner's own reading of the job, made by :meth:`Runner.prepare` (the http runner's

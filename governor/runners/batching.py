@@ -28,11 +28,20 @@ are cut to fit the generating sequences' objectives. Each sequence may carry ``t
 time-per-output-token (TPOT) objective, ``ttft_s``, its time-to-first-token objective, and
 ``gap_s``, a cap on any single gap between two of its tokens (the worker gives interactive jobs
 one). A TPOT objective is an average (the time from a stream's first token to its last, over
-its tokens), so a stream ahead of it has time banked: the bound of a step is the least, over
-the generating sequences with an objective, of the time until each one's next token is due at
-the objective's pace (``MARGIN * tpot_s`` a token since its first), never less than one token's
-share, nor more than ``MARGIN * gap_s`` (without a gap, ``MARGIN * ttft_s``: no running stream
-pauses longer than a new one is promised to wait). So a chat's pace holds on average and its
+its tokens), so a stream ahead of it has time banked, and its tokens to come will bank more
+where a step is shorter than the objective's pace: the bound of a step is the least, over the
+generating sequences with an objective, of the time until each one's next token is due at the
+objective's pace (``MARGIN * tpot_s`` a token since its first) and what its tokens to come will
+bank by its end (``expected``, the tokens it is expected to generate: the daemon's learnt share
+of ``max_new_tokens``; each at that pace less a step of every slot's token and a prompt token,
+at the step costs' mean), never less than the step of the decodes alone, nor more than
+``MARGIN * gap_s`` (without a gap, ``MARGIN * ttft_s``: no running stream pauses longer than a
+new one is promised to wait). So a stream that runs its expected length ends within its
+objective, whether a prompt beside it went in a few long steps or many short ones; in few, the
+prompt's slot generates sooner. (Before the tokens to come counted, prompts went in at the
+pace the chats banked time, 4 tokens a step beside 8 chats, their slots idle meanwhile: on
+guidellm's mix of chats and rewrites, 24 streams on 8 slots, 0.95x llama-server's output
+against 1.0x with them, the chats' ITL lower, not higher; docs/BENCHMARKS.md.) So a chat's pace holds on average and its
 longest pause holds too, while a heavy or background stream, whose objectives are loose,
 lets a step take the full batch; with no bound (nothing generating, or nothing with an
 objective), a step takes up to ``step_tokens``. A chat whose first token came late keeps its
@@ -59,8 +68,9 @@ steps of that size: about nine steps in ten end within it) fits the bound, with 
   ``MAX_PASSED`` steps), so a chat that arrives beside long rewrites gets its first token about
   as soon as on an idle worker.
 
-So a long prompt slows the running chats by at most their banked time and their gap while it is
-fed, and a newly admitted interactive prompt waits at most for the step in progress.
+So a long prompt slows the running chats by at most the time they have banked or will bank,
+and their gap, while it is fed, and a newly admitted interactive prompt waits at most for the
+step in progress.
 
 **Prefix reuse.** A slot keeps its cells when its sequence ends (the tokens they hold are
 known). A new sequence starts from the longest prefix of its prompt that some slot holds: its
@@ -175,6 +185,7 @@ class Sequence:
     tpot_s: float = 0.0  # its time-per-output-token objective (0: none)
     gap_s: float = 0.0  # the longest gap between two of its tokens (0: its TTFT objective)
     ttft_s: float = 0.0  # its time-to-first-token objective (0: none)
+    expected: int = 0  # the tokens it is expected to generate (0: max_new_tokens)
     first_at: float | None = None  # when its first token was sampled (plan's clock)
     last_at: float | None = None  # when its latest token was sampled (plan's clock)
     output_in_prompt: int = 0  # tokens it generated that a resume put in its prompt
@@ -463,9 +474,17 @@ class Scheduler:
 
     def bound(self, decodes: list[Entry], now: float = 0.0) -> float | None:
         """The longest next step, planned at ``now``, that keeps the generating sequences
-        ``decodes`` within their objectives: the least time any of them has banked (None:
-        none has a TPOT objective)."""
-        return min((_banked(e.seq, now) for e in decodes if e.seq.tpot_s > 0), default=None)
+        ``decodes`` within their objectives: the least time any of them has banked or will
+        bank (None: none has a TPOT objective)."""
+        paced = [e.seq for e in decodes if e.seq.tpot_s > 0]
+        if not paced:
+            return None
+        # The pace to come, at its slowest: every slot's token and a floor's prompt token (a
+        # mean over the steps to come: the fit's, not its high end).
+        slots = self.slots
+        pace = self.costs.predict(slots + PREFILL_FLOOR, slots, self.occupied + slots)
+        step = self.cost(decodes)
+        return min(_banked(seq, now, step, pace) for seq in paced)
 
     def cost(self, entries: list[Entry]) -> float:
         """A step's predicted seconds, as it is planned: at the high end of the prediction's
@@ -561,17 +580,22 @@ def _decodes(running: list[Sequence], held: list[list[int]]) -> list[Entry]:
     return [Entry(s, (s.pending,), len(held[s.slot]), True) for s in running if s.pending >= 0]
 
 
-def _banked(seq: Sequence, now: float) -> float:
+def _banked(seq: Sequence, now: float, step: float = 0.0, pace: float = 0.0) -> float:
     """The longest next step that keeps ``seq`` within its TPOT objective (less the margin), an
-    average over its tokens since its first: the time until its next token is due at that
-    pace, never less than one token's share, nor more than what is left of its cap
-    (:func:`_cap`) since its latest token."""
+    average over its tokens from its first to its expected last: the time until its next token
+    is due at that pace and what its tokens to come will bank, each a step of ``pace`` (the
+    slowest to come), never less than ``step`` (the decodes alone), nor more than what is left
+    of its cap (:func:`_cap`) since its latest token."""
     per = MARGIN * seq.tpot_s
     if seq.first_at is None:
         return per
     since = now - seq.last_at if seq.last_at is not None else 0.0
     left = max(per, _cap(seq)) - since
-    return min(max(per, seq.first_at + per * seq.generated - now), left)
+    ahead = seq.first_at + per * seq.generated - now
+    # What its tokens to come will bank at ``pace`` by its end.
+    expected = min(seq.expected or seq.max_new_tokens, seq.max_new_tokens)
+    future = max(expected - seq.generated - 1, 0) * max(per - pace, 0.0)
+    return min(max(step, ahead + future), left)
 
 
 def _cap(seq: Sequence) -> float:

@@ -40,6 +40,7 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
+import math
 import os
 import sys
 from collections.abc import AsyncGenerator
@@ -680,6 +681,7 @@ def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> dict[
         "ttft_ms": job.ttft_ms,
         "tpot_ms": job.tpot_ms,
         "gap_ms": job.gap_ms,
+        "expect": math.ceil(job.ratio * spec.max_new_tokens),
         "temperature": spec.temperature,
         "top_p": spec.top_p,
         "top_k": spec.top_k,

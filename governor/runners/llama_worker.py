@@ -6,7 +6,7 @@ diagnostics on stderr. A crash here (a segfault in the native code, an out-of-me
 seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
-             "ttft_ms": float, "tpot_ms": float, "gap_ms": float,
+             "ttft_ms": float, "tpot_ms": float, "gap_ms": float, "expect": int,
              "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int | null,
              "stop": [str], "ignore_eos": bool, "n": int, "logprobs": int | null,
              "presence_penalty": float, "frequency_penalty": float, "repeat_penalty": float,
@@ -598,6 +598,7 @@ class Branch:
             tpot_s=request.get("tpot_ms", 0.0) / 1000,
             gap_s=request.get("gap_ms", 0.0) / 1000,
             ttft_s=request.get("ttft_ms", 0.0) / 1000,
+            expected=request.get("expect", 0),
             alone=request.get("alone", False),
         )
         self.text = Text(request["stop"])

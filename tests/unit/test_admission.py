@@ -477,6 +477,10 @@ def test_an_admitted_job_carries_its_objectives_to_the_runner(clock: FakeClock) 
     )
     assert heavy.objectives == Objectives(60000.0, 40.0)
     assert (heavy.job.tpot_ms, heavy.job.gap_ms, heavy.job.priority) == (40.0, 0.0, 1)
+    # And the share of max_new_tokens jobs use, as the pool has learnt it (1 until a job ends).
+    assert heavy.job.ratio == 1.0
+    admission.ledger.model.ratio = 0.25
+    assert admitted(admission.decide(attempt(admission, "k-strict"))).job.ratio == 0.25
 
 
 @pytest.mark.parametrize("lanes", [False, True])

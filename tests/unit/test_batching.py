@@ -28,6 +28,7 @@ from governor.runners.batching import (
     MARGIN,
     MAX_PASSED,
     MIN_PREFILL,
+    PREFILL_FLOOR,
     SETTLE,
     Entry,
     Scheduler,
@@ -658,26 +659,39 @@ def test_with_a_stream_a_slot_the_last_of_a_burst_move_down_into_a_hole_that_sta
 
 def test_a_chunk_below_the_knee_waits_while_the_chats_bank_the_time() -> None:
     """2 ms a step, 3 ms a token: a chat 10 tokens ahead of its 90 ms pace has 900 ms in hand,
-    capped at its gap; one on its pace, one token's share. A long prompt beside it goes in
-    chunks that fill the bound, never below the knee: on the pace, (90 - 2 - 3) / 3 = 28
-    tokens would do, so the step is the chat's token alone."""
+    capped at its gap; one a token's share ahead with its last token to come, 90 ms. A long
+    prompt beside it goes in chunks that fill the bound, never below the knee: (90 - 2 - 3) /
+    3 = 28 tokens would do, so the step is the chat's token alone. With more tokens to come,
+    the time they will bank is in hand too, at the slowest pace to come (a step of every slot's
+    token and one prompt token, 17 ms: 73 ms each); with none in hand, the step is the decodes
+    alone."""
     s, cache = budgeted(costs(2, 3), slots=4, step_tokens=512)
     chat = generating(s, cache, "chat", tpot_s=0.1, gap_s=0.5, ttft_s=1.0)
-    chat.first_at, chat.generated = 0.0, 10
+    chat.first_at, chat.generated, chat.max_new_tokens = 0.0, 10, 11
     s.submit(Sequence("rewrite", tuple(range(1000, 2000)), 4, priority=1))
 
     def fed(now: float) -> int:
         return sum(len(e.tokens) for e in s.plan(now) if e.seq.key == "rewrite")
 
-    assert fed(0.9) == 0  # on its pace: 28 tokens would fit, below the knee (64)
+    assert fed(0.81) == 0  # a token's share ahead: 28 tokens would fit, below the knee (64)
     assert s.running["rewrite"].passed == 1
     assert fed(0.69) == 68  # 210 ms in hand: (210 - 5) / 3
     assert s.running["rewrite"].passed == 0
     assert fed(0.0) == 148  # 900 ms in hand, capped at the gap: (450 - 5) / 3
     chat.gap_s = 0.0
     assert fed(0.0) == 298  # no gap: the TTFT objective caps it, (900 - 5) / 3
+    chat.gap_s = 0.5
     s.running["rewrite"].passed = MAX_PASSED  # passed over too long: any chunk goes
-    assert fed(0.9) == 28
+    assert fed(0.81) == 28
+    s.running["rewrite"].passed = MAX_PASSED
+    assert fed(0.9) == PREFILL_FLOOR  # on its pace, nothing in hand: the floor, whatever
+    s.running["rewrite"].passed = 0
+    chat.max_new_tokens = 14  # on its pace, three tokens to come: 219 ms
+    assert fed(0.9) == 71  # (219 - 5) / 3
+    chat.max_new_tokens = 1000  # more than its gap
+    assert fed(0.9) == 148
+    chat.expected = 14  # but expected to stop at 14 (the daemon's learnt share): as above
+    assert fed(0.9) == 71
 
 
 def test_a_chats_first_token_waits_on_no_heavy_prompt() -> None:
@@ -901,6 +915,7 @@ LANE_LIMITS = {  # (tpot_s, ttft_s, gap_s) of the worker's jobs by priority, as 
             st.sampled_from([0.0, 0.2, 0.5]),
             st.sampled_from([0.0, 1.0, 15.0]),
             st.integers(0, 2),
+            st.integers(2, 300),
         ),
         min_size=1,
         max_size=4,
@@ -920,7 +935,7 @@ LANE_LIMITS = {  # (tpot_s, ttft_s, gap_s) of the worker's jobs by priority, as 
     sample_ms=0.0,
     knee=1,
     step_tokens=67,
-    streams=[(0.05, 0.2, 0.0, 1)],
+    streams=[(0.05, 0.2, 0.0, 1, 300)],
     arrivals=[(4, 1, 0), (4, 66, 0), (4, 128, 0)],
 )
 @settings(max_examples=200, deadline=None)
@@ -930,14 +945,14 @@ def test_every_stream_keeps_its_pace_and_gap_and_every_prompt_is_fed_in_chunks_p
     sample_ms: float,
     knee: int,
     step_tokens: int,
-    streams: list[tuple[float, float, float, int]],
+    streams: list[tuple[float, float, float, int, int]],
     arrivals: list[tuple[int, int, int]],
 ) -> None:
     """Steps run as predicted (a step never costs more than 5 + 2 x 12 tokens of decodes, less
     than any stream's share: the plan can always meet the objectives), prompts of any lane and
-    length arriving at any step: every stream keeps its mean time per output token since its
-    first within its TPOT objective (less the margin), however late that first came (a chat
-    past capacity keeps its pace, see the module docstring), and no gap between two
+    length arriving at any step: every stream ends with its mean time per output token since
+    its first within its TPOT objective (less the margin), however late that first came (a
+    chat past capacity keeps its pace, see the module docstring), and no gap between two
     tokens of any stream is longer than its cap; every step holds every generating sequence's
     token (but for a less urgent stream that gives its place to a chat's first token); every
     prompt is fed to its end, each chunk at least the knee unless it ends the prompt or the
@@ -946,9 +961,10 @@ def test_every_stream_keeps_its_pace_and_gap_and_every_prompt_is_fed_in_chunks_p
     s.knee = knee
     now = 0.0
     limits: dict[str, tuple[float, float, float]] = {}  # each one's TPOT, TTFT and gap
-    for i, (tpot, gap, ttft, priority) in enumerate(streams):
+    for i, (tpot, gap, ttft, priority, length) in enumerate(streams):
         q = generating(s, cache, f"g{i}", tpot_s=tpot, gap_s=gap, ttft_s=ttft)
         q.priority, q.first_at, q.last_at, q.generated = priority, now, now, 1
+        q.max_new_tokens = length
         limits[q.key] = (tpot, ttft, gap)
     times: dict[str, list[float]] = {q.key: [now] for q in s.running.values()}
     due = sorted(arrivals)
@@ -961,7 +977,7 @@ def test_every_stream_keeps_its_pace_and_gap_and_every_prompt_is_fed_in_chunks_p
             q = Sequence(key, prompt, 4, priority, tpot_s=tpot, ttft_s=ttft, gap_s=gap)
             s.submit(q)
             limits[key] = (tpot, ttft, gap)
-        if not due and not any(q.prefilling for q in s.running.values()) and step > 200:
+        if not due and not s.running:
             break
         generating_now = {q.key for q in s.running.values() if q.pending >= 0}
         passed = {q.key: q.passed for q in s.running.values()}
@@ -991,12 +1007,12 @@ def test_every_stream_keeps_its_pace_and_gap_and_every_prompt_is_fed_in_chunks_p
             if q.first_at is None:
                 q.first_at = now
             times.setdefault(q.key, []).append(now)
-            if q.key.startswith("p") and q.generated >= q.max_new_tokens:
+            if q.generated >= q.max_new_tokens:
                 s.remove(q.key)
             else:
                 q.pending = 7
     assert not due
-    assert not any(q.prefilling for q in s.running.values()), "a prompt was never fed whole"
+    assert not s.running, "a prompt was never fed whole, or a stream never ended"
     for key, t in times.items():
         if len(t) < 2:
             continue
