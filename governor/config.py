@@ -285,7 +285,7 @@ class RunnerSection:
         "llama: worker processes, each holding the model once and running its share of the slots in one batch; more for isolation or one per GPU (max_inflight: one job per process)."
     )
     batch_tokens: int = _opt(256, min=16)(
-        "llama: the most tokens in a decode step: the next token of every running sequence, then whole prompts and chunks of at least min_prompt_chunk tokens (an interactive prompt's: any), interactive first and shortest first; while jobs generate, the prompt tokens are cut to the time they have banked against their TPOT objectives (and interactive_gap_ms)."
+        "llama: the most tokens in a decode step: the next token of every running sequence, then whole prompts and chunks of at least min_prompt_chunk tokens (an interactive prompt's: any), interactive first and shortest first; while jobs generate, the prompt tokens are cut to the time they have banked, or their tokens to come will bank, against their TPOT objectives (and interactive_gap_ms)."
     )
     min_prompt_chunk: int = _opt(KNEE, min=1)(
         "llama: the fewest tokens of a heavy or background prompt fed in a decode step that does not end it (where a step's cost per prompt token stops falling: 64 on a CPU); such a prompt that would get fewer waits a step, while the running streams bank the time. An interactive prompt takes any chunk: a chat's first token is worth more than a chunk's efficiency."

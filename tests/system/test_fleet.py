@@ -260,24 +260,13 @@ class SlowStore:
         self.released: list[str] = []
         self.renewals = 0
 
-    async def release(
-        self, leases: list[Lease], *, replica: str, ready_ms: int, seq: int = 0
-    ) -> int:
+    async def release(self, leases: list[Lease], **_: object) -> int:
         self.writing += 1
         await self.gate.wait()
         self.released += [lease.id for lease in leases]
         return -1
 
-    async def renew(
-        self,
-        leases: list[Lease],
-        *,
-        ttl_ms: int,
-        replica: str,
-        ready_ms: int,
-        seq: int = 0,
-        address: str,
-    ) -> tuple[int, int]:
+    async def renew(self, leases: list[Lease], **_: object) -> tuple[int, int]:
         self.renewals += 1
         return 1, 0
 
@@ -313,26 +302,18 @@ class ReadyStore(SlowStore):
         self.gate.set()
         self.told: list[int] = []
 
-    async def release(
-        self, leases: list[Lease], *, replica: str, ready_ms: int, seq: int = 0
-    ) -> int:
+    def _told(self, fields: dict[str, object]) -> None:
+        ready_ms = fields["ready_ms"]
+        assert isinstance(ready_ms, int)
         self.told.append(ready_ms)
-        return await super().release(leases, replica=replica, ready_ms=ready_ms)
 
-    async def renew(
-        self,
-        leases: list[Lease],
-        *,
-        ttl_ms: int,
-        replica: str,
-        ready_ms: int,
-        seq: int = 0,
-        address: str,
-    ) -> tuple[int, int]:
-        self.told.append(ready_ms)
-        return await super().renew(
-            leases, ttl_ms=ttl_ms, replica=replica, ready_ms=ready_ms, address=address
-        )
+    async def release(self, leases: list[Lease], **fields: object) -> int:
+        self._told(fields)
+        return await super().release(leases)
+
+    async def renew(self, leases: list[Lease], **fields: object) -> tuple[int, int]:
+        self._told(fields)
+        return await super().renew(leases)
 
 
 async def test_a_busy_yield_tells_the_store_how_soon_this_replica_could_serve() -> None:
@@ -402,16 +383,7 @@ class CancelHidingStore(SlowStore):
         super().__init__()
         self.renewing = asyncio.Event()
 
-    async def renew(
-        self,
-        leases: list[Lease],
-        *,
-        ttl_ms: int,
-        replica: str,
-        ready_ms: int,
-        seq: int = 0,
-        address: str,
-    ) -> tuple[int, int]:
+    async def renew(self, leases: list[Lease], **_: object) -> tuple[int, int]:
         self.renewals += 1
         self.renewing.set()
         with contextlib.suppress(asyncio.CancelledError):
