@@ -39,7 +39,10 @@ from .wire import Wire
 LINES_PER_TURN = 64
 
 
-_BUSY = frozenset({Phase.RUNNING, Phase.WAITING})
+# What keeps a connection from being idle. A held payload too, bounded by its own deadline (its
+# hint and upload_timeout): a client told to come back in 60 s, the longest hint, found its
+# payload gone with its connection at the idle timeout's 60 s.
+_BUSY = frozenset({Phase.RUNNING, Phase.WAITING, Phase.HELD})
 
 
 class Connection(Protocol):
@@ -117,8 +120,8 @@ class Session:
         return waiting if isinstance(waiting, Request) else None
 
     @property
-    def running(self) -> int:
-        """Jobs running or waiting in line for their turn (the connection is not idle)."""
+    def busy(self) -> int:
+        """Jobs running, waiting in line or held for a retry (the connection is not idle)."""
         return sum(1 for s in self.jobs.values() if s.phase in _BUSY)
 
     @property
@@ -190,7 +193,7 @@ class Session:
         waits: it is looked at again an ``idle_timeout`` later."""
         config = self.config
         deadline = self.last_frame_at + config.idle_timeout
-        if deadline <= now and self.running:
+        if deadline <= now and self.busy:
             deadline = now + config.idle_timeout
         if not self.credentials.authenticated:
             deadline = min(deadline, self.opened_at + config.auth_grace)
@@ -222,7 +225,7 @@ class Session:
                 f"no valid api_key within {config.auth_grace:g} s",
             )
             return False
-        if now >= self.last_frame_at + config.idle_timeout and not self.running:
+        if now >= self.last_frame_at + config.idle_timeout and not self.busy:
             timeout = config.idle_timeout
             self.fatal(NeedCode.IDLE_TIMEOUT, ErrorCode.TIMEOUT, f"no frame for {timeout:g} s")
             return False

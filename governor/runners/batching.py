@@ -29,22 +29,20 @@ time-per-output-token (TPOT) objective, ``ttft_s``, its time-to-first-token obje
 ``gap_s``, a cap on any single gap between two of its tokens (the worker gives interactive jobs
 one). A TPOT objective is an average (the time from a stream's first token to its last, over
 its tokens), so a stream ahead of it has time banked, and its tokens to come will bank more
-where a step is shorter than the objective's pace: the bound of a step is the least, over the
-generating sequences with an objective, of the time until each one's next token is due at the
-objective's pace (``MARGIN * tpot_s`` a token since its first) and what its tokens to come will
-bank by its end (``expected``, the tokens it is expected to generate: the daemon's learnt share
-of ``max_new_tokens``; each at that pace less a step of every slot's token and a prompt token,
-at the step costs' mean), never less than the step of the decodes alone, nor more than
+wherever a step is shorter than the objective's pace. The bound of a step is the least, over
+the generating sequences with an objective, of the time until each one's next token is due at
+the objective's pace (``MARGIN * tpot_s`` a token since its first) plus what its tokens to come
+will bank by its end (``expected``, the tokens it is expected to generate: the daemon's learnt
+share of ``max_new_tokens``; each at that pace less a step of every slot's token and a prompt
+token, at the step costs' mean), never less than the step of the decodes alone, nor more than
 ``MARGIN * gap_s`` (without a gap, ``MARGIN * ttft_s``: no running stream pauses longer than a
-new one is promised to wait). So a stream that runs its expected length ends within its
-objective, whether a prompt beside it went in a few long steps or many short ones; in few, the
-prompt's slot generates sooner. (Before the tokens to come counted, prompts went in at the
-pace the chats banked time, 4 tokens a step beside 8 chats, their slots idle meanwhile: on
-guidellm's mix of chats and rewrites, 24 streams on 8 slots, 0.95x llama-server's output
-against 1.0x with them, the chats' ITL lower, not higher; docs/BENCHMARKS.md.) So a chat's pace holds on average and its
-longest pause holds too, while a heavy or background stream, whose objectives are loose,
-lets a step take the full batch; with no bound (nothing generating, or nothing with an
-objective), a step takes up to ``step_tokens``. A chat whose first token came late keeps its
+new one is promised to wait). So a chat that runs its expected length ends within its
+objective, and its longest pause holds too, whether a prompt beside it went in a few long
+steps or in many short ones; in few, the prompt's slot generates sooner. (Counting only the
+time banked, prompts went in at the pace the chats banked it, 4 tokens a step beside 8 chats,
+their slots idle meanwhile; docs/BENCHMARKS.md, "What the objectives cost".) A heavy or
+background stream, whose objectives are loose, lets a step take the full batch; with no bound
+(nothing generating, or nothing with an objective), a step takes up to ``step_tokens``. A chat whose first token came late keeps its
 pace too: past capacity, on 2 slots, letting such chats' gaps grow to their TTFT objective cost
 them 3.5 times their TPOT objective and held their slots longer, for fewer jobs done
 (docs/BENCHMARKS.md, "Past capacity").

@@ -510,6 +510,32 @@ def test_a_connection_whose_job_waits_is_not_idle(clock: FakeClock) -> None:
     assert client.replies() == []
 
 
+def test_a_connection_holding_a_payload_for_a_retry_outlives_the_idle_timeout(
+    clock: FakeClock,
+) -> None:
+    """A refused job's payload held for its client's retry: the connection is not closed for
+    idleness before the hold's own deadline (its hint and upload_timeout), so a client told
+    to come back later than idle_timeout finds its payload; once the hold has lapsed, the idle
+    connection is closed."""
+    state = make_state(clock, cap=1, idle_timeout=0.5, upload_timeout=1.0)
+    running(state)
+    client = Client(state)
+    (refused,) = client.send(waiting_job("J_2", 0))
+    assert refused.status == Status.YIELD
+    assert receipts(refused)[Receipt.PAYLOAD_HELD] == 1
+    hold_ends = clock.now + (refused.retry_hint_ms or 0) / 1000 + 1.0
+    clock.now += 0.6  # past the idle timeout, the payload still held
+    client.session.expire(clock.now)
+    assert not client.closed
+    assert client.replies() == []
+    clock.now = max(hold_ends, clock.now) + 0.01
+    client.session.expire(clock.now)
+    (dropped,) = client.replies()
+    assert (dropped.job, dropped.need_code) == ("J_2", NeedCode.UPLOAD_TIMEOUT)
+    client.session.expire(clock.now)  # (nothing held, nothing running, no frame for long)
+    assert client.closed
+
+
 @pytest.mark.parametrize(
     ("extra", "why"),
     [
