@@ -370,8 +370,7 @@ class Admission:
         lane = plan.demand.lane if plan.demand is not None else None
         objectives = self._objectives(lane, attempt.tenant, plan.job)
         slot.tpot_s = objectives.tpot_ms / 1000  # (a chat beyond the reserve reads its slack)
-        # What the runner needs of the decision: how urgent the job is, where its KV cells are
-        # reserved, and what its steps are sized to.
+        # What the runner needs of the decision: urgency, KV cache, what its steps are sized to.
         job = dataclasses.replace(
             plan.job,
             priority=LANES.index(lane) if lane is not None else 0,
