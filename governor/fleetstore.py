@@ -181,8 +181,8 @@ return {1, '', 0, replicas, inflight + 1, sooner}
 )
 
 # KEYS: leases, ends, replicas, ready, then each lease's tenant set; ARGV: the replica, how soon
-# it could serve a newcomer, the write's seq, then the lease ids, in the tenant sets' order. Returns how soon
-# another could (HEARTBEAT).
+# it could serve a newcomer, the write's seq, then the lease ids, in the tenant sets' order.
+# Returns how soon another could (HEARTBEAT).
 RELEASE = (
     HEARTBEAT
     + """
@@ -334,7 +334,8 @@ class RedisStore:
         self, leases: Sequence[Lease], *, replica: str, ready_ms: int, seq: int = 0
     ) -> int:
         """Free ``leases`` (none: a heartbeat), and tell the store how soon this replica could
-        serve a newcomer (as :meth:`acquire`); returns how soon another could (ms; -1: there is no other)."""
+        serve a newcomer (as :meth:`acquire`); returns how soon another could (ms; -1: there is
+        no other)."""
         sooner = -1
         for start in range(0, max(len(leases), 1), BATCH):
             batch = leases[start : start + BATCH]

@@ -122,7 +122,7 @@ class FleetGate:
         self.elsewhere_at: float | None = None
         self.ready_at = 0.0
         self._writes = itertools.count(1)
-        self._told = 0  # the newest write heard of (an answer to an older one says nothing newer)
+        self._heard_seq = 0  # the newest write answered (an older one's answer says nothing newer)
         self.leases: dict[str, Lease] = {}  # this replica's, for running jobs
         self.answers: collections.Counter[str] = collections.Counter()  # by answer
         self._ids = itertools.count(1)
@@ -201,9 +201,9 @@ class FleetGate:
         return Told(ready_ms, self.clock(), next(self._writes))
 
     def _heard(self, sooner_ms: int, told: Told) -> None:
-        if told.seq < self._told:  # (its answer overtaken by a newer write's)
+        if told.seq < self._heard_seq:  # (its answer overtaken by a newer write's)
             return
-        self._told = told.seq
+        self._heard_seq = told.seq
         self.elsewhere_at = math.inf if sooner_ms < 0 else self.clock() + sooner_ms / 1000
         self.ready_at = told.at + told.ms / 1000
 

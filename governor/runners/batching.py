@@ -42,8 +42,8 @@ steps or in many short ones; in few, the prompt's slot generates sooner. (Counti
 time banked, prompts went in at the pace the chats banked it, 4 tokens a step beside 8 chats,
 their slots idle meanwhile; docs/BENCHMARKS.md, "What the objectives cost".) A heavy or
 background stream, whose objectives are loose, lets a step take the full batch; with no bound
-(nothing generating, or nothing with an objective), a step takes up to ``step_tokens``. A chat whose first token came late keeps its
-pace too: past capacity, on 2 slots, letting such chats' gaps grow to their TTFT objective cost
+(nothing generating, or nothing with an objective), a step takes up to ``step_tokens``. A
+chat whose first token came late keeps its pace too: past capacity, on 2 slots, letting such chats' gaps grow to their TTFT objective cost
 them 3.5 times their TPOT objective and held their slots longer, for fewer jobs done
 (docs/BENCHMARKS.md, "Past capacity").
 

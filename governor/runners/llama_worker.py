@@ -46,8 +46,8 @@ job whose prompt is still being fed has in the cache, ``kv`` the cache cells hel
 ``acks`` how many cancels were handled since the last event, and ``rates`` (in "ready", and
 in a step event every ``RATES_EVERY`` steps) what a prompt token and a generated token cost now,
 in seconds, the second with every slot generating (:meth:`~.stepcost.StepCosts.rates`): the
-daemon predicts a job's time from its size with them until jobs have finished. A job is done when all its
-sequences are, with each one's whole text and finish in ``choices`` (by index),
+daemon predicts a job's time from its size with them until jobs have finished. A job is done
+when all its sequences are, with each one's whole text and finish in ``choices`` (by index),
 ``completion_tokens`` over all of them, and ``cached_tokens``, how much of its prompt was
 already in the cache (a prefix kept from an earlier job, or shared); or with an ``error``.
 Requests are read between steps, in the order sent: a cancel stops its job before the next
