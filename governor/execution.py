@@ -268,10 +268,10 @@ class Execution:
             now = state.jobs.last_token_at = state.now()
             if self.first_token is None:
                 self.first_token = now
-                ticket.slot.first_token = now
+                ticket.slot.begin(now)
                 self._first_token(now - ticket.slot.started)
             elif item.generated is not None:
-                ticket.slot.progress(item.generated, self.first_token, now)
+                ticket.slot.progress(item.generated, now)
             if item.index == 0 and item.tool is None:
                 self.parts.append(item.text)
         elif isinstance(item, Fed):

@@ -27,26 +27,41 @@
 Running jobs' progress
 ----------------------
 A job's predicted time holds only as long as the work beside it is what it was when the job was
-admitted: on a batched runner every running sequence waits for every step, so a chat admitted
-alone runs at another pace once long prompts are fed beside it. So while a job runs, its
-execution reports its progress, and its end is predicted again from its own pace:
+admitted: on a batched runner every running sequence waits for every step, and a step that
+feeds a prompt is many times one that only decodes. So while jobs run, their executions report
+their progress (:meth:`ServiceEstimates.feeding`: a prompt's tokens in the cache;
+:meth:`ServiceEstimates.progress`: tokens generated), and a sized job's end is predicted from
+the work left in the batch (:meth:`ServiceEstimates.end_of`)::
 
-* while its prompt is fed (in chunks, beside other jobs' tokens; :meth:`ServiceEstimates.feeding`:
-  the prompt tokens in the cache), ``end = now + (prompt - fed) * q + (ratio * max_new - 1) *
-  p``, ``q`` the fewest seconds per prompt token between two of its reports so far (a prompt
-  fed slowly beside chats goes faster once they end: a client told too early is refused and
-  told again, one told too late leaves the slot idle), ``p`` the running jobs' mean pace
-  (below), else the decode rate (learnt, or the runner's);
-* while it generates (:meth:`ServiceEstimates.progress`: tokens generated, and when the first
-  came), ``p`` its own seconds per token so far, ``end = now + (ratio * max_new - generated) *
-  p``.
+    end = now + A + R * p
 
-Its waiters are told that end itself: the pace is measured, not predicted, and a window of
+* ``A``, the prompts still to feed (:meth:`ServiceEstimates.prompts_s`, on a runner that says
+  its rates: the batched llama runner): every running job's prompt tokens not yet in the cache, at a prompt token's pace ``q``, measured as prompts are
+  fed (the time since the last prompt report over the tokens reported, decayed by
+  ``FEED_DECAY`` a report, with ``FEED_PRIOR`` tokens at the runner's rate, else the rate
+  learnt). A runner that feeds a prompt holds every stream's next token for it: four long
+  rewrites admitted together all end after the last one's prompt, not one prompt after their
+  own. But a step feeds a chunk of a prompt at most, so a job ``R`` tokens from its end waits
+  for ``R`` chunks at most (:meth:`ServiceEstimates.chunk_s`: a report's mean time).
+* ``R``, the job's tokens left: its expected length (``ratio * max_new``) less those it has
+  generated.
+* ``p``, the seconds a step takes while only decodes run: the job's own pace, smoothed
+  (``PACE_WEIGHT`` a token) over the intervals between its reports in which no prompt was fed
+  (no job waited for its first token, fed or began); before it has one, the running jobs' mean
+  pace, else the runner's decode rate (every slot generating), else the rate learnt. A pace
+  taken over intervals that fed prompts would count the prompts twice (they are ``A``), and a
+  pace since the first token would keep the long prompt steps of the job's first seconds for
+  the rest of its run (a rewrite that began while three more prompts went in was predicted to
+  end 180 s later, 30 s before it did).
+
+A job with a TPOT objective ends, at the latest, where its objective puts it (its first token
+plus its expected length at the objective's pace): the runner defers prompts for it. Past its
+expected length how long it will go on is unknown again, and its end is predicted from its
+admission, as above; a job without a size, or on a runner whose rates are unknown, likewise.
+Its waiters are told that end itself: the rates are measured, not predicted, and a window of
 ``err`` of what is left would open again at every re-timing (a client told half of what is
-left, then half of that, ...). Past that end, or past its expected length (``ratio * max_new``
-tokens), how long it will go on is unknown again, and its end is predicted from its admission,
-as above. A newcomer's decode is predicted at the running jobs' mean pace (the pace it will run
-at beside them), rather than at the rate learnt from jobs that finished, perhaps alone.
+left, then half of that, ...). A newcomer's decode is predicted at the running jobs' mean pace
+(the pace it will run at beside them).
 
 Everything here is pure arithmetic: the caller passes the time.
 """
@@ -54,6 +69,7 @@ Everything here is pure arithmetic: the caller passes the time.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,6 +77,9 @@ from .policy import Lane
 from .service import JobSize, ServiceModel
 
 EWMA_ALPHA = 0.2
+PACE_WEIGHT = 0.1  # the weight of one token's interval in a running job's smoothed pace
+FEED_DECAY = 0.8  # the weight left to the earlier reports in the prompts' pace, per report
+FEED_PRIOR = 256  # the weight, in prompt tokens, of the runner's (or learnt) rate in that pace
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +101,15 @@ class Running(Protocol):
     started: float
     expected_s: float  # its own predicted service time
     size: JobSize | None
-    # From its progress: seconds per output token so far, when it is now expected to end
-    # (None: from expected_s), and its prompt's last report (when, tokens fed, fastest pace).
+    tpot_s: float  # its TPOT objective (0: none)
+    first_token: float | None  # when its first token came (None: not yet)
+    # From its progress: its prompt tokens in the cache, its tokens generated, its last report
+    # (when, tokens generated), and its pace (seconds a token while only decodes ran; None:
+    # none measured yet).
+    fed: int
+    generated: int
+    ticked: tuple[float, int] | None
     pace_s: float | None
-    live_end: float | None
-    fed_from: tuple[float, int, float] | None
 
     @property
     def paused_s(self) -> float:
@@ -98,9 +121,11 @@ class ServiceEstimates:
     """One pool's estimates of how long its jobs hold their slots: see the module docstring."""
 
     __slots__ = (
+        "_fed",
         "_pace_sum",
         "_paced",
         "error",
+        "fed_at",
         "floor_s",
         "lane_service_s",
         "model",
@@ -120,6 +145,9 @@ class ServiceEstimates:
         # The running jobs' paces (seconds per output token), summed, and how many have one.
         self._pace_sum = 0.0
         self._paced = 0
+        # The prompts' pace: the seconds, the tokens and the reports that fed them, decayed.
+        self._fed = (0.0, 0.0, 0.0)
+        self.fed_at = -math.inf  # when a prompt was last reported fed
 
     @property
     def paced(self) -> int:
@@ -137,7 +165,7 @@ class ServiceEstimates:
         model = self.model
         if not model.knows(size):
             return self.service_for(lane)
-        return model.predict_s(size, self.running_pace())
+        return model.predict_s(size, self.running_pace(), self.prompt_pace())
 
     def running_pace(self) -> float | None:
         """The running jobs' mean seconds per output token (None: none has reported one)."""
@@ -169,48 +197,97 @@ class ServiceEstimates:
         expected = max(started + service - window, now + poll)
         return max(expected, now + self.floor_s)
 
-    def end_of(self, job: Running, now: float) -> float:
-        """When a running job is expected to end: from its progress while it is within its
-        expected length, else from its own predicted service time."""
-        end = job.live_end
-        if end is None or end <= now:
+    def decode_pace(self, job: Running | None = None) -> float | None:
+        """Seconds a step takes while only decodes run: ``job``'s own pace, else the running
+        jobs' mean, else the runner's decode rate, else the one learnt (None: none known)."""
+        if job is not None and job.pace_s is not None:
+            return job.pace_s
+        running = self.running_pace()
+        return running if running is not None else self.model.decode_rate()
+
+    def prompt_pace(self) -> float | None:
+        """Seconds a prompt token takes on this runner now: measured as prompts were fed, with
+        ``FEED_PRIOR`` tokens at the runner's rate, else the one learnt (so that a few short
+        prompts, their time all overhead, do not say what a long one costs); None: neither
+        measured nor known."""
+        seconds, tokens, _ = self._fed
+        prior = self.model.prompt_rate()
+        if prior is not None:
+            seconds, tokens = seconds + FEED_PRIOR * prior, tokens + FEED_PRIOR
+        return seconds / tokens if tokens else None
+
+    def prompts_s(self, jobs: Iterable[Running]) -> float:
+        """``A``: the seconds the running ``jobs``' prompt tokens not yet in the cache take, on
+        a runner that feeds them beside every stream (one that says its rates: the batched
+        llama runner); 0 on any other (each job its own, as the stub's)."""
+        rate = self.prompt_pace()
+        if not rate or self.model.assumed() is None:
+            return 0.0
+        tokens = sum(
+            max(job.size.prompt_tokens - job.fed, 0)
+            for job in jobs
+            if job.size is not None and job.first_token is None
+        )
+        return tokens * rate
+
+    def end_of(self, job: Running, now: float, prompts_s: float = 0.0) -> float:
+        """When a running job is expected to end: from the work left in the batch
+        (``prompts_s``: :meth:`prompts_s` of the running jobs) while it is within its expected
+        length, else from its own predicted service time (see "Running jobs' progress")."""
+        size, pace = job.size, self.decode_pace(job)
+        if size is None or pace is None or (job.first_token is None and not self.model.knows(size)):
             return self.expected_end(job.started + job.paused_s, now, job.expected_s)
+        expected = self.model.ratio * size.max_new_tokens
+        if job.generated >= expected:
+            return self.expected_end(job.started + job.paused_s, now, job.expected_s)
+        tokens = expected - max(job.generated, 1)  # (the first comes with the prompt)
+        left = tokens * pace
+        # (a step feeds a chunk of prompt at most: a job with few tokens left ends first)
+        end = now + min(prompts_s, max(tokens, 1.0) * self.chunk_s()) + left
+        if job.first_token is None:  # (its own prompt, where the others' are not counted)
+            own = max(size.prompt_tokens - job.fed, 0) * (self.prompt_pace() or 0.0)
+            end += max(own - prompts_s, 0.0) + self.model.overhead_s()
+        if job.tpot_s and job.first_token is not None:  # (its objective defers the prompts)
+            end = min(end, max(job.first_token + job.paused_s + expected * job.tpot_s, now + left))
         return max(end, now + self.floor_s)
 
     def feeding(self, job: Running, fed: int, now: float) -> None:
-        """``fed`` of the job's prompt tokens are in the cache: its end is predicted again
-        from its prompt's pace (see "Running jobs' progress")."""
-        size = job.size
-        if size is None:
+        """``fed`` of the job's prompt tokens are in the cache: the prompts' pace learns the
+        time since the last prompt was reported fed (or since the job's admission, if later):
+        two prompts fed in one step share its time."""
+        tokens = fed - job.fed
+        if tokens <= 0:
             return
-        last = job.fed_from
-        if last is None or fed <= last[1]:
-            job.fed_from = (now, fed, math.inf) if last is None else last
-            return
-        since, before, fastest = last
-        pace = min((now - since) / (fed - before), fastest)
-        job.fed_from = (now, fed, pace)
-        decode_s = self.running_pace()
-        if decode_s is None:
-            decode_s = self.model.decode_rate() or 0.0
-        after_first = max(self.model.ratio * size.max_new_tokens - 1.0, 0.0)
-        job.live_end = now + max(size.prompt_tokens - fed, 0) * pace + after_first * decode_s
+        job.fed = fed
+        seconds = max(now - max(job.started, self.fed_at), 0.0)
+        self.fed_at = now
+        last_s, last_n, reports = self._fed
+        d = FEED_DECAY
+        self._fed = (d * last_s + seconds, d * last_n + tokens, d * reports + 1.0)
 
-    def progress(self, job: Running, generated: int, first_token: float, now: float) -> None:
-        """The job has generated ``generated`` tokens, the first at ``first_token``: its end is
-        predicted again from its own pace (see "Running jobs' progress")."""
-        size = job.size
-        if generated < 2 or size is None:
+    def chunk_s(self) -> float:
+        """The seconds a report of a prompt fed took, on average (inf: none measured yet): what
+        a step that feeds a prompt holds every stream's next token for."""
+        seconds, _, reports = self._fed
+        return seconds / reports if reports else math.inf
+
+    def progress(self, job: Running, generated: int, now: float, clean: bool) -> None:
+        """The job has generated ``generated`` tokens; ``clean``: no prompt was fed since its
+        last report, so the interval teaches its pace (see "Running jobs' progress")."""
+        last = job.ticked
+        job.ticked = (now, generated)
+        job.generated = generated
+        if last is None or generated <= last[1] or not clean or job.size is None:
             return
-        pace = (now - first_token) / (generated - 1)
-        if job.pace_s is None:
+        tokens = generated - last[1]
+        pace = (now - last[0]) / tokens
+        old = job.pace_s
+        if old is None:
             self._paced += 1
-            self._pace_sum += pace
         else:
-            self._pace_sum += pace - job.pace_s
+            pace = old + (1.0 - (1.0 - PACE_WEIGHT) ** tokens) * (pace - old)
+        self._pace_sum += pace - (old or 0.0)
         job.pace_s = pace
-        expected = self.model.ratio * size.max_new_tokens
-        job.live_end = now + (expected - generated) * pace if generated < expected else None
 
     def ended(self, job: Running, lane: Lane | None, held: float, done: Completed | None) -> None:
         """A job of ``lane`` left its slot after ``held`` seconds: its pace no longer counts,

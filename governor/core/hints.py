@@ -35,7 +35,7 @@ not ahead of it. Pure: the caller passes the time.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -111,19 +111,25 @@ class RetryHints:
         release_ms = min(max(_ms(release - now), 0), hint_ms)
         return HintParts(release_ms, hint_ms - release_ms, ahead)
 
+    def end_of(self, now: float) -> Callable[[Job], float]:
+        """When each running job is expected to end, the prompts still to feed counted once."""
+        estimates = self.estimates
+        prompts_s = estimates.prompts_s(self._running)
+        return lambda job: estimates.end_of(job, now, prompts_s)
+
     def next_end(self, now: float) -> float:
         """When the first running job is expected to end (a free slot frees nothing more)."""
-        end_of = self.estimates.end_of
-        return min((end_of(job, now) for job in self._running), default=now)
+        end_of = self.end_of(now)
+        return min((end_of(job) for job in self._running), default=now)
 
     def kv_release(self, now: float, kv: KvBudget, cells: int) -> float:
         """When one of the caches is expected to have ``cells`` free: the running jobs' ends,
         in order, each giving its cells back to its cache (the first end where none could:
         the cells are held by what is not running)."""
-        end_of = self.estimates.end_of
+        end_of = self.end_of(now)
         free = [kv.free(i)[0] for i in range(len(kv.caches))]
         for end, cache, tokens in sorted(
-            (end_of(job, now), job.kv_cache, job.kv_tokens)
+            (end_of(job), job.kv_cache, job.kv_tokens)
             for job in self._running
             if job.kv_cache is not None
         ):
@@ -134,10 +140,10 @@ class RetryHints:
 
     def lane_release(self, now: float, lane: Lane) -> float:
         """When the first running job of ``lane`` is expected to end."""
-        end_of = self.estimates.end_of
+        end_of = self.end_of(now)
         return min(
             (
-                end_of(job, now)
+                end_of(job)
                 for job in self._running
                 if job.demand is not None and job.demand.lane == lane
             ),
@@ -164,7 +170,10 @@ class RetryHints:
         own_s = self.estimates.predict_s(size, self.lanes.lane(rank))
         parts, promise = self.timing(now, promise, rank, size, later)
         at = now + parts.ms / 1000
-        return parts, self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
+        kept = self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
+        if kept is not None:
+            kept.told = now
+        return parts, kept
 
     def timing(
         self,
@@ -225,15 +234,13 @@ class RetryHints:
         r``: those of the lower lanes' jobs, and of the interactive jobs past the ``r`` the
         reserve holds (the first of them to end frees a slot that is not the reserve's).
         """
-        end_of = self.estimates.end_of
+        end_of = self.end_of(now)
         reserve = self.lanes.reserve(rank, now)
         ends: list[float] = []
         interactive: list[float] = []
         for job in self._running:
             lane = job.demand.lane if reserve and job.demand is not None else None
-            (interactive if lane == Lane.INTERACTIVE else ends).extend(
-                [end_of(job, now)] * job.width
-            )
+            (interactive if lane == Lane.INTERACTIVE else ends).extend([end_of(job)] * job.width)
         if not reserve:
             return ends, self.cap
         if len(interactive) > reserve:

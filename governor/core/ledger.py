@@ -62,6 +62,7 @@ from ..runners.base import CacheShape, Pause
 from .estimates import Completed, ServiceEstimates
 from .hints import HintParts, RetryHints
 from .kvbudget import KvBudget
+from .landing import Landings
 from .lanegate import LaneGate
 from .policy import LANES, Demand, Lane, LanePolicy
 from .preemption import cell_victims, slack_s, slot_victims
@@ -109,17 +110,18 @@ class Slot:
         "_released",
         "demand",
         "expected_s",
-        "fed_from",
+        "fed",
         "first_token",
+        "generated",
         "kv_cache",
         "kv_tokens",
-        "live_end",
         "pace_s",
         "pause",
         "pauses",
         "size",
         "started",
         "suspended_at",
+        "ticked",
         "tpot_s",
         "width",
     )
@@ -138,12 +140,13 @@ class Slot:
         self.expected_s = ledger.estimates.predict_s(size, lane)
         self.kv_cache: int | None = None  # the KV cache its cells are reserved in
         self.kv_tokens = 0  # how many
-        # From its progress (:meth:`feeding`, :meth:`progress`): seconds per output token so
-        # far, and when it is now expected to end (None: from expected_s).
+        # From its progress (:meth:`feeding`, :meth:`begin`, :meth:`progress`): its prompt
+        # tokens in the cache, its tokens generated, its last report (when, tokens), and its
+        # pace while only decodes ran (seconds a token; None: none measured yet).
+        self.fed = 0
+        self.generated = 0
+        self.ticked: tuple[float, int] | None = None
         self.pace_s: float | None = None
-        self.live_end: float | None = None
-        # Its prompt's last report (when, tokens fed) and its fastest pace so far.
-        self.fed_from: tuple[float, int, float] | None = None
         # Its suspension, for a job the ledger may suspend (preemptible, below the interactive
         # lane): the job's runner reads it.
         self.pause: Pause | None = None
@@ -179,25 +182,29 @@ class Slot:
         if first is None or size is None or not self.tpot_s:
             return 0.0
         tokens = self._ledger.estimates.model.ratio * size.max_new_tokens
-        end = self.live_end
-        if end is None:  # (no pace of its own yet: its predicted service, its pauses added)
-            end = max(now, self.started + self.expected_s + self.paused_s)
-        return slack_s(first, tokens, self.tpot_s, end)
+        return slack_s(first, tokens, self.tpot_s, self._ledger.slot_end(self, now))
 
-    def progress(self, generated: int, first_token: float, now: float) -> None:
-        """The job has generated ``generated`` tokens, the first at ``first_token``: its end is
-        predicted again from its own pace (:meth:`ServiceEstimates.progress`)."""
+    def begin(self, now: float) -> None:
+        """Its first token came: its prompt is all in the cache."""
+        self.first_token = now
         if self._released:
             return
-        # (its pace is its own: the time suspended since its first token does not count)
-        paused = sum(
-            end - max(start, first_token) for start, end in self.pauses if end > first_token
-        )
-        self._ledger.estimates.progress(self, generated, first_token + paused, now)
+        if self.size is not None:
+            self._ledger.estimates.feeding(self, self.size.prompt_tokens, now)
+        self.generated, self.ticked = 1, (now, 1)
+
+    def progress(self, generated: int, now: float) -> None:
+        """The job has generated ``generated`` tokens: its pace learns the time since its last
+        report unless a prompt was fed, or it was suspended, meanwhile
+        (:meth:`ServiceEstimates.progress`)."""
+        if self._released or self.ticked is None:
+            return
+        since = self.ticked[0]
+        clean = self._ledger.quiet_since(since) and not (self.pauses and self.pauses[-1][1] > since)
+        self._ledger.estimates.progress(self, generated, now, clean)
 
     def feeding(self, fed: int, now: float) -> None:
-        """``fed`` of the job's prompt tokens are in the cache: its end is predicted again from
-        its prompt's pace (:meth:`ServiceEstimates.feeding`)."""
+        """``fed`` of the job's prompt tokens are in the cache."""
         if self._released:
             return
         self._ledger.estimates.feeding(self, fed, now)
@@ -264,6 +271,7 @@ class SlotPool:
         self.estimates = ServiceEstimates(expected_service_s, min_hint_ms / 1000)
         self.line = PromiseLine(len(LANES))
         self.lanes = LaneGate(policy, self.line, clock(), lend=preemptible)
+        self.landings = Landings()  # the returns at their hints, and the hints' errors
         self.hints = RetryHints(
             cap, min_hint_ms, max_hint_ms, self.estimates, self.line, self.lanes, self._running
         )
@@ -320,7 +328,14 @@ class SlotPool:
 
     def slot_end(self, slot: Slot, now: float) -> float:
         """When a running job is expected to end (:meth:`ServiceEstimates.end_of`)."""
-        return self.estimates.end_of(slot, now)
+        return self.estimates.end_of(slot, now, self.estimates.prompts_s(self._running))
+
+    def quiet_since(self, since: float) -> bool:
+        """No prompt fed since ``since``: none reported fed or begun since, and no running job
+        waits for its first token (a prompt fed in one step says nothing until it ends)."""
+        return self.estimates.fed_at <= since and all(
+            s.first_token is not None or s.size is None for s in self._running
+        )
 
     def hint_ms(self, now: float, at: float) -> int:
         """Milliseconds from ``now`` to ``at``, within the hint's bounds."""
@@ -387,6 +402,8 @@ class SlotPool:
         for _ in range(min(slot.width, len(self._freed))):
             freed = self._freed.pop()
         if promise is not None:
+            hint = self.landings.at_hint(promise, now, self.estimates.hold())
+            self.landings.landed(promise, _label(demand), hint if promise.queued else None, freed)
             self.withdraw(promise)
             if freed is not None:
                 self.handoffs += 1
@@ -569,7 +586,13 @@ class SlotLedger(SlotPool):
     ) -> Refusal:
         """No slot for the job: its place in line and the hint to it; ``reserved``, the free
         slots are the interactive reserve's."""
-        parts, promise = self.hints.place(now, promise, rank, size, later)
+        hint = None
+        if promise is not None and promise.queued:
+            hint = self.landings.at_hint(promise, now, self.estimates.hold())
+        parts, kept = self.hints.place(now, promise, rank, size, later)
+        if hint is not None and kept is not None and kept is promise:
+            self.landings.early(kept, _label(self.lanes.lane(rank)), hint)
+        promise = kept
         if reserved:
             refusal = Refusal(
                 NeedCode.LANE_FULL, parts.ms, promise, parts, Bound.INTERACTIVE_RESERVE
@@ -687,3 +710,10 @@ class SlotLedger(SlotPool):
         """``slot`` was released before its job ran (the fleet refused it): it executed nothing."""
         assert slot.released
         self.executed_total -= 1
+
+
+def _label(lane: Demand | Lane | None) -> str:
+    """A lane's metric label (``-``: lanes off)."""
+    if isinstance(lane, Demand):
+        lane = lane.lane
+    return lane.value if lane is not None else "-"

@@ -43,7 +43,7 @@ class Promise:
     is back.
     """
 
-    __slots__ = ("at", "lapses", "queued", "rank", "service_s")
+    __slots__ = ("at", "early", "lapses", "queued", "rank", "service_s", "told")
 
     def __init__(self, at: float, lapses: float, rank: int = 0, service_s: float = 0.0) -> None:
         self.at = at
@@ -51,6 +51,10 @@ class Promise:
         self.rank = rank
         self.service_s = service_s
         self.queued = True  # still in the line: neither withdrawn nor lapsed
+        self.told = at  # when it was told ``at`` (the hint's start: set by who tells it)
+        # Its client's returns at a hint that were refused again, (told, at) of each, until
+        # a slot is its (:class:`~governor.core.landing.Landings`); None: none.
+        self.early: list[tuple[float, float]] | None = None
 
 
 class PromiseLine:

@@ -33,12 +33,15 @@ A prediction is what the slot's waiters are told, so erring late idles the slot 
 back after it freed) and erring early costs one more refusal; the expected output length
 (``ratio * max_new``) rather than the worst case (``max_new``) is the smaller error.
 
-Until a sized job with a ttft has finished, the rates are the runner's own where it knows them
-(:attr:`ServiceModel.assumed`: the batched llama runner's step costs, fitted online from its
-steps, give a prompt token's cost and a generated token's with every slot generating), so that
-the first long jobs are predicted from their size, not from a prior a tenth of their length;
-the learnt rates take over one by one as jobs finish (the overhead stays 0 until then, the
-ratio 1: a job is expected to use its ``max_new_tokens``). Where the runner knows nothing
+Where the runner knows what its tokens cost (:attr:`ServiceModel.assumed`: the batched llama
+runner's step costs, fitted online from its steps, give a prompt token's cost and a step's with
+every slot generating), its rates are used, with no overhead, rather than the learnt ones: on a
+batched runner a finished job's time to first token counts the prompts fed before its own, and
+its decode the prompts fed beside it, so rates learnt from them say what the load was, not what
+a token costs (the running jobs' ends count that load from the work left:
+:mod:`governor.core.estimates`); and the first long jobs are predicted from their size, not
+from a prior a tenth of their length. The ratio is learnt all the same (1 until a job has
+finished: a job is expected to use its ``max_new_tokens``). Where the runner knows nothing
 (the stub, the http runner), and for a job without a size (a raw payload on the stub runner),
 the prediction is ``mean_s``: the exponentially weighted mean (``ALPHA``) of
 every finished job's ``held``, seeded with the runner's own estimate: the pool's estimate from
@@ -110,29 +113,31 @@ class ServiceModel:
         return size is not None and self.prompt_rate() is not None
 
     def prompt_rate(self) -> float | None:
-        """Seconds a prompt token: learnt, else the runner's (None: neither)."""
-        if self.prefill_s is not None:
-            return self.prefill_s
+        """Seconds a prompt token: the runner's, else learnt (None: neither)."""
         rates = self.assumed()
-        return rates.prompt_s if rates is not None else None
+        return rates.prompt_s if rates is not None else self.prefill_s
 
     def decode_rate(self) -> float | None:
-        """Seconds a generated token after the first: learnt, else the runner's."""
-        if self.decode_s is not None:
-            return self.decode_s
+        """Seconds a generated token after the first: the runner's, else learnt."""
         rates = self.assumed()
-        return rates.decode_s if rates is not None else None
+        return rates.decode_s if rates is not None else self.decode_s
 
-    def predict_s(self, size: JobSize | None, decode_s: float | None = None) -> float:
-        """The seconds a job of ``size`` is expected to hold its slot (``decode_s``: a decode
-        rate known better than the one learnt, the pace of the jobs it will run beside)."""
-        prefill_s = self.prompt_rate()
+    def overhead_s(self) -> float:
+        """Seconds a job takes besides its tokens: learnt, none at the runner's rates."""
+        return self.base_s if self.assumed() is None else 0.0
+
+    def predict_s(
+        self, size: JobSize | None, decode_s: float | None = None, prompt_s: float | None = None
+    ) -> float:
+        """The seconds a job of ``size`` is expected to hold its slot (``decode_s``,
+        ``prompt_s``: rates known better, measured on the jobs it will run beside)."""
+        prefill_s = prompt_s if prompt_s is not None else self.prompt_rate()
         if size is None or prefill_s is None:
             return self.mean_s
         after_first = self.ratio * size.max_new_tokens - 1.0
         decode_s = decode_s if decode_s is not None else self.decode_rate()
         return (
-            self.base_s
+            self.overhead_s()
             + size.prompt_tokens * prefill_s
             + (decode_s * after_first if after_first > 0.0 and decode_s else 0.0)
         )

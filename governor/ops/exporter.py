@@ -19,10 +19,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ..core.landing import ERROR_BUCKETS
 from ..core.policy import LANES
 from ..core.slo import OBJECTIVES, Attainment
 from ..state import ServerState
 from ..telemetry.logs import dropped_records
+from ..telemetry.metrics import cumulative
 from .health import Health
 
 if TYPE_CHECKING:
@@ -242,6 +244,30 @@ def _pool_families(server: ServerState, health: Health) -> Iterator[Metric]:
     yield from (breaker, moves, restarts, workers)
 
 
+def _hint_families(server: ServerState, health: Health) -> Iterator[Metric]:
+    """How the retry hints land (:mod:`governor.core.landing`), by lane and pool."""
+    returns = CounterMetricFamily(
+        "governor_hint_returns",
+        "Clients back at their retry hint, by lane, pool and outcome: landed (admitted) or "
+        "early (refused again). The landing rate is the landed share.",
+        labels=["lane", "pool", "outcome"],
+    )
+    errors = HistogramMetricFamily(
+        "governor_hint_error_ratio",
+        "Each retry hint a client came back at: when it told the client to come back less when "
+        "a slot was in fact available to it, as a share of the hint (negative: early; positive: "
+        "the slot stood idle for the time told), by lane and pool.",
+        labels=["lane", "pool"],
+    )
+    for pool in server.pools:
+        landings = pool.ledger.landings
+        for (lane, outcome), count in sorted(landings.returns.items()):
+            returns.add_metric([lane, pool.name, outcome], count)
+        for lane, (counts, total) in sorted(landings.errors.items()):
+            errors.add_metric([lane, pool.name], cumulative(ERROR_BUCKETS, counts), total)
+    yield from (returns, errors)
+
+
 def _probe_families(server: ServerState, health: Health) -> Iterator[Metric]:
     """The readiness probes' results and durations."""
     jobs = server.metrics
@@ -351,6 +377,7 @@ FAMILIES: tuple[FamilyBuilder, ...] = (
     _slot_families,
     _overload_families,
     _pool_families,
+    _hint_families,
     _probe_families,
     _latency_families,
     _front_families,

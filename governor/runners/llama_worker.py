@@ -45,8 +45,8 @@ many tokens the job (all its sequences) has generated so far; ``f`` how many pro
 job whose prompt is still being fed has in the cache, ``kv`` the cache cells held after it,
 ``acks`` how many cancels were handled since the last event, and ``rates`` (in "ready", and
 in a step event every ``RATES_EVERY`` steps) what a prompt token and a generated token cost now,
-in seconds, the second with every slot generating (:meth:`~.stepcost.StepCosts.rates`): the
-daemon predicts a job's time from its size with them until jobs have finished. A job is done
+in seconds, the second with every slot generating, over the cells in use
+(:meth:`~.stepcost.StepCosts.rates`): the daemon predicts a job's time from its size with them. A job is done
 when all its sequences are, with each one's whole text and finish in ``choices`` (by index),
 ``completion_tokens`` over all of them, and ``cached_tokens``, how much of its prompt was
 already in the cache (a prefix kept from an earlier job, or shared); or with an ``error``.
@@ -158,7 +158,7 @@ PROBE_CELLS = 16
 # The most a step waits, after a job's last token, for the run of the job the daemon gives the
 # freed slot, should the daemon not say it has offered the slot (see Refills).
 REFILL_MS = 10.0
-RATES_EVERY = 256  # steps between two of the rates a step event says (see above)
+RATES_EVERY = 32  # steps between two of the rates a step event says (see above)
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: the sequence ids one context may have
 EMBED_SEQUENCES = 64  # texts one embedding step takes at most
 # llama.cpp's warning for a context whose cells per sequence exceed the model's training
@@ -812,11 +812,14 @@ class Worker:
         self.acks = 0
 
     def rates(self) -> tuple[float, float]:
-        """What a prompt token and a generated token cost now (every slot generating, each
-        stream over half a context); the next are said ``RATES_EVERY`` steps on."""
+        """What a prompt token and a generated token cost now: a prompt's through the layers,
+        a step's with every slot generating over the cells in use (attention over cells not in
+        use would be a guess: the calibration's steps hold a few dozen); the next are said
+        ``RATES_EVERY`` steps on."""
         scheduler = self.scheduler
         self._rates_at = scheduler.costs.observed + RATES_EVERY
-        return scheduler.costs.rates(scheduler.slots, scheduler.cells // 2)
+        costs, slots = scheduler.costs, scheduler.slots
+        return costs.per_token(0), costs.decode(slots, scheduler.occupied + slots)
 
     def _sample(
         self, branch: Branch, index: int, out: list[dict[str, Any]], done: list[dict[str, Any]]

@@ -94,11 +94,10 @@ class StepCosts:
         c = self.coefficients
         return max(c[1] + c[3] * cells / 1024, 1e-6)
 
-    def rates(self, streams: int, cells: int) -> tuple[float, float]:
-        """What a token costs, as the daemon's predictions of a job's time want it: a prompt
-        token (:meth:`per_token`), and a generated token of one of ``streams`` streams that
-        each get one a step (the whole step), ``cells`` the cells the step attends over."""
-        return self.per_token(cells), max(self.predict(streams, streams, cells), 1e-6)
+    def decode(self, streams: int, cells: int) -> float:
+        """A step of ``streams`` streams that each get a token, over ``cells`` cells: what a
+        generated token of one of them costs (at least a microsecond)."""
+        return max(self.predict(streams, streams, cells), 1e-6)
 
     def observe(self, tokens: int, sampled: int, cells: int, seconds: float) -> None:
         """A step that ran: its features and how long it took."""

@@ -43,12 +43,17 @@ class Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative, as Prometheus wants them."""
-        out: list[tuple[str, float]] = []
-        total = 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            total += count
-            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
-        return out
+        return cumulative(self.bounds, self.counts)
+
+
+def cumulative(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
+    """Counts per bucket (the last one +Inf) as Prometheus' cumulative buckets."""
+    out: list[tuple[str, float]] = []
+    total = 0
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        total += count
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+    return out
 
 
 class LaneHistograms:

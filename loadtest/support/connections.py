@@ -31,12 +31,17 @@ class StartError(Exception):
 # Retries -------------------------------------------------------------------------------
 
 
+HINT_CAP_S = 60.0  # the governor's longest hint (max_hint_ms)
+
+
 def retry_policy(mode: str, max_attempts: int, fixed_ms: int = 500) -> RetryPolicy:
     """The client library's policy for a ``--retry`` mode."""
     if mode == "none":
         return NO_RETRY
     if mode == "hint":
-        return RetryPolicy(max_attempts=max_attempts)
+        # (every hint honoured, up to the governor's longest: the client's default cap of 5 s
+        # would bring a client told 20 s back every 5 s, each return a refusal)
+        return RetryPolicy(max_attempts=max_attempts, max_sleep_s=HINT_CAP_S)
     if mode == "naive":
         return RetryPolicy(max_attempts=max_attempts, fixed_delay_s=0.0)
     if mode == "fixed":

@@ -18,12 +18,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
 from clients.client import ClientError
 
+from . import hints
 from .connections import CONNECT_TIMEOUT_S, StartError
 from .monitor import Monitor, MonitorError
 from .targets import DONE, ERROR, TIMED_OUT, GovernorTarget, Outcome, Target
@@ -39,6 +40,7 @@ class Run:
     # (t_s, requests outstanding at the client) every sample period.
     outstanding: list[tuple[float, int]] = field(default_factory=list)
     monitor: Monitor | None = None  # the governor's own view (None for other targets)
+    hints: dict[str, Any] | None = None  # how its retry hints landed (None: not read)
 
 
 # Sends a request on a connection (by index): the outcome it fills in, and its task.
@@ -118,6 +120,8 @@ async def _drive(
     deadline = loop.time() + timeout_s
     monitor = await _prepare(target, connections, deadline=deadline, sample_s=sample_s, out=out)
     run = Run(monitor=monitor)
+    metrics = target.metrics if isinstance(target, GovernorTarget) else None
+    before = await hints.read(*metrics) if metrics is not None else []
     tasks: set[asyncio.Task[None]] = set()  # outstanding
     sent: list[asyncio.Task[None]] = []
     progress = Progress(progress_out, label, total, horizon_s)
@@ -152,6 +156,8 @@ async def _drive(
         except TimeoutError:
             pass  # what is left is cancelled below and stays timed out
         run.duration_s = time.monotonic() - t0
+        if metrics is not None:
+            run.hints = hints.summary(before, await hints.read(*metrics))
     finally:
         main.cancel()
         for task in (*tasks, sampler):

@@ -118,6 +118,8 @@ def stats(outcomes: Sequence[Outcome], duration_s: float, slo: Slo) -> dict[str,
         "retries": sum(max(o.attempts - 1, 0) for o in outcomes),
         "retried_jobs": len(retried),
         "first_retry_admitted": sum(o.first_retry_admitted for o in outcomes),
+        # (a retry that was not answered with a yield: its job was admitted)
+        "retries_admitted": sum(1 for o in outcomes if o.yields and o.attempts > len(o.yields)),
         "good": len(good),
         "met": {
             "ttft": round(sum(met_ttft) / n, 4) if n else None,
@@ -242,6 +244,7 @@ def step(
             ],
         ),
         "paused": paused(outcomes),
+        "hints": run.hints,
         "cap": cap,
         "max_inflight_observed": None if monitor is None else monitor.max_inflight,
         "inflight_peak": None if monitor is None else monitor.inflight_peak,
@@ -341,7 +344,8 @@ def summary_lines(step_report: dict[str, Any]) -> list[str]:
         f"{_by(a['aborted_by'])}, timed out {a[TIMED_OUT]}, errors {a[ERROR]}{_by(a['errors_by'])}",
         f"  yields {a['yields']}{_by(a['yields_by'])}, retries {a['retries']} "
         f"({a['retried_jobs']} job(s) retried, {a['first_retry_admitted']} admitted at their "
-        f"first retry), yield latency {_latency(a['yield_latency_ms'])} ms",
+        f"first retry, {a['retries_admitted']} retries admitted in all), yield latency "
+        f"{_latency(a['yield_latency_ms'])} ms",
     ]
     if step_report["cap"] is not None:
         lines.append(
@@ -352,9 +356,27 @@ def summary_lines(step_report: dict[str, Any]) -> list[str]:
         lines.append(f"  max outstanding at the client {step_report['max_outstanding']}")
     if step_report["monitor_error"]:
         lines.append(f"  monitor stopped early: {step_report['monitor_error']}")
-    lines += _overload_lines(step_report)
+    lines += _overload_lines(step_report) + _hint_lines(step_report.get("hints"))
     lines.append(f"  goodput {step_report['goodput_rps']}/s; latencies p50/p90/p99/max:")
     return lines + ["  " + row for row in table(step_report)]
+
+
+def _hint_lines(h: dict[str, Any] | None) -> list[str]:
+    """How the governor's hints landed, as its /metrics said (with --metrics-addr)."""
+    if not h or not h["returns"]:
+        return []
+    line = (
+        f"  hints (the governor's /metrics): {h['returns']} return(s) at their hint, "
+        f"{100 * h['landing_rate']:.1f}% landed"
+    )
+    if h["errors"]:
+        median = h["median_abs_le"]
+        line += (
+            f"; {h['errors']} error(s) known: {100 * h['within_10pct']:.1f}% within 10% of "
+            f"the hint, {100 * h['early_share']:.1f}% early, median |error| "
+            f"{'past 100%' if median is None else f'<= {100 * median:g}%'} of the hint"
+        )
+    return [line]
 
 
 def _overload_lines(step_report: dict[str, Any]) -> list[str]:

@@ -129,11 +129,18 @@ def _since(t0: float) -> float:
 class GovernorTarget:
     kind = "governor"
 
-    def __init__(self, endpoint: Endpoint, shape: Shape, retry: RetryPolicy) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        shape: Shape,
+        retry: RetryPolicy,
+        metrics: tuple[str, int] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.addr = endpoint.addr
         self.shape = shape
         self.retry = retry
+        self.metrics = metrics  # its --metrics-listen: how its hints landed is read there
         self.clients: list[GovernorClient] = []
         self._timeout = 10.0
 

@@ -86,6 +86,14 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "hint's sleep; --addr is ignored",
     )
     target.add_argument("--model", help="--openai: the model name to send (default: none)")
+    target.add_argument(
+        "--metrics-addr",
+        type=parse_addr,
+        metavar="HOST:PORT",
+        help="the governor's --metrics-listen (one governor): each step reads from its /metrics "
+        "how its retry hints landed (governor_hint_*, before and after the step): the landing "
+        "rate and the hints' errors",
+    )
     add_key_arguments(target, openai=True)
     add_tls_arguments(parser.add_argument_group("TLS to the governor (default: plain TCP)"))
 
@@ -254,7 +262,7 @@ def target_from(
         return OpenAITarget(args.openai, shape, args.model, retry=retry, api_key=api_key_from(args))
     endpoints = endpoints_from(args)
     if len(endpoints) == 1 and len(resolve_now([endpoints[0].addr])) == 1:
-        return GovernorTarget(endpoints[0], shape, retry)
+        return GovernorTarget(endpoints[0], shape, retry, getattr(args, "metrics_addr", None))
     return FleetTarget(endpoints, shape, retry)
 
 

@@ -78,6 +78,11 @@ def populated_server() -> Server:
     state.overload.transitions[("normal", "degraded")] += 1
     for pool in state.pools:
         pool.breaker.transitions[(BreakerState.CLOSED.label, BreakerState.OPEN.label)] += 1
+    landings = state.pools[0].ledger.landings
+    landings.returns[("heavy", "landed")] += 9
+    landings.returns[("heavy", "early")] += 1
+    landings.observe("heavy", -0.04)
+    landings.observe("heavy", 0.03)
     state.metrics.bad_frames["bad_json"] += 2
     state.connections.refused["too_many_connections"] += 1
     state.connections.refused["slow_reader"] += 3
@@ -138,6 +143,8 @@ FAMILIES = {
     "governor_breaker_transitions": ("counter", ("from", "pool", "to")),
     "governor_worker_restarts": ("counter", ("pool",)),
     "governor_workers_live": ("gauge", ("pool",)),
+    "governor_hint_returns": ("counter", ("lane", "outcome", "pool")),
+    "governor_hint_error_ratio": ("histogram", ("lane", "pool")),
     "governor_probes": ("counter", ("result",)),
     "governor_probe_duration_seconds": ("histogram", ()),
     "governor_time_to_first_token_seconds": ("histogram", ("lane",)),
@@ -230,6 +237,10 @@ def test_the_values_are_the_state_s(text: str) -> None:
     assert m['governor_breaker_state{pool="primary"}'] == 0
     assert m['governor_probes_total{result="timeout"}'] == 1
     assert m["governor_probe_duration_seconds_count"] == 2
+    assert m['governor_hint_returns_total{lane="heavy",outcome="landed",pool="primary"}'] == 9
+    within = m['governor_hint_error_ratio_bucket{lane="heavy",le="0.05",pool="primary"}']
+    early = m['governor_hint_error_ratio_bucket{lane="heavy",le="-0.02",pool="primary"}']
+    assert (early, within) == (1, 2)
     assert m['governor_slo_jobs_total{lane="interactive"}'] == 2
     assert m['governor_slo_met_total{lane="interactive",objective="both"}'] == 1
     assert m['governor_slo_attainment{lane="heavy",objective="tpot"}'] == 1.0

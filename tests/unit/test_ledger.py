@@ -20,6 +20,7 @@ from governor.core.ledger import (
 from governor.core.policy import LANES, Demand, LanePolicy
 from governor.core.promises import SLACK
 from governor.core.service import JobSize
+from governor.runners.base import Rates
 from protocol.codes import NeedCode
 from tests.clock import FakeClock
 
@@ -524,7 +525,8 @@ def test_a_running_jobs_end_and_a_newcomers_pace_follow_the_jobs_progress(
     clock.now += 0.1
     first_token = clock.now
     clock.now += 0.5
-    chat.progress(6, first_token, clock.now)  # 5 tokens in 0.5 s: 100 ms a token
+    chat.begin(first_token)
+    chat.progress(6, clock.now)  # 5 tokens in 0.5 s: 100 ms a token
     refused = ledger.admit(size=JobSize(10, 16))
     assert isinstance(refused, Refusal)
     # 10 tokens to go at 100 ms: 1 s (without its progress: a poll, 150 ms: a quarter of the
@@ -532,14 +534,13 @@ def test_a_running_jobs_end_and_a_newcomers_pace_follow_the_jobs_progress(
     assert refused.retry_hint_ms == 1000
     # Back a little early (the jitter), it is told what is left: no window opens again.
     clock.now += 0.9
-    chat.progress(15, first_token, clock.now)  # (still at 100 ms a token)
+    chat.progress(15, clock.now)  # (still at 100 ms a token)
     again = ledger.admit(promise=refused.promise, size=JobSize(10, 16))
     assert isinstance(again, Refusal)
     assert again.retry_hint_ms == 100
     assert ledger.estimates.predict_s(JobSize(10, 16)) == pytest.approx(0.1 + 15 * 0.1)
     # Past its expected length, its end is unknown again: predicted from its admission.
-    chat.progress(16, first_token, clock.now)
-    assert chat.live_end is None
+    chat.progress(16, clock.now)
     assert ledger.slot_end(chat, clock.now) == ledger.estimates.expected_end(
         chat.started, clock.now, chat.expected_s
     )
@@ -547,33 +548,42 @@ def test_a_running_jobs_end_and_a_newcomers_pace_follow_the_jobs_progress(
     assert ledger.estimates.predict_s(JobSize(10, 16)) != pytest.approx(
         0.1 + 15 * 0.1
     )  # (no pace now)
-    chat.progress(3, first_token, clock.now)  # (a late report after the release: ignored)
+    chat.progress(3, clock.now)  # (a late report after the release: ignored)
     assert ledger.estimates.paced == 0
 
 
-def test_a_long_prompts_end_follows_the_pace_it_is_fed_at(clock: FakeClock) -> None:
-    """A rewrite's prompt fed in chunks beside chats, slower than the jobs learnt from: its
-    end is predicted from the prompt tokens fed so far, and a waiter told so."""
-    ledger = SlotLedger(1, clock=clock)
-    alone = ledger.admit(size=JobSize(10, 16))
-    assert isinstance(alone, Slot)
-    clock.now += 0.4
-    alone.release(done=Completed(10, 16, 0.1))  # 10 ms a prompt token, 20 ms a token after
-    rewrite = ledger.admit(size=JobSize(1000, 10))
-    assert isinstance(rewrite, Slot)
-    assert rewrite.expected_s == pytest.approx(1000 * 0.01 + 9 * 0.02)
-    clock.now += 0.5
-    rewrite.feeding(100, clock.now)  # (the first report: a pace needs two)
-    assert rewrite.live_end is None
-    clock.now += 1.0
-    rewrite.feeding(300, clock.now)  # 200 tokens a second: 5 ms each
+def test_every_running_jobs_end_waits_for_the_prompts_still_to_feed(clock: FakeClock) -> None:
+    """Two rewrites admitted together on a batched runner: each ends after both prompts are
+    in (the runner holds every stream's next token for a prompt), so a waiter is told the
+    prompts left at a prompt token's cost (the runner's, then as measured), then the tokens left
+    at the decodes' pace; the tokens that came out while a prompt went in teach no pace."""
+    ledger = SlotLedger(2, clock=clock)
+    rates = Rates(prompt_s=0.005, decode_s=0.1)
+    ledger.estimates.model.assumed = lambda: rates
+    first, second = (ledger.admit(size=JobSize(1000, 10)) for _ in range(2))
+    assert isinstance(first, Slot)
+    assert isinstance(second, Slot)
     refused = ledger.admit(size=JobSize(10, 16))
     assert isinstance(refused, Refusal)
-    assert refused.retry_hint_ms == round(1000 * (700 * 0.005 + 9 * 0.02))
-    # Slower for a while (chats beside it): predicted at its fastest pace so far.
+    assert refused.retry_hint_ms == round(1000 * (2000 * 0.005 + 9 * 0.1))
+    clock.now += 5.0
+    first.begin(clock.now)  # 1,000 prompt tokens in 5 s
     clock.now += 1.0
-    rewrite.feeding(400, clock.now)  # 10 ms each
-    assert rewrite.live_end == pytest.approx(clock.now + 600 * 0.005 + 9 * 0.02)
+    second.feeding(200, clock.now)  # 200 in the next second: 5 ms a prompt token, measured
+    first.progress(3, clock.now)  # (beside the second's prompt: no pace)
+    assert first.pace_s is None
+    assert ledger.slot_end(first, clock.now) == pytest.approx(clock.now + 800 * 0.005 + 7 * 0.1)
+    clock.now += 2.0
+    second.begin(clock.now)  # its prompt's last step, reported first
+    first.progress(4, clock.now)  # (the same step: no pace)
+    assert first.pace_s is None
+    clock.now += 0.6
+    first.progress(7, clock.now)  # 200 ms a token now that only decodes run
+    second.progress(4, clock.now)
+    assert first.pace_s == pytest.approx(0.2)
+    assert second.pace_s == pytest.approx(0.2)
+    assert ledger.slot_end(first, clock.now) == pytest.approx(clock.now + 3 * 0.2)
+    assert ledger.slot_end(second, clock.now) == pytest.approx(clock.now + 6 * 0.2)
 
 
 def test_a_job_of_n_sequences_waits_for_n_releases(clock: FakeClock) -> None:

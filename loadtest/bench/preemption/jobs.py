@@ -19,14 +19,13 @@ from governor.runners.llama import embedded_model_path
 from protocol.spec import JobSpec
 
 from ...support import llama_server
-from ...support.connections import run_loop
+from ...support.connections import HINT_CAP_S, run_loop
 from ...support.processes import REPO, free_port, stop, wait_http_ready, wait_listening
 from ...support.replicas import Replica, Sample, by_label, total
 
 HOST = "127.0.0.1"
-# The hints honoured, up to the daemon's longest (60 s): the client's default cap (5 s) would
-# bring a rewrite back every 5 s while its hint says 20 (each return a refusal).
-RETRY = RetryPolicy(max_attempts=100_000, max_sleep_s=60.0)  # (bounded by --timeout)
+# The hints honoured, up to the daemon's longest (bounded by --timeout).
+RETRY = RetryPolicy(max_attempts=100_000, max_sleep_s=HINT_CAP_S)
 SAMPLE_S = 0.1
 POLL_S = 0.02
 READY_TIMEOUT_S = 180.0

@@ -1,0 +1,107 @@
+"""How the retry hints land, on a fake clock: one error per return at a hint, of its sign and
+size, known once a slot is the client's; none for a client that never gets one."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from governor.core.landing import EARLY_KEPT, Landings
+from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
+from governor.core.promises import Promise
+from tests.clock import FakeClock
+
+
+def refused(decision: Slot | Refusal) -> Promise:
+    assert isinstance(decision, Refusal)
+    assert decision.promise is not None
+    return decision.promise
+
+
+def errors(ledger: SlotLedger) -> tuple[int, float]:
+    """How many errors were observed (lanes off), and their sum."""
+    counts, total = ledger.landings.errors.get("-", ([], 0.0))
+    return sum(counts), total
+
+
+def test_a_return_that_lands_observes_how_long_the_slot_waited_for_the_time_told() -> None:
+    clock = FakeClock()
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    running = ledger.admit()
+    assert isinstance(running, Slot)
+    promise = refused(ledger.admit())
+    told, at = promise.told, promise.at
+    assert told == clock.now
+    assert at == pytest.approx(clock.now + 1.0)
+    freed = clock.now = told + 0.9
+    running.release(done=Completed())  # a tenth of the hint early: the slot waits 0.1 s
+    assert errors(ledger) == (0, 0.0)  # (nothing is known until the client is back)
+    clock.now = at
+    assert isinstance(ledger.admit(promise), Slot)
+    assert ledger.landings.returns == {("-", "landed"): 1}
+    count, total = errors(ledger)
+    assert count == 1
+    assert total == pytest.approx((at - freed) / (at - told))
+    assert total == pytest.approx(0.1)
+
+
+def test_an_early_return_is_observed_once_a_slot_is_its_with_its_own_hint() -> None:
+    """Back at its hint while the job still runs: refused again (early), and re-timed; its
+    error, negative, is observed when the slot it gets frees, beside the one it landed on."""
+    clock = FakeClock()
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock, min_hint_ms=100)
+    running = ledger.admit()
+    assert isinstance(running, Slot)
+    promise = refused(ledger.admit())
+    first = (promise.told, promise.at)
+    clock.now = promise.at
+    assert refused(ledger.admit(promise)) is promise  # early: the job runs on
+    assert ledger.landings.returns == {("-", "early"): 1}
+    assert errors(ledger) == (0, 0.0)
+    second = (promise.told, promise.at)
+    assert second[0] == first[1]
+    freed = clock.now = first[0] + 1.05
+    running.release(done=Completed())
+    clock.now = promise.at
+    assert isinstance(ledger.admit(promise), Slot)
+    assert ledger.landings.returns == {("-", "early"): 1, ("-", "landed"): 1}
+    early = (first[1] - freed) / (first[1] - first[0])
+    landed = (second[1] - freed) / (second[1] - second[0])
+    assert early < 0 < landed
+    count, total = errors(ledger)
+    assert count == 2
+    assert total == pytest.approx(early + landed)
+
+
+def test_a_client_that_never_returns_or_comes_far_early_gives_no_error() -> None:
+    clock = FakeClock()
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
+    running = ledger.admit()
+    assert isinstance(running, Slot)
+    gone = refused(ledger.admit())
+    eager = refused(ledger.admit())
+    clock.now += 0.1  # far before its hint: not a return at it
+    assert refused(ledger.admit(eager)) is eager
+    assert ledger.landings.returns == {}
+    clock.now += 5.0
+    running.release(done=Completed())
+    ledger.admit()  # (the line lapses as a decision is made)
+    assert gone.queued is False  # (lapsed: its client never came)
+    assert errors(ledger) == (0, 0.0)
+
+
+@given(returns=st.lists(st.tuples(st.floats(0.0, 10.0), st.floats(0.01, 10.0)), max_size=40))
+def test_a_promise_keeps_its_latest_early_returns_only(returns: list[tuple[float, float]]) -> None:
+    """However often a client is refused at its hint, its promise keeps a bounded list, and
+    every early return is counted; the errors observed at its admission are those kept."""
+    landings, promise = Landings(), Promise(0.0, 1.0)
+    for told, length in returns:
+        landings.early(promise, "heavy", (told, told + length))
+        assert len(promise.early or ()) <= EARLY_KEPT
+    assert landings.returns["heavy", "early"] == len(returns)
+    landings.landed(promise, "heavy", None, freed=30.0)
+    counts, total = landings.errors.get("heavy", ([], 0.0))
+    assert sum(counts) == min(len(returns), EARLY_KEPT)
+    assert total < 0 or not counts  # (every slot freed after every time told)
+    assert promise.early is None
