@@ -254,6 +254,7 @@ class Server:
         self.ledger = SlotLedger(
             config.max_inflight,
             expected_service_s=self.runner.expected_service_s,
+            hint_margin=config.hint_margin,
             policy=build_policy(config, kv) if config.lanes else None,
             kv=kv,
             kv_used=kv_used,

@@ -22,6 +22,13 @@ same instant.
   finds no slot for it keeps its place in line and is re-timed to that place's release (``k =
   q``, the promises ahead of it).
 
+* A client is told a ``margin`` (``hint_margin``) of the hint's last leg later than the release
+  (the leg: the time from the release before it, or from now, the part whose error is the
+  hint's): a prediction that errs either way as often would land half the time, and a client
+  back a moment early is refused again while one a moment late finds the slot held for it. So
+  each turn of a slot takes ``(W + T) / (1 - margin)`` (its client comes a margin of it late). And it is told no sooner than the time
+  told to the last client ahead of it in its lane (:meth:`~.promises.PromiseLine.latest`): told
+  sooner, it would take the release that client waits for.
 * A hint comes in parts (:class:`HintParts`), which its client is told: until the predicted end
   of the job whose slot the ``k``-th release comes on, then that slot's turns after it.
 
@@ -76,7 +83,16 @@ class Job(Running, Protocol):
 class RetryHints:
     """The hints of one pool, from its running jobs, its estimates and its promise line."""
 
-    __slots__ = ("_running", "cap", "estimates", "lanes", "line", "max_hint_ms", "min_hint_ms")
+    __slots__ = (
+        "_running",
+        "cap",
+        "estimates",
+        "lanes",
+        "line",
+        "margin",
+        "max_hint_ms",
+        "min_hint_ms",
+    )
 
     def __init__(
         self,
@@ -87,6 +103,7 @@ class RetryHints:
         line: PromiseLine,
         lanes: LaneGate,
         running: Collection[Job],
+        margin: float = 0.0,
     ) -> None:
         self.cap = cap
         self.min_hint_ms = min_hint_ms
@@ -95,6 +112,7 @@ class RetryHints:
         self.line = line
         self.lanes = lanes
         self._running = running  # the ledger's running jobs: read here, never changed
+        self.margin = margin  # of a hint's last leg, added to it (see the module docstring)
 
     def hint_ms(self, now: float, at: float) -> int:
         """Milliseconds from ``now`` to ``at``, within the hint's bounds."""
@@ -202,7 +220,10 @@ class RetryHints:
         # (a job of n sequences waits for the n-th release after those ahead of it)
         k = ahead + later + (size.width - 1 if size is not None else 0)
         end, turns, period = self.release_parts(now, k, rank, turn_s)
-        return self.parts(now, end + turns * period, end, ahead + later), promise
+        # (late by a margin of the last leg: a client a moment early is refused again)
+        leg = period if turns else max(end - now, 0.0)
+        at = max(end + turns * period + self.margin * leg, self.line.latest(promise, rank))
+        return self.parts(now, at, end, ahead + later), promise
 
     def release_parts(
         self, now: float, k: int, rank: int = 0, turn_s: float | None = None
@@ -221,10 +242,16 @@ class RetryHints:
         ends.sort()
         if turn_s is None:
             turn_s = self.estimates.service_for(self.lanes.lane(rank))
-        # (no turn is shorter than a millisecond: a period of 0 would never move on)
-        period = max(turn_s + self.estimates.turnaround_s, 0.001)
+        # (no turn is shorter than a millisecond: a period of 0 would never move on; and each
+        # turn's client comes back a margin of the period after the release it was told)
+        period = max(turn_s + self.estimates.turnaround_s, 0.001) / (1.0 - self.margin)
         end, turns = kth_release_parts(ends, period, k)
         return end, turns, period
+
+    def releases_by(self, now: float, rank: int, until: float) -> list[float]:
+        """When the slots a client of the lane ranked ``rank`` may take are expected to free
+        (each running job's first end), up to ``until``, in order."""
+        return sorted(end for end in self._ends(now, rank)[0] if end <= until)
 
     def _ends(self, now: float, rank: int) -> tuple[list[float], int]:
         """The expected ends of the running jobs whose release frees a slot a client of the

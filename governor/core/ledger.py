@@ -12,7 +12,11 @@ the interactive reserve, its lane is under its quota, and its KV cells fit. In t
   is within ``hold`` of now (:meth:`~.estimates.ServiceEstimates.hold`), so a newcomer gets a
   free slot only if more slots are free than such clients; a client later than that keeps its
   place in line (until its promise lapses) but not the slot, so clients that ignore their hint
-  cost at most ``hold`` of idle slot each;
+  cost at most ``hold`` of idle slot each. And a free slot goes past the line only to a job
+  predicted to end before it is needed (backfilling, as a batch scheduler's EASY backfill): a
+  job is refused while more clients ahead of it are due before its predicted end than free
+  slots and running jobs' ends by then can serve, for each job past the line would leave one
+  of them to find its release gone, and every client behind it a release later than told;
 * the lanes (:mod:`.lanegate`, under a lane policy): a client counts, and a freed slot is held
   for, only the promises of its own lane or a higher one, and a lower lane's job may not take
   the interactive reserve's slots (``lane_full`` when those are the only ones free) nor more
@@ -44,7 +48,8 @@ preempt). A :class:`~governor.runners.base.Pause` on the job tells its runner.
 
 A refused client is told when to come back (:mod:`.hints`: the slot releases to come, from the
 running jobs' expected ends, :mod:`.estimates`) and given its place in line, which it keeps
-when it comes back and finds no slot. A job that completes teaches the estimates what it took.
+when it comes back and finds no slot; how its hints landed is counted (:mod:`.landing`). A job
+that completes teaches the estimates what it took.
 With one client per slot release, a slot is retaken almost as soon as it frees, and most
 retries are admitted at their first attempt (``docs/BENCHMARKS.md`` measures both).
 """
@@ -242,6 +247,7 @@ class SlotPool:
         expected_service_s: float = 1.0,
         min_hint_ms: int = 5,
         max_hint_ms: int = 60_000,
+        hint_margin: float = 0.0,
         clock: Clock = time.monotonic,
         policy: LanePolicy | None = None,
         kv: KvBudget | None = None,
@@ -273,7 +279,14 @@ class SlotPool:
         self.lanes = LaneGate(policy, self.line, clock(), lend=preemptible)
         self.landings = Landings()  # the returns at their hints, and the hints' errors
         self.hints = RetryHints(
-            cap, min_hint_ms, max_hint_ms, self.estimates, self.line, self.lanes, self._running
+            cap,
+            min_hint_ms,
+            max_hint_ms,
+            self.estimates,
+            self.line,
+            self.lanes,
+            self._running,
+            hint_margin,
         )
         self.executed_total = 0  # admissions
         self.yielded_total = 0
@@ -550,9 +563,11 @@ class SlotLedger(SlotPool):
         pausable = pausable and self.preemptible
         reserved = self.lanes.unused_reserve(rank, now, pausable=pausable)
         usable = free - reserved
-        # A free slot is not for the taking while clients ahead in line have their time come.
+        # A free slot is not for the taking while clients ahead in line have their time come,
+        # nor by a job that would still hold it when one is due that no other slot will serve.
         hold = self.estimates.hold()
         due = self.line.due_ahead(now, promise, rank, hold, reserved)
+        due += self._crowded(now, promise, rank, size, usable - width - due)
         # A suspended job goes before any newer job of a lower lane: such a job waits for the
         # slots the suspended jobs will take back, too.
         later = sum(slot.width for slot in self._suspended) if rank > 0 else 0
@@ -574,6 +589,30 @@ class SlotLedger(SlotPool):
                 self._resume(slot)
             return self.refused(refusal)
         return self._take(now, promise, demand, size, kv_cache, kv_tokens, pausable)
+
+    def _crowded(
+        self, now: float, promise: Promise | None, rank: int, size: JobSize | None, spare: int
+    ) -> int:
+        """With ``spare`` free slots left once the job and the clients due now have theirs, the
+        clients of its lane ahead in line that it would leave without a slot at their time
+        (backfilling, as a batch scheduler's EASY backfill: a free slot goes past the line
+        only to a job predicted to end before it is needed): each client due before the job's
+        predicted end takes a spare slot, else a running job's predicted release by its time."""
+        if spare < 0 or not len(self.line):
+            return 0
+        hold = self.estimates.hold()
+        until = now + self.estimates.predict_s(size, self.lanes.lane(rank))
+        releases = self.hints.releases_by(now, rank, until)
+        left = 0
+        for at in self.line.due_by(now + hold, until, promise, rank):
+            while releases and releases[0] <= at + hold:
+                releases.pop(0)
+                spare += 1
+            if spare:
+                spare -= 1
+            else:
+                left += 1
+        return left
 
     def _busy(
         self,

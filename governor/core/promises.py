@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Iterator
 
@@ -112,6 +113,32 @@ class PromiseLine:
                 counts[p.rank] += 1
                 seconds[p.rank] += p.service_s
         return counts, seconds
+
+    def latest(self, promise: Promise | None, rank: int) -> float:
+        """The latest time told to a live promise of ``rank`` ahead of ``promise`` (None: of
+        all: a newcomer goes to the back); -inf when there is none. A client is told no sooner
+        than those ahead of it in its lane: told sooner, it would take the release they wait
+        for and leave them to come back to none."""
+        latest = -math.inf
+        if promise is None:  # (the back's, told last: a step or two back from the end)
+            return next(
+                (p.at for p in reversed(self._promises) if p.queued and p.rank == rank), latest
+            )
+        for p in self._promises:
+            if p is promise:
+                break
+            if p.queued and p.rank == rank and p.at > latest:
+                latest = p.at
+        return latest
+
+    def due_by(self, since: float, until: float, promise: Promise | None, rank: int) -> list[float]:
+        """The times promised to the clients of ``rank`` ahead of ``promise`` (of all, for
+        None) that fall from ``since`` to ``until``, in order."""
+        return sorted(
+            p.at
+            for p in itertools.takewhile(lambda p: p is not promise, self._promises)
+            if p.queued and p.rank == rank and since <= p.at <= until
+        )
 
     def due_ahead(
         self, now: float, promise: Promise | None, rank: int, hold: float, reserved: int = 0

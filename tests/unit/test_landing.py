@@ -3,8 +3,11 @@ size, known once a slot is the client's; none for a client that never gets one."
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from governor.core.landing import EARLY_KEPT, Landings
@@ -105,3 +108,51 @@ def test_a_promise_keeps_its_latest_early_returns_only(returns: list[tuple[float
     assert sum(counts) == min(len(returns), EARLY_KEPT)
     assert total < 0 or not counts  # (every slot freed after every time told)
     assert promise.early is None
+
+
+def closed_loop(ledger: SlotLedger, clock: FakeClock, clients: int, rounds: int) -> Counter[int]:
+    """``clients`` clients, each sending ``rounds`` jobs of the ledger's expected service time
+    one after the other, each back exactly at its hint: the refusals of each client."""
+    job_s = ledger.service_s
+    events: list[tuple[float, int, Slot | None]] = []
+    promise: dict[int, Promise | None] = {}
+    refusals: Counter[int] = Counter()
+    left = dict.fromkeys(range(clients), rounds)
+    for c in range(clients):
+        heapq.heappush(events, (clock.now, c, None))
+    while events:
+        clock.now, c, running = heapq.heappop(events)
+        if running is not None:  # its job ends
+            running.release(done=Completed())
+            left[c] -= 1
+            if left[c]:
+                heapq.heappush(events, (clock.now, c, None))
+            continue
+        decision = ledger.admit(promise.get(c))
+        if isinstance(decision, Slot):
+            promise[c] = None
+            heapq.heappush(events, (clock.now + job_s, c, decision))
+        else:
+            refusals[c] += 1
+            promise[c] = decision.promise
+            heapq.heappush(events, (clock.now + decision.retry_hint_ms / 1000, c, None))
+    return refusals
+
+
+@settings(max_examples=20, deadline=None)
+@given(clients=st.integers(2, 24), slots=st.integers(1, 4), rounds=st.integers(1, 3))
+def test_every_return_at_a_hint_is_counted_once_and_its_error_known_once_admitted(
+    clients: int, slots: int, rounds: int
+) -> None:
+    """Closed-loop clients back just at their hints, jobs that take their predicted time:
+    every refusal but a client's first is a return at a hint, counted once (landed or early),
+    and once every client has been served, every one of those hints' errors is known."""
+    clock = FakeClock()
+    ledger = SlotLedger(slots, expected_service_s=0.5, clock=clock, hint_margin=0.02)
+    refusals = closed_loop(ledger, clock, clients, rounds)
+    returns = ledger.landings.returns
+    landed, early = returns["-", "landed"], returns["-", "early"]
+    assert landed + early == sum(refusals.values())  # (each refused job came back)
+    counts, _ = ledger.landings.errors.get("-", ([], 0.0))
+    assert sum(counts) == landed + early
+    assert (ledger.taken, len(ledger.line)) == (0, 0)

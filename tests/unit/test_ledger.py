@@ -335,9 +335,10 @@ def test_a_promise_that_lapses_frees_its_slot_for_others(clock: FakeClock) -> No
     assert isinstance(ledger.admit(), Refusal)  # promised +1 s; never comes back
     clock.now += 1.0
     running.release(done=Completed())
-    assert isinstance(ledger.admit(), Refusal)
-    clock.now += 0.3  # past the promise's grace (S/4)
-    assert isinstance(ledger.admit(), Slot)
+    behind = ledger.admit()  # (the slot is held for the client promised now)
+    assert isinstance(behind, Refusal)
+    clock.now += 0.3  # past the promise's grace (S/4): the slot is the next one's
+    assert isinstance(ledger.admit(behind.promise), Slot)
 
 
 def test_promises_lapse_and_are_withdrawn(clock: FakeClock) -> None:
@@ -607,9 +608,10 @@ def test_a_job_of_n_sequences_waits_for_n_releases(clock: FakeClock) -> None:
     assert two.retry_hint_ms == pytest.approx(1000, abs=2)
     ledger.withdraw(two.promise)
     first.release()
-    assert isinstance(ledger.admit(size=JobSize(10, 10, 2)), Refusal)  # one slot free
+    again = ledger.admit(size=JobSize(10, 10, 2))
+    assert isinstance(again, Refusal)  # one slot free
     second.release()
-    pair = ledger.admit(size=JobSize(10, 10, 2))
+    pair = ledger.admit(again.promise, size=JobSize(10, 10, 2))
     assert isinstance(pair, Slot)
     assert (ledger.taken, ledger.inflight) == (2, 1)
     assert ledger.saturated
@@ -682,3 +684,58 @@ def test_ready_in_says_when_a_newcomer_is_admitted_or_what_it_is_told(
         else:
             assert isinstance(decision, Slot)
             held.append(decision)
+
+
+def test_a_free_slot_goes_past_the_line_only_to_a_job_that_ends_before_it_is_needed(
+    clock: FakeClock,
+) -> None:
+    """Two rewrites on two slots, two clients told to come back when they end; one rewrite
+    fails early. A newcomer as long would still hold the free slot when the second client is
+    due (the first gets the other rewrite's slot): refused. A short one ends first: admitted."""
+    ledger = SlotLedger(2, clock=clock)
+    ledger.estimates.model.assumed = lambda: Rates(prompt_s=0.001, decode_s=0.01)
+    rewrite = JobSize(100, 100)
+    first, second = (ledger.admit(size=rewrite) for _ in range(2))
+    assert isinstance(first, Slot)
+    assert isinstance(second, Slot)
+    waiting = [ledger.admit(size=rewrite) for _ in range(2)]
+    assert all(isinstance(w, Refusal) for w in waiting)
+    clock.now += 0.3
+    second.release()  # (failed: a slot free long before either client is due)
+    assert isinstance(ledger.admit(size=rewrite), Refusal)
+    short = ledger.admit(size=JobSize(10, 5))  # 10 ms of prompt, 4 tokens: ends in 50 ms
+    assert isinstance(short, Slot)
+
+
+def test_a_client_is_never_told_sooner_than_the_one_ahead_of_it(clock: FakeClock) -> None:
+    """A rewrite's end predicted sooner once its pace is measured: a newcomer's release would
+    come before the time told to the client ahead of it, who would then find its release
+    taken; it is told that client's time at the soonest."""
+    ledger = SlotLedger(1, clock=clock)
+    ledger.estimates.model.assumed = lambda: Rates(prompt_s=0.001, decode_s=0.1)
+    rewrite = ledger.admit(size=JobSize(100, 100))
+    assert isinstance(rewrite, Slot)
+    ahead = ledger.admit(size=JobSize(10, 2))
+    assert isinstance(ahead, Refusal)
+    assert ahead.promise is not None
+    clock.now += 1.0
+    rewrite.begin(clock.now)
+    clock.now += 0.1
+    rewrite.progress(91, clock.now)  # 90 tokens in 0.1 s: 9 left, 10 ms away
+    behind = ledger.admit(size=JobSize(10, 2))
+    assert isinstance(behind, Refusal)
+    assert behind.promise is not None
+    assert behind.promise.at >= ahead.promise.at > clock.now + 1.0
+
+
+def test_a_hint_is_late_by_its_margin_of_the_last_leg(clock: FakeClock) -> None:
+    """With a margin, a client waiting for a running job's end is told that end plus the margin
+    of the time to it; one a turn later, plus the margin of the turn, each turn longer by it."""
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock, hint_margin=0.1)
+    assert isinstance(ledger.admit(), Slot)
+    first, second = ledger.admit(), ledger.admit()
+    assert isinstance(first, Refusal)
+    assert isinstance(second, Refusal)
+    assert first.retry_hint_ms == 1100
+    period_ms = (1000 + ledger.turnaround_s * 1000) / 0.9
+    assert second.retry_hint_ms == pytest.approx(1000 + 1.1 * period_ms, abs=1)

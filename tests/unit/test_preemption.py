@@ -9,6 +9,7 @@ stateful property over random admissions, releases, waits and resumes.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -746,12 +747,15 @@ class Preemption(RuleBasedStateMachine):
             if lane != CHAT:
                 assert not victims  # (only a chat suspends)
             if decision.need_code == NeedCode.SERVER_BUSY and lane == CHAT:
-                # Refused a slot: a chat ahead of it is due, or too little it may suspend (a
-                # refusal for a slot changes nothing: the state now is the one it was decided
-                # on).
+                # Refused a slot: a chat ahead of it is due, or due before it would end (a
+                # free slot goes past the line only to a job that ends first), or too little it
+                # may suspend (a refusal for a slot changes nothing: the state now is the one
+                # it was decided on).
                 hold = ledger.estimates.hold()
+                now = self.clock.now
                 assert (
-                    ledger.line.due_ahead(self.clock.now, decision.promise, 0, hold) > 0
+                    ledger.line.due_ahead(now, decision.promise, 0, hold) > 0
+                    or ledger.line.due_by(now - hold, math.inf, decision.promise, 0)
                     or ledger.cap - ledger.taken + sum(s.width for s in eligible) < 1
                 )
             if decision.need_code == NeedCode.LANE_FULL and lane != CHAT:
