@@ -248,7 +248,7 @@ class AdmissionSection:
     max_waiting_per_tenant: int = _opt(64, min=0)(
         "Jobs one declared tenant may have waiting for their turn at once; 0: only max_waiting bounds them."
     )
-    hint_margin: float = _opt(0.02, min=0, max=0.5)(
+    hint_margin: float = _opt(0.01, min=0, max=0.5)(
         "A busy retry hint's margin: the share of its last leg (the time from the release before the one it waits for, or from now) added to it, so that a client back a moment after the predicted release finds its slot held for it rather than a moment before, refused again; each turn of a slot takes that much longer. 0: hints at the predicted release."
     )
     tenants: tuple[TenantConfig, ...] = _opt(())(
