@@ -33,16 +33,18 @@ their progress (:meth:`ServiceEstimates.feeding`: a prompt's tokens in the cache
 :meth:`ServiceEstimates.progress`: tokens generated), and a sized job's end is predicted from
 the work left in the batch (:meth:`ServiceEstimates.end_of`)::
 
-    end = now + A + R * p
+    end = now + A + R * (p + G * R / 2)
 
-* ``A``, the prompts still to feed (:meth:`ServiceEstimates.prompts_s`, on a runner that says
-  its rates: the batched llama runner): every running job's prompt tokens not yet in the cache, at a prompt token's pace ``q``, measured as prompts are
-  fed (the time since the last prompt report over the tokens reported, decayed by
-  ``FEED_DECAY`` a report, with ``FEED_PRIOR`` tokens at the runner's rate, else the rate
-  learnt). A runner that feeds a prompt holds every stream's next token for it: four long
-  rewrites admitted together all end after the last one's prompt, not one prompt after their
-  own. But a step feeds a chunk of a prompt at most, so a job ``R`` tokens from its end waits
-  for ``R`` chunks at most (:meth:`ServiceEstimates.chunk_s`: a report's mean time).
+* ``A``, the prompts still to feed (:meth:`ServiceEstimates.batch`, on a runner that says its
+  rates: the batched llama runner): every running job's prompt tokens not yet in the cache, at
+  a prompt token's pace ``q``, measured as prompts are fed (the time since the last prompt
+  report over the tokens reported, decayed by ``FEED_DECAY`` a report, with ``FEED_PRIOR``
+  tokens at the runner's rate, else the rate learnt). A runner that feeds a prompt holds every
+  stream's next token for it: four long rewrites admitted together all end after the last
+  one's prompt, not one prompt after their own. But a step feeds a chunk of a prompt at most,
+  so a job ``R`` tokens from its end waits for ``R`` chunks at most
+  (:meth:`ServiceEstimates.chunk_s`: a report's mean time). On any other runner, a job's own
+  prompt only, before its first token.
 * ``R``, the job's tokens left: its expected length (``ratio * max_new``) less those it has
   generated.
 * ``p``, the seconds a step takes while only decodes run: the job's own pace, smoothed
@@ -53,6 +55,9 @@ the work left in the batch (:meth:`ServiceEstimates.end_of`)::
   pace since the first token would keep the long prompt steps of the job's first seconds for
   the rest of its run (a rewrite that began while three more prompts went in was predicted to
   end 180 s later, 30 s before it did).
+* ``G``, how much a step grows each step (the batched llama runner's word: a step's cost a
+  cell more, times the running streams, each a cell more a step): a long job's steps grow
+  dearer as its context does, and a pace measured now is the pace of its cheapest steps left.
 
 A job with a TPOT objective ends, at the latest, where its objective puts it (its first token
 plus its expected length at the objective's pace): the runner defers prompts for it. Past its
@@ -69,9 +74,9 @@ Everything here is pure arithmetic: the caller passes the time.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .policy import Lane
 from .service import JobSize, ServiceModel
@@ -93,6 +98,18 @@ class Completed:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     ttft_s: float | None = None
+
+
+class Batch(NamedTuple):
+    """What a batch's running jobs hold every stream's tokens for
+    (:meth:`ServiceEstimates.batch`): ``prompts_s``, ``A``, their prompts still to feed;
+    ``growth_s``, ``G``, how much a step grows each step."""
+
+    prompts_s: float = 0.0
+    growth_s: float = 0.0
+
+
+NO_BATCH = Batch()
 
 
 class Running(Protocol):
@@ -216,24 +233,37 @@ class ServiceEstimates:
             seconds, tokens = seconds + FEED_PRIOR * prior, tokens + FEED_PRIOR
         return seconds / tokens if tokens else None
 
-    def prompts_s(self, jobs: Iterable[Running]) -> float:
-        """``A``: the seconds the running ``jobs``' prompt tokens not yet in the cache take, on
-        a runner that feeds them beside every stream (one that says its rates: the batched
-        llama runner); 0 on any other (each job its own, as the stub's)."""
-        rate = self.prompt_pace()
-        if not rate or self.model.assumed() is None:
-            return 0.0
+    def batch(self, jobs: Collection[Running]) -> Batch:
+        """What the running ``jobs`` hold every stream's tokens for: the seconds their prompt
+        tokens not yet in the cache take (``A``), and how much a step grows each step as their
+        streams' cells do (``G``); on a runner that feeds them beside every stream (one that
+        says its rates: the batched llama runner), none on any other (each job its own, as the
+        stub's)."""
+        rates, rate = self.model.assumed(), self.prompt_pace()
+        if rates is None or not rate:
+            return Batch()
         tokens = sum(
             max(job.size.prompt_tokens - job.fed, 0)
             for job in jobs
             if job.size is not None and job.first_token is None
         )
-        return tokens * rate
+        return Batch(tokens * rate, rates.cell_s * len(jobs))
 
-    def end_of(self, job: Running, now: float, prompts_s: float = 0.0) -> float:
-        """When a running job is expected to end: from the work left in the batch
-        (``prompts_s``: :meth:`prompts_s` of the running jobs) while it is within its expected
-        length, else from its own predicted service time (see "Running jobs' progress")."""
+    def fed_beside(self, size: JobSize | None, jobs: int, left_s: float) -> float:
+        """How much later a running job ``left_s`` from its end ends for ``jobs`` jobs of
+        ``size`` admitted meanwhile, their prompts fed beside it (on a runner that feeds them
+        so, as :meth:`batch`): their prompts' time, at most a chunk for each of its tokens left
+        (at least one)."""
+        pace, rate = self.decode_pace(), self.prompt_pace()
+        if size is None or self.model.assumed() is None or not pace or not rate:
+            return 0.0
+        fed = jobs * size.prompt_tokens * rate
+        return min(fed, max(left_s / pace, 1.0) * self.chunk_s())
+
+    def end_of(self, job: Running, now: float, batch: Batch = NO_BATCH) -> float:
+        """When a running job is expected to end: from the work left in the ``batch`` (of the
+        running jobs, :meth:`batch`) while it is within its expected length, else from its own
+        predicted service time (see "Running jobs' progress")."""
         size, pace = job.size, self.decode_pace(job)
         if size is None or pace is None or (job.first_token is None and not self.model.knows(size)):
             return self.expected_end(job.started + job.paused_s, now, job.expected_s)
@@ -241,12 +271,12 @@ class ServiceEstimates:
         if job.generated >= expected:
             return self.expected_end(job.started + job.paused_s, now, job.expected_s)
         tokens = expected - max(job.generated, 1)  # (the first comes with the prompt)
-        left = tokens * pace
+        left = tokens * (pace + batch.growth_s * tokens / 2)  # (each step a little dearer)
         # (a step feeds a chunk of prompt at most: a job with few tokens left ends first)
-        end = now + min(prompts_s, max(tokens, 1.0) * self.chunk_s()) + left
+        end = now + min(batch.prompts_s, max(tokens, 1.0) * self.chunk_s()) + left
         if job.first_token is None:  # (its own prompt, where the others' are not counted)
             own = max(size.prompt_tokens - job.fed, 0) * (self.prompt_pace() or 0.0)
-            end += max(own - prompts_s, 0.0) + self.model.overhead_s()
+            end += max(own - batch.prompts_s, 0.0) + self.model.overhead_s()
         if job.tpot_s and job.first_token is not None:  # (its objective defers the prompts)
             end = min(end, max(job.first_token + job.paused_s + expected * job.tpot_s, now + left))
         return max(end, now + self.floor_s)

@@ -22,6 +22,9 @@ same instant.
   finds no slot for it keeps its place in line and is re-timed to that place's release (``k =
   q``, the promises ahead of it).
 
+* On a runner that feeds a prompt beside every stream (the batched llama runner), a release
+  after the first waits for the prompts of the jobs admitted at those before it, each of about
+  the waiting client's own size (:meth:`~.estimates.ServiceEstimates.fed_beside`).
 * A client is told a ``margin`` (``hint_margin``) of the hint's last leg later than the release
   (the leg: the time from the release before it, or from now, the part whose error is the
   hint's): a prediction that errs either way as often would land half the time, and a client
@@ -130,10 +133,10 @@ class RetryHints:
         return HintParts(release_ms, hint_ms - release_ms, ahead)
 
     def end_of(self, now: float) -> Callable[[Job], float]:
-        """When each running job is expected to end, the prompts still to feed counted once."""
+        """When each running job is expected to end, the batch's work reckoned once."""
         estimates = self.estimates
-        prompts_s = estimates.prompts_s(self._running)
-        return lambda job: estimates.end_of(job, now, prompts_s)
+        batch = estimates.batch(self._running)
+        return lambda job: estimates.end_of(job, now, batch)
 
     def next_end(self, now: float) -> float:
         """When the first running job is expected to end (a free slot frees nothing more)."""
@@ -220,6 +223,8 @@ class RetryHints:
         # (a job of n sequences waits for the n-th release after those ahead of it)
         k = ahead + later + (size.width - 1 if size is not None else 0)
         end, turns, period = self.release_parts(now, k, rank, turn_s)
+        if k and not turns:  # (the prompts of the jobs that take the releases before it)
+            end += self.estimates.fed_beside(size, k, end - now)
         # (late by a margin of the last leg: a client a moment early is refused again)
         leg = period if turns else max(end - now, 0.0)
         at = max(end + turns * period + self.margin * leg, self.line.latest(promise, rank))

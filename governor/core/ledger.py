@@ -341,7 +341,7 @@ class SlotPool:
 
     def slot_end(self, slot: Slot, now: float) -> float:
         """When a running job is expected to end (:meth:`ServiceEstimates.end_of`)."""
-        return self.estimates.end_of(slot, now, self.estimates.prompts_s(self._running))
+        return self.estimates.end_of(slot, now, self.estimates.batch(self._running))
 
     def quiet_since(self, since: float) -> bool:
         """No prompt fed since ``since``: none reported fed or begun since, and no running job

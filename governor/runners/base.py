@@ -244,10 +244,13 @@ class Runner(Protocol):
 @dataclass(frozen=True, slots=True)
 class Rates:
     """What a runner says a token costs it now, in seconds: a prompt token (``prompt_s``),
-    and a generated token of a stream beside the others every slot holds (``decode_s``)."""
+    a generated token of a stream beside the others every slot holds (``decode_s``), and how
+    much such a step grows for each more cell its streams attend over (``cell_s``: every
+    generated token adds one to its stream)."""
 
     prompt_s: float
     decode_s: float
+    cell_s: float = 0.0
 
 
 @runtime_checkable

@@ -22,10 +22,10 @@ seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
             {"op": "offered", "id": str}                        the slot of a job it ended
                                                                 has been offered (Refills)
     stdout: {"ev": "ready", "cells": int, "slots": int, "n_ctx_train": int,
-             "rates": [float, float]}                           once, after loading and warming up
+             "rates": [float, float, float]}                    once, after loading and warming up
             {"ev": "refused", "error": str}                     instead, for an ``--n-ctx`` the
                                                                 model was not trained for; exit 2
-            {"ev": "step", "kv": int, "acks": int, "f": {id: int}, "rates"?: [float, float],
+            {"ev": "step", "kv": int, "acks": int, "f": {id: int}, "rates"?: [float, float, float],
              "out": [{"id": str, "i": int, "text": str, "n": int, "lp"?: [entry]}],
              "done": [{"id": str, "choices": [{"text": str, "finish_reason": "stop" | "length"}],
                        "completion_tokens": int, "cached_tokens": int}
@@ -45,11 +45,12 @@ many tokens the job (all its sequences) has generated so far; ``f`` how many pro
 job whose prompt is still being fed has in the cache, ``kv`` the cache cells held after it,
 ``acks`` how many cancels were handled since the last event, and ``rates`` (in "ready", and
 in a step event every ``RATES_EVERY`` steps) what a prompt token and a generated token cost now,
-in seconds, the second with every slot generating, over the cells in use
-(:meth:`~.stepcost.StepCosts.rates`): the daemon predicts a job's time from its size with them. A job is done
-when all its sequences are, with each one's whole text and finish in ``choices`` (by index),
-``completion_tokens`` over all of them, and ``cached_tokens``, how much of its prompt was
-already in the cache (a prefix kept from an earlier job, or shared); or with an ``error``.
+in seconds, the second with every slot generating, over the cells in use, and the third how
+much that step grows a cell more: the daemon predicts a job's time from its size with them. A
+job is done when all its sequences are, with each one's whole text and finish in ``choices``
+(by index), ``completion_tokens`` over all of them, and ``cached_tokens``, how much of its
+prompt was already in the cache (a prefix kept from an earlier job, or shared); or with an
+``error``.
 Requests are read between steps, in the order sent: a cancel stops its job before the next
 step and frees its cells at once (an event with nothing else in it says so when no step
 follows), and a run sent after a cancel or a finished job always finds their cells free.
@@ -811,15 +812,17 @@ class Worker:
         emit(self.out, {**event, "out": out, "done": done})
         self.acks = 0
 
-    def rates(self) -> tuple[float, float]:
+    def rates(self) -> tuple[float, float, float]:
         """What a prompt token and a generated token cost now: a prompt's through the layers,
         a step's with every slot generating over the cells in use (attention over cells not in
-        use would be a guess: the calibration's steps hold a few dozen); the next are said
-        ``RATES_EVERY`` steps on."""
+        use would be a guess: the calibration's steps hold a few dozen), and how much that step
+        grows a cell more; the next are said ``RATES_EVERY`` steps on."""
         scheduler = self.scheduler
         self._rates_at = scheduler.costs.observed + RATES_EVERY
         costs, slots = scheduler.costs, scheduler.slots
-        return costs.per_token(0), costs.decode(slots, scheduler.occupied + slots)
+        cells = scheduler.occupied + slots
+        step = costs.decode(slots, cells)
+        return costs.per_token(0), step, max(costs.decode(slots, cells + 1024) - step, 0.0) / 1024
 
     def _sample(
         self, branch: Branch, index: int, out: list[dict[str, Any]], done: list[dict[str, Any]]

@@ -139,6 +139,7 @@ async def test_before_any_job_ends_a_long_one_is_predicted_from_its_size_at_the_
     rates = server.runner.rates()
     assert rates is not None
     assert 0 < rates.prompt_s <= rates.decode_s  # (a token of a step of every slot's tokens)
+    assert 0 <= rates.cell_s < rates.decode_s  # (a cell more: a little dearer a step)
     model = server.ledger.model
     assert model.prefill_s is None  # (nothing has finished)
     expected = 762 * rates.prompt_s + 399 * rates.decode_s

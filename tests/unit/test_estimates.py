@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.core.estimates import EWMA_ALPHA, PACE_WEIGHT, Completed, ServiceEstimates
+from governor.core.estimates import (
+    EWMA_ALPHA,
+    PACE_WEIGHT,
+    Batch,
+    Completed,
+    ServiceEstimates,
+)
 from governor.core.policy import Lane
 from governor.core.service import JobSize
 
@@ -59,7 +65,9 @@ def test_a_jobs_end_follows_its_progress_while_it_is_ahead() -> None:
     estimates.progress(job, 6, 0.6, clean=True)  # 5 tokens in 0.5 s: 100 ms a token, 10 to go
     assert job.pace_s == pytest.approx(0.1)
     assert estimates.end_of(job, 0.6) == pytest.approx(1.6)
-    assert estimates.end_of(job, 0.6, prompts_s=2.0) == pytest.approx(3.6)  # prompts to feed
+    assert estimates.end_of(job, 0.6, Batch(prompts_s=2.0)) == pytest.approx(3.6)  # to feed
+    # (each of its 10 steps 1 ms dearer than the one before: half of 10 x 10 ms more)
+    assert estimates.end_of(job, 0.6, Batch(growth_s=0.001)) == pytest.approx(1.6 + 0.05)
     estimates.progress(job, 16, 1.7, clean=True)  # at its expected length: unknown again
     assert estimates.end_of(job, 1.7) == estimates.expected_end(0.0, 1.7, 1.0)
 

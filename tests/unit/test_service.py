@@ -69,7 +69,8 @@ def test_the_first_rewrites_refused_wait_for_the_running_ones_ends_from_their_si
     """Six rewrites at once on four slots, none finished yet: the two refused are told the
     running rewrites' predicted end from their size (762 prompt tokens, 400 out, at the rates
     the runner said), every prompt fed before any rewrite's last tokens, not the runner's
-    prior of 2 s (told 1.3 s for slots that freed 50 s later, each refused a dozen times)."""
+    prior of 2 s (told 1.3 s for slots that freed 50 s later, each refused a dozen times); the
+    second refused, once the first refused one's prompt is fed too."""
     clock = FakeClock()
     ledger = SlotLedger(4, expected_service_s=2.0, clock=clock)
     rates = Rates(prompt_s=0.004, decode_s=0.05)
@@ -80,7 +81,12 @@ def test_the_first_rewrites_refused_wait_for_the_running_ones_ends_from_their_si
     end_s = 4 * 762 * rates.prompt_s + 399 * rates.decode_s
     refused = [ledger.admit(size=rewrite) for _ in range(2)]
     hints = [r.retry_hint_ms for r in refused if isinstance(r, Refusal)]
-    assert hints == [pytest.approx(end_s * 1000, abs=2)] * 2
+    # (the second waits for the second release: after the first one's prompt is fed beside it)
+    fifths_prompt_s = 762 * rates.prompt_s
+    assert hints == [
+        pytest.approx(end_s * 1000, abs=2),
+        pytest.approx((end_s + fifths_prompt_s) * 1000, abs=2),
+    ]
 
 
 @given(
