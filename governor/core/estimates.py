@@ -241,7 +241,7 @@ class ServiceEstimates:
         stub's)."""
         rates, rate = self.model.assumed(), self.prompt_pace()
         if rates is None or not rate:
-            return Batch()
+            return NO_BATCH
         tokens = sum(
             max(job.size.prompt_tokens - job.fed, 0)
             for job in jobs
