@@ -226,9 +226,9 @@ class RetryHints:
         if k and not turns:  # (the prompts of the jobs that take the releases before it)
             end += self.estimates.fed_beside(size, k, end - now)
         # (late by a margin of the last leg: a client a moment early is refused again)
-        leg = period if turns else max(end - now, 0.0)
-        at = max(end + turns * period + self.margin * leg, self.line.latest(promise, rank))
-        return self.parts(now, at, end, ahead + later), promise
+        lead = self.margin * (period if turns else max(end - now, 0.0))
+        at = max(end + turns * period + lead, self.line.latest(promise, rank))
+        return self.parts(now, at, end if turns else end + lead, ahead + later), promise
 
     def release_parts(
         self, now: float, k: int, rank: int = 0, turn_s: float | None = None

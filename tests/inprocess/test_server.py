@@ -471,7 +471,7 @@ async def test_held_payloads_are_bounded_per_connection(
 async def test_refused_clients_that_leave_do_not_delay_the_next_hint(
     make_server: ServerFactory, raw: Opener
 ) -> None:
-    server = await make_server(max_inflight=1, stub_ms=2000)
+    server = await make_server(max_inflight=1, stub_ms=2000, hint_margin=0)
     busy = await raw(server)
     send_upload(busy, "J_busy", b"first")
     await wait_until(lambda: server.ledger.inflight == 1)
@@ -790,7 +790,12 @@ async def test_lanes_keep_a_slot_for_interactive_work(
     make_server: ServerFactory, raw: Opener
 ) -> None:
     server = await make_server(
-        max_inflight=2, stub_ms=2000, lanes=True, interactive_reserve=1, prompt_ceiling=5000
+        max_inflight=2,
+        stub_ms=2000,
+        lanes=True,
+        interactive_reserve=1,
+        prompt_ceiling=5000,
+        hint_margin=0,
     )
     conn = await raw(server)
     refused = await kept_off_the_reserve(server, conn)
