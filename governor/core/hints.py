@@ -29,9 +29,10 @@ same instant.
   (the leg: the time from the release before it, or from now, the part whose error is the
   hint's): a prediction that errs either way as often would land half the time, and a client
   back a moment early is refused again while one a moment late finds the slot held for it. So
-  each turn of a slot takes ``(W + T) / (1 - margin)`` (its client comes a margin of it late). And it is told no sooner than the time
-  told to the last client ahead of it in its lane (:meth:`~.promises.PromiseLine.latest`): told
-  sooner, it would take the release that client waits for.
+  each turn of a slot takes ``(W + T) / (1 - margin)`` (its client comes a margin of it late).
+  And it is told no sooner than the time told to the last client ahead of it in its lane
+  (:meth:`~.promises.PromiseLine.latest`): told sooner, it would take the release that client
+  waits for.
 * A hint comes in parts (:class:`HintParts`), which its client is told: until the predicted end
   of the job whose slot the ``k``-th release comes on, then that slot's turns after it.
 
