@@ -69,7 +69,7 @@ from .hints import HintParts, RetryHints
 from .kvbudget import KvBudget
 from .landing import Landings
 from .lanegate import LaneGate
-from .policy import LANES, Demand, Lane, LanePolicy
+from .policy import LANES, NO_LANE, Demand, Lane, LanePolicy
 from .preemption import cell_victims, slack_s, slot_victims
 from .promises import Promise, PromiseLine
 from .service import JobSize, ServiceModel
@@ -755,4 +755,4 @@ def _label(lane: Demand | Lane | None) -> str:
     """A lane's metric label (``-``: lanes off)."""
     if isinstance(lane, Demand):
         lane = lane.lane
-    return lane.value if lane is not None else "-"
+    return lane.value if lane is not None else NO_LANE
