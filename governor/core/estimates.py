@@ -239,7 +239,8 @@ class ServiceEstimates:
         streams' cells do (``G``); on a runner that feeds them beside every stream (one that
         says its rates: the batched llama runner), none on any other (each job its own, as the
         stub's)."""
-        rates, rate = self.model.assumed(), self.prompt_pace()
+        rates = self.model.assumed()
+        rate = self.prompt_pace() if rates is not None else None
         if rates is None or not rate:
             return NO_BATCH
         tokens = sum(
@@ -254,8 +255,10 @@ class ServiceEstimates:
         ``size`` admitted meanwhile, their prompts fed beside it (on a runner that feeds them
         so, as :meth:`batch`): their prompts' time, at most a chunk for each of its tokens left
         (at least one)."""
+        if size is None or self.model.assumed() is None:
+            return 0.0
         pace, rate = self.decode_pace(), self.prompt_pace()
-        if size is None or self.model.assumed() is None or not pace or not rate:
+        if not pace or not rate:
             return 0.0
         fed = jobs * size.prompt_tokens * rate
         return min(fed, max(left_s / pace, 1.0) * self.chunk_s())
@@ -264,11 +267,15 @@ class ServiceEstimates:
         """When a running job is expected to end: from the work left in the ``batch`` (of the
         running jobs, :meth:`batch`) while it is within its expected length, else from its own
         predicted service time (see "Running jobs' progress")."""
-        size, pace = job.size, self.decode_pace(job)
-        if size is None or pace is None or (job.first_token is None and not self.model.knows(size)):
-            return self.expected_end(job.started + job.paused_s, now, job.expected_s)
-        expected = self.model.ratio * size.max_new_tokens
-        if job.generated >= expected:
+        size = job.size
+        pace = self.decode_pace(job) if size is not None else None  # (none asked of the unsized)
+        expected = self.model.ratio * size.max_new_tokens if size is not None else 0.0
+        if (
+            size is None
+            or pace is None
+            or (job.first_token is None and not self.model.knows(size))
+            or job.generated >= expected
+        ):
             return self.expected_end(job.started + job.paused_s, now, job.expected_s)
         tokens = expected - max(job.generated, 1)  # (the first comes with the prompt)
         left = tokens * (pace + batch.growth_s * tokens / 2)  # (each step a little dearer)
