@@ -69,6 +69,7 @@ async def sidecar(make_server: ServerFactory, upstream: str) -> Server:
         lanes=True,
         max_inflight=2,
         http_listen="127.0.0.1:0",
+        probe_interval=600,  # (a probe's token would show on the upstream's slots: one at start)
     )
     assert isinstance(server.runner, HttpRunner)
     assert server.runner.native is not None  # (llama-server: its jobs can be paused)
