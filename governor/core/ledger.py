@@ -565,19 +565,19 @@ class SlotLedger(SlotPool):
         usable = free - reserved
         # A free slot is not for the taking while clients ahead in line have their time come,
         # nor by a job that would still hold it when one is due that no other slot will serve.
-        hold = self.estimates.hold()
-        due = self.line.due_ahead(now, promise, rank, hold, reserved)
-        due += self._crowded(now, promise, rank, size, usable - width - due)
+        due = self.line.due_ahead(now, promise, rank, self.estimates.hold(), reserved)
+        spare = usable - width - due
+        short = spare < 0 or self._crowded(now, promise, rank, size, spare)
         # A suspended job goes before any newer job of a lower lane: such a job waits for the
         # slots the suspended jobs will take back, too.
         later = sum(slot.width for slot in self._suspended) if rank > 0 else 0
         victims: list[Slot] = []
-        if usable - width < due and due == 0 and rank == 0:
+        if usable < width and not due and rank == 0:
             lent = self.lanes.owes(width)
-            spare = self.estimates.predict_s(size, Lane.INTERACTIVE)  # (the chat's hold)
-            victims = slot_victims(self._running, width - usable, lent=lent, now=now, spare=spare)
+            chat_s = self.estimates.predict_s(size, Lane.INTERACTIVE)  # (its hold)
+            victims = slot_victims(self._running, width - usable, lent=lent, now=now, spare=chat_s)
             self._suspend(victims, now)
-        if (usable - width < due and not victims) or later:
+        if (short and not victims) or later:
             # (free slots, but the reserve's: lane_full)
             return self._busy(now, promise, rank, size, later, usable < width <= free)
         kv_tokens = kv_demand(demand, size)
@@ -592,27 +592,25 @@ class SlotLedger(SlotPool):
 
     def _crowded(
         self, now: float, promise: Promise | None, rank: int, size: JobSize | None, spare: int
-    ) -> int:
-        """With ``spare`` free slots left once the job and the clients due now have theirs, the
-        clients of its lane ahead in line that it would leave without a slot at their time
+    ) -> bool:
+        """With ``spare`` free slots left once the job and the clients due now have theirs,
+        whether it would leave a client of its lane ahead in line without a slot at its time
         (backfilling, as a batch scheduler's EASY backfill: a free slot goes past the line
         only to a job predicted to end before it is needed): each client due before the job's
         predicted end takes a spare slot, else a running job's predicted release by its time."""
         if spare < 0 or not len(self.line):
-            return 0
+            return False
         hold = self.estimates.hold()
         until = now + self.estimates.predict_s(size, self.lanes.lane(rank))
         releases = self.hints.releases_by(now, rank, until)
-        left = 0
         for at in self.line.due_by(now + hold, until, promise, rank):
             while releases and releases[0] <= at + hold:
                 releases.pop(0)
                 spare += 1
-            if spare:
-                spare -= 1
-            else:
-                left += 1
-        return left
+            if not spare:
+                return True
+            spare -= 1
+        return False
 
     def _busy(
         self,

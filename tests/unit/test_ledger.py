@@ -707,6 +707,31 @@ def test_a_free_slot_goes_past_the_line_only_to_a_job_that_ends_before_it_is_nee
     assert isinstance(short, Slot)
 
 
+def test_a_newcomer_takes_no_free_slot_that_a_client_due_soon_would_lack(
+    clock: FakeClock,
+) -> None:
+    """Four slots turning together, four clients told to come back as they free: three free a
+    moment before the clients are due, the fourth's job ends by then. A newcomer as long as a
+    turn would leave one of the four without a slot (free slots to spare do not change that):
+    refused; the four, back at their time, are all admitted."""
+    ledger = SlotLedger(4, expected_service_s=1.0, clock=clock)
+    running = [ledger.admit() for _ in range(4)]
+    assert all(isinstance(slot, Slot) for slot in running)
+    waiting = [ledger.admit() for _ in range(4)]
+    promises = [w.promise for w in waiting if isinstance(w, Refusal)]
+    assert len(promises) == 4 and all(p is not None for p in promises)
+    due = max(p.at for p in promises if p is not None)
+    clock.now = due - 10 * ledger.estimates.hold() - 0.01
+    for slot in running[:3]:
+        assert isinstance(slot, Slot)
+        slot.release()
+    assert isinstance(ledger.admit(), Refusal)  # the newcomer
+    clock.now = due
+    assert isinstance(running[3], Slot)
+    running[3].release()
+    assert all(isinstance(ledger.admit(p), Slot) for p in promises)
+
+
 def test_a_client_is_never_told_sooner_than_the_one_ahead_of_it(clock: FakeClock) -> None:
     """A rewrite's end predicted sooner once its pace is measured: a newcomer's release would
     come before the time told to the client ahead of it, who would then find its release
