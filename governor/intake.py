@@ -54,6 +54,7 @@ from .core.admission import (
     Reservation,
     Ticket,
     Yielded,
+    answered,
     place_again,
 )
 from .core.ledger import DRAINING_HINT_MS, Refusal
@@ -317,6 +318,7 @@ class Ask:
             if wait is not None and wait.joins(decision):
                 self.decide_at = state.now() + decision.retry_hint_ms / 1000
                 return Waiting(self.decide_at, decision.need_code)
+            answered(decision, state.now())
         if wait is not None:
             wait.leave(decision)
         return decision

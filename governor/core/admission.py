@@ -649,4 +649,13 @@ def place_again(admission: Admission, attempt: Attempt, refused: Yielded) -> Yie
     parts, promise = ledger.place(None, ledger.lanes.rank(plan.demand), plan.size)
     attempt.promise = promise
     refused.retry_hint_ms, refused.promise, refused.parts = parts.ms, promise, parts
+    return answered(refused, admission.clock())
+
+
+def answered(refused: Yielded, now: float) -> Yielded:
+    """``refused`` is answered ``now``: its client is told its time (its return counts in
+    :class:`~governor.core.landing.Landings`; a job waiting in line on the server is told
+    nothing)."""
+    if refused.promise is not None:
+        refused.promise.told = now
     return refused

@@ -194,7 +194,7 @@ class RetryHints:
         at = now + parts.ms / 1000
         kept = self.line.keep(promise, at, at + self.estimates.grace(), rank, own_s)
         if kept is not None:
-            kept.told = now
+            kept.told = None  # (until its client is told it)
         return parts, kept
 
     def timing(

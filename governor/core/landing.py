@@ -2,8 +2,9 @@
 slot was in fact available to it.
 
 A client refused for want of a slot is told a time (its :class:`~governor.core.promises.Promise`:
-``at``, told at ``told``). When it comes back at that time (no sooner than ``hold`` before it,
-the window in which a freed slot is held for it):
+``at``, told at ``told``: :func:`~.admission.answered`; a job that waits in line on the server is told nothing, and its turn
+is not a return). When it comes back at that time (no sooner than ``hold`` before it, the window
+in which a freed slot is held for it):
 
 * admitted, its return **landed**; the slot it took was available from ``max(freed, told)``
   (``freed``: when that slot was released; a slot free all along was available when the hint
@@ -47,9 +48,11 @@ class Landings:
         self.returns: Counter[tuple[str, str]] = Counter()  # by (lane, "landed" or "early")
 
     def at_hint(self, promise: Promise, now: float, hold: float) -> Hint | None:
-        """Whether a client back with ``promise`` came at its hint (no sooner than ``hold``
-        before it): the hint it came at, ``(told, at)``; None, for a client far early."""
-        return (promise.told, promise.at) if now >= promise.at - hold else None
+        """Whether a client back with ``promise`` came at the hint it was told (no sooner than
+        ``hold`` before it): that hint, ``(told, at)``; None, for a client far early, or a job
+        that waited in line on the server (told nothing: not a return)."""
+        told = promise.told
+        return (told, promise.at) if told is not None and now >= promise.at - hold else None
 
     def early(self, promise: Promise, lane: str, hint: Hint) -> None:
         """The client came at ``hint`` and was refused again: kept on its promise, which was

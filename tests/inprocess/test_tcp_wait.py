@@ -36,6 +36,7 @@ async def test_jobs_past_the_cap_that_ask_to_wait_all_run_with_no_yield(
     assert len(server.state.line) == 0
     assert [t.waiting for t in server.tenants.all()] == [0]
     assert server.ledger.waiting(0) == 0  # (no promise left in admission's line)
+    assert server.ledger.landings.returns == {}  # (no client was told a hint to come back at)
 
     plain = await asyncio.gather(*(job(server, n, None) for n in range(4)))
     assert sorted(r.reply.status for r in plain).count(Status.YIELD) == 2  # v0: a yield at once

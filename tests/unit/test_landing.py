@@ -16,9 +16,11 @@ from governor.core.promises import Promise
 from tests.clock import FakeClock
 
 
-def refused(decision: Slot | Refusal) -> Promise:
+def refused(decision: Slot | Refusal, told: float | None = None) -> Promise:
+    """The refusal's promise; ``told``: when its client was told it (the door answered)."""
     assert isinstance(decision, Refusal)
     assert decision.promise is not None
+    decision.promise.told = told
     return decision.promise
 
 
@@ -33,9 +35,8 @@ def test_a_return_that_lands_observes_how_long_the_slot_waited_for_the_time_told
     ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
     running = ledger.admit()
     assert isinstance(running, Slot)
-    promise = refused(ledger.admit())
-    told, at = promise.told, promise.at
-    assert told == clock.now
+    promise = refused(ledger.admit(), clock.now)
+    told, at = clock.now, promise.at
     assert at == pytest.approx(clock.now + 1.0)
     freed = clock.now = told + 0.9
     running.release(done=Completed())  # a tenth of the hint early: the slot waits 0.1 s
@@ -56,13 +57,13 @@ def test_an_early_return_is_observed_once_a_slot_is_its_with_its_own_hint() -> N
     ledger = SlotLedger(1, expected_service_s=1.0, clock=clock, min_hint_ms=100)
     running = ledger.admit()
     assert isinstance(running, Slot)
-    promise = refused(ledger.admit())
-    first = (promise.told, promise.at)
+    promise = refused(ledger.admit(), clock.now)
+    first = (clock.now, promise.at)
     clock.now = promise.at
-    assert refused(ledger.admit(promise)) is promise  # early: the job runs on
+    assert refused(ledger.admit(promise), clock.now) is promise  # early: the job runs on
     assert ledger.landings.returns == {("-", "early"): 1}
     assert errors(ledger) == (0, 0.0)
-    second = (promise.told, promise.at)
+    second = (clock.now, promise.at)
     assert second[0] == first[1]
     freed = clock.now = first[0] + 1.05
     running.release(done=Completed())
@@ -82,16 +83,41 @@ def test_a_client_that_never_returns_or_comes_far_early_gives_no_error() -> None
     ledger = SlotLedger(1, expected_service_s=1.0, clock=clock)
     running = ledger.admit()
     assert isinstance(running, Slot)
-    gone = refused(ledger.admit())
-    eager = refused(ledger.admit())
+    gone = refused(ledger.admit(), clock.now)
+    eager = refused(ledger.admit(), clock.now)
     clock.now += 0.1  # far before its hint: not a return at it
-    assert refused(ledger.admit(eager)) is eager
+    assert refused(ledger.admit(eager), clock.now) is eager
     assert ledger.landings.returns == {}
     clock.now += 5.0
     running.release(done=Completed())
     ledger.admit()  # (the line lapses as a decision is made)
     assert gone.queued is False  # (lapsed: its client never came)
     assert errors(ledger) == (0, 0.0)
+
+
+def test_a_job_that_waits_in_line_on_the_server_is_no_return() -> None:
+    """A refusal that is not answered (its job waits in line on the server) tells no client
+    anything: its turn, early or not, counts no return and gives no error; told later (its wait
+    ends in a yield), its client's return counts."""
+    clock = FakeClock()
+    ledger = SlotLedger(1, expected_service_s=1.0, clock=clock, min_hint_ms=100)
+    running = ledger.admit()
+    assert isinstance(running, Slot)
+    waiting = refused(ledger.admit())  # (told nothing)
+    for _ in range(2):  # its turns on the server, re-timed each time: early, unseen
+        clock.now = waiting.at
+        again = ledger.admit(waiting)
+        assert isinstance(again, Refusal)
+        assert again.promise is waiting
+    assert ledger.landings.returns == {}
+    clock.now = waiting.at
+    answered = refused(ledger.admit(waiting), clock.now)  # this time the door answers
+    assert ledger.landings.returns == {}
+    clock.now = answered.at
+    running.release(done=Completed())
+    assert isinstance(ledger.admit(answered), Slot)
+    assert ledger.landings.returns == {("-", "landed"): 1}
+    assert errors(ledger)[0] == 1
 
 
 @given(returns=st.lists(st.tuples(st.floats(0.0, 10.0), st.floats(0.01, 10.0)), max_size=40))
@@ -135,6 +161,8 @@ def closed_loop(ledger: SlotLedger, clock: FakeClock, clients: int, rounds: int)
         else:
             refusals[c] += 1
             promise[c] = decision.promise
+            if decision.promise is not None:
+                decision.promise.told = clock.now  # (the door answers it)
             heapq.heappush(events, (clock.now + decision.retry_hint_ms / 1000, c, None))
     return refusals
 
