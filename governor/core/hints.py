@@ -24,7 +24,8 @@ same instant.
 
 * On a runner that feeds a prompt beside every stream (the batched llama runner), a release
   after the first waits for the prompts of the jobs admitted at those before it, each of about
-  the waiting client's own size (:meth:`~.estimates.ServiceEstimates.fed_beside`).
+  the waiting client's own size (:meth:`~.estimates.ServiceEstimates.fed_beside`), and each
+  turn of a slot holds the prompts of the jobs the other slots take meanwhile, one each.
 * A client is told a ``margin`` (``hint_margin``) of the hint's last leg later than the release
   (the leg: the time from the release before it, or from now, the part whose error is the
   hint's): a prediction that errs either way as often would land half the time, and a client
@@ -223,7 +224,7 @@ class RetryHints:
             turn_s = self.estimates.predict_s(size, self.lanes.lane(rank))
         # (a job of n sequences waits for the n-th release after those ahead of it)
         k = ahead + later + (size.width - 1 if size is not None else 0)
-        end, turns, period = self.release_parts(now, k, rank, turn_s)
+        end, turns, period = self.release_parts(now, k, rank, turn_s, size)
         if k and not turns:  # (the prompts of the jobs that take the releases before it)
             end += self.estimates.fed_beside(size, k, end - now)
         # (late by a margin of the last leg: a client a moment early is refused again)
@@ -232,7 +233,12 @@ class RetryHints:
         return self.parts(now, at, end if turns else end + lead, ahead + later), promise
 
     def release_parts(
-        self, now: float, k: int, rank: int = 0, turn_s: float | None = None
+        self,
+        now: float,
+        k: int,
+        rank: int = 0,
+        turn_s: float | None = None,
+        size: JobSize | None = None,
     ) -> tuple[float, int, float]:
         """The ``k``-th slot release from now (``k`` = 0: the next one), for a client of the
         lane ranked ``rank``, as ``(end, turns, period)``: the release is ``turns`` turns of
@@ -240,7 +246,9 @@ class RetryHints:
 
         Each later turn of a slot starts when its promised client is back, not at once, and
         lasts ``W`` (``turn_s``: the predicted time of the jobs that take those turns, the
-        lane's mean by default), so a slot turns over every ``W + T``.
+        lane's mean by default), so a slot turns over every ``W + T``. On a runner that feeds
+        prompts beside every stream, a turn also holds the prompts of the jobs the other slots
+        take meanwhile, one each, of about ``size`` (:meth:`~.estimates.ServiceEstimates.fed_beside`).
         """
         ends, slots = self._ends(now, rank)
         floor = now + self.min_hint_ms / 1000
@@ -248,6 +256,7 @@ class RetryHints:
         ends.sort()
         if turn_s is None:
             turn_s = self.estimates.service_for(self.lanes.lane(rank))
+        turn_s += self.estimates.fed_beside(size, slots - 1, turn_s)
         # (no turn is shorter than a millisecond: a period of 0 would never move on; and each
         # turn's client comes back a margin of the period after the release it was told)
         period = max(turn_s + self.estimates.turnaround_s, 0.001) / (1.0 - self.margin)

@@ -89,6 +89,29 @@ def test_the_first_rewrites_refused_wait_for_the_running_ones_ends_from_their_si
     ]
 
 
+def test_a_turn_on_a_batched_runner_holds_the_prompts_of_the_other_slots_new_jobs() -> None:
+    """Nine rewrites at once on four slots: the ninth waits a turn past the running rewrites'
+    end, and that turn, on a runner that feeds prompts beside every stream, holds the prompts
+    of the jobs the three other slots take meanwhile as well as its own job (the 40-client
+    burst on the embedded model: 29 % of the returns landed without them, about half with)."""
+    clock = FakeClock()
+    ledger = SlotLedger(4, expected_service_s=2.0, clock=clock)
+    rates = Rates(prompt_s=0.004, decode_s=0.05)
+    ledger.estimates.model.assumed = lambda: rates
+    rewrite = JobSize(200, 100)
+    for _ in range(4):
+        assert isinstance(ledger.admit(size=rewrite), Slot)
+    end_s = 4 * 200 * rates.prompt_s + 99 * rates.decode_s
+    refused = [ledger.admit(size=rewrite) for _ in range(5)]
+    ninth = refused[-1]
+    assert isinstance(ninth, Refusal)
+    assert ninth.parts is not None
+    assert ninth.parts.release_ms == pytest.approx(end_s * 1000, abs=2)
+    turn_s = ledger.estimates.predict_s(rewrite) + ledger.turnaround_s
+    others_s = 3 * 200 * rates.prompt_s
+    assert ninth.parts.turns_ms == pytest.approx((turn_s + others_s) * 1000, abs=2)
+
+
 @given(
     max_new=st.integers(2, 400),
     steps=st.lists(st.floats(0.01, 0.2), min_size=400, max_size=400),
