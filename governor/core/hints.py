@@ -248,7 +248,8 @@ class RetryHints:
         lasts ``W`` (``turn_s``: the predicted time of the jobs that take those turns, the
         lane's mean by default), so a slot turns over every ``W + T``. On a runner that feeds
         prompts beside every stream, a turn also holds the prompts of the jobs the other slots
-        take meanwhile, one each, of about ``size`` (:meth:`~.estimates.ServiceEstimates.fed_beside`).
+        take meanwhile, one each, of about ``size``
+        (:meth:`~.estimates.ServiceEstimates.fed_beside`).
         """
         ends, slots = self._ends(now, rank)
         floor = now + self.min_hint_ms / 1000

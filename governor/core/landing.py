@@ -2,9 +2,10 @@
 slot was in fact available to it.
 
 A client refused for want of a slot is told a time (its :class:`~governor.core.promises.Promise`:
-``at``, told at ``told``: :func:`~.admission.answered`; a job that waits in line on the server is told nothing, and its turn
-is not a return). When it comes back at that time (no sooner than ``hold`` before it, the window
-in which a freed slot is held for it):
+``at``, told at ``told``, when its yield was answered: :func:`~.admission.answered`; a job that
+waits in line on the server is told nothing, and its turn is not a return). When it comes back
+at that time (no sooner than ``hold`` before it, the window in which a freed slot is held for
+it):
 
 * admitted, its return **landed**; the slot it took was available from ``max(freed, told)``
   (``freed``: when that slot was released; a slot free all along was available when the hint

@@ -52,8 +52,8 @@ class Promise:
         self.rank = rank
         self.service_s = service_s
         self.queued = True  # still in the line: neither withdrawn nor lapsed
-        # When its client was told ``at`` (a yield answered: :func:`~.admission.answered`); None while
-        # it is not (a job that waits in line on the server is told nothing).
+        # When its client was told ``at`` (its yield answered: :func:`~.admission.answered`);
+        # None while it is not (a job that waits in line on the server is told nothing).
         self.told: float | None = None
         # Its client's returns at a hint that were refused again, (told, at) of each, until
         # a slot is its (:class:`~governor.core.landing.Landings`); None: none.

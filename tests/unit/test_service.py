@@ -65,24 +65,31 @@ def test_the_runners_rates_predict_a_sized_job_the_learnt_ones_where_it_says_non
     assert model.predict_s(rewrite) == pytest.approx(machine_s(762, 400)[1], rel=0.01)
 
 
+RATES = Rates(prompt_s=0.004, decode_s=0.05)
+
+
+def four_running(rewrite: JobSize) -> SlotLedger:
+    """Four slots on a runner that says its rates (:data:`RATES`), a ``rewrite`` in each."""
+    ledger = SlotLedger(4, expected_service_s=2.0, clock=FakeClock())
+    ledger.estimates.model.assumed = lambda: RATES
+    for _ in range(4):
+        assert isinstance(ledger.admit(size=rewrite), Slot)
+    return ledger
+
+
 def test_the_first_rewrites_refused_wait_for_the_running_ones_ends_from_their_size() -> None:
     """Six rewrites at once on four slots, none finished yet: the two refused are told the
     running rewrites' predicted end from their size (762 prompt tokens, 400 out, at the rates
     the runner said), every prompt fed before any rewrite's last tokens, not the runner's
     prior of 2 s (told 1.3 s for slots that freed 50 s later, each refused a dozen times); the
     second refused, once the first refused one's prompt is fed too."""
-    clock = FakeClock()
-    ledger = SlotLedger(4, expected_service_s=2.0, clock=clock)
-    rates = Rates(prompt_s=0.004, decode_s=0.05)
-    ledger.estimates.model.assumed = lambda: rates
     rewrite = JobSize(762, 400)
-    for _ in range(4):
-        assert isinstance(ledger.admit(size=rewrite), Slot)
-    end_s = 4 * 762 * rates.prompt_s + 399 * rates.decode_s
+    ledger = four_running(rewrite)
+    end_s = 4 * 762 * RATES.prompt_s + 399 * RATES.decode_s
     refused = [ledger.admit(size=rewrite) for _ in range(2)]
     hints = [r.retry_hint_ms for r in refused if isinstance(r, Refusal)]
     # (the second waits for the second release: after the first one's prompt is fed beside it)
-    fifths_prompt_s = 762 * rates.prompt_s
+    fifths_prompt_s = 762 * RATES.prompt_s
     assert hints == [
         pytest.approx(end_s * 1000, abs=2),
         pytest.approx((end_s + fifths_prompt_s) * 1000, abs=2),
@@ -92,23 +99,16 @@ def test_the_first_rewrites_refused_wait_for_the_running_ones_ends_from_their_si
 def test_a_turn_on_a_batched_runner_holds_the_prompts_of_the_other_slots_new_jobs() -> None:
     """Nine rewrites at once on four slots: the ninth waits a turn past the running rewrites'
     end, and that turn, on a runner that feeds prompts beside every stream, holds the prompts
-    of the jobs the three other slots take meanwhile as well as its own job (the 40-client
-    burst on the embedded model: 29 % of the returns landed without them, about half with)."""
-    clock = FakeClock()
-    ledger = SlotLedger(4, expected_service_s=2.0, clock=clock)
-    rates = Rates(prompt_s=0.004, decode_s=0.05)
-    ledger.estimates.model.assumed = lambda: rates
+    of the jobs the three other slots take meanwhile as well as its own job."""
     rewrite = JobSize(200, 100)
-    for _ in range(4):
-        assert isinstance(ledger.admit(size=rewrite), Slot)
-    end_s = 4 * 200 * rates.prompt_s + 99 * rates.decode_s
-    refused = [ledger.admit(size=rewrite) for _ in range(5)]
-    ninth = refused[-1]
+    ledger = four_running(rewrite)
+    end_s = 4 * 200 * RATES.prompt_s + 99 * RATES.decode_s
+    ninth = [ledger.admit(size=rewrite) for _ in range(5)][-1]
     assert isinstance(ninth, Refusal)
     assert ninth.parts is not None
     assert ninth.parts.release_ms == pytest.approx(end_s * 1000, abs=2)
     turn_s = ledger.estimates.predict_s(rewrite) + ledger.turnaround_s
-    others_s = 3 * 200 * rates.prompt_s
+    others_s = 3 * 200 * RATES.prompt_s
     assert ninth.parts.turns_ms == pytest.approx((turn_s + others_s) * 1000, abs=2)
 
 
