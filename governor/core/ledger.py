@@ -598,7 +598,7 @@ class SlotLedger(SlotPool):
         (backfilling, as a batch scheduler's EASY backfill: a free slot goes past the line
         only to a job predicted to end before it is needed): each client due before the job's
         predicted end takes a spare slot, else a running job's predicted release by its time."""
-        if spare < 0 or not len(self.line):
+        if not len(self.line):
             return False
         hold = self.estimates.hold()
         until = now + self.estimates.predict_s(size, self.lanes.lane(rank))
