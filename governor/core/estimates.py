@@ -250,18 +250,16 @@ class ServiceEstimates:
         )
         return Batch(tokens * rate, rates.cell_s * len(jobs))
 
-    def fed_beside(self, size: JobSize | None, jobs: int, left_s: float) -> float:
-        """How much later a running job ``left_s`` from its end ends for ``jobs`` jobs of
-        ``size`` admitted meanwhile, their prompts fed beside it (on a runner that feeds them
-        so, as :meth:`batch`): their prompts' time, at most a chunk for each of its tokens left
-        (at least one)."""
-        if size is None or self.model.assumed() is None:
+    def fed_beside(self, tokens: int, left_s: float) -> float:
+        """How much later a running job ``left_s`` from its end ends for ``tokens`` prompt tokens
+        fed beside it meanwhile (on a runner that feeds them so, as :meth:`batch`): their time,
+        at most a chunk for each of its tokens left."""
+        if not tokens or left_s <= 0 or self.model.assumed() is None:
             return 0.0
         pace, rate = self.decode_pace(), self.prompt_pace()
         if not pace or not rate:
             return 0.0
-        fed = jobs * size.prompt_tokens * rate
-        return min(fed, max(left_s / pace, 1.0) * self.chunk_s())
+        return min(tokens * rate, left_s / pace * self.chunk_s())
 
     def end_of(self, job: Running, now: float, batch: Batch = NO_BATCH) -> float:
         """When a running job is expected to end: from the work left in the ``batch`` (of the

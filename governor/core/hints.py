@@ -22,10 +22,11 @@ same instant.
   finds no slot for it keeps its place in line and is re-timed to that place's release (``k =
   q``, the promises ahead of it).
 
-* On a runner that feeds a prompt beside every stream (the batched llama runner), a release
-  after the first waits for the prompts of the jobs admitted at those before it, each of about
-  the waiting client's own size (:meth:`~.estimates.ServiceEstimates.fed_beside`), and each
-  turn of a slot holds the prompts of the jobs the other slots take meanwhile, one each.
+* On a runner that feeds a prompt beside every stream (the batched llama runner), a running
+  job ends after the prompts of the jobs that take the slots freeing before it
+  (:meth:`RetryHints.end_of`, :meth:`~.estimates.ServiceEstimates.fed_beside`), and each turn
+  of a slot holds the prompts of the jobs the other slots take meanwhile: one each, of about
+  the waiting client's own size.
 * A client is told a ``margin`` (``hint_margin``) of the hint's last leg later than the release
   (the leg: the time from the release before it, or from now, the part whose error is the
   hint's): a prediction that errs either way as often would land half the time, and a client
@@ -134,11 +135,22 @@ class RetryHints:
         release_ms = min(max(_ms(release - now), 0), hint_ms)
         return HintParts(release_ms, hint_ms - release_ms, ahead)
 
-    def end_of(self, now: float) -> Callable[[Job], float]:
-        """When each running job is expected to end, the batch's work reckoned once."""
+    def end_of(self, now: float, prompt: int = 0) -> Callable[[Job], float]:
+        """When each running job is expected to end, the batch's work reckoned once. For a
+        client waiting for a slot whose job's prompt is ``prompt`` tokens, on a runner that
+        feeds prompts beside every stream: a job also waits for the prompts of the jobs that
+        take the slots freeing before its end, one each of about that size, fed from the first
+        of those releases on (jobs that end together wait for none)."""
         estimates = self.estimates
         batch = estimates.batch(self._running)
-        return lambda job: estimates.end_of(job, now, batch)
+        ends = sorted(
+            ((estimates.end_of(job, now, batch), job) for job in self._running),
+            key=lambda pair: pair[0],
+        )
+        told: dict[Job, float] = {}
+        for i, (end, job) in enumerate(ends):
+            told[job] = end + estimates.fed_beside(i * prompt, end - ends[0][0])
+        return told.__getitem__
 
     def next_end(self, now: float) -> float:
         """When the first running job is expected to end (a free slot frees nothing more)."""
@@ -225,8 +237,6 @@ class RetryHints:
         # (a job of n sequences waits for the n-th release after those ahead of it)
         k = ahead + later + (size.width - 1 if size is not None else 0)
         end, turns, period = self.release_parts(now, k, rank, turn_s, size)
-        if k and not turns:  # (the prompts of the jobs that take the releases before it)
-            end += self.estimates.fed_beside(size, k, end - now)
         # (late by a margin of the last leg: a client a moment early is refused again)
         lead = self.margin * (period if turns else max(end - now, 0.0))
         at = max(end + turns * period + lead, self.line.latest(promise, rank))
@@ -251,13 +261,14 @@ class RetryHints:
         take meanwhile, one each, of about ``size``
         (:meth:`~.estimates.ServiceEstimates.fed_beside`).
         """
-        ends, slots = self._ends(now, rank)
+        prompt = size.prompt_tokens if size is not None else 0
+        ends, slots = self._ends(now, rank, prompt)
         floor = now + self.min_hint_ms / 1000
         ends += [floor] * (slots - len(ends))  # a free slot is held for a promise due now
         ends.sort()
         if turn_s is None:
             turn_s = self.estimates.service_for(self.lanes.lane(rank))
-        turn_s += self.estimates.fed_beside(size, slots - 1, turn_s)
+        turn_s += self.estimates.fed_beside(prompt * (slots - 1), turn_s)
         # (no turn is shorter than a millisecond: a period of 0 would never move on; and each
         # turn's client comes back a margin of the period after the release it was told)
         period = max(turn_s + self.estimates.turnaround_s, 0.001) / (1.0 - self.margin)
@@ -269,7 +280,7 @@ class RetryHints:
         (each running job's first end), up to ``until``, in order."""
         return sorted(end for end in self._ends(now, rank)[0] if end <= until)
 
-    def _ends(self, now: float, rank: int) -> tuple[list[float], int]:
+    def _ends(self, now: float, rank: int, prompt: int = 0) -> tuple[list[float], int]:
         """The expected ends of the running jobs whose release frees a slot a client of the
         lane ranked ``rank`` may take, and how many slots it may take.
 
@@ -277,7 +288,7 @@ class RetryHints:
         r``: those of the lower lanes' jobs, and of the interactive jobs past the ``r`` the
         reserve holds (the first of them to end frees a slot that is not the reserve's).
         """
-        end_of = self.end_of(now)
+        end_of = self.end_of(now, prompt)
         reserve = self.lanes.reserve(rank, now)
         ends: list[float] = []
         interactive: list[float] = []

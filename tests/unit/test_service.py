@@ -81,19 +81,34 @@ def test_the_first_rewrites_refused_wait_for_the_running_ones_ends_from_their_si
     """Six rewrites at once on four slots, none finished yet: the two refused are told the
     running rewrites' predicted end from their size (762 prompt tokens, 400 out, at the rates
     the runner said), every prompt fed before any rewrite's last tokens, not the runner's
-    prior of 2 s (told 1.3 s for slots that freed 50 s later, each refused a dozen times); the
-    second refused, once the first refused one's prompt is fed too."""
+    prior of 2 s (told 1.3 s for slots that freed 50 s later, each refused a dozen times). The
+    four end together: the second refused takes a slot freed with the first's."""
     rewrite = JobSize(762, 400)
     ledger = four_running(rewrite)
     end_s = 4 * 762 * RATES.prompt_s + 399 * RATES.decode_s
     refused = [ledger.admit(size=rewrite) for _ in range(2)]
     hints = [r.retry_hint_ms for r in refused if isinstance(r, Refusal)]
-    # (the second waits for the second release: after the first one's prompt is fed beside it)
-    fifths_prompt_s = 762 * RATES.prompt_s
-    assert hints == [
-        pytest.approx(end_s * 1000, abs=2),
-        pytest.approx((end_s + fifths_prompt_s) * 1000, abs=2),
-    ]
+    assert hints == [pytest.approx(end_s * 1000, abs=2)] * 2
+
+
+def test_a_running_job_ends_after_the_prompts_fed_at_the_releases_before_it() -> None:
+    """A chat and a rewrite running on two slots of a runner that feeds prompts beside every
+    stream; four rewrites refused: the first is told the chat's end, the second the running
+    rewrite's end after the first refused one's prompt, fed beside it from the chat's end; the
+    fourth waits a turn past that same end."""
+    ledger = SlotLedger(2, expected_service_s=2.0, clock=FakeClock())
+    ledger.estimates.model.assumed = lambda: RATES
+    chat, rewrite = JobSize(100, 20), JobSize(762, 400)
+    running = [ledger.admit(size=size) for size in (chat, rewrite)]
+    ends = [ledger.slot_end(slot, 0.0) for slot in running if isinstance(slot, Slot)]
+    refused = [ledger.admit(size=rewrite) for _ in range(4)]
+    parts = [r.parts for r in refused if isinstance(r, Refusal) and r.parts is not None]
+    assert len(parts) == 4
+    prompt_s = 762 * RATES.prompt_s
+    assert parts[0].ms == pytest.approx(ends[0] * 1000, abs=2)
+    assert parts[1].ms == pytest.approx((ends[1] + prompt_s) * 1000, abs=2)
+    assert parts[3].ahead == 3
+    assert parts[3].release_ms == pytest.approx(parts[1].ms, abs=2)
 
 
 def test_a_turn_on_a_batched_runner_holds_the_prompts_of_the_other_slots_new_jobs() -> None:
