@@ -737,18 +737,20 @@ class Exchange:
         self.execution = intake.start(state, job, self)
 
     def _yielded(self, decision: Yielded, ask: intake.Ask) -> None:
-        """429 (503); a place kept for the retry of a ``busy`` yield (an unavailable server's
-        retry is for another replica, or after a cooldown: no place in line waits for it)."""
+        """429 (503), the job's place kept for its retry."""
+        self._keep(decision, ask)
+        self.fail(api.refusal(decision))
+
+    def _keep(self, decision: Yielded, ask: intake.Ask) -> None:
+        """A refused job's place kept for its retry, whatever refused it, as on every door
+        (docs/PROTOCOL.md, "Places in line kept for a retry"); given up when none can be."""
         conn = self.conn
         first = ask.first_refusal
         assert first is not None
-        if decision.error_code == ErrorCode.BUSY and conn.door.places.keep(
-            self.key, ask.attempt, first, decision.retry_hint_ms
-        ):
+        if conn.door.places.keep(self.key, ask.attempt, first, decision.retry_hint_ms):
             conn.door.kept()
         else:
             intake.gave_up(conn.state, ask.attempt)
-        self.fail(api.refusal(decision))
 
     # execution.Replies -------------------------------------------------------------------
 
@@ -810,10 +812,11 @@ class Exchange:
         self.conn.exchange_ended()
 
     def fleet_refused(self, execution: Execution, refusal: Refusal) -> None:
-        """The fleet refused the job admitted here: 429 now (it keeps no place in line: the
-        fleet's hint is not the ledger's); the exchange ends with the job's task."""
+        """The fleet refused the job admitted here: 429 now, its place kept for its retry as
+        any refused job's; the exchange ends with the job's task."""
         assert self.ask is not None
         decision, _ = self.ask.take_back(execution.ticket, refusal, keep_payload=False)
+        self._keep(decision, self.ask)
         error = api.refusal(decision)
         self.out.whole(error.status, error.body(), error.headers)
 

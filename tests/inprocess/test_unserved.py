@@ -12,6 +12,7 @@ import pytest
 from clients.client import GovernorClient
 from clients.retry import RetryPolicy
 from governor.listeners.openai_api import MAX_WAIT_HEADER
+from governor.runners import StubRunner
 from governor.server import Server
 from protocol.codes import Status
 from protocol.spec import JobSpec
@@ -97,3 +98,76 @@ async def test_http_retries_of_one_request_count_once_and_a_client_that_leaves_g
     await wait_until(lambda: unserved(server)[2] == 1)
     assert unserved(server)[0] == 3
     await running
+
+
+# One rule on both doors: every refusal keeps its job's attempt for the retry ------------------
+
+KINDS = ["server_busy", "breaker_open", "draining"]
+
+
+async def refusing(
+    make_server: ServerFactory, kind: str, **config: object
+) -> tuple[Server, asyncio.Task[None] | None]:
+    """A server whose every admission is refused with ``kind``: its one slot held by a long
+    job (the task holding it), its breaker open (a job failed; a cooldown of 2 s), or
+    draining."""
+    if kind == "breaker_open":
+        runner = StubRunner(0.01, fail_rate=1.0, seed=1)
+        server = await make_server(
+            runner, breaker_failures=1, breaker_cooldown=2, probe_interval=600, **config
+        )
+        host, port = server.address
+        async with await GovernorClient.connect(host, port) as client:
+            failed = await client.upload(b"fails", retry=RetryPolicy(max_attempts=1))
+            assert failed.reply.need_code == "backend_error"
+        return server, None
+    server = await make_server(max_inflight=1, stub_ms=1500, **config)
+    if kind == "draining":
+        server.begin_drain("test")
+        return server, None
+    host, port = server.address
+    hold = asyncio.create_task(held_slot(host, port))
+    await wait_until(lambda: server.inflight == 1)
+    return server, hold
+
+
+async def held_slot(host: str, port: int) -> None:
+    async with await GovernorClient.connect(host, port) as holder:
+        await holder.upload(b"hold")
+
+
+async def release(hold: asyncio.Task[None] | None) -> None:
+    if hold is not None:
+        hold.cancel()
+        await asyncio.gather(hold, return_exceptions=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_tcp_job_retried_through_any_refusal_is_one_unserved_job(
+    make_server: ServerFactory, kind: str
+) -> None:
+    server, hold = await refusing(make_server, kind)
+    host, port = server.address
+    spec, once = JobSpec(prompt="again", max_new_tokens=4), RetryPolicy(max_attempts=1)
+    async with await GovernorClient.connect(host, port) as client:
+        for _ in range(5):  # (sent whole again by its id, as a client that retries would)
+            result = await client.generate(spec, job="again", retry=once)
+            assert result.reply.need_code == kind
+    assert unserved(server)[0] == 1
+    await wait_until(lambda: unserved(server)[2] == 1)  # (its client left)
+    await release(hold)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_an_http_request_retried_through_any_refusal_is_one_unserved_job(
+    make_server: ServerFactory, kind: str
+) -> None:
+    server, hold = await refusing(make_server, kind, http_listen="127.0.0.1:0", upload_timeout=1)
+    body = {"model": "m", "messages": CHAT, "max_tokens": 5}
+    async with httpx.AsyncClient(base_url=url(server), headers={MAX_WAIT_HEADER: "0"}) as http:
+        for _ in range(5):
+            refused = await http.post("/v1/chat/completions", json=body)
+            assert refused.json()["error"]["code"] == kind
+    assert unserved(server)[0] == 1
+    await wait_until(lambda: unserved(server)[2] == 1, timeout=10)  # (its place expired)
+    await release(hold)

@@ -797,6 +797,36 @@ async def test_a_job_the_fleet_refused_keeps_its_payload_and_its_retry_runs(
     assert all(s.buffered_bytes == 0 for s in servers)
 
 
+async def test_an_http_request_the_fleet_refused_keeps_its_place_and_counts_once(
+    make_server: ServerFactory, redis_server: RedisServer
+) -> None:
+    """The fleet's one lease held on one replica: the same request sent three times to the
+    other is one unserved job there (its place kept for every retry, as a TCP job is), and
+    its retry runs once the lease is free, none given up."""
+    servers = await fleet_of(
+        make_server,
+        redis_server.url,
+        2,
+        fleet_max_inflight=1,
+        stub_ms=1500,
+        http_listen="127.0.0.1:0",
+        max_wait=0,
+    )
+    holder = asyncio.create_task(run_job(servers[0], "hold", b"x"))
+    await wait_until(lambda: servers[0].inflight == 1)
+    address = servers[1].http_address
+    assert address is not None
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with httpx.AsyncClient(base_url=f"http://{address[0]}:{address[1]}") as http:
+        for _ in range(3):
+            refused = await http.post("/v1/chat/completions", json=body)
+            assert refused.json()["error"]["code"] == NeedCode.FLEET_BUSY
+        assert (await holder).done
+        done = await http.post("/v1/chat/completions", json=body)
+        assert done.status_code == 200
+    assert servers[1].admission.unserved.totals()[::2] == (1, 0)
+
+
 async def test_a_client_gone_while_the_fleet_answers_leaves_nothing_held(
     make_server: ServerFactory, redis_server: RedisServer
 ) -> None:
