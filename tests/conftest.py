@@ -1,7 +1,8 @@
 """Shared fixtures: an in-process server on a port-0 socket, a raw frame client, a daemon process.
 
 Async tests run on both uvloop (what the daemon uses) and the standard asyncio loop, but for the
-real-model tests, which run on uvloop alone.
+tests marked ``real_model`` (the embedded model, a llama.cpp server: slow, and not about the
+loop), which run on uvloop alone.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    if item.path.name in ("test_llama.py", "test_http.py", "test_lanes.py"):  # slow: uvloop only
+    if item.get_closest_marker("real_model"):  # (slow, and not about the loop: uvloop only)
         return {"uvloop": uvloop.new_event_loop}
     return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 

@@ -21,6 +21,8 @@ from governor.runners.llama_worker import Model, arguments, greedy_request
 
 from .test_suspension import PROMPT, WorkerPipe
 
+pytestmark = pytest.mark.real_model
+
 N_CTX = 512
 COMMON = PROMPT * 6
 LATER = [*COMMON, 2373, 30, 260]

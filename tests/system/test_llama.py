@@ -35,6 +35,8 @@ from protocol.upload import split_payload
 from tests.conftest import Daemon, RawConn, ServerFactory, outcomes, wait_until
 from tests.inprocess.test_ops import failing, probe, until_ready
 
+pytestmark = pytest.mark.real_model
+
 N_CTX = 512
 # On a machine with a GPU and llama-cpp-python built for it, GOVERNOR_TEST_N_GPU_LAYERS=-1
 # runs these tests with the model on the GPU (CI has none: 0, the CPU).

@@ -32,6 +32,8 @@ from tests.conftest import ServerFactory, wait_until
 from .test_llama import N_GPU_LAYERS, client_for, generating, greedy, worker_pids
 from .test_suspension import WorkerPipe
 
+pytestmark = pytest.mark.real_model
+
 # The tokens a stream says beside others as alone: 4 on the CPU; on a GPU (an H100, measured)
 # llama.cpp's kernels for one token and for a batch differ more, and the third token can differ.
 FIRST_TOKENS = 4 if N_GPU_LAYERS == 0 else 1

@@ -34,6 +34,8 @@ from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_pa
 from governor.runners.structured import calls_grammar, parse_tool_call, schema_grammar
 from protocol.spec import SpecInvalid, spec_from_object
 
+pytestmark = pytest.mark.real_model
+
 # On a machine with a GPU and llama-cpp-python built for it, GOVERNOR_TEST_N_GPU_LAYERS=-1
 # runs these tests with the model on the GPU (CI has none: 0, the CPU).
 N_GPU_LAYERS = int(os.environ.get("GOVERNOR_TEST_N_GPU_LAYERS", "0"))

@@ -36,7 +36,7 @@ def sdk() -> Iterator[openai.OpenAI]:
         started.stop()
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 
 def test_json_mode_answers_json_objects(sdk: openai.OpenAI) -> None:

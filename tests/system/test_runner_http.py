@@ -30,6 +30,8 @@ from protocol.spec import JobSpec, Message
 from tests.conftest import Daemon, ServerFactory, wait_until
 from tests.inprocess.test_ops import failing, ops_server, probe, until_ready
 
+pytestmark = pytest.mark.real_model
+
 
 def greedy(prompt: str | None = None, **fields: Any) -> JobSpec:
     return dataclasses.replace(JobSpec(prompt=prompt, temperature=0.0, seed=7), **fields)

@@ -29,6 +29,8 @@ from protocol.spec import JobSpec, Message
 from tests.conftest import ServerFactory, wait_until
 from tests.system.test_runner_http import direct
 
+pytestmark = pytest.mark.real_model
+
 RETRY = RetryPolicy(max_attempts=1000)
 STORY = "Write a long story about a lighthouse keeper who finds a map in a bottle."
 HEAVY_TOKENS = 160

@@ -12,6 +12,8 @@ import pytest
 from loadtest.bench import sidecar
 from loadtest.support import llama_server
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module", params=["llama-cpp-python", "llama-server"])
 def servers(request: pytest.FixtureRequest) -> Iterator[sidecar.Servers]:

@@ -26,6 +26,8 @@ from tests.conftest import ServerFactory, wait_until
 
 from .test_llama import N_GPU_LAYERS, client_for, greedy
 
+pytestmark = pytest.mark.real_model
+
 LONG = 48  # the suspended job's tokens
 
 
