@@ -143,6 +143,8 @@ class RetryHints:
         of those releases on (jobs that end together wait for none)."""
         estimates = self.estimates
         batch = estimates.batch(self._running)
+        if not prompt:  # (no waiting client's prompt: each end on its own, when asked)
+            return lambda job: estimates.end_of(job, now, batch)
         ends = sorted(
             ((estimates.end_of(job, now, batch), job) for job in self._running),
             key=lambda pair: pair[0],
