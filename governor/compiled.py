@@ -48,6 +48,7 @@ MODULES = (
     "governor.intake",
     "governor.listeners.base",
     "governor.listeners.jobs",
+    "governor.listeners.outbound",
     "governor.listeners.session",
     "governor.listeners.tcp",
     "governor.listeners.wire",

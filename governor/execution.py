@@ -30,6 +30,7 @@ from .core.admission import BACKEND_FAILURES, Attempt, Ticket
 from .core.ledger import Completed, Refusal
 from .core.policy import Lane
 from .core.slo import judge, share
+from .intake import JobAdmitted
 from .runners import Fed, Finished, Forwarding, Relay, Relayed, RunnerError, Token
 from .runners.base import Resume
 from .state import ServerState
@@ -411,3 +412,10 @@ def interactive_overload(state: ServerState, ticket: Ticket) -> OverloadControll
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
+
+
+def start(state: ServerState, job: JobAdmitted, replies: Replies) -> Execution:
+    """Run an admitted job: its task and the done-callback that releases its ticket."""
+    return Execution(
+        state, job.ticket, job.attempt, replies, job.waited_s, job=job.job, ttl_ms=job.ttl_ms
+    )

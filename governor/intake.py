@@ -19,21 +19,19 @@ are these, the same for every door:
    leaves the line once, admitted, refused, or because its client left (:meth:`Ask.give_up`).
    The door maps the :data:`Outcome` to its wire, and keeps a refused job for its retry its
    own way (a held payload, a kept place).
-3. **Start** (:meth:`Ask.admitted`, :func:`start`): an admitted job's ticket takes its payload's
+3. **Start** (:meth:`Ask.admitted`, :func:`governor.execution.start`): an admitted job's ticket takes its payload's
    reservation and its wait since the first refusal is measured (no IO: a sans-IO session
    hands the result out as an event); then its :class:`~governor.execution.Execution` starts.
 4. **Take back** (:meth:`Ask.take_back`): the fleet refused a job this replica admitted; its
    ticket is given back and the payload's reservation returned to the door.
 
-Connection ids come from one counter (:func:`connection_id`), so that ``conn=`` in the logs
-names one connection whichever listener accepted it; a client cut off for not reading its
-answers is counted and logged alike (:func:`cut_off`).
+Nothing here touches a transport or the event loop: the connection's IO is the doors'
+(:mod:`governor.listeners.outbound` holds what both do alike), an admitted job's run the
+execution's (:func:`governor.execution.start`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import math
 import time
@@ -59,46 +57,14 @@ from .core.admission import (
 )
 from .core.ledger import DRAINING_HINT_MS, Refusal
 from .core.policy import LANES
-from .core.sources import NOW, Turn, source_of
+from .core.sources import NOW, Turn
 from .core.tenants import Tenant
 from .core.waitline import Candidate, Waiter, wait_budget_s, waits
-from .execution import Execution, Replies
 from .runners import Job, Runner
 from .state import ServerState
 from .telemetry.logs import event
 
 log = logging.getLogger("governor.intake")
-
-# Connections the kernel holds for a listener until the loop accepts them (capped by somaxconn).
-BACKLOG = 4096
-
-_connection_ids = itertools.count(1)
-
-
-def connection_id() -> int:
-    """A new connection's id, unique across listeners: it names the connection in logs."""
-    return next(_connection_ids)
-
-
-def cut_off(
-    state: ServerState, transport: asyncio.Transport, conn_id: int, source: str, reason: str
-) -> None:
-    """Drop a connection whose client does not read (``reason`` ``slow_reader`` or
-    ``write_timeout``) now, with what it left unread: counted and logged alike on every door."""
-    state.connections.refused[reason] += 1
-    unread = transport.get_write_buffer_size()
-    why = (
-        f"read no reply for {state.config.write_timeout:g} s"
-        if reason == "write_timeout"
-        else "left more replies unread than write_buffer_bytes"
-    )
-    line = state.connections.sources.line(
-        f"cut off connection {conn_id} from {source}: its client {why}"
-    )
-    if line is not None:
-        event(log, logging.WARNING, line, event="cut", reason=reason, source=source, unread=unread)
-    transport.abort()
-
 
 # Authentication ------------------------------------------------------------------------------
 
@@ -129,11 +95,12 @@ class Credentials:
         self.key_at = math.inf
         self._waiting_key = ""
 
-    def connected(self, transport: asyncio.BaseTransport) -> None:
-        peer = transport.get_extra_info("peername")
-        self.source = source_of(str(peer[0])) if peer else ""
-        self.cert_tenant = self.state.connections.certificate_tenant(transport)
-        self.authenticated = self.authenticated or self.cert_tenant is not None
+    def connected(self, source: str, cert_tenant: Tenant | None) -> None:
+        """The connection is open, from ``source``, its verified client certificate naming
+        ``cert_tenant`` if any (the door's transport says: :class:`~governor.listeners.outbound.Outbound`)."""
+        self.source = source
+        self.cert_tenant = cert_tenant
+        self.authenticated = self.authenticated or cert_tenant is not None
 
     def step(self, key: str, request: object) -> KeyStep:
         """Whether ``request`` (a door's, showing ``key``) goes on now: :attr:`KeyStep.GO`
@@ -327,7 +294,7 @@ class Ask:
         self, decision: Admitted, *, job: str, ttl_ms: int, reservation: Reservation | None
     ) -> JobAdmitted:
         """The ticket takes the payload's reservation (released with it), and the job's wait
-        since its first refusal is measured: the job, for the door to start (:func:`start`)."""
+        since its first refusal is measured: the job, for the door to start (:func:`~governor.execution.start`)."""
         ticket = decision.ticket
         ticket.reservation = reservation
         waited = None if self.first_refusal is None else ticket.slot.started - self.first_refusal
@@ -377,10 +344,10 @@ def gave_up(state: ServerState, attempt: Attempt) -> None:
     state.admission.gave_up(attempt)
 
 
-def revoke(state: ServerState, execution: Execution, refusal: Refusal) -> None:
+def revoke(state: ServerState, attempt: Attempt, ticket: Ticket, refusal: Refusal) -> None:
     """The fleet refused a job this replica admitted whose client has gone meanwhile: its
     ticket is given back, with no one to answer (:meth:`Ask.take_back` when there is)."""
-    state.admission.revoke(execution.attempt, execution.ticket, refusal)
+    state.admission.revoke(attempt, ticket, refusal)
 
 
 def payload_bytes(state: ServerState, connection: Budget, declared: int) -> Reservation | None:
@@ -542,7 +509,7 @@ def _wait_outcome(decision: Decision | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class JobAdmitted:
-    """An admitted job, for its listener to start (:func:`start`); what a sans-IO session
+    """An admitted job, for its listener to start (:func:`~governor.execution.start`); what a sans-IO session
     hands out as an event."""
 
     job: str  # the client's name for it, for the logs
@@ -550,10 +517,3 @@ class JobAdmitted:
     ticket: Ticket
     attempt: Attempt
     waited_s: float | None  # from its first refusal to its admission; None: never refused
-
-
-def start(state: ServerState, job: JobAdmitted, replies: Replies) -> Execution:
-    """Run an admitted job: its task and the done-callback that releases its ticket."""
-    return Execution(
-        state, job.ticket, job.attempt, replies, job.waited_s, job=job.job, ttl_ms=job.ttl_ms
-    )

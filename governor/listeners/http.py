@@ -76,13 +76,14 @@ from ..core.admission import (
 )
 from ..core.ledger import Refusal
 from ..core.sources import KEY_TURN_FAR
-from ..execution import Ending, Execution
+from ..execution import Ending, Execution, start
 from ..intake import KeyStep, Waiting
 from ..ops.health import Verdict
 from ..runners import Embedder, Forwarding, Relay, Relayed, RunnerError, Token
 from ..state import ServerState
 from . import openai_api as api
 from .base import Deadlines, bind, bound_address
+from .outbound import BACKLOG, Outbound, connection_id
 from .shell import MAX_HEAD_BYTES, ClosingError, Incoming, header
 from .tls import HANDSHAKE_TIMEOUT_S
 
@@ -142,7 +143,7 @@ class FrontDoor:
     def bind(self) -> None:
         address = self.state.config.http_address
         assert address is not None
-        self._sock = bind(*address, intake.BACKLOG)
+        self._sock = bind(*address, BACKLOG)
 
     async def serve(self) -> None:
         assert self._sock is not None
@@ -150,7 +151,7 @@ class FrontDoor:
         self._server = await asyncio.get_running_loop().create_server(
             lambda: HttpConnection(self),
             sock=self._sock,
-            backlog=intake.BACKLOG,
+            backlog=BACKLOG,
             ssl=tls,
             ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
         )
@@ -262,8 +263,9 @@ class HttpConnection(asyncio.Protocol):
         self.door = door
         self.state = door.state
         self.config = door.state.config
-        self.id = intake.connection_id()  # names the connection in logs (execution.Replies)
+        self.id = connection_id()  # names the connection in logs (execution.Replies)
         self.credentials = intake.Credentials(self.state, self.id)
+        self.out = Outbound(self.state, self.id, self.schedule)  # its writes, bounded, and close
         self.transport: asyncio.Transport | None = None
         self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.served = False
@@ -279,15 +281,13 @@ class HttpConnection(asyncio.Protocol):
         self.due_at: int | None = None
         self.expires_at = math.inf
         self.expiry: HTTPStatus | None = None
-        self.write_due = math.inf  # cut off then unless the client reads its answer again
-        self.writing_paused = False
 
     # asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        state = self.state
-        self.credentials.connected(transport)
+        state, out = self.state, self.out
+        self.credentials.connected(*out.made(transport))
+        self.transport = out.transport
         refused = state.connections.opened(self, self, self.source, idle=self.is_idle)
         if refused is not None:  # (a connection limit: another may free within a second)
             self._raw(
@@ -357,16 +357,11 @@ class HttpConnection(asyncio.Protocol):
             self.state.connections.closed(self, self)
 
     def pause_writing(self) -> None:
-        self.writing_paused = True
-        if self.write_due == math.inf:
-            self.write_due = self.state.now() + self.config.write_timeout
-            self.schedule()
+        self.out.pause()
 
     def resume_writing(self) -> None:
-        self.writing_paused = False
-        self.write_due = math.inf
         if not self.closed:
-            self.schedule()
+            self.out.resume()
 
     # For the server (state.Connection) -------------------------------------------------
 
@@ -377,11 +372,7 @@ class HttpConnection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
-        if self.transport is not None and not self.transport.is_closing():
-            if self.writing_paused:
-                self.transport.abort()
-            else:
-                self.transport.close()
+        self.out.close()
 
     # Requests --------------------------------------------------------------------------
 
@@ -473,7 +464,7 @@ class HttpConnection(asyncio.Protocol):
         """Keep its next deadline, its exchange's and its write's included, on the door's one
         timer."""
         exchange = self.exchange
-        deadline = min(self.expires_at, self.write_due)
+        deadline = min(self.expires_at, self.out.write_due)
         if exchange is not None:
             deadline = min(deadline, exchange.due_at)
         self.door.deadlines.put(self, deadline)
@@ -482,8 +473,8 @@ class HttpConnection(asyncio.Protocol):
         """What is due now: its answer unread for too long, its exchange's key turn or its next
         decision, or the deadline."""
         now = self.state.now()
-        if now >= self.write_due:
-            self._cut("write_timeout")
+        if self.out.overdue(now):
+            self.closed = True
             return
         exchange = self.exchange
         if exchange is not None:
@@ -517,23 +508,8 @@ class HttpConnection(asyncio.Protocol):
         transport.close()
 
     def write(self, data: bytes) -> None:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        transport.write(data)
-        if (
-            self.writing_paused
-            and transport.get_write_buffer_size() > self.config.write_buffer_bytes
-        ):
-            self._cut("slow_reader")
-
-    def _cut(self, reason: str) -> None:
-        """The client does not read its answer: drop the connection (its job is cancelled)."""
-        transport = self.transport
-        if transport is None:
-            return
-        self.closed = True
-        intake.cut_off(self.state, transport, self.id, self.source, reason)
+        if not self.out.write(data):
+            self.closed = True  # (cut off: its client left too much unread; its job cancelled)
 
 
 class Exchange:
@@ -734,7 +710,7 @@ class Exchange:
             int(time.time()),
             conn.door.model,
         )
-        self.execution = intake.start(state, job, self)
+        self.execution = start(state, job, self)
 
     def _yielded(self, decision: Yielded, ask: intake.Ask) -> None:
         """429 (503), the job's place kept for its retry."""

@@ -28,10 +28,11 @@ from typing import cast
 
 from protocol.codes import ErrorCode, NeedCode
 
-from .. import intake
+from ..execution import start
 from ..state import ServerState
 from . import tls as tls_module
 from .base import Deadlines, bind, bound_address
+from .outbound import BACKLOG, Outbound, connection_id
 from .session import Session
 
 
@@ -57,7 +58,7 @@ class TcpListener:
 
     def bind(self) -> None:
         if self._sock is None:
-            self._sock = bind(*self.state.config.listen_address, intake.BACKLOG)
+            self._sock = bind(*self.state.config.listen_address, BACKLOG)
 
     async def serve(self) -> None:
         assert self._sock is not None
@@ -66,7 +67,7 @@ class TcpListener:
         ) = await asyncio.get_running_loop().create_server(
             lambda: cast(asyncio.Protocol, GovernorProtocol(self.state, self.deadlines)),
             sock=self._sock,
-            backlog=intake.BACKLOG,
+            backlog=BACKLOG,
             ssl=self.tls,
             ssl_handshake_timeout=tls_module.HANDSHAKE_TIMEOUT_S if self.tls is not None else None,
         )
@@ -90,23 +91,21 @@ class GovernorProtocol:
     def __init__(self, state: ServerState, deadlines: Deadlines) -> None:
         self.state = state
         self.transport: asyncio.Transport | None = None
-        self.session = Session(state, self, intake.connection_id())
+        self.session = Session(state, self, conn_id := connection_id())
+        self.out = Outbound(state, conn_id, self._schedule)  # its writes, bounded, and close
         self._loop = asyncio.get_running_loop()
         self._served = False  # counted in the connections and against its source
         self._deadlines = deadlines
         self.due_at: int | None = None  # (its place in the deadlines)
         self._deadline = math.inf  # the next, on the session's clock
-        # Cut off then unless the client reads its replies again (paused, or closing).
-        self._write_due = math.inf
         self._next_turn = False  # lines wait for another turn, after the other connections'
 
     # asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
-        state, session = self.state, self.session
-        session.credentials.connected(transport)
+        state, session, out = self.state, self.session, self.out
+        session.credentials.connected(*out.made(transport))
+        self.transport = out.transport
         session.idle = session.is_idle
         refused = state.connections.opened(self, session, session.source, idle=session.is_idle)
         if refused is not None:
@@ -126,14 +125,13 @@ class GovernorProtocol:
         # The client is not reading its replies: stop reading and handling its requests.
         self.session.pause()
         self._reading()
-        self._start_write_deadline()
+        self.out.pause()
 
     def resume_writing(self) -> None:
         session = self.session
         if session.closed:
             return
-        self._write_due = math.inf
-        self._schedule()
+        self.out.resume()
         session.resume()
         self._turn_ended(self._receive(b""))  # (the lines that waited may fill the buffer again)
         self._reading()
@@ -147,22 +145,15 @@ class GovernorProtocol:
         session = self.session
         more = session.receive_data(data)
         while (admitted := session.next_event()) is not None:
-            session.started(intake.start(self.state, admitted, session.table.replies))
+            session.started(start(self.state, admitted, session.table.replies))
             more = session.receive_data(b"")
         return more
 
     # For the session (sans-IO: what it asks of its connection) -----------------------------
 
     def write(self, data: bytes) -> None:
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(data)
-            # (past the high-water mark, below write_buffer_bytes, writing has been paused)
-            if (
-                self.session.paused
-                and transport.get_write_buffer_size() > self.state.config.write_buffer_bytes
-            ):
-                self._cut("slow_reader")
+        if not self.out.write(data):
+            self.session.closed = True  # (cut off: its client left too much unread)
 
     def wake(self) -> None:
         """The session decided a waiting job between reads (the line offered it a slot): start
@@ -220,35 +211,14 @@ class GovernorProtocol:
         """Close after the replies written so far: at once if the client does not read them,
         else within ``write_timeout``."""
         self.session.closed = True
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        if self.session.paused:
-            transport.abort()
-        else:
-            transport.close()
-            self._start_write_deadline()
+        self.out.close()
 
-    # IO ----------------------------------------------------------------------------------
-
-    def _start_write_deadline(self) -> None:
-        """The client must read what was written within ``write_timeout``, or be cut off."""
-        if self._write_due == math.inf:
-            self._write_due = self.session.clock() + self.state.config.write_timeout
-            self._schedule()
-
-    def _cut(self, reason: str) -> None:
-        """Drop the connection now, with what it has not read."""
-        transport, session = self.transport, self.session
-        if transport is None:
-            return
-        session.closed = True
-        intake.cut_off(self.state, transport, session.id, session.source, reason)
+    # Deadlines -----------------------------------------------------------------------------
 
     def _schedule(self) -> None:
         """Keep the next deadline, the session's or the write's, on the listener's one timer."""
         session = self.session
-        deadline = self._write_due
+        deadline = self.out.write_due
         if not session.closed:
             deadline = min(deadline, session.next_deadline(session.clock()))
         self._deadline = deadline
@@ -256,8 +226,8 @@ class GovernorProtocol:
 
     def on_deadline(self) -> None:
         session = self.session
-        if session.clock() >= self._write_due:
-            self._cut("write_timeout")
+        if self.out.overdue(session.clock()):
+            session.closed = True
             return
         if session.expire(session.clock()):  # a frame that waited for its key's turn went on
             self._turn_ended(self._receive(b""))

@@ -161,6 +161,18 @@ def test_the_core_decides_without_io_or_listeners() -> None:
     assert len([n for n in all_imports("governor") if within(n, "governor.core")]) >= 10
 
 
+def test_the_intake_decides_without_io() -> None:
+    # The conversation both doors share takes no transport and starts no task: the doors'
+    # connection IO (listeners.outbound) and the execution (governor.execution) are above it.
+    def allowed(name: str, dep: str) -> bool:
+        return name != "governor.intake" or not within(
+            dep, *NOT_IN_CORE[:8], "governor.listeners", "governor.execution", "governor.server"
+        )
+
+    assert crossings("governor", allowed) == []
+    assert "governor.intake" in all_imports("governor")
+
+
 def test_telemetry_knows_nothing_of_the_governor() -> None:
     def allowed(name: str, dep: str) -> bool:
         return (
