@@ -1,8 +1,9 @@
 """One TCP connection's jobs: the payload frames (a manifest and its chunks, or an inline
-payload) and the bytes they hold (:class:`JobFrames`); a verified payload's ask
-(:class:`governor.intake.Ask`) and its outcome mapped to a reply, a yield keeping the payload
-for the retry if the connection may (:class:`JobTable`); and the frames a running job's
-execution sends (:class:`JobReplies`).
+payload) checked as they come (:class:`Uploads`); what the connection keeps of a refused job
+for its retry, and the bytes every payload holds (:class:`Keeper`: the door's own part of the
+keep-or-give-up rule, by job id); a verified payload's ask (:class:`governor.intake.Ask`) and
+its outcome mapped to a reply (:class:`JobTable`); and the frames a running job's execution
+sends (:class:`JobReplies`).
 
 A job id on a connection moves through phases, by this table alone (:data:`TRANSITIONS`)::
 
@@ -25,7 +26,7 @@ one leaves only when its execution has ended and given back its ticket.
 
 No IO here either: replies go through the session's :class:`~governor.listeners.wire.Wire`; a
 job admitted waits in :attr:`JobTable.admitted` for the listener to start it; a job's first
-frame is checked against its key's tenant (:meth:`JobFrames.new_job`).
+frame is checked against its key's tenant (:meth:`Uploads.new_job`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..core.admission import (
     Yielded,
 )
 from ..core.ledger import Refusal
+from ..core.tenants import Tenant
 from ..execution import Ending, Execution, Running
 from ..intake import Waiting
 from ..runners import Relay, Token
@@ -151,23 +153,97 @@ class Owner(Protocol):
     def idle_changed(self) -> None: ...
 
 
-class JobFrames:
-    """A connection's jobs (:attr:`jobs`) as their frames make them: a manifest and its chunks,
-    or an inline payload, checked as they come; the payloads' bytes against the buffers, and
-    those held for a retry. A verified payload goes to :meth:`complete` (the table's)."""
+class Keeper:
+    """What a connection keeps of its refused jobs for their retries: the payloads held by job
+    id (``held_payloads_per_conn`` at most), the jobs turned away without theirs (by id, oldest
+    first, ``max_jobs_per_conn`` at most: the same id sent again is the same job back, the one
+    unserved demand, not a new one), and every payload's bytes against the connection's budget
+    (``max_conn_buffer_bytes``) and the server's."""
 
-    def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
-        self.owner = owner
-        self.wire = owner.wire
+    def __init__(self, state: ServerState) -> None:
         self.state = state
         self.config = state.config
-        self.id = conn_id  # names the connection in the executions' logs
-        self.jobs: dict[str, JobState] = {}
         self.buffers = Budget(state.config.max_conn_buffer_bytes)  # payload bytes on this conn
         self.held = 0  # payloads kept after a yield
-        # Jobs refused whose payloads were not kept, by id, oldest first: the same id sent
-        # again is the same job back (the one unserved demand), not a new one.
         self.turned_away: dict[str, Attempt] = {}
+
+    def returning(self, job: str, tenant: Tenant) -> Attempt:
+        """A new job id's attempt: the one it was turned away with, back for its retry (unless
+        another tenant's), else a new one."""
+        attempt = self.turned_away.pop(job, None)
+        if attempt is not None and attempt.tenant is not tenant:  # (another tenant's job)
+            intake.gave_up(self.state, attempt)
+            attempt = None
+        return Attempt(tenant, None) if attempt is None else attempt
+
+    def turn_away(self, job: str, attempt: Attempt) -> None:
+        """Remember a refused job whose payload was not kept, for its retry (the oldest one
+        past the connection's bound on jobs is taken to have given up)."""
+        if len(self.turned_away) >= self.config.max_jobs_per_conn:
+            oldest = next(iter(self.turned_away))
+            intake.gave_up(self.state, self.turned_away.pop(oldest))
+        self.turned_away[job] = attempt
+
+    def client_gone(self) -> None:
+        """None of the jobs turned away will be back."""
+        for attempt in self.turned_away.values():
+            intake.gave_up(self.state, attempt)
+        self.turned_away.clear()
+
+    def reserve(self, state: JobState, declared: int, *, held: int = 0) -> None:
+        """Count a payload's declared bytes against the connection's budget and the ``held``
+        bytes (those it has already) against the server's (what the job had before, for an
+        earlier payload, is given back first). A payload whose declared size the server's
+        budget has no room for now raises :class:`BuffersFull`; one over the connection's,
+        ``manifest_invalid``."""
+        if state.reservation is not None:
+            state.reservation.release()
+            state.reservation = None
+        if not self.buffers.fits(declared):
+            raise ManifestInvalid(
+                f"this connection already buffers {self.buffers.used} payload bytes; "
+                f"its limit is {self.buffers.limit}"
+            )
+        reservation = intake.payload_bytes(self.state, self.buffers, declared)
+        if reservation is None:
+            raise BuffersFull
+        state.reservation = reservation
+        reservation.hold(held)
+
+    def hold(self, state: JobState) -> bool:
+        """Keep a refused payload for the client's retry, within this connection's bound."""
+        if state.phase is Phase.HELD:
+            return True
+        if self.held >= self.config.held_payloads_per_conn:
+            return False
+        state.move(Phase.HELD)
+        self.held += 1
+        state.ask.attempt.tenant.waiting += 1
+        return True
+
+    def unhold(self, state: JobState, to: Phase = Phase.UPLOADING, *, forget: bool = True) -> None:
+        """A held payload is no longer held; with ``forget`` its place in admission's line is
+        given up too."""
+        state.move(to)
+        self.held -= 1
+        state.ask.attempt.tenant.waiting -= 1
+        if forget:
+            state.ask.forget()
+
+
+class Uploads:
+    """A connection's jobs as their frames make them: a manifest and its chunks, or an inline
+    payload, checked as they come, their bytes reserved by the table's :class:`Keeper`; a
+    verified payload goes to the table (:meth:`JobTable.complete`)."""
+
+    def __init__(self, table: JobTable) -> None:
+        self.table = table
+        self.owner = table.owner
+        self.wire = table.wire
+        self.state = table.state
+        self.config = table.config
+        self.jobs = table.jobs
+        self.keeper = table.keeper
 
     def new_job(self, req: Request) -> JobState | None:
         """A job id not seen before on this connection, for its key's tenant; None if refused
@@ -199,13 +275,7 @@ class JobFrames:
             return None
         upload = Upload(config.max_payload_bytes, config.max_chunks)
         # (its deadline is set by what comes of its first frame: an accepted manifest, a hold)
-        attempt = self.turned_away.pop(req.job, None)
-        if attempt is not None and attempt.tenant is not tenant:  # (another tenant's job)
-            intake.gave_up(self.state, attempt)
-            attempt = None
-        if attempt is None:
-            attempt = Attempt(tenant, None)
-        ask = intake.Ask(self.state, attempt)
+        ask = intake.Ask(self.state, self.keeper.returning(req.job, tenant))
         state = self.jobs[req.job] = JobState(upload, ask)
         self.owner.idle_changed()
         return state
@@ -223,13 +293,13 @@ class JobFrames:
             if state is None:
                 return
         else:  # a new manifest replaces the payload held for a retry, or waiting
-            self.replace(state)
+            self.table.replace(state)
         state.asked(req)
         try:
             manifest = state.upload.apply_manifest(req.manifest)
-            self.reserve(state, manifest.total_bytes)
+            self.keeper.reserve(state, manifest.total_bytes)
         except UploadNeed as exc:
-            self.forget(req.job)
+            self.table.forget(req.job)
             self.wire.error(req, exc)
             return
         except BuffersFull:
@@ -249,7 +319,7 @@ class JobFrames:
         state.asked(req)
         if state.phase is not Phase.UPLOADING and upload.is_final_chunk_again(req.chunk):
             # A retry after a yield: the payload was kept, so admission is tried again.
-            self.complete(req, state, None)
+            self.table.complete(req, state, None)
             return
         reservation = state.reservation
         # The server's budget is charged before the bytes are decoded: with what base64 can
@@ -271,7 +341,7 @@ class JobFrames:
             self.owner.expect_progress(state)
             self.wire.ok(req)
         else:
-            self.complete(req, state, payload)
+            self.table.complete(req, state, payload)
 
     def on_inline(self, req: Request, state: JobState | None) -> None:
         assert req.inline is not None
@@ -289,49 +359,24 @@ class JobFrames:
             and digest.lower() == manifest.sha256
         )
         if not returning:
-            self.replace(state)
+            self.table.replace(state)
         state.asked(req)
         try:  # (a returning payload is checked again: its digest alone proves nothing)
             payload = state.upload.apply_inline(req.inline)
-            self.reserve(state, len(payload), held=len(payload))
+            self.keeper.reserve(state, len(payload), held=len(payload))
         except UploadNeed as exc:
-            self.forget(req.job)
+            self.table.forget(req.job)
             self.wire.error(req, exc)
             return
         except BuffersFull:
             self.buffers_full(req, final_seq(req))
             return
-        self.complete(req, state, None if returning else payload)
-
-    def complete(self, req: Request, state: JobState, payload: bytes | None) -> None:
-        raise NotImplementedError
-
-    # The bytes and the holds -----------------------------------------------------------------
-
-    def reserve(self, state: JobState, declared: int, *, held: int = 0) -> None:
-        """Count a payload's declared bytes against the connection's budget and the ``held``
-        bytes (those it has already) against the server's (what the job had before, for an
-        earlier payload, is given back first). A payload whose declared size the server's
-        budget has no room for now raises :class:`BuffersFull`; one over the connection's,
-        ``manifest_invalid``."""
-        if state.reservation is not None:
-            state.reservation.release()
-            state.reservation = None
-        if not self.buffers.fits(declared):
-            raise ManifestInvalid(
-                f"this connection already buffers {self.buffers.used} payload bytes; "
-                f"its limit is {self.buffers.limit}"
-            )
-        reservation = intake.payload_bytes(self.state, self.buffers, declared)
-        if reservation is None:
-            raise BuffersFull
-        state.reservation = reservation
-        reservation.hold(held)
+        self.table.complete(req, state, None if returning else payload)
 
     def buffers_full(self, req: Request, seq: int) -> None:
         """Drop the job and tell its client to send it again later; while the server drains,
         to send it elsewhere (no retry here would be admitted: the answer it would get)."""
-        self.forget(req.job)
+        self.table.forget(req.job)
         refusal = intake.no_room_for_payload(self.state)
         if refusal.need_code == NeedCode.DRAINING:
             detail = yield_detail(refusal.need_code, held=False)
@@ -339,30 +384,35 @@ class JobFrames:
             detail = "the server's payload buffers are full; send the payload again later"
         self.wire.yield_(req, refusal, seq=seq, held=False, detail=detail)
 
-    def hold(self, state: JobState) -> bool:
-        """Keep a refused payload for the client's retry, within this connection's bound."""
-        if state.phase is Phase.HELD:
-            return True
-        if self.held >= self.config.held_payloads_per_conn:
-            return False
-        state.move(Phase.HELD)
-        self.held += 1
-        state.ask.attempt.tenant.waiting += 1
-        return True
+    @staticmethod
+    def _is_final(state: JobState) -> bool:
+        """Whether the next chunk would complete the upload."""
+        manifest = state.upload.manifest
+        return manifest is not None and state.upload.chunks_received + 1 >= manifest.chunks
 
-    def unhold(self, state: JobState, to: Phase = Phase.UPLOADING, *, forget: bool = True) -> None:
-        """A held payload is no longer held; with ``forget`` its place in admission's line is
-        given up too."""
-        state.move(to)
-        self.held -= 1
-        state.ask.attempt.tenant.waiting -= 1
-        if forget:
-            state.ask.forget()
+
+class JobTable:
+    """A connection's jobs (:attr:`jobs`): their frames (:attr:`uploads`), what is kept of them
+    for a retry (:attr:`keeper`), and their asks' outcomes mapped to replies, to a wait in line
+    or to the event that starts a job; its executions answer through :attr:`replies`."""
+
+    def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
+        self.owner = owner
+        self.wire = owner.wire
+        self.state = state
+        self.config = state.config
+        self.id = conn_id  # names the connection in the executions' logs
+        self.jobs: dict[str, JobState] = {}
+        self.keeper = Keeper(state)
+        self.uploads = Uploads(self)
+        # A job admitted and not yet started by the listener (Session.next_event).
+        self.admitted: intake.JobAdmitted | None = None
+        self._replies: JobReplies | None = None  # (made for the first job started)
 
     def replace(self, state: JobState) -> None:
         """A new payload for a job held or waiting: it gives up its hold or its wait."""
         if state.phase is Phase.HELD:
-            self.unhold(state)
+            self.keeper.unhold(state)
         elif state.phase is Phase.WAITING:
             state.ask.give_up()
             state.move(Phase.UPLOADING)
@@ -376,31 +426,13 @@ class JobFrames:
             intake.gave_up(self.state, state.ask.attempt)
         assert state.execution is None
         if state.phase is Phase.HELD:
-            self.unhold(state)
+            self.keeper.unhold(state)
         else:
             state.ask.give_up()
             state.ask.forget()  # (a promise its yield left)
         if state.reservation is not None:
             state.reservation.release()
         self.owner.idle_changed()
-
-    @staticmethod
-    def _is_final(state: JobState) -> bool:
-        """Whether the next chunk would complete the upload."""
-        manifest = state.upload.manifest
-        return manifest is not None and state.upload.chunks_received + 1 >= manifest.chunks
-
-
-class JobTable(JobFrames):
-    """A connection's jobs: their frames (:class:`JobFrames`), and their asks' outcomes mapped
-    to replies, to a wait in line or to the event that starts a job; its executions answer
-    through :attr:`replies`."""
-
-    def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
-        super().__init__(owner, state, conn_id)
-        # A job admitted and not yet started by the listener (Session.next_event).
-        self.admitted: intake.JobAdmitted | None = None
-        self._replies: JobReplies | None = None  # (made for the first job started)
 
     def client_gone(self) -> None:
         """The connection is gone: a job admitted and not started gives its ticket back here,
@@ -414,9 +446,7 @@ class JobTable(JobFrames):
                 self.forget(job)
             else:
                 state.execution.client_gone()
-        for attempt in self.turned_away.values():
-            intake.gave_up(self.state, attempt)
-        self.turned_away.clear()
+        self.keeper.client_gone()
 
     def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send each running job its terminal abort now, then cancel it."""
@@ -463,14 +493,14 @@ class JobTable(JobFrames):
         assert req is not None
         if isinstance(outcome, Waiting):
             if state.phase is Phase.HELD:  # (its place in admission's line stays)
-                self.unhold(state, Phase.WAITING, forget=False)
+                self.keeper.unhold(state, Phase.WAITING, forget=False)
             elif state.phase is Phase.UPLOADING:
                 state.move(Phase.WAITING)
             state.deadline = outcome.until
             self.owner.due(state.deadline)
         elif isinstance(outcome, Admitted):
             if state.phase is Phase.HELD:
-                self.unhold(state, Phase.RUNNING)
+                self.keeper.unhold(state, Phase.RUNNING)
             else:
                 state.move(Phase.RUNNING)
             state.deadline = float("inf")
@@ -494,12 +524,12 @@ class JobTable(JobFrames):
         # A draining governor admits nothing again: its refused payloads are not kept, so that
         # their bytes do not turn the drain's later answers into buffers_full.
         draining = decision.need_code == NeedCode.DRAINING
-        held = not draining and self.hold(state)
+        held = not draining and self.keeper.hold(state)
         if held:
             self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
         else:
             self.forget(req.job, gave_up=False)
-            self._turned_away(req.job, state.ask.attempt)
+            self.keeper.turn_away(req.job, state.ask.attempt)
         # On a fleet, the store places the job if its client goes where it is sent (a client
         # that cannot is not counted in another replica's line, and keeps its place here). A
         # newcomer's place is withdrawn while the store is asked, and taken again (at the
@@ -525,7 +555,7 @@ class JobTable(JobFrames):
             still = held and self.jobs.get(req.job) is state and state.phase is Phase.HELD
             if still and not decision.fleet_saturated:
                 self.forget(req.job, gave_up=False)
-                self._turned_away(req.job, state.ask.attempt)
+                self.keeper.turn_away(req.job, state.ask.attempt)
                 still = False
             elif still and newcomer:
                 decision = state.ask.place_again(decision)
@@ -541,14 +571,6 @@ class JobTable(JobFrames):
             held=held,
             detail=yield_detail(decision.need_code, held),
         )
-
-    def _turned_away(self, job: str, attempt: Attempt) -> None:
-        """Remember a refused job whose payload was not kept, for its retry (the oldest one
-        past the connection's bound on jobs is taken to have given up)."""
-        if len(self.turned_away) >= self.config.max_jobs_per_conn:
-            oldest = next(iter(self.turned_away))
-            intake.gave_up(self.state, self.turned_away.pop(oldest))
-        self.turned_away[job] = attempt
 
     def on_cancel(self, req: Request) -> None:
         """A cancel: a running job's terminal abort answers it; a waiting job's abort answers
@@ -662,7 +684,7 @@ class JobReplies:
         buffers return to the job), and its client told to yield, as if refused here."""
         state = self.jobs.get(execution.job)
         if state is None or state.execution is not execution:  # (the connection is gone)
-            intake.revoke(self.state, execution, refusal)
+            intake.revoke(self.state, execution.attempt, execution.ticket, refusal)
             return
         decision, reservation = state.ask.take_back(execution.ticket, refusal, keep_payload=True)
         assert state.final is not None

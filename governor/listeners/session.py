@@ -89,7 +89,7 @@ class Session:
         self._handling = False  # in receive_data or expire: an event admitted is seen there
         self.wire = Wire(state, conn)
         self.table = JobTable(self, state, conn_id)
-        self.wire.uploads = self.table  # (the table needs the wire first)
+        self.wire.uploads = self.table.uploads  # (the table needs the wire first)
         self.jobs = self.table.jobs
         self.reader = LineReader(config.max_line_bytes)
         self.lines = 0  # lines received
@@ -169,7 +169,7 @@ class Session:
         return self.lines >= self._turn_ends and not (self.closed or self._cut_short)
 
     def next_event(self) -> intake.JobAdmitted | None:
-        """A job admitted, for the listener to start (:func:`governor.intake.start`) and hand
+        """A job admitted, for the listener to start (:func:`governor.execution.start`) and hand
         back (:meth:`started`) before more lines are handled; None: none."""
         return self.table.admitted
 
@@ -354,8 +354,8 @@ class Session:
                 f"job {req.job!r} is running; use another job id",
             )
         elif req.manifest is not None:
-            self.table.on_manifest(req, state)
+            self.table.uploads.on_manifest(req, state)
         elif req.chunk is not None:
-            self.table.on_chunk(req, state)
+            self.table.uploads.on_chunk(req, state)
         else:
-            self.table.on_inline(req, state)
+            self.table.uploads.on_inline(req, state)
