@@ -7,12 +7,23 @@ dashes for underscores (``max_inflight`` is ``--max-inflight``) and an environme
 its bounds and its help text, once: the help feeds both ``governor serve --help`` and
 docs/CONFIG.md's configuration reference (a test keeps the two equal), the bounds :meth:`Config.__post_init__`'s
 one loop over the fields. The rules between fields follow the class, each a named function.
+
+The lane table is a table in the file: ``[lanes.interactive]``, ``[lanes.heavy]`` and
+``[lanes.background]``, each key the lane's own (``max_cost``, ``slots``, ``max_new_tokens``,
+``ttft_slo_ms``, ``tpot_slo_ms``; the interactive lane's ``reserve`` and ``gap_ms`` too), and
+``enabled`` in ``[lanes]`` (true once the table is there). A key is stored as the field
+``<lane>_<key>`` (``[lanes.heavy] slots`` is ``heavy_slots``, and its flag ``--heavy-slots``), the
+flat names the file took before, which it still takes, with a warning that they are deprecated.
+The policy reads the table as :class:`~governor.core.policy.LaneSettings` rows
+(:attr:`Config.lane_table`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,7 +33,7 @@ from typing import Any
 from protocol import addresses
 from protocol.upload import DEFAULT_MAX_PAYLOAD_BYTES
 
-from .core.policy import LANES, Lane
+from .core.policy import LANES, Lane, LaneSettings
 from .core.slo import DEFAULT_GAP_MS, DEFAULT_OBJECTIVES, Objectives, SloPolicy
 from .core.sources import LOOPBACK, parse_networks
 from .core.tenants import TenantConfig
@@ -48,6 +59,10 @@ RENAMED = {
     ),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Settings whose names begin with a lane's but are no row of the lane table.
+NOT_LANE_KEYS = frozenset({"interactive_only"})
+
+log = logging.getLogger("governor.config")
 LOG_FORMATS = ("text", "json")
 
 
@@ -530,6 +545,18 @@ class Config(
         )
 
     @property
+    def lane_table(self) -> dict[Lane, LaneSettings]:
+        """The lanes' rows, as the policy reads them (the lowest lane takes any cost)."""
+        return {
+            lane: LaneSettings(
+                max_cost=getattr(self, f"{lane}_max_cost", math.inf),
+                slots=getattr(self, f"{lane}_slots", 0) or None,
+                max_new_tokens=getattr(self, f"{lane}_max_new_tokens"),
+            )
+            for lane in LANES
+        }
+
+    @property
     def layout(self) -> str:
         """The KV layout the llama runner takes: ``kv_layout``, with auto resolved."""
         if self.kv_layout != "auto":
@@ -559,13 +586,19 @@ class Config(
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> Config:
-        """Build from TOML-like values, checking every key and type."""
-        return cls(**{key: _value(key, value, source) for key, value in values.items()})
+        """Build from TOML-like values (the lane table as ``[lanes.*]`` tables, or flat),
+        checking every key and type."""
+        flat = _lane_rows(values, source)
+        return cls(**{key: _value(key, value, source) for key, value in flat.items()})
 
     @classmethod
     def load(cls, path: Path, overrides: Mapping[str, Any] = {}) -> Config:
         """The TOML file at ``path``, with ``overrides`` (from flags) on top."""
-        return cls.from_mapping({**_read_toml(path), **overrides}, source=str(path))
+        values = _read_toml(path)
+        for key in sorted(set(values) & LANE_FIELDS.keys()):
+            lane, name = LANE_FIELDS[key]
+            log.warning("%s: %r is deprecated: write %r in [lanes.%s]", path, key, name, lane)
+        return cls.from_mapping({**_lane_rows(values, str(path)), **overrides}, source=str(path))
 
 
 # The rules between fields, each a named check: the sentence refusing a config, or None.
@@ -632,6 +665,34 @@ def _value(key: str, value: Any, source: str) -> Any:
     return _coerce(key, value, _FIELDS_BY_NAME[key].type, source)
 
 
+def _lane_rows(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``values`` with a ``lanes`` table's rows as their fields (``[lanes.heavy] slots``:
+    ``heavy_slots``) and its ``enabled`` as ``lanes``."""
+    table = values.get("lanes")
+    if type(table) is not dict:
+        return dict(values)
+    flat = {k: v for k, v in values.items() if k != "lanes"}
+    flat["lanes"] = table.get("enabled", True)
+    for lane, row in table.items():
+        if lane == "enabled":
+            continue
+        keys = sorted(n for n, (of, _) in LANE_FIELDS.items() if of == lane)
+        if not keys or type(row) is not dict:
+            raise ConfigError(
+                f"{source}: [lanes] holds 'enabled' and the tables interactive, heavy and "
+                f"background; not {lane!r}"
+            )
+        for name, value in row.items():
+            key = f"{lane}_{name}"
+            if key not in keys:
+                known = ", ".join(LANE_FIELDS[k][1] for k in keys)
+                raise ConfigError(f"{source}: [lanes.{lane}] has no key {name!r} ({known})")
+            if key in values:
+                raise ConfigError(f"{source}: [lanes.{lane}] {name} and {key} both given")
+            flat[key] = value
+    return flat
+
+
 def _coerce(key: str, value: Any, annotation: Any, source: str) -> Any:
     kinds = {"int": int, "float": float, "str": str, "str | None": str, "bool": bool}
     want = kinds[str(annotation)]
@@ -677,6 +738,13 @@ SECTIONS: tuple[type, ...] = tuple(reversed(Config.__bases__))
 FIELDS = dataclasses.fields(Config)
 _FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 CLI_FIELDS = tuple(f for f in FIELDS if f.name != "tenants")
+# The lane table's fields: each (its lane, its key in ``[lanes.<lane>]``), by the field's name.
+LANE_FIELDS = {
+    f.name: (lane.value, f.name.removeprefix(f"{lane}_"))
+    for f in FIELDS
+    for lane in LANES
+    if f.name.startswith(f"{lane}_") and f.name not in NOT_LANE_KEYS
+}
 
 
 def default_text(f: dataclasses.Field[Any]) -> str:

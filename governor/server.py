@@ -36,7 +36,7 @@ from .core.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from .core.kvbudget import KvBudget
 from .core.ledger import SlotLedger
 from .core.overload import OverloadController, OverloadSettings
-from .core.policy import Lane, LanePolicy
+from .core.policy import LanePolicy
 from .core.tenants import Tenants
 from .listeners import tls
 from .listeners.admin import AdminListener
@@ -105,20 +105,9 @@ def build_policy(config: Config, kv: KvBudget | None) -> LanePolicy:
         prompt_weight=config.prompt_weight,
         output_weight=config.output_weight,
         tool_risk_weight=config.tool_risk_weight,
-        interactive_max_cost=config.interactive_max_cost,
-        heavy_max_cost=config.heavy_max_cost,
-        lane_slots={
-            Lane.INTERACTIVE: None,
-            Lane.HEAVY: config.heavy_slots or None,
-            Lane.BACKGROUND: config.background_slots or None,
-        },
+        lanes=config.lane_table,
         interactive_reserve=config.interactive_reserve,
         reserve_lend_after_s=config.reserve_lend_after,
-        lane_max_new_tokens={
-            Lane.INTERACTIVE: config.interactive_max_new_tokens,
-            Lane.HEAVY: config.heavy_max_new_tokens,
-            Lane.BACKGROUND: config.background_max_new_tokens,
-        },
         prompt_ceiling=config.prompt_ceiling,
         kv_capacity=kv.capacity if kv is not None else config.kv_capacity,
         kv_danger=config.kv_danger,

@@ -1,7 +1,7 @@
 """Which of a pool's slots a lane's job may take: the lanes' quotas and the interactive reserve.
 
 Under a lane policy (:mod:`governor.core.policy`) each lane may hold at most its quota of slots
-(``lane_slots``), and ``interactive_reserve`` slots are kept for interactive jobs: a job of a
+(each lane's ``slots``), and ``interactive_reserve`` slots are kept for interactive jobs: a job of a
 lower lane may not take them. The reserve is lent: every slot is the lower lanes' too, while no
 interactive client waits in line: at once to a job the runner can pause (``lend``: a chat takes
 the lent slot back by suspending it, the ledger's preemption), else only once no interactive job
@@ -86,7 +86,7 @@ class LaneGate:
     def quota_full(self, lane: Lane, width: int = 1) -> bool:
         """Whether ``lane`` has fewer than ``width`` slots left under its quota."""
         assert self.policy is not None
-        quota = self.policy.lane_slots.get(lane)
+        quota = self.policy.lanes[lane].slots
         return quota is not None and self.inflight[lane] + width > quota
 
     def most(self, lane: Lane | None, cap: int) -> int:
@@ -95,7 +95,7 @@ class LaneGate:
         policy = self.policy
         if policy is None or lane is None:
             return cap
-        quota = policy.lane_slots.get(lane)
+        quota = policy.lanes[lane].slots
         most = cap if quota is None else min(cap, quota)
         if lane != Lane.INTERACTIVE and not (policy.reserve_lend_after_s or self.lend):
             most = min(most, cap - policy.interactive_reserve)

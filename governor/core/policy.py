@@ -11,12 +11,13 @@ global cap.
 Output tokens weigh twice prompt tokens by default: on the embedded model, one thread of the
 development machine prefills a prompt token in 19.2 ms and decodes an output token in 37.7 ms
 (measured 2026-11-22, 498-token prompt, warmed up; docs/BENCHMARKS.md). A job whose score is
-at most ``interactive_max_cost`` is interactive, at most ``heavy_max_cost`` heavy, else
-background. A client may ask for a lower lane than its cost gives, never a higher one.
+at most the interactive lane's ``max_cost`` is interactive, at most the heavy lane's heavy,
+else background (the lane table: :class:`LaneSettings`, ``[lanes.*]`` in the config file). A client may ask for a lower lane than its cost gives, never a higher one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -50,26 +51,35 @@ class Rejection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LaneSettings:
+    """One lane's row of the lane table (``[lanes.<name>]`` in the config file)."""
+
+    max_cost: float = math.inf  # the costliest job it takes (a costlier one goes lower)
+    slots: int | None = None  # slots it may hold at once (None: up to the cap)
+    max_new_tokens: int = 1024  # a job asking for more goes to a lower lane
+
+
+DEFAULT_LANES: dict[Lane, LaneSettings] = {
+    Lane.INTERACTIVE: LaneSettings(max_cost=1500.0, max_new_tokens=256),
+    Lane.HEAVY: LaneSettings(max_cost=12000.0),
+    Lane.BACKGROUND: LaneSettings(),
+}
+
+
+def lane_table(**rows: LaneSettings) -> dict[Lane, LaneSettings]:
+    """The default lane table with ``rows`` in place of their lanes' (by name)."""
+    return {lane: rows.get(lane.value, DEFAULT_LANES[lane]) for lane in LANES}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LanePolicy:
     prompt_weight: float = 1.0
     output_weight: float = 2.0
     tool_risk_weight: float = 0.0
-    interactive_max_cost: float = 1500.0
-    heavy_max_cost: float = 12000.0
-    # Slots each lane may hold at once (None: up to the cap).
-    lane_slots: dict[Lane, int | None] = field(
-        default_factory=lambda: {Lane.INTERACTIVE: None, Lane.HEAVY: None, Lane.BACKGROUND: None}
-    )
+    lanes: dict[Lane, LaneSettings] = field(default_factory=lambda: dict(DEFAULT_LANES))
     interactive_reserve: int = 1  # slots only interactive jobs may take
     # Lent to the lower lanes once no interactive job has been seen for this long (0: never).
     reserve_lend_after_s: float = 0.0
-    lane_max_new_tokens: dict[Lane, int] = field(
-        default_factory=lambda: {
-            Lane.INTERACTIVE: 256,
-            Lane.HEAVY: 1024,
-            Lane.BACKGROUND: 1024,
-        }
-    )
     prompt_ceiling: int = 0  # the longest prompt in tokens; 0: no ceiling beyond the context
     kv_capacity: int = 0  # tokens of KV cache across all workers; 0: no KV budget
     kv_danger: float = 0.8  # non-interactive work is refused above this share of capacity
@@ -96,17 +106,13 @@ class LanePolicy:
                 f"the prompt is {prompt_tokens} tokens; the ceiling is {self.prompt_ceiling}",
             )
         score = self.cost(prompt_tokens, max_new_tokens, tool_risk)
-        if score <= self.interactive_max_cost:
-            lane = Lane.INTERACTIVE
-        elif score <= self.heavy_max_cost:
-            lane = Lane.HEAVY
-        else:
-            lane = Lane.BACKGROUND
+        lanes = self.lanes
+        lane = next((lane for lane in LANES[:-1] if score <= lanes[lane].max_cost), LANES[-1])
         if requested is not None and LANES.index(requested) > LANES.index(lane):
             lane = requested  # lower is allowed; higher is not
         # A job asking for more output than its lane allows belongs to a lower lane.
         for candidate in LANES[LANES.index(lane) :]:
-            if max_new_tokens <= self.lane_max_new_tokens[candidate]:
+            if max_new_tokens <= lanes[candidate].max_new_tokens:
                 lane = candidate
                 break
         else:

@@ -27,9 +27,10 @@ from governor.config import (
     reference_markdown,
     section_fields,
 )
-from governor.core.policy import Lane
+from governor.core.policy import Lane, LaneSettings
 from governor.core.slo import Objectives, SloPolicy
 from governor.core.tenants import TenantConfig
+from governor.server import build_policy
 from loadtest.support.options import parse_addr
 from protocol import addresses
 
@@ -165,6 +166,78 @@ def test_the_slo_policy_is_the_configs() -> None:
     assert policy.lanes[Lane.BACKGROUND] == Objectives(60000.0, 2000.0)
     assert (policy.gap_ms(Lane.INTERACTIVE), policy.gap_ms(Lane.HEAVY)) == (250.0, 0.0)
     assert Config().slo_policy == SloPolicy()  # (the config's defaults are the policy's)
+
+
+LANE_TABLE = """
+listen = "127.0.0.1:7777"
+
+[lanes.interactive]
+max_cost = 900
+reserve = 2
+ttft_slo_ms = 500
+gap_ms = 300
+
+[lanes.heavy]
+slots = 3
+max_new_tokens = 512
+
+[lanes.background]
+tpot_slo_ms = 4000
+"""
+
+
+def test_the_lane_table_is_the_policys_and_the_flat_names_its_fields(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "governor.toml"
+    path.write_text(LANE_TABLE)
+    config = Config.load(path, {"max_inflight": 4})
+    assert config.lanes  # (a [lanes] table turns them on)
+    assert (config.interactive_reserve, config.heavy_slots, config.interactive_gap_ms) == (
+        2,
+        3,
+        300,
+    )
+    table = config.lane_table
+    assert table[Lane.INTERACTIVE] == LaneSettings(max_cost=900.0, max_new_tokens=256)
+    assert table[Lane.HEAVY] == LaneSettings(max_cost=12000.0, slots=3, max_new_tokens=512)
+    assert table[Lane.BACKGROUND] == LaneSettings(max_new_tokens=1024)
+    assert config.slo_policy.lanes[Lane.INTERACTIVE].ttft_ms == 500.0
+    assert config.slo_policy.lanes[Lane.BACKGROUND].tpot_ms == 4000.0
+    assert build_policy(config, None).lanes == table  # (what the server's policy reads)
+    assert not caplog.records
+    # The flat names: the same config, each with a warning that names its row.
+    flat = tmp_path / "flat.toml"
+    flat.write_text("lanes = true\nheavy_slots = 3\ninteractive_reserve = 2\n")
+    old = Config.load(flat, {"max_inflight": 4})
+    assert (old.lanes, old.heavy_slots, old.interactive_reserve) == (True, 3, 2)
+    warned = sorted(r.getMessage() for r in caplog.records)
+    assert len(warned) == 2, warned
+    assert "'slots' in [lanes.heavy]" in warned[0]
+    assert "'reserve' in [lanes.interactive]" in warned[1]
+    off = Config.from_mapping({"lanes": {"enabled": False, "heavy": {"slots": 1}}})
+    assert (off.lanes, off.heavy_slots) == (False, 1)
+
+
+@pytest.mark.parametrize(
+    ("lanes", "message"),
+    [
+        ({"urgent": {"slots": 1}}, "not 'urgent'"),
+        ({"heavy": {"reserve": 1}}, r"\[lanes.heavy\] has no key 'reserve'"),
+        ({"interactive": {"only": True}}, "has no key 'only'"),  # (interactive_only: no row)
+        ({"heavy": 3}, "not 'heavy'"),
+        ({"heavy": {"slots": "3"}}, "heavy_slots must be of type int"),
+        ({"enabled": "yes"}, "lanes must be of type bool"),
+    ],
+)
+def test_a_bad_lane_table_is_refused_by_name(lanes: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config.from_mapping({"lanes": lanes})
+
+
+def test_a_lane_key_given_twice_is_refused() -> None:
+    with pytest.raises(ConfigError, match="slots and heavy_slots both given"):
+        Config.from_mapping({"heavy_slots": 2, "lanes": {"heavy": {"slots": 3}}})
 
 
 def test_missing_config_file(tmp_path: Path) -> None:

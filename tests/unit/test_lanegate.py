@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from governor.core.lanegate import LaneGate
-from governor.core.policy import Demand, Lane, LanePolicy
+from governor.core.policy import Demand, Lane, LanePolicy, LaneSettings, lane_table
 from governor.core.promises import PromiseLine
 
 
@@ -41,7 +41,9 @@ def test_the_reserve_is_lent_while_no_chat_asks_or_waits() -> None:
 
 
 def test_a_lane_at_its_quota_is_full() -> None:
-    policy = LanePolicy(lane_slots={Lane.INTERACTIVE: None, Lane.HEAVY: 1, Lane.BACKGROUND: 2})
+    policy = LanePolicy(
+        lanes=lane_table(heavy=LaneSettings(slots=1), background=LaneSettings(slots=2))
+    )
     gate = LaneGate(policy, PromiseLine(3), 0.0)
     assert not gate.quota_full(Lane.HEAVY)
     gate.inflight[Lane.HEAVY] += 1

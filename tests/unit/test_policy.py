@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from governor.core.ledger import Completed, Refusal, Slot, SlotLedger
-from governor.core.policy import Demand, Lane, LanePolicy, Rejection
+from governor.core.policy import Demand, Lane, LanePolicy, LaneSettings, Rejection, lane_table
 from tests.clock import FakeClock
 
 
@@ -22,7 +22,9 @@ from tests.clock import FakeClock
     ],
 )
 def test_classification(prompt: int, max_new: int, requested: Lane | None, lane: Lane) -> None:
-    policy = LanePolicy(interactive_max_cost=1400)
+    policy = LanePolicy(
+        lanes=lane_table(interactive=LaneSettings(max_cost=1400, max_new_tokens=256))
+    )
     demand = policy.classify(prompt, max_new, requested)
     assert demand == Demand(lane, prompt + max_new)
 
@@ -86,7 +88,9 @@ def test_interactive_work_may_use_every_slot(clock: FakeClock) -> None:
 
 
 def test_lane_quota_and_its_hint(clock: FakeClock) -> None:
-    ledger = ledger_with(clock, cap=4, interactive_reserve=0, lane_slots={Lane.BACKGROUND: 1})
+    ledger = ledger_with(
+        clock, cap=4, interactive_reserve=0, lanes=lane_table(background=LaneSettings(slots=1))
+    )
     first = ledger.admit(demand=BACKGROUND)
     assert isinstance(first, Slot)
     clock.now += 0.25

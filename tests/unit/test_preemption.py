@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 
 from governor.core.kvbudget import KvBudget
 from governor.core.ledger import Completed, Promise, Refusal, Slot, SlotLedger
-from governor.core.policy import LANES, Demand, Lane, LanePolicy
+from governor.core.policy import LANES, Demand, Lane, LanePolicy, LaneSettings, lane_table
 from governor.core.preemption import slack_s
 from governor.core.service import JobSize
 from governor.runners.base import CacheShape
@@ -609,7 +609,7 @@ class Preemption(RuleBasedStateMachine):
     ) -> None:
         policy = LanePolicy(
             interactive_reserve=min(reserve, cap),
-            lane_slots={CHAT: None, HEAVY: heavy_quota, BACKGROUND: None},
+            lanes=lane_table(heavy=LaneSettings(max_cost=12000.0, slots=heavy_quota)),
         )
         self.kv = KvBudget(tuple(CacheShape(cells, seqs) for cells, seqs in caches))
         self.ledger = SlotLedger(
@@ -833,7 +833,7 @@ class Preemption(RuleBasedStateMachine):
             assert ledger.lane_inflight[lane] == sum(
                 s.width for s in running if s.demand is not None and s.demand.lane == lane
             )
-        quota = ledger.policy.lane_slots[HEAVY] if ledger.policy is not None else None
+        quota = ledger.policy.lanes[HEAVY].slots if ledger.policy is not None else None
         if quota is not None:
             assert ledger.lane_inflight[HEAVY] <= quota
         assert ledger.inflight == len(self.jobs)
