@@ -33,6 +33,7 @@ from governor.runners.batching import (
     Entry,
     Scheduler,
     Sequence,
+    preempts,
 )
 from governor.runners.stepcost import StepCosts, _bin, features
 
@@ -1104,3 +1105,55 @@ def test_a_heavy_stream_ahead_of_its_objective_gives_its_place_to_a_chats_prompt
     assert {e.seq.key for e in s.plan(1.0)} == {"ahead", "behind", "chat", "long"}
     s.remove("long")
     assert {e.seq.key for e in s.plan(1.0)} == {"ahead", "behind", "chat"}
+
+
+def test_a_step_feeding_a_rewrite_is_preemptible_by_a_more_urgent_run_only() -> None:
+    s, _ = scheduler(slots=4, step_tokens=32)
+    s.submit(seq("rewrite", list(range(1000, 1200)), priority=2))
+    entries = s.plan()
+    above = s.preemptible_above(entries)
+    assert above == 2
+    assert preempts(0, above)  # a chat
+    assert preempts(1, above)  # a heavy job
+    assert not preempts(2, above)  # its own lane
+    assert not preempts(9, above)  # the health probe, least urgent
+    s.submit(seq("chat", list(range(10, 30))))
+    assert s.preemptible_above(s.plan()) == -1  # (a chat's prompt in the step)
+
+
+def test_a_decode_step_is_not_preemptible() -> None:
+    s, cache = scheduler(slots=2, step_tokens=64)
+    s.submit(seq("heavy", list(range(100, 120)), max_new=8, priority=1))
+    run_step(s, cache)  # the whole prompt: it generates from now on
+    entries = s.plan()
+    assert entries
+    assert not any(e.seq.prefilling for e in entries)
+    assert s.preemptible_above(entries) == -1
+
+
+@settings(max_examples=60, deadline=None)
+@given(preempted=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_a_prompt_is_preempted_at_most_max_passed_steps_in_a_row(preempted: list[bool]) -> None:
+    """Whatever runs arrive (each step preempted or not, as ``preempted`` says, when it may
+    be), no prompt loses more than ``MAX_PASSED`` steps in a row, and each step that ran fed it."""
+    s, cache = scheduler(slots=2, step_tokens=16)
+    rewrite = seq("rewrite", list(range(1000, 1400)), priority=1)
+    s.submit(rewrite)
+    in_a_row = 0
+    for wanted in preempted:
+        entries = s.plan()
+        fed = rewrite.fed
+        above = s.preemptible_above(entries)
+        lost = wanted and above >= 0 and preempts(0, above)
+        s.stepped(entries, preempted=lost)
+        if lost:
+            in_a_row += 1
+            assert rewrite.fed == fed
+            continue
+        assert in_a_row <= MAX_PASSED
+        in_a_row = 0
+        cache.decode(entries)
+        s.advance(entries)
+        assert rewrite.fed > fed or not rewrite.prefilling
+        assert rewrite.preempted == 0
+    assert in_a_row <= MAX_PASSED
