@@ -48,12 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec
 
 from ..telemetry.logs import event
+from . import llama_messages as msg
 from .base import (
     CacheShape,
     Fed,
@@ -146,6 +145,11 @@ class _Ended:
         self.error = error
 
 
+# What a job's queue is given: its prompt fed so far, its text, its end (or its embeddings), or
+# its worker's failure.
+Answer = Fed | Token | msg.Done | msg.Embedded | _Ended
+
+
 class WorkerProcess:
     """One incarnation of a worker process, the pipe to it, and the jobs it is running."""
 
@@ -154,7 +158,7 @@ class WorkerProcess:
         self.settings = settings
         self.shape = settings.caches()[index]
         self.proc: asyncio.subprocess.Process | None = None
-        self.jobs: dict[str, asyncio.Queue[dict[str, Any] | Token | Fed | _Ended]] = {}
+        self.jobs: dict[str, asyncio.Queue[Answer]] = {}
         self.suspended: set[str] = set()  # of its jobs, those suspended (not stepped)
         self.ran: dict[int, str] = {}  # keys of jobs run here, by id, until their slot is offered
         self.kv_used = 0
@@ -218,16 +222,19 @@ class WorkerProcess:
                 f"worker {self.index} exited with status {code} while loading {s.model} "
                 "(its error is above)"
             )
-        ready = orjson.loads(line)
-        if ready["ev"] == "refused":  # (the worker exits 2 after saying why)
+        ready = msg.decode_event(line)
+        if isinstance(ready, msg.Refused):  # (the worker exits 2 after saying why)
             await self.proc.wait()
-            raise RunnerConfigError(ready["error"])
-        self.n_ctx_train = ready["n_ctx_train"]
-        self.rates = Rates(*ready["rates"])
-        if ready["cells"] < self.shape.cells:  # (llama.cpp rounds a cache up, never down)
+            raise RunnerConfigError(ready.error)
+        if not isinstance(ready, msg.Ready):
+            self.kill()
+            raise RunnerStartError(f"worker {self.index} said {ready!r} before it was ready")
+        self.n_ctx_train = ready.n_ctx_train
+        self.rates = Rates(*ready.rates)
+        if ready.cells < self.shape.cells:  # (llama.cpp rounds a cache up, never down)
             self.kill()
             raise RunnerStartError(
-                f"worker {self.index} has {ready['cells']} KV cells, not {self.shape.cells}"
+                f"worker {self.index} has {ready.cells} KV cells, not {self.shape.cells}"
             )
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -266,7 +273,7 @@ class WorkerProcess:
             if not line:
                 break
             self._heard = loop.time()
-            self._hand_out(orjson.loads(line))
+            self._hand_out(msg.decode_event(line))
         code = await proc.wait()
         self.kv_used = 0
         if error.code == NeedCode.RUNNER_CRASHED:
@@ -276,36 +283,36 @@ class WorkerProcess:
         self.jobs.clear()
         self.exited.set()
 
-    def _hand_out(self, event: dict[str, Any]) -> None:
+    def _hand_out(self, event: msg.Event) -> None:
         """Give the jobs what an event of the worker's holds for them."""
-        if event["ev"] == "embedded":
-            if (job := self.jobs.pop(event["id"], None)) is not None:
+        if isinstance(event, msg.Embedded):
+            if (job := self.jobs.pop(event.id, None)) is not None:
                 job.put_nowait(event)
             return
-        self.kv_used = event["kv"]
-        if "rates" in event:
-            self.rates = Rates(*event["rates"])
-        self._owed -= event["acks"]
-        for key, fed in event["f"].items():
+        if not isinstance(event, msg.Step):  # (ready and refused come once, before)
+            raise msg.MessageInvalid(f"worker {self.index} said {event!r} while serving")
+        self.kv_used = event.kv
+        if event.rates is not None:
+            self.rates = Rates(*event.rates)
+        self._owed -= event.acks
+        for key, fed in event.f.items():
             if (job := self.jobs.get(key)) is not None:
                 job.put_nowait(Fed(fed))
-        for out in event["out"]:
-            if (job := self.jobs.get(out["id"])) is not None:
-                logprobs = tuple(out.get("lp", ()))
-                job.put_nowait(Token(out["text"], out["n"], out["i"], logprobs))
-        for done in event["done"]:
-            if (job := self.jobs.pop(done["id"], None)) is not None:
-                self.suspended.discard(done["id"])
+        for out in event.out:
+            if (job := self.jobs.get(out.id)) is not None:
+                logprobs = tuple(out.lp or ())
+                job.put_nowait(Token(out.text, out.n, out.i, logprobs))
+        for done in event.done:
+            if (job := self.jobs.pop(done.id, None)) is not None:
+                self.suspended.discard(done.id)
                 job.put_nowait(done)
 
-    def submit(
-        self, request: dict[str, Any]
-    ) -> asyncio.Queue[dict[str, Any] | Token | Fed | _Ended]:
+    def submit(self, request: msg.Run | msg.Embed) -> asyncio.Queue[Answer]:
         """Send a job; its text, then its end, arrive on the queue returned."""
-        events: asyncio.Queue[dict[str, Any] | Token | Fed | _Ended] = asyncio.Queue()
+        events: asyncio.Queue[Answer] = asyncio.Queue()
         if not self.jobs:
             self._heard = asyncio.get_running_loop().time()
-        self.jobs[request["id"]] = events
+        self.jobs[request.id] = events
         if not self._send(request):
             events.put_nowait(
                 _Ended(RunnerError("the worker process has died", NeedCode.RUNNER_CRASHED))
@@ -322,26 +329,26 @@ class WorkerProcess:
             if len(self.suspended) == len(self.jobs):  # idle until now: silence counts from now
                 self._heard = asyncio.get_running_loop().time()
             self.suspended.discard(key)
-        self._send({"op": "suspend" if suspended else "resume", "id": key})
+        self._send(msg.Suspend(key) if suspended else msg.Resume(key))
 
     def waiting(self, jobs: bool) -> None:
-        self._send({"op": "waiting", "jobs": jobs})
+        self._send(msg.Waiting(jobs))
 
     def offered(self, key: str) -> None:
-        self._send({"op": "offered", "id": key})
+        self._send(msg.Offered(key))
 
     def cancel(self, key: str) -> None:
         self.suspended.discard(key)
-        if self.jobs.pop(key, None) is not None and self._send({"op": "cancel", "id": key}):
+        if self.jobs.pop(key, None) is not None and self._send(msg.Cancel(key)):
             if not self._owed:
                 self._owed_since = asyncio.get_running_loop().time()
             self._owed += 1
 
-    def _send(self, request: dict[str, Any]) -> bool:
+    def _send(self, request: msg.Request) -> bool:
         if self.proc is None or self.proc.stdin is None or not self.alive:
             return False
         try:
-            self.proc.stdin.write(orjson.dumps(request) + b"\n")
+            self.proc.stdin.write(msg.encode(request))
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
             return False  # it has just died: its reader reports that
         return True
@@ -507,17 +514,17 @@ class LlamaRunner:
         worker = await self._worker(self._embeds % len(self._workers))
         self._embeds += 1
         key = f"e{next(self._ids)}"
-        events = worker.submit({"op": "embed", "id": key, "texts": tokens})
+        events = worker.submit(msg.Embed(key, tokens))
         try:
             event = await events.get()
         finally:
             worker.cancel(key)  # (nothing, once it has answered)
         if isinstance(event, _Ended):
             raise event.error
-        if not isinstance(event, dict) or "vectors" not in event:
-            error = event.get("error") if isinstance(event, dict) else event
+        if not isinstance(event, msg.Embedded) or event.vectors is None:
+            error = event.error if isinstance(event, msg.Embedded) else event
             raise RunnerError(f"the worker could not embed the texts: {error}")
-        return event["vectors"], sum(map(len, tokens))
+        return event.vectors, sum(map(len, tokens))
 
     async def probe(self) -> bool:
         """One greedy token on each worker in turn, in steps of its own (sharing a job's would
@@ -591,8 +598,10 @@ class LlamaRunner:
                         yield token
                 elif isinstance(event, _Ended):
                     raise event.error
-                elif "error" in event:
-                    raise RunnerError(f"the worker failed the job: {event['error']}")
+                elif not isinstance(event, msg.Done):  # (an embedding's answer: not here)
+                    raise RunnerError(f"the worker answered a run with {event!r}")
+                elif event.error is not None:
+                    raise RunnerError(f"the worker failed the job: {event.error}")
                 else:
                     for end in finish(job, spec, event, choices):
                         yield end
@@ -669,34 +678,33 @@ class LlamaRunner:
             )
 
 
-def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> dict[str, Any]:
+def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> msg.Run:
     """The worker's run request for ``job`` (:mod:`governor.runners.llama_worker`)."""
-    return {
-        "op": "run",
-        "id": key,
-        "tokens": job.tokens,
-        "max_new_tokens": spec.max_new_tokens,
-        "priority": job.priority,
-        "alone": job.priority == PROBE_PRIORITY,
-        "ttft_ms": job.ttft_ms,
-        "tpot_ms": job.tpot_ms,
-        "gap_ms": job.gap_ms,
-        "expect": math.ceil(job.ratio * spec.max_new_tokens),
-        "temperature": spec.temperature,
-        "top_p": spec.top_p,
-        "top_k": spec.top_k,
-        "min_p": spec.min_p,
-        "seed": spec.seed,
-        "stop": job.stop,
-        "ignore_eos": spec.ignore_eos,
-        "n": spec.n,
-        "logprobs": spec.logprobs,
-        "presence_penalty": spec.presence_penalty,
-        "frequency_penalty": spec.frequency_penalty,
-        "repeat_penalty": spec.repeat_penalty,
-        "logit_bias": spec.logit_bias,
-        "grammar": grammar,
-    }
+    return msg.Run(
+        id=key,
+        tokens=list(job.tokens),
+        max_new_tokens=spec.max_new_tokens,
+        priority=job.priority,
+        alone=job.priority == PROBE_PRIORITY,
+        ttft_ms=job.ttft_ms,
+        tpot_ms=job.tpot_ms,
+        gap_ms=job.gap_ms,
+        expect=math.ceil(job.ratio * spec.max_new_tokens),
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        seed=spec.seed,
+        stop=list(job.stop),
+        ignore_eos=spec.ignore_eos,
+        n=spec.n,
+        logprobs=spec.logprobs,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repeat_penalty=spec.repeat_penalty,
+        logit_bias=list(spec.logit_bias),
+        grammar=grammar,
+    )
 
 
 def default_threads(workers: int) -> int:

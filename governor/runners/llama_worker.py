@@ -2,7 +2,8 @@
 
 Started by :class:`governor.runners.llama.LlamaRunner` as ``python -m
 governor.runners.llama_worker``. It speaks JSON lines: requests on stdin, events on stdout,
-diagnostics on stderr. A crash here (a segfault in the native code, an out-of-memory kill) is
+diagnostics on stderr; each message is a dataclass of :mod:`~.llama_messages`, which holds their
+codec, the one both ends use (a field shown optional below is null when absent). A crash here (a segfault in the native code, an out-of-memory kill) is
 seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
 
     stdin:  {"op": "run", "id": str, "tokens": [int], "max_new_tokens": int, "priority": int,
@@ -121,7 +122,9 @@ run request for a more urgent one (a chat) that arrives meanwhile aborts it (lla
 callback, checked between the graph's operations on the CPU; llama.cpp takes the step's tokens
 back out of the cache), and the next step starts with the chat's prompt. The rewrite loses
 that step's work, and is preempted at most ``MAX_PASSED`` times in a row. (The health probe,
-least urgent of all, preempts nothing.)
+least urgent of all, preempts nothing.) Which steps may be preempted, and by what, the
+scheduler decides (:meth:`~.batching.Scheduler.preemptible_above`, pure); the worker carries it
+out.
 """
 
 from __future__ import annotations
@@ -143,11 +146,11 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import numpy.typing as npt
-import orjson
 
 from protocol.spec import MAX_N
 
-from .batching import KNEE, MAX_PASSED, Entry, Scheduler, Sequence
+from . import llama_messages as msg
+from .batching import KNEE, Entry, Scheduler, Sequence, preempts
 from .sampling import NO_PENALTIES, Draws, penalties, plain
 from .stepcost import StepCosts
 
@@ -194,25 +197,25 @@ def context_refusal(n_ctx: int, n_ctx_train: int, model: str) -> str | None:
     return None
 
 
-def add_draw(ll: Any, chain: Any, request: dict[str, Any], seed: int) -> None:
+def add_draw(ll: Any, chain: Any, request: msg.Run, seed: int) -> None:
     """End llama.cpp's sampler ``chain`` with the request's draw: greedy at temperature 0, else
     top_k, top_p, min_p (each when asked for), the temperature and a draw seeded by ``seed``."""
-    temperature = request["temperature"]
+    temperature = request.temperature
     if temperature <= 0:
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
         return
-    if request["top_k"] > 0:
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(request["top_k"]))
-    if request["top_p"] < 1:
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(request["top_p"], 1))
-    if request["min_p"] > 0:
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(request["min_p"], 1))
+    if request.top_k > 0:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(request.top_k))
+    if request.top_p < 1:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(request.top_p, 1))
+    if request.min_p > 0:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(request.min_p, 1))
     ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(temperature))
     ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
 
 
-def emit(out: BinaryIO, event: dict[str, Any]) -> None:
-    out.write(orjson.dumps(event) + b"\n")
+def emit(out: BinaryIO, event: msg.Event) -> None:
+    out.write(msg.encode(event))
     out.flush()
 
 
@@ -418,13 +421,13 @@ class Model:
         buffer = (ctypes.c_uint8 * len(saved)).from_buffer_copy(saved)
         return bool(self.ll.llama_state_seq_set_data(self.ctx, buffer, len(saved), slot))
 
-    def sampler(self, request: dict[str, Any], index: int = 0) -> Any:
+    def sampler(self, request: msg.Run, index: int = 0) -> Any:
         """The sampler of the request's ``index``-th sequence: :class:`~.sampling.Draws` for a
         plain one, else llama.cpp's chain; None when its grammar does not parse (the daemon
         checks it before admission: this is for safety)."""
-        seed = request["seed"] + index if request["seed"] is not None else None
+        seed = request.seed + index if request.seed is not None else None
         if plain(request):
-            return Draws(temperature=request["temperature"], min_p=request["min_p"], seed=seed)
+            return Draws(temperature=request.temperature, min_p=request.min_p, seed=seed)
         ll = self.ll
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         for constraint in self._constraints(request):
@@ -435,20 +438,20 @@ class Model:
         add_draw(ll, chain, request, seed if seed is not None else random.randrange(2**31))
         return chain
 
-    def _constraints(self, request: dict[str, Any]) -> Iterator[Any]:
+    def _constraints(self, request: msg.Run) -> Iterator[Any]:
         """The samplers that come before any draw: logit biases, penalties, the grammar
         (each made only when asked for; a grammar that does not parse is a NULL one)."""
         ll = self.ll
-        if bias := request.get("logit_bias"):
+        if bias := request.logit_bias:
             entries = (ll.llama_logit_bias * len(bias))(
                 *(ll.llama_logit_bias(t, b) for t, b in bias)
             )
             yield ll.llama_sampler_init_logit_bias(self.n_vocab, len(bias), entries)
         if (weights := penalties(request)) != NO_PENALTIES:
             # Over all the tokens the sequence may generate (OpenAI's penalties count them all).
-            window = request["max_new_tokens"]
+            window = request.max_new_tokens
             yield ll.llama_sampler_init_penalties(self.n_vocab, window, *weights)
-        if grammar := request.get("grammar"):
+        if grammar := request.grammar:
             yield ll.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
 
     def sample(self, chain: Any, index: int) -> int:
@@ -592,17 +595,17 @@ class Branch:
         self.chain = chain  # None once freed
         self.finish: str | None = None
         self.seq = Sequence(
-            request["id"] if index == 0 else f"{request['id']}/{index}",
-            tuple(request["tokens"]),
-            request["max_new_tokens"],
-            priority=request["priority"],
-            tpot_s=request.get("tpot_ms", 0.0) / 1000,
-            gap_s=request.get("gap_ms", 0.0) / 1000,
-            ttft_s=request.get("ttft_ms", 0.0) / 1000,
-            expected=request.get("expect", 0),
-            alone=request.get("alone", False),
+            request.id if index == 0 else f"{request.id}/{index}",
+            tuple(request.tokens),
+            request.max_new_tokens,
+            priority=request.priority,
+            tpot_s=request.tpot_ms / 1000,
+            gap_s=request.gap_ms / 1000,
+            ttft_s=request.ttft_ms / 1000,
+            expected=request.expect,
+            alone=request.alone,
         )
-        self.text = Text(request["stop"])
+        self.text = Text(request.stop)
 
 
 class Job:
@@ -611,12 +614,12 @@ class Job:
 
     __slots__ = ("branches", "forked", "generated", "key", "logprobs", "request", "suspended")
 
-    def __init__(self, request: dict[str, Any]) -> None:
+    def __init__(self, request: msg.Run) -> None:
         self.request = request
-        self.key: str = request["id"]
-        self.logprobs: int | None = request.get("logprobs")
+        self.key = request.id
+        self.logprobs = request.logprobs
         self.branches: list[Branch] = []
-        self.forked = request.get("n", 1) == 1
+        self.forked = request.n == 1
         self.generated = 0
         self.suspended = False
 
@@ -644,26 +647,26 @@ class Worker:
         self.freed = 0  # slots the last step freed that no run has taken since (see refill)
         self.unoffered: set[str] = set()  # jobs it ended whose slots the daemon has not offered
 
-    def arrived(self, request: dict[str, Any]) -> None:
+    def arrived(self, request: msg.Request) -> None:
         """Called by the request reader as a request arrives, while a step may be running."""
-        if request["op"] == "run" and request["priority"] < self.preemptible_above:
+        if isinstance(request, msg.Run) and preempts(request.priority, self.preemptible_above):
             self.model.preempt.set()
 
-    def handle(self, request: dict[str, Any]) -> None:
-        if request["op"] == "run":
-            self.freed = max(self.freed - request.get("n", 1), 0)
+    def handle(self, request: msg.Request) -> None:
+        if isinstance(request, msg.Run):
+            self.freed = max(self.freed - request.n, 0)
             self._start(request)
-        elif request["op"] == "waiting":
-            self.waiting = request["jobs"]
-        elif request["op"] == "offered":
-            self.unoffered.discard(request["id"])
-        elif request["op"] == "cancel":
-            self._drop(request["id"])
+        elif isinstance(request, msg.Waiting):
+            self.waiting = request.jobs
+        elif isinstance(request, msg.Offered):
+            self.unoffered.discard(request.id)
+        elif isinstance(request, msg.Cancel):
+            self._drop(request.id)
             self.acks += 1
-        elif request["op"] == "embed":
+        elif isinstance(request, msg.Embed):
             self._embed(request)
-        elif request["op"] in ("suspend", "resume"):
-            self._pause(request["id"], request["op"] == "suspend")
+        elif isinstance(request, msg.Suspend | msg.Resume):
+            self._pause(request.id, isinstance(request, msg.Suspend))
 
     def _pause(self, key: str, suspend: bool) -> None:
         """Suspend or resume a job's sequences (those not finished; a job already finished or
@@ -679,28 +682,28 @@ class Worker:
                 else:
                     self.scheduler.resume(branch.seq.key)
 
-    def _embed(self, request: dict[str, Any]) -> None:
+    def _embed(self, request: msg.Embed) -> None:
         """Embed the texts between two steps (an empty step event after each embedding step:
         the daemon hears from the worker while it embeds)."""
         vectors: list[list[float]] = []
         try:
             if self.embedder is None:
                 self.embedder = Embedder(self.model)
-            for group in self.embedder.embed(request["texts"]):
+            for group in self.embedder.embed(request.texts):
                 vectors += group
                 self._emit([], [])
         except EmbedFailed as exc:
-            emit(self.out, {"ev": "embedded", "id": request["id"], "error": str(exc)})
+            emit(self.out, msg.Embedded(request.id, error=str(exc)))
             return
-        emit(self.out, {"ev": "embedded", "id": request["id"], "vectors": vectors})
+        emit(self.out, msg.Embedded(request.id, vectors))
 
-    def _start(self, request: dict[str, Any]) -> None:
+    def _start(self, request: msg.Run) -> None:
         job = Job(request)
-        for index in range(request.get("n", 1)):
+        for index in range(request.n):
             chain = self.model.sampler(request, index)
             if chain is None:
                 self._free(job)
-                self._emit([], [{"id": job.key, "error": "its grammar does not parse"}])
+                self._emit([], [msg.Done(job.key, error="its grammar does not parse")])
                 return
             job.branches.append(Branch(job, index, chain))
         self.jobs[job.key] = job
@@ -747,22 +750,16 @@ class Worker:
             if self.acks:
                 self._emit([], [])
             return
-        # (a prompt's single token, a bridge, makes no step worth preempting)
-        prefill = [e.seq for e in entries if e.seq.prefilling and len(e.tokens) > 1]
-        preemptible = bool(prefill) and all(
-            seq.priority > 0 and seq.preempted < MAX_PASSED for seq in prefill
-        )
-        if preemptible:
+        above = scheduler.preemptible_above(entries)  # (the scheduler decides; this carries out)
+        if above >= 0:
             self.model.preempt.clear()
-            self.preemptible_above = min(seq.priority for seq in prefill)
-        status, sampled = self.model.decode(entries, preemptible=preemptible)
+            self.preemptible_above = above
+        status, sampled = self.model.decode(entries, preemptible=above >= 0)
         self.preemptible_above = -1
-        if status == 2 and preemptible:
-            for seq in prefill:
-                seq.preempted += 1  # nothing of the step is in the cache: plan again
+        preempted = status == 2 and above >= 0
+        scheduler.stepped(entries, preempted=preempted)
+        if preempted:
             return
-        for seq in prefill:
-            seq.preempted = 0
         tokens = sum(len(e.tokens) for e in entries)
         cells = scheduler.occupied + tokens
         scheduler.advance(entries)
@@ -772,12 +769,12 @@ class Worker:
             for key in failed:
                 self._drop(key, keep=False)
             self._emit(
-                [], [{"id": key, "error": f"llama_decode returned {status}"} for key in failed]
+                [], [msg.Done(key, error=f"llama_decode returned {status}") for key in failed]
             )
             return
         fed = {e.seq.key: e.seq.fed for e in entries if e.seq.prefilling and not e.seq.recomputing}
-        out: list[dict[str, Any]] = []
-        done: list[dict[str, Any]] = []
+        out: list[msg.Out] = []
+        done: list[msg.Done] = []
         samplers = (e for e in entries if e.sample)
         for entry, index in zip(samplers, sampled, strict=True):
             branch = self.branches[entry.seq.key]
@@ -801,15 +798,10 @@ class Worker:
         return forked
 
     def _emit(
-        self,
-        out: list[dict[str, Any]],
-        done: list[dict[str, Any]],
-        fed: dict[str, int] | None = None,
+        self, out: list[msg.Out], done: list[msg.Done], fed: dict[str, int] | None = None
     ) -> None:
-        event = {"ev": "step", "kv": self.scheduler.used, "acks": self.acks, "f": fed or {}}
-        if self.scheduler.costs.observed >= self._rates_at:
-            event["rates"] = self.rates()
-        emit(self.out, {**event, "out": out, "done": done})
+        rates = self.rates() if self.scheduler.costs.observed >= self._rates_at else None
+        emit(self.out, msg.Step(self.scheduler.used, self.acks, fed or {}, out, done, rates))
         self.acks = 0
 
     def rates(self) -> tuple[float, float, float]:
@@ -824,13 +816,11 @@ class Worker:
         step = costs.decode(slots, cells)
         return costs.per_token(0), step, max(costs.decode(slots, cells + 1024) - step, 0.0) / 1024
 
-    def _sample(
-        self, branch: Branch, index: int, out: list[dict[str, Any]], done: list[dict[str, Any]]
-    ) -> None:
+    def _sample(self, branch: Branch, index: int, out: list[msg.Out], done: list[msg.Done]) -> None:
         model, seq, job = self.model, branch.seq, branch.job
         token = model.sample(branch.chain, index)
         finish = None
-        if model.is_eog(token) and not job.request["ignore_eos"]:
+        if model.is_eog(token) and not job.request.ignore_eos:
             finish = "stop"
         else:
             seq.generated += 1
@@ -849,17 +839,16 @@ class Worker:
         if finish is not None:
             self._finish(branch, finish, done)
 
-    def _let_out(self, branch: Branch, out: list[dict[str, Any]], *, final: bool) -> None:
+    def _let_out(self, branch: Branch, out: list[msg.Out], *, final: bool) -> None:
         """The sequence's text that can go now, with its tokens' log probabilities."""
         job, text = branch.job, branch.text
         delta = text.delta(final=final, whole=job.logprobs is not None)
-        record: dict[str, Any] = {"id": job.key, "i": branch.index, "text": delta}
+        lp = None
         if job.logprobs is not None and text.fresh:
-            record["lp"] = [self._entry(text, i) for i in text.fresh]
+            lp = [self._entry(text, i) for i in text.fresh]
         elif not delta:
             return
-        record["n"] = job.generated
-        out.append(record)
+        out.append(msg.Out(job.key, branch.index, delta, job.generated, lp))
 
     def _entry(self, text: Text, i: int) -> dict[str, Any]:
         """The ``i``-th token's log probabilities, in OpenAI's chat shape."""
@@ -875,7 +864,7 @@ class Worker:
             ],
         }
 
-    def _finish(self, branch: Branch, finish: str, done: list[dict[str, Any]]) -> None:
+    def _finish(self, branch: Branch, finish: str, done: list[msg.Done]) -> None:
         """The sequence is over; its job too once all its sequences are."""
         branch.finish = finish
         self.branches.pop(branch.seq.key, None)
@@ -887,17 +876,11 @@ class Worker:
         if not job.finished:
             return
         del self.jobs[job.key]
-        if not job.request.get("alone", False):  # (the probe holds no slot of the daemon's)
+        if not job.request.alone:  # (the probe holds no slot of the daemon's)
             self.freed += len(job.branches)
             self.unoffered.add(job.key)
-        done.append(
-            {
-                "id": job.key,
-                "choices": [{"text": b.text.text, "finish_reason": b.finish} for b in job.branches],
-                "completion_tokens": job.generated,
-                "cached_tokens": job.branches[0].seq.reused,
-            }
-        )
+        ends = [msg.Ended(b.text.text, b.finish or "stop") for b in job.branches]
+        done.append(msg.Done(job.key, ends, job.generated, job.branches[0].seq.reused))
 
 
 def arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -926,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = Model(args)
     except Refused as exc:
-        emit(out, {"ev": "refused", "error": str(exc)})
+        emit(out, msg.Refused(str(exc)))
         return 2
     scheduler = Scheduler(
         model.slots,
@@ -944,32 +927,23 @@ def main(argv: list[str] | None = None) -> int:
         worker.step()
     calibrate(worker)
     worker.out = out
-    emit(
-        out,
-        {
-            "ev": "ready",
-            "cells": model.cells,
-            "slots": args.slots,
-            "n_ctx_train": model.n_ctx_train,
-            "rates": worker.rates(),
-        },
-    )
+    emit(out, msg.Ready(model.cells, args.slots, model.n_ctx_train, worker.rates()))
 
-    inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+    inbox: queue.SimpleQueue[msg.Request] = queue.SimpleQueue()
 
     def read() -> None:
         for line in sys.stdin.buffer:
-            request = orjson.loads(line)
+            request = msg.decode_request(line)
             worker.arrived(request)
             inbox.put(request)
-        inbox.put({"op": "exit"})  # the daemon closed our stdin
+        inbox.put(msg.Exit())  # the daemon closed our stdin
 
     threading.Thread(target=read, daemon=True).start()
     while True:
         # Block while idle; between steps, take whatever has arrived, in order.
-        request: dict[str, Any] | None = inbox.get() if not worker.busy else _poll(inbox)
+        request: msg.Request | None = inbox.get() if not worker.busy else _poll(inbox)
         while request is not None:
-            if request["op"] == "exit":
+            if isinstance(request, msg.Exit):
                 return 0
             worker.handle(request)
             request = _poll(inbox)
@@ -978,22 +952,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
 
 
-def greedy_request(key: str, tokens: list[int], max_new_tokens: int) -> dict[str, Any]:
+def greedy_request(key: str, tokens: list[int], max_new_tokens: int) -> msg.Run:
     """A greedy run request (the worker's own: warm-up, calibration)."""
-    return {
-        "op": "run",
-        "id": key,
-        "tokens": tokens,
-        "max_new_tokens": max_new_tokens,
-        "priority": 0,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
-        "seed": 0,
-        "stop": [],
-        "ignore_eos": True,
-    }
+    return msg.Run(id=key, tokens=tokens, max_new_tokens=max_new_tokens, seed=0, ignore_eos=True)
 
 
 def calibrate(worker: Worker) -> None:
@@ -1013,7 +974,7 @@ def calibrate(worker: Worker) -> None:
         worker.step()
 
 
-def refill(worker: Worker, inbox: queue.SimpleQueue[dict[str, Any]], limit_s: float) -> bool:
+def refill(worker: Worker, inbox: queue.SimpleQueue[msg.Request], limit_s: float) -> bool:
     """Wait, ``limit_s`` at most, until the daemon has offered every slot the last step freed
     (it said jobs wait for one) or runs have taken them all, handling what comes meanwhile;
     False: it said exit."""
@@ -1023,13 +984,13 @@ def refill(worker: Worker, inbox: queue.SimpleQueue[dict[str, Any]], limit_s: fl
             request = inbox.get(timeout=left)
         except queue.Empty:
             break
-        if request["op"] == "exit":
+        if isinstance(request, msg.Exit):
             return False
         worker.handle(request)
     return True
 
 
-def _poll(inbox: queue.SimpleQueue[dict[str, Any]]) -> dict[str, Any] | None:
+def _poll(inbox: queue.SimpleQueue[msg.Request]) -> msg.Request | None:
     try:
         return inbox.get_nowait()
     except queue.Empty:

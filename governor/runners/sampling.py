@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .llama_messages import Run
+
 HEAD = 16.0
 WIDE = 8  # a head of more than a WIDE-th of the vocabulary is weighed as a whole
 STRIDE = 16
@@ -41,27 +43,23 @@ Logits = npt.NDArray[np.float32]
 Ids = npt.NDArray[np.intp]
 
 
-def penalties(request: dict[str, Any]) -> tuple[float, float, float]:
+def penalties(request: Run) -> tuple[float, float, float]:
     """The request's repeat, frequency and presence penalties (NO_PENALTIES: none)."""
-    return (
-        request.get("repeat_penalty", 1.0),
-        request.get("frequency_penalty", 0.0),
-        request.get("presence_penalty", 0.0),
-    )
+    return (request.repeat_penalty, request.frequency_penalty, request.presence_penalty)
 
 
 NO_PENALTIES = (1.0, 0.0, 0.0)
 
 
-def plain(request: dict[str, Any]) -> bool:
+def plain(request: Run) -> bool:
     """The request samples with nothing but a temperature and min_p (top_k and top_p sort
     the candidates: llama.cpp's chain does that faster)."""
     return (
-        not request.get("logit_bias")
-        and not request.get("grammar")
+        not request.logit_bias
+        and not request.grammar
         and penalties(request) == NO_PENALTIES
-        and request.get("top_k", 0) == 0
-        and request.get("top_p", 1.0) >= 1
+        and request.top_k == 0
+        and request.top_p >= 1
     )
 
 

@@ -22,6 +22,7 @@ from protocol.codes import NeedCode
 from protocol.spec import ANY_OBJECT, JobSpec, SpecInvalid
 
 from .base import Finished, Job, Token
+from .llama_messages import Done
 
 MAX_REPEAT = 1000
 
@@ -411,14 +412,14 @@ class Choice:
 
 
 def finish(
-    job: Job, spec: JobSpec, done: dict[str, Any], choices: list[Choice]
+    job: Job, spec: JobSpec, done: Done, choices: list[Choice]
 ) -> Iterator[Token | Finished]:
     """The end of a job the worker has done: what its choices still have to send, then its
     result (``choices`` in it with several, log probabilities or tools)."""
-    generated = done["completion_tokens"]
+    generated = done.completion_tokens
     results = []
-    for choice, ended in zip(choices, done["choices"], strict=True):
-        tokens, result = choice.end(ended["text"], ended["finish_reason"], generated)
+    for choice, ended in zip(choices, done.choices, strict=True):
+        tokens, result = choice.end(ended.text, ended.finish_reason, generated)
         yield from tokens
         if spec.logprobs is not None:
             result["logprobs"] = choice.entries
@@ -428,7 +429,7 @@ def finish(
         "text": results[0]["text"],
         "prompt_tokens": len(job.tokens),
         "completion_tokens": generated,
-        "cached_tokens": done["cached_tokens"],
+        "cached_tokens": done.cached_tokens,
         "finish_reason": results[0]["finish_reason"],
     }
     if spec.n > 1 or spec.logprobs is not None or tool_mode(spec) != "text":

@@ -39,12 +39,15 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..support.arguments import add_model, add_quiet_wait, add_threads
 from ..support.machine import QUIET_SHARE, CpuWindow, wait_quiet
 from ..support.options import positive_int, positive_ints, print_json
 from ..support.workload import synth_prompt
+
+if TYPE_CHECKING:
+    from governor.runners.llama_messages import Run
 
 NAME = "ceiling"
 STREAMS = (1, 4, 8, 16)
@@ -240,6 +243,7 @@ SAMPLINGS: tuple[tuple[str, dict[str, Any]], ...] = (
 def sampling_times(engine: Engine, steps: int, repeats: int) -> list[dict[str, Any]]:
     """Per sampling setting: the median time of RUNNING draws, by llama.cpp's chain and by
     the governor's draws, each from the logits of a step of RUNNING prompts."""
+    from governor.runners.llama_messages import Run
     from governor.runners.sampling import Draws, plain
 
     lib = engine.lib
@@ -248,12 +252,13 @@ def sampling_times(engine: Engine, steps: int, repeats: int) -> list[dict[str, A
     engine.decode([(tokens[-1], len(tokens), s, True) for s, tokens in by_seq.items()])
     n_vocab = lib.llama_vocab_n_tokens(engine.vocab)
     rows = []
-    for name, request in SAMPLINGS:
+    for name, settings in SAMPLINGS:
+        request = Run(id=name, tokens=[], max_new_tokens=1, **settings)
         chains = [_chain(lib, request, s) for s in range(RUNNING)]
         ways = [("chain_ms", functools.partial(_by_chain, engine, chains))]
         if plain(request):  # (top_k and top_p are the chain's)
             draws = [
-                Draws(temperature=request["temperature"], min_p=request["min_p"], seed=s)
+                Draws(temperature=request.temperature, min_p=request.min_p, seed=s)
                 for s in range(RUNNING)
             ]
             ways.append(("draws_ms", functools.partial(_by_draws, engine, draws, n_vocab)))
@@ -284,7 +289,7 @@ def _by_draws(engine: Engine, draws: list[Any], n_vocab: int) -> None:
         draw(np.ctypeslib.as_array(engine.lib.llama_get_logits_ith(engine.ctx, i), (n_vocab,)))
 
 
-def _chain(lib: Any, request: dict[str, Any], seed: int) -> Any:
+def _chain(lib: Any, request: Run, seed: int) -> Any:
     """llama.cpp's chain as the governor's worker makes it for the ``request``'s settings."""
     from governor.runners.llama_worker import add_draw
 

@@ -10,6 +10,7 @@ own in this layout, wait for free slots and all finish."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +45,7 @@ def finish(pipe: WorkerPipe, *keys: str) -> dict[str, dict[str, Any]]:
         event = pipe.event()
         if event["ev"] == "step":
             for entry in event["done"]:
-                assert "error" not in entry, entry
+                assert entry["error"] is None, entry
                 done[entry["id"]] = entry
     return done
 
@@ -123,9 +124,9 @@ def test_a_beginning_held_by_another_slot_is_copied_in_not_computed() -> None:
 def test_further_choices_wait_for_free_slots_and_all_finish() -> None:
     pipe = WorkerPipe(N_CTX, slots=1, layout="slots")  # two ids: the slot and the probe's
     try:
-        pipe.send({**greedy_request("one", PROMPT, 16), "n": 1})
+        pipe.send(dataclasses.replace(greedy_request("one", PROMPT, 16), n=1))
         one = finish(pipe, "one")["one"]["choices"][0]["text"]
-        pipe.send({**greedy_request("three", PROMPT, 16), "n": 3})
+        pipe.send(dataclasses.replace(greedy_request("three", PROMPT, 16), n=3))
         done = finish(pipe, "three")["three"]
     finally:
         pipe.close()

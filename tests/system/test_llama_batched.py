@@ -376,13 +376,15 @@ def test_short_prompts_that_arrive_together_are_fed_in_one_step() -> None:
         pipe.run("running", list(range(1000, 1200)), 64, priority=0)
         steps = pipe.steps()
         next(steps)  # its prompt, fed while nothing else is here
-        chat = {"priority": 0, "tpot_ms": 100.0, "ttft_ms": 1000.0, "gap_ms": 500.0}
+        chat: dict[str, Any] = {"priority": 0, "tpot_ms": 100.0, "ttft_ms": 1000.0, "gap_ms": 500.0}
         keys = [f"chat{i}" for i in range(4)]
         for key in keys:
             pipe.texts[key] = ""
         pipe.send(
             *(
-                {**greedy_request(key, list(range(2000 + 50 * i, 2030 + 50 * i)), 4), **chat}
+                dataclasses.replace(
+                    greedy_request(key, list(range(2000 + 50 * i, 2030 + 50 * i)), 4), **chat
+                )
                 for i, key in enumerate(keys)
             )
         )
@@ -441,7 +443,9 @@ def test_the_health_probe_is_stepped_alone_and_changes_no_greedy_text() -> None:
     their own (the job makes no token in the step that gives the probe its token), and the job
     says what it says without them (each run in a fresh worker: no cells reused)."""
     prompt = list(range(1000, 1040))
-    probe = {**greedy_request("probe", list(range(3000, 3006)), 1), "priority": 9, "alone": True}
+    probe = dataclasses.replace(
+        greedy_request("probe", list(range(3000, 3006)), 1), priority=9, alone=True
+    )
     pipe = WorkerPipe(1024, slots=2)
     try:
         pipe.run("job", prompt, 48, priority=0)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from governor.runners.llama_messages import Run
 from governor.runners.sampling import plain
 from loadtest.bench import ceiling, generation
 from loadtest.bench.generation import options, rows, servers
@@ -123,9 +124,9 @@ def test_ceiling_sampling_times_the_chain_and_the_draws_on_the_real_model() -> N
     )
     report = ceiling.measure(args)
     assert [row["sampling"] for row in report["sampling"]] == [s[0] for s in ceiling.SAMPLINGS]
-    for row, (_, request) in zip(report["sampling"], ceiling.SAMPLINGS, strict=True):
+    for row, (name, settings) in zip(report["sampling"], ceiling.SAMPLINGS, strict=True):
         assert row["chain_ms"] > 0
-        if plain(request):
+        if plain(Run(id=name, tokens=[], max_new_tokens=1, **settings)):
             assert row["draws_ms"] > 0
         else:  # (top_k and top_p: the chain's alone)
             assert row["draws_ms"] is None

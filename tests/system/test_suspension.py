@@ -9,6 +9,7 @@ ends, and a client that leaves while its job is suspended frees everything."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 
 from clients import NO_RETRY
 from governor.runners.llama import LlamaRunner, embedded_model_path
+from governor.runners.llama_messages import Request
 from governor.runners.llama_worker import greedy_request
 from governor.server import Server
 from protocol.spec import JobSpec
@@ -72,7 +74,7 @@ class WorkerPipe:
         self.tokens: dict[str, int] = {}
         self.kv = 0  # the cells the jobs hold, as the last step said
 
-    def send(self, *requests: dict[str, Any]) -> None:
+    def send(self, *requests: Request | dict[str, Any]) -> None:
         """Requests in one write (the worker reads them all before its next step)."""
         stdin: IO[bytes] | None = self.proc.stdin
         assert stdin is not None
@@ -88,7 +90,9 @@ class WorkerPipe:
 
     def run(self, key: str, tokens: list[int], max_new_tokens: int, priority: int) -> None:
         self.texts[key] = ""
-        self.send({**greedy_request(key, tokens, max_new_tokens), "priority": priority})
+        self.send(
+            dataclasses.replace(greedy_request(key, tokens, max_new_tokens), priority=priority)
+        )
 
     def steps(self) -> Iterator[list[str]]:
         """Each step's event, as the keys of the jobs it finished (texts gathered)."""
@@ -101,7 +105,7 @@ class WorkerPipe:
                 self.texts[out["id"]] += out["text"]
                 self.tokens[out["id"]] = out["n"]
             for done in event["done"]:
-                assert "error" not in done, done
+                assert done["error"] is None, done
                 assert done["choices"][0]["text"] == self.texts[done["id"]]
             yield [done["id"] for done in event["done"]]
 

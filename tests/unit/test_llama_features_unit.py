@@ -4,6 +4,7 @@ and tools become grammars (or are refused), and how a sequence's output is read 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from governor.runners import Finished, Job, Token
 from governor.runners.batching import Scheduler, Sequence
+from governor.runners.llama_messages import Done, Ended
 from governor.runners.llama_worker import Text
 from governor.runners.structured import (
     MAX_REPEAT,
@@ -386,14 +388,7 @@ def test_held_output_that_is_no_call_goes_out_as_text_at_the_end() -> None:
 
 
 def test_the_result_lists_choices_when_there_are_several_or_log_probabilities() -> None:
-    done: dict[str, Any] = {
-        "choices": [
-            {"text": "a", "finish_reason": "stop"},
-            {"text": "bc", "finish_reason": "length"},
-        ],
-        "completion_tokens": 3,
-        "cached_tokens": 1,
-    }
+    done = Done("J", [Ended("a", "stop"), Ended("bc", "length")], 3, 1)
     two = spec(n=2)
     events = list(
         finish(
@@ -420,7 +415,7 @@ def test_the_result_lists_choices_when_there_are_several_or_log_probabilities() 
     (end,) = finish(
         Job("J", spec=one, tokens=(1,)),
         one,
-        {**done, "choices": done["choices"][:1]},
+        dataclasses.replace(done, choices=done.choices[:1]),
         [Choice(0, "text", NAMES)],
     )
     assert isinstance(end, Finished)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 from unittest.mock import patch
 
 import numpy as np
@@ -18,6 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from governor.runners import sampling
+from governor.runners.llama_messages import Run
 from governor.runners.sampling import Draws, plain
 
 GRID = 48
@@ -121,11 +123,15 @@ def test_a_seed_gives_the_same_draws_and_another_seed_others() -> None:
     assert run(1) != run(2)
 
 
+def run(settings: dict[str, Any]) -> Run:
+    return Run(id="j", tokens=[1], max_new_tokens=8, **settings)
+
+
 def test_biases_penalties_grammars_top_k_and_top_p_are_left_to_llama_cpps_chain() -> None:
-    assert plain({"temperature": 0.8, "top_p": 1.0, "top_k": 0, "min_p": 0.05})
-    assert not plain({"top_p": 0.95})
-    assert not plain({"top_k": 40})
-    assert not plain({"logit_bias": [[5, 1.0]]})
-    assert not plain({"grammar": 'root ::= "a"'})
-    assert not plain({"frequency_penalty": 0.5})
-    assert not plain({"repeat_penalty": 1.1})
+    assert plain(run({"temperature": 0.8, "top_p": 1.0, "top_k": 0, "min_p": 0.05}))
+    assert not plain(run({"top_p": 0.95}))
+    assert not plain(run({"top_k": 40}))
+    assert not plain(run({"logit_bias": [[5, 1.0]]}))
+    assert not plain(run({"grammar": 'root ::= "a"'}))
+    assert not plain(run({"frequency_penalty": 0.5}))
+    assert not plain(run({"repeat_penalty": 1.1}))
