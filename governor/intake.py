@@ -35,9 +35,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Generic, Protocol, TypeVar
 
 from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import JobSpec, SpecInvalid, is_json_content_type, parse_spec
@@ -205,14 +207,17 @@ class Ask:
     (:data:`Outcome`) to its wire; only how a refused job is kept for its retry is the door's
     own (a held payload, a kept place)."""
 
-    def __init__(
-        self, state: ServerState, attempt: Attempt, first_refusal: float | None = None
-    ) -> None:
+    def __init__(self, state: ServerState, attempt: Attempt, key: Hashable = None) -> None:
         self.state = state
         self.attempt = attempt
-        self.first_refusal = first_refusal  # when first refused (a retry: its first try)
+        self.key = key  # the door's name for it (a job id, a place's key): see Keeper
         self.wait: Wait | None = None  # its wait for its turn, if it may wait
         self.decide_at = math.inf  # waiting in line: decided again then, at its hint
+
+    @property
+    def first_refusal(self) -> float | None:
+        """When it was first refused (a retry: its first try's), if it was."""
+        return self.attempt.first_refused
 
     def prepare(self, job_id: str, payload: bytes, content_type: str) -> None:
         """A verified TCP payload: a JSON job spec is parsed here, once; any other payload goes
@@ -280,8 +285,8 @@ class Ask:
         decision = _decision(state, self.attempt)
         wait = self.wait
         if isinstance(decision, Yielded):
-            if self.first_refusal is None:
-                self.first_refusal = state.now()
+            if self.attempt.first_refused is None:
+                self.attempt.first_refused = state.now()
             if wait is not None and wait.joins(decision):
                 self.decide_at = state.now() + decision.retry_hint_ms / 1000
                 return Waiting(self.decide_at, decision.need_code)
@@ -325,8 +330,8 @@ class Ask:
         reservation = None
         if keep_payload:
             reservation, ticket.reservation = ticket.reservation, None
-        if self.first_refusal is None:
-            self.first_refusal = self.state.now()
+        if self.attempt.first_refused is None:
+            self.attempt.first_refused = self.state.now()
         return self.state.admission.revoke(self.attempt, ticket, refusal), reservation
 
 
@@ -517,3 +522,154 @@ class JobAdmitted:
     ticket: Ticket
     attempt: Attempt
     waited_s: float | None  # from its first refusal to its admission; None: never refused
+
+
+# The conversation --------------------------------------------------------------------------
+
+R = TypeVar("R")  # a door's request, held while it waits for its key's turn
+
+
+class Keeper(Protocol):
+    """A door's keeper of refused jobs for their retries, by the door's own key for a job (TCP:
+    its id on the connection, its payload held or not; HTTP: its tenant and body's digest, a
+    place in line): how a retry is recognised is the one part of a refusal that is the door's."""
+
+    def take(self, key: Hashable) -> Attempt | None:
+        """The attempt kept for ``key``'s retry, no longer kept; None: none is."""
+        ...
+
+    def keep(self, key: Hashable, attempt: Attempt, refused: Yielded) -> bool:
+        """Keep a refused job for its retry; False: it cannot be (it gave up)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Unauthorized:
+    """A job without a valid key (or client certificate): refused, its failure counted;
+    ``closes``: the connection has failed ``max_auth_failures`` keys, this is its last answer."""
+
+    closes: bool
+    failures: int
+
+
+class Conversation(Generic[R]):
+    """One connection's conversation with the intake, the same on both doors and sans-IO: the
+    door feeds it what happens and answers, in its own words, what comes back. It owns the
+    order of the steps and every rule both doors share:
+
+    1. :meth:`asked`: a job's key, checked at its turn (:class:`Credentials`); a request whose
+       key must wait is held here until :meth:`turn_came` gives it back.
+    2. :meth:`open`: whom the job runs for (:class:`Unauthorized` otherwise) and its attempt:
+       the one the door's :class:`Keeper` kept for its retry (one another tenant left gave up),
+       else a new one: the :class:`Ask`.
+    3. :meth:`submit`: the runner prepares it, it lines up if it may wait, and admission
+       decides (:meth:`decide` again at its hint): an :data:`Outcome`. Every refusal is kept
+       for its retry by the keeper, or counted as given up: one rule, whatever refused it
+       (docs/PROTOCOL.md, "Places in line kept for a retry").
+    4. Between the door's reads the line offers a waiting job a freed slot: it is decided
+       here (:meth:`offered`, the line's call, never the door's), and the outcome waits in
+       :meth:`next_event`, the door's IO told by ``wake``.
+    5. :meth:`left`: the client left: its key's turn and its jobs in line are given up.
+    """
+
+    def __init__(self, state: ServerState, conn_id: int, keeper: Keeper) -> None:
+        self.state = state
+        self.credentials = Credentials(state, conn_id)
+        self.keeper = keeper
+        self.wake: Callable[[], None] = _nothing  # the door's IO: an event came between reads
+        self.events: deque[tuple[Ask, Outcome]] = deque()  # decided between reads
+        self.closed = False
+
+    # 1. The key
+
+    def asked(self, key: str | None, request: R) -> KeyStep:
+        """A job asked with ``key`` (None: none shown): whether it goes on now, waits for its
+        key's turn (:meth:`turn_came` gives ``request`` back then) or is refused for now."""
+        if key is None:
+            return KeyStep.GO
+        return self.credentials.step(key, request)
+
+    def turn_came(self, now: float) -> R | None:
+        """The request that waited for its key's turn, once it has come (its key checked)."""
+        request: R | None = self.credentials.turn_came(now)  # type: ignore[assignment]
+        return request
+
+    # 2. Whom for, and which attempt
+
+    def tenant(self, key: str | None) -> Tenant | Unauthorized:
+        """Whom a job with ``key`` runs for (:meth:`Credentials.tenant`)."""
+        credentials = self.credentials
+        tenant = credentials.tenant(key)
+        if tenant is None:
+            return Unauthorized(credentials.spent, credentials.failures)
+        return tenant
+
+    def open(self, tenant: Tenant, key: Hashable) -> Ask:
+        """The ask of a job the door names ``key``, for ``tenant``: the attempt kept for its
+        retry, if any (one of another tenant's gave up), else a new one."""
+        attempt = self.keeper.take(key)
+        if attempt is not None and attempt.tenant is not tenant:
+            gave_up(self.state, attempt)
+            attempt = None
+        return Ask(self.state, Attempt(tenant, None) if attempt is None else attempt, key)
+
+    # 3. The decision
+
+    def submit(self, ask: Ask, asked_ms: int | None, *, may_wait: bool) -> Outcome:
+        """A prepared ask decided: in line for its turn if ``may_wait`` (within ``asked_ms``,
+        else ``max_wait``), else answered at once."""
+        if may_wait:
+            ask.line_up(asked_ms, lambda: self.offered(ask))
+        else:
+            ask.leave_line()
+        return self.decide(ask)
+
+    def decide(self, ask: Ask) -> Outcome:
+        """Admission's decision now, a refusal kept for its retry or given up."""
+        outcome = ask.decide()
+        if isinstance(outcome, Yielded):
+            self.refused(ask, outcome)
+        return outcome
+
+    def refused(self, ask: Ask, decision: Yielded) -> bool:
+        """The one keep-or-give-up rule: a refused job is kept for its retry by the door's
+        keeper, whatever refused it; one that cannot be kept gave up."""
+        if self.keeper.keep(ask.key, ask.attempt, decision):
+            return True
+        gave_up(self.state, ask.attempt)
+        return False
+
+    # 4. Between reads
+
+    def offered(self, ask: Ask) -> str | None:
+        """The line offers a waiting ask a slot: decided now (unless the connection is gone or
+        a job it admitted is not yet taken by the door: its turn comes again), its outcome left
+        for the door (:meth:`next_event`) unless it waits on. The need code of a refusal
+        (None: admitted, or not decided)."""
+        if self.closed or any(isinstance(o, Admitted) for _, o in self.events):
+            return None
+        outcome = self.decide(ask)
+        if not isinstance(outcome, Waiting):
+            self.events.append((ask, outcome))
+        self.wake()
+        return None if isinstance(outcome, Admitted) else outcome.need_code
+
+    def next_event(self) -> tuple[Ask, Outcome] | None:
+        """An outcome decided between the door's reads, for it to answer; None: none."""
+        return self.events.popleft() if self.events else None
+
+    # 5. The end
+
+    def left(self) -> None:
+        """The client left: its key's turn given back; an admitted job the door did not take
+        gives its ticket back (the door gives up its asks in line, and what its keeper kept)."""
+        self.closed = True
+        self.credentials.turn_unused()
+        while self.events:
+            _, outcome = self.events.popleft()
+            if isinstance(outcome, Admitted):
+                outcome.ticket.release("client_gone")
+
+
+def _nothing() -> None:
+    pass

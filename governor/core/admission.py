@@ -167,6 +167,7 @@ class Attempt:
     # whether it is turned away now (neither admitted since nor given up).
     turned_away: Key | None = None
     unserved: bool = False
+    first_refused: float | None = None  # when first refused (its wait and TTFT count from then)
 
 
 class Ticket:

@@ -57,9 +57,8 @@ import secrets
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from http import HTTPStatus
-from typing import cast
 
 import h11
 
@@ -103,6 +102,8 @@ PROXY = "proxy"  # (the kind of request that is one of these)
 KNOWN_PATHS = {*PATHS, *PROXIED, HEALTH}  # (named in the responses' metric)
 # Answers by hand that tell the client to come back (a yield on TCP), not that it failed.
 YIELDS = frozenset({NeedCode.BUFFERS_FULL, NeedCode.DRAINING})
+# A job's request waiting for its key's turn: its head, body, kind and key.
+Deferred = tuple[h11.Request, bytes, str, str]
 
 
 class FrontDoor:
@@ -202,8 +203,20 @@ class FrontDoor:
         else:
             exchange.job(request, body, kind)
 
+    # intake.Keeper: a refused request's place in line, kept by its tenant and body ------------
+
+    def take(self, key: Hashable) -> Attempt | None:
+        assert isinstance(key, tuple)
+        return self.places.take(key)
+
+    def keep(self, key: Hashable, attempt: Attempt, refused: Yielded) -> bool:
+        """Keep its place (the next one to expire is forgotten when its time is up)."""
+        assert isinstance(key, tuple)
+        kept = self.places.keep(key, attempt, refused.retry_hint_ms)
+        self.kept()
+        return kept
+
     def kept(self) -> None:
-        """A place was kept: the next one to expire is forgotten when its time is up."""
         at = self.places.next_expiry()
         self.deadlines.put(self, math.inf if at is None else at)
 
@@ -264,7 +277,12 @@ class HttpConnection(asyncio.Protocol):
         self.state = door.state
         self.config = door.state.config
         self.id = connection_id()  # names the connection in logs (execution.Replies)
-        self.credentials = intake.Credentials(self.state, self.id)
+        # The intake's steps, in their order: the door keeps refused requests' places.
+        self.conversation: intake.Conversation[Deferred] = intake.Conversation(
+            self.state, self.id, door
+        )
+        self.conversation.wake = self._woken
+        self.credentials = self.conversation.credentials
         self.out = Outbound(self.state, self.id, self.schedule)  # its writes, bounded, and close
         self.transport: asyncio.Transport | None = None
         self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -346,6 +364,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.door.deadlines.remove(self)
+        self.conversation.left()
         self.incoming.release()
         exchange = self.exchange
         if exchange is not None:
@@ -362,6 +381,21 @@ class HttpConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if not self.closed:
             self.out.resume()
+
+    def _woken(self) -> None:
+        """The line offered the request in line a slot and the conversation decided it: it is
+        answered on the next turn of the loop, not inside the release that freed the slot."""
+        if not self.closed:
+            asyncio.get_running_loop().call_soon(self._answer_decided)
+
+    def _answer_decided(self) -> None:
+        while (event := self.conversation.next_event()) is not None:
+            ask, outcome = event
+            exchange = self.exchange
+            if not self.closed and exchange is not None and exchange.ask is ask:
+                exchange.answer(outcome)
+            elif isinstance(outcome, Admitted):  # (its client left meanwhile)
+                outcome.ticket.release("client_gone")
 
     # For the server (state.Connection) -------------------------------------------------
 
@@ -523,7 +557,6 @@ class Exchange:
         self.execution: Execution | None = None
         self.answers: api.Answers | None = None
         self.call: api.Call | None = None
-        self.key: api.Key = ("", b"")
         self.ask: intake.Ask | None = None  # a job's conversation with admission
         self.proxied: asyncio.Task[Relayed] | None = None  # the upstream answers it
         self.streaming = False  # the 200 and the stream's head are out
@@ -565,7 +598,7 @@ class Exchange:
         prepared and decided."""
         key = _bearer(header(request, b"authorization"))
         if key is not None:
-            step = self.conn.credentials.step(key, (request, body, kind, key))
+            step = self.conn.conversation.asked(key, (request, body, kind, key))
             if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
                 self._abort(HTTPStatus.UNAUTHORIZED, NeedCode.UNAUTHORIZED, KEY_TURN_FAR)
                 return
@@ -584,20 +617,19 @@ class Exchange:
 
     def on_deadline(self, now: float) -> None:
         """Time passed: its key's turn came, or its next decision at its hint."""
-        credentials = self.conn.credentials
-        if credentials.waiting is not None:
-            waiting = credentials.turn_came(now)
+        conversation = self.conn.conversation
+        if conversation.credentials.waiting is not None:
+            waiting = conversation.turn_came(now)
             if waiting is not None:
-                request, body, kind, key = cast(tuple[h11.Request, bytes, str, str], waiting)
-                self._job(request, body, kind, key)
+                self._job(*waiting)
         elif self.ask is not None and self.ask.decide_at <= now:
             self.decide()
 
     def _job(self, request: h11.Request, body: bytes, kind: str, key: str | None) -> None:
         conn = self.conn
-        tenant = conn.credentials.tenant(key)
-        if tenant is None:
-            if conn.credentials.spent:  # (this 401 is the connection's last answer)
+        tenant = conn.conversation.tenant(key)
+        if isinstance(tenant, intake.Unauthorized):
+            if tenant.closes:  # (this 401 is the connection's last answer)
                 conn.close_after = True
             self._abort(
                 HTTPStatus.UNAUTHORIZED,
@@ -623,16 +655,11 @@ class Exchange:
         conn.jobs += 1
         job_id = f"http-{conn.id}-{conn.jobs}"
         self.call = call
-        self.key = (tenant.name, hashlib.sha256(body).digest())
-        kept = conn.door.places.take(self.key)
-        if kept is not None:
-            ask = intake.Ask(conn.state, kept.attempt, kept.first_refusal)
-        else:
-            ask = intake.Ask(conn.state, Attempt(tenant, None))
-        self.ask = ask
+        ask = self.ask = conn.conversation.open(
+            tenant, (tenant.name, hashlib.sha256(body).digest())
+        )
         ask.prepare_fields(job_id, call.spec, body)
-        ask.line_up(asked_ms, self.decide)
-        self.decide()
+        self.answer(conn.conversation.submit(ask, asked_ms, may_wait=True))
 
     def proxy(self, request: h11.Request, body: bytes) -> None:
         """A request the forwarding runner's upstream answers as it is, with no slot taken:
@@ -663,27 +690,29 @@ class Exchange:
         """Waiting in line for its turn."""
         return self.ask is not None and self.ask.in_line
 
-    def decide(self) -> str | None:
+    def decide(self) -> None:
+        """Decided again at its hint, in line."""
+        assert self.ask is not None
+        self.answer(self.conn.conversation.decide(self.ask))
+
+    def answer(self, outcome: intake.Outcome) -> None:
         """The ask's outcome on this wire: the job waits in line for its turn (unanswered,
         decided again at its hint or when a slot may have freed before), runs, is refused for
-        good (400), or yields: 429 (503). Returns the need code of a refusal (None: admitted)."""
+        good (400), or yields: 429 (503), its place kept for its retry already."""
         ask = self.ask
         assert ask is not None
-        outcome = ask.decide()
         if isinstance(outcome, Waiting):
             self.conn.schedule()
-            return outcome.need_code
+            return
         self.out.waited_ms = None if ask.wait is None else ask.wait.waited_ms
         if isinstance(outcome, Admitted):
             self._run(ask, outcome)
-            return None
-        if isinstance(outcome, Rejected):
+        elif isinstance(outcome, Rejected):
             error = outcome.error
             code = error.need_code if error is not None else outcome.need_code
             self._abort(HTTPStatus.BAD_REQUEST, code, error.detail if error else outcome.detail)
-            return code
-        self._yielded(outcome, ask)
-        return outcome.need_code
+        else:
+            self.fail(api.refusal(outcome))
 
     def left(self) -> None:
         """The client left while its request waited in line (:meth:`governor.intake.Ask.give_up`)
@@ -711,22 +740,6 @@ class Exchange:
             conn.door.model,
         )
         self.execution = start(state, job, self)
-
-    def _yielded(self, decision: Yielded, ask: intake.Ask) -> None:
-        """429 (503), the job's place kept for its retry."""
-        self._keep(decision, ask)
-        self.fail(api.refusal(decision))
-
-    def _keep(self, decision: Yielded, ask: intake.Ask) -> None:
-        """A refused job's place kept for its retry, whatever refused it, as on every door
-        (docs/PROTOCOL.md, "Places in line kept for a retry"); given up when none can be."""
-        conn = self.conn
-        first = ask.first_refusal
-        assert first is not None
-        if conn.door.places.keep(self.key, ask.attempt, first, decision.retry_hint_ms):
-            conn.door.kept()
-        else:
-            intake.gave_up(conn.state, ask.attempt)
 
     # execution.Replies -------------------------------------------------------------------
 
@@ -792,7 +805,7 @@ class Exchange:
         any refused job's; the exchange ends with the job's task."""
         assert self.ask is not None
         decision, _ = self.ask.take_back(execution.ticket, refusal, keep_payload=False)
-        self._keep(decision, self.ask)
+        self.conn.conversation.refused(self.ask, decision)
         error = api.refusal(decision)
         self.out.whole(error.status, error.body(), error.headers)
 

@@ -1,6 +1,6 @@
 """One TCP connection's jobs: the payload frames (a manifest and its chunks, or an inline
 payload) checked as they come (:class:`Uploads`); what the connection keeps of a refused job
-for its retry, and the bytes every payload holds (:class:`Keeper`: the door's own part of the
+for its retry, and the bytes every payload holds (:class:`Retries`: the door's own part of the
 keep-or-give-up rule, by job id); a verified payload's ask (:class:`governor.intake.Ask`) and
 its outcome mapped to a reply (:class:`JobTable`); and the frames a running job's execution
 sends (:class:`JobReplies`).
@@ -31,7 +31,7 @@ frame is checked against its key's tenant (:meth:`Uploads.new_job`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -51,7 +51,6 @@ from ..core.admission import (
     Yielded,
 )
 from ..core.ledger import Refusal
-from ..core.tenants import Tenant
 from ..execution import Ending, Execution, Running
 from ..intake import Waiting
 from ..runners import Relay, Token
@@ -125,7 +124,7 @@ class Owner(Protocol):
     """What the uploads need of their session."""
 
     wire: Wire
-    credentials: intake.Credentials  # (a new job's key, checked: its tenant)
+    conversation: intake.Conversation[Request]  # (a new job's key, checked: its tenant)
 
     def fatal(
         self,
@@ -145,15 +144,10 @@ class Owner(Protocol):
         """A new deadline (a waiting job's next decision)."""
         ...
 
-    def offered(self, job: str) -> str | None:
-        """The line offers a waiting job a slot: :meth:`JobTable.decide_again`, and the listener
-        told of what it admitted."""
-        ...
-
     def idle_changed(self) -> None: ...
 
 
-class Keeper:
+class Retries:
     """What a connection keeps of its refused jobs for their retries: the payloads held by job
     id (``held_payloads_per_conn`` at most), the jobs turned away without theirs (by id, oldest
     first, ``max_jobs_per_conn`` at most: the same id sent again is the same job back, the one
@@ -166,15 +160,6 @@ class Keeper:
         self.buffers = Budget(state.config.max_conn_buffer_bytes)  # payload bytes on this conn
         self.held = 0  # payloads kept after a yield
         self.turned_away: dict[str, Attempt] = {}
-
-    def returning(self, job: str, tenant: Tenant) -> Attempt:
-        """A new job id's attempt: the one it was turned away with, back for its retry (unless
-        another tenant's), else a new one."""
-        attempt = self.turned_away.pop(job, None)
-        if attempt is not None and attempt.tenant is not tenant:  # (another tenant's job)
-            intake.gave_up(self.state, attempt)
-            attempt = None
-        return Attempt(tenant, None) if attempt is None else attempt
 
     def turn_away(self, job: str, attempt: Attempt) -> None:
         """Remember a refused job whose payload was not kept, for its retry (the oldest one
@@ -233,7 +218,7 @@ class Keeper:
 
 class Uploads:
     """A connection's jobs as their frames make them: a manifest and its chunks, or an inline
-    payload, checked as they come, their bytes reserved by the table's :class:`Keeper`; a
+    payload, checked as they come, their bytes reserved by the table's :class:`Retries`; a
     verified payload goes to the table (:meth:`JobTable.complete`)."""
 
     def __init__(self, table: JobTable) -> None:
@@ -243,19 +228,19 @@ class Uploads:
         self.state = table.state
         self.config = table.config
         self.jobs = table.jobs
-        self.keeper = table.keeper
+        self.retries = table.retries
 
     def new_job(self, req: Request) -> JobState | None:
         """A job id not seen before on this connection, for its key's tenant; None if refused
         (its reply is sent: a job without a valid key, or past the connection's bound)."""
-        credentials, config = self.owner.credentials, self.config
-        tenant = credentials.tenant(req.api_key)
-        if tenant is None:
-            if credentials.spent:  # (its abort, for the connection, answers the job too)
+        conversation, config = self.owner.conversation, self.config
+        tenant = conversation.tenant(req.api_key)
+        if isinstance(tenant, intake.Unauthorized):
+            if tenant.closes:  # (its abort, for the connection, answers the job too)
                 self.owner.fatal(
                     NeedCode.UNAUTHORIZED,
                     ErrorCode.UNAUTHORIZED,
-                    f"a valid api_key is needed; after {credentials.failures} failed keys the "
+                    f"a valid api_key is needed; after {tenant.failures} failed keys the "
                     "connection closes",
                     job=req.job,
                     seq=req.seq + 1,
@@ -275,7 +260,7 @@ class Uploads:
             return None
         upload = Upload(config.max_payload_bytes, config.max_chunks)
         # (its deadline is set by what comes of its first frame: an accepted manifest, a hold)
-        ask = intake.Ask(self.state, self.keeper.returning(req.job, tenant))
+        ask = conversation.open(tenant, req.job)
         state = self.jobs[req.job] = JobState(upload, ask)
         self.owner.idle_changed()
         return state
@@ -297,7 +282,7 @@ class Uploads:
         state.asked(req)
         try:
             manifest = state.upload.apply_manifest(req.manifest)
-            self.keeper.reserve(state, manifest.total_bytes)
+            self.retries.reserve(state, manifest.total_bytes)
         except UploadNeed as exc:
             self.table.forget(req.job)
             self.wire.error(req, exc)
@@ -363,7 +348,7 @@ class Uploads:
         state.asked(req)
         try:  # (a returning payload is checked again: its digest alone proves nothing)
             payload = state.upload.apply_inline(req.inline)
-            self.keeper.reserve(state, len(payload), held=len(payload))
+            self.retries.reserve(state, len(payload), held=len(payload))
         except UploadNeed as exc:
             self.table.forget(req.job)
             self.wire.error(req, exc)
@@ -393,7 +378,7 @@ class Uploads:
 
 class JobTable:
     """A connection's jobs (:attr:`jobs`): their frames (:attr:`uploads`), what is kept of them
-    for a retry (:attr:`keeper`), and their asks' outcomes mapped to replies, to a wait in line
+    for a retry (:attr:`retries`), and their asks' outcomes mapped to replies, to a wait in line
     or to the event that starts a job; its executions answer through :attr:`replies`."""
 
     def __init__(self, owner: Owner, state: ServerState, conn_id: int) -> None:
@@ -403,7 +388,7 @@ class JobTable:
         self.config = state.config
         self.id = conn_id  # names the connection in the executions' logs
         self.jobs: dict[str, JobState] = {}
-        self.keeper = Keeper(state)
+        self.retries = Retries(state)
         self.uploads = Uploads(self)
         # A job admitted and not yet started by the listener (Session.next_event).
         self.admitted: intake.JobAdmitted | None = None
@@ -412,7 +397,7 @@ class JobTable:
     def replace(self, state: JobState) -> None:
         """A new payload for a job held or waiting: it gives up its hold or its wait."""
         if state.phase is Phase.HELD:
-            self.keeper.unhold(state)
+            self.retries.unhold(state)
         elif state.phase is Phase.WAITING:
             state.ask.give_up()
             state.move(Phase.UPLOADING)
@@ -426,7 +411,7 @@ class JobTable:
             intake.gave_up(self.state, state.ask.attempt)
         assert state.execution is None
         if state.phase is Phase.HELD:
-            self.keeper.unhold(state)
+            self.retries.unhold(state)
         else:
             state.ask.give_up()
             state.ask.forget()  # (a promise its yield left)
@@ -446,7 +431,7 @@ class JobTable:
                 self.forget(job)
             else:
                 state.execution.client_gone()
-        self.keeper.client_gone()
+        self.retries.client_gone()
 
     def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send each running job its terminal abort now, then cancel it."""
@@ -470,37 +455,62 @@ class JobTable:
             assert manifest is not None
             ask.prepare(req.job, payload, manifest.content_type)
         state.final = req
-        if state.max_wait_ms is None:
-            ask.leave_line()
-        else:  # (a frame of a job in line: its wait starts again)
-            ask.line_up(state.max_wait_ms, _offer(self.owner, req.job))
-        self._decided(state, ask.decide())
+        # (a frame of a job in line: its wait starts again)
+        conversation, wait_ms = self.owner.conversation, state.max_wait_ms
+        self.decided(state, conversation.submit(ask, wait_ms, may_wait=wait_ms is not None))
 
-    def decide_again(self, job: str) -> str | None:
-        """A waiting job decided again, at its hint or when the line offers it a slot: the need
-        code of a refusal (it may wait on), None if admitted or no longer waiting."""
+    def decide_again(self, job: str) -> None:
+        """A waiting job decided again at its hint (unless another job of this connection is
+        being started: its turn comes once that one has)."""
         state = self.jobs.get(job)
-        if state is None or state.phase is not Phase.WAITING or self.admitted is not None:
-            return None  # (another job of this connection is being started: its turn comes)
-        outcome = state.ask.decide()
-        self._decided(state, outcome)
-        return None if isinstance(outcome, Admitted) else outcome.need_code
+        if state is not None and state.phase is Phase.WAITING and self.admitted is None:
+            self.decided(state, self.owner.conversation.decide(state.ask))
 
-    def _decided(self, state: JobState, outcome: intake.Outcome) -> None:
+    def answer_decided(self, conversation: intake.Conversation[Request]) -> None:
+        """The outcomes the conversation decided between reads, answered in turn (an admitted
+        one waits for the listener to start the one before it)."""
+        while self.admitted is None and (event := conversation.next_event()) is not None:
+            ask, outcome = event
+            state = self.jobs.get(ask.key) if isinstance(ask.key, str) else None
+            if state is not None and state.ask is ask:
+                self.decided(state, outcome)
+
+    # intake.Keeper: what this door keeps of a refused job for its retry, by its id ------------
+
+    def take(self, key: Hashable) -> Attempt | None:
+        """The attempt of a job turned away without its payload, back for its retry."""
+        assert isinstance(key, str)
+        return self.retries.turned_away.pop(key, None)
+
+    def keep(self, key: Hashable, attempt: Attempt, refused: Yielded) -> bool:
+        """Keep the refused job's payload for its retry, within the connection's bound; else
+        (or while the server drains: no retry here would be admitted, and its bytes would turn
+        the drain's later answers into buffers_full) turn it away, remembered by its id (its
+        payload is dropped as its yield is answered: :meth:`yielded`)."""
+        assert isinstance(key, str)
+        state = self.jobs[key]
+        if refused.need_code != NeedCode.DRAINING and self.retries.hold(state):
+            return True
+        if state.phase is Phase.HELD:  # (held before the drain: held no more)
+            self.retries.unhold(state, forget=False)
+        self.retries.turn_away(key, attempt)
+        return True
+
+    def decided(self, state: JobState, outcome: intake.Outcome) -> None:
         """The ask's outcome on this wire: the job waits unanswered, starts, is refused for
         good, or yields."""
         req = state.final
         assert req is not None
         if isinstance(outcome, Waiting):
             if state.phase is Phase.HELD:  # (its place in admission's line stays)
-                self.keeper.unhold(state, Phase.WAITING, forget=False)
+                self.retries.unhold(state, Phase.WAITING, forget=False)
             elif state.phase is Phase.UPLOADING:
                 state.move(Phase.WAITING)
             state.deadline = outcome.until
             self.owner.due(state.deadline)
         elif isinstance(outcome, Admitted):
             if state.phase is Phase.HELD:
-                self.keeper.unhold(state, Phase.RUNNING)
+                self.retries.unhold(state, Phase.RUNNING)
             else:
                 state.move(Phase.RUNNING)
             state.deadline = float("inf")
@@ -520,16 +530,13 @@ class JobTable:
             self.yielded(req, state, outcome)
 
     def yielded(self, req: Request, state: JobState, decision: Yielded) -> None:
-        """Answer ``yield``, keeping the payload for the retry if the connection may."""
-        # A draining governor admits nothing again: its refused payloads are not kept, so that
-        # their bytes do not turn the drain's later answers into buffers_full.
-        draining = decision.need_code == NeedCode.DRAINING
-        held = not draining and self.keeper.hold(state)
+        """Answer ``yield``, the job kept for its retry already (:meth:`keep`): its payload
+        held, or turned away."""
+        held = state.phase is Phase.HELD
         if held:
             self.owner.expect_progress(state, decision.retry_hint_ms / 1000)
-        else:
-            self.forget(req.job, gave_up=False)
-            self.keeper.turn_away(req.job, state.ask.attempt)
+        elif self.jobs.get(req.job) is state:
+            self.forget(req.job, gave_up=False)  # (turned away: remembered by its id)
         # On a fleet, the store places the job if its client goes where it is sent (a client
         # that cannot is not counted in another replica's line, and keeps its place here). A
         # newcomer's place is withdrawn while the store is asked, and taken again (at the
@@ -555,7 +562,7 @@ class JobTable:
             still = held and self.jobs.get(req.job) is state and state.phase is Phase.HELD
             if still and not decision.fleet_saturated:
                 self.forget(req.job, gave_up=False)
-                self.keeper.turn_away(req.job, state.ask.attempt)
+                self.retries.turn_away(req.job, state.ask.attempt)
                 still = False
             elif still and newcomer:
                 decision = state.ask.place_again(decision)
@@ -690,9 +697,5 @@ class JobReplies:
         assert state.final is not None
         state.reservation = reservation
         state.execution = None
+        self.table.owner.conversation.refused(state.ask, decision)
         self.table.yielded(state.final, state, decision)
-
-
-def _offer(owner: Owner, job: str) -> Callable[[], str | None]:
-    """What the line calls to offer ``job`` a freed slot."""
-    return lambda: owner.offered(job)

@@ -791,7 +791,6 @@ Key = tuple[str, bytes]  # the tenant's name, the body's digest
 class Kept:
     key: Key
     attempt: Attempt
-    first_refusal: float
     until: float
     taken: bool = False
 
@@ -827,7 +826,7 @@ class KeptPlaces:
         self._expiry: list[tuple[float, int, Kept]] = []  # a heap; taken places stay until popped
         self._order = itertools.count()
 
-    def keep(self, key: Key, attempt: Attempt, first_refusal: float, retry_hint_ms: int) -> bool:
+    def keep(self, key: Key, attempt: Attempt, retry_hint_ms: int) -> bool:
         """Keep the place; False (nothing kept) at the limit."""
         now = self.clock()
         self.expire(now)
@@ -836,22 +835,22 @@ class KeptPlaces:
         if len(self._expiry) > 2 * self.limit:  # (mostly places taken early: drop them)
             self._expiry = [e for e in self._expiry if not e[2].taken]
             heapq.heapify(self._expiry)
-        kept = Kept(key, attempt, first_refusal, now + retry_hint_ms / 1000 + self.grace_s)
+        kept = Kept(key, attempt, now + retry_hint_ms / 1000 + self.grace_s)
         self._by_key.setdefault(key, deque()).append(kept)
         heapq.heappush(self._expiry, (kept.until, next(self._order), kept))
         self.count += 1
         attempt.tenant.waiting += 1
         return True
 
-    def take(self, key: Key) -> Kept | None:
-        """The oldest place kept for ``key``, no longer kept."""
+    def take(self, key: Key) -> Attempt | None:
+        """The attempt of the oldest place kept for ``key``, no longer kept."""
         self.expire(self.clock())
         line = self._by_key.get(key)
         if not line:
             return None
         kept = line.popleft()
         self._drop(kept)
-        return kept
+        return kept.attempt
 
     def expire(self, now: float) -> None:
         """Forget the places whose time is up."""

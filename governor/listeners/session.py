@@ -84,12 +84,17 @@ class Session:
         self.config = config = state.config
         self.clock = state.admission.clock
         self.id = conn_id  # names the connection in logs
-        self.credentials = intake.Credentials(state, conn_id)
         self._conn = conn
         self._handling = False  # in receive_data or expire: an event admitted is seen there
         self.wire = Wire(state, conn)
         self.table = JobTable(self, state, conn_id)
         self.wire.uploads = self.table.uploads  # (the table needs the wire first)
+        # The intake's steps, in their order: the table keeps refused jobs for their retries.
+        self.conversation: intake.Conversation[Request] = intake.Conversation(
+            state, conn_id, self.table
+        )
+        self.conversation.wake = self._decided_between_reads
+        self.credentials = self.conversation.credentials
         self.jobs = self.table.jobs
         self.reader = LineReader(config.max_line_bytes)
         self.lines = 0  # lines received
@@ -179,6 +184,7 @@ class Session:
         assert self.table.admitted.job == execution.job
         self.table.admitted = None
         self.jobs[execution.job].execution = execution
+        self.table.answer_decided(self.conversation)  # (what was decided behind it)
 
     def pause(self) -> None:
         """The client has stopped reading its replies: stop handling its lines."""
@@ -229,9 +235,8 @@ class Session:
             timeout = config.idle_timeout
             self.fatal(NeedCode.IDLE_TIMEOUT, ErrorCode.TIMEOUT, f"no frame for {timeout:g} s")
             return False
-        deferred = self.credentials.turn_came(now)
+        deferred = self.conversation.turn_came(now)
         if deferred is not None:
-            assert isinstance(deferred, Request)
             self.idle_changed()
             self._handle(deferred)
         for job, state in list(self.jobs.items()):
@@ -244,16 +249,13 @@ class Session:
         went_on = deferred is not None and self.deferred is None
         return (went_on or self.table.admitted is not None) and not self.closed
 
-    def offered(self, job: str) -> str | None:
-        """The line offers a waiting job a slot (a job ended elsewhere, say): decided again, and
-        the listener woken to start it if admitted (unless it is handling this session now: it
-        takes the event when that ends)."""
-        if self.closed:
-            return None
-        need_code = self.table.decide_again(job)
+    def _decided_between_reads(self) -> None:
+        """The line offered a waiting job a slot (a job ended elsewhere, say) and the
+        conversation decided it: its outcome answered, and the listener woken to start it if
+        admitted (unless it is handling this session now: it takes the event when that ends)."""
+        self.table.answer_decided(self.conversation)
         if not self._handling and (self.table.admitted is not None or self.sooner is not None):
             self._conn.wake()  # (a job to start, or its next decision's deadline to keep)
-        return need_code
 
     def expect_progress(self, state: JobState, wait_s: float = 0.0) -> None:
         """The job is dropped unless it moves on within ``wait_s`` + ``upload_timeout``."""
@@ -268,16 +270,12 @@ class Session:
     def connection_lost(self) -> None:
         """The client is gone: stop its work now; each execution gives back its own ticket."""
         self.closed = True
-        self.credentials.turn_unused()
+        self.conversation.left()
         self.table.client_gone()
 
     def displace(self, detail: str) -> None:
         """Make way for a new connection at a limit (only an idle one is asked to)."""
         self.fatal(NeedCode.DISPLACED, ErrorCode.QUOTA, detail)
-
-    def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
-        """Send each running job its terminal abort now, then cancel it."""
-        self.table.abort_running(need_code, error_code, detail)
 
     def fatal(
         self,
@@ -303,7 +301,7 @@ class Session:
             self.wire.abort_named(
                 job or self.last_job, seq, self.last_ttl_ms, need_code, error_code, detail
             )
-        self.abort_running(need_code, error_code, "the connection is closing: " + detail)
+        self.table.abort_running(need_code, error_code, "the connection is closing: " + detail)
         self.closed = True
         self._conn.close()
 
@@ -318,7 +316,7 @@ class Session:
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
         key = req.api_key
         if key is not None and self._looks_up(req):
-            step = self.credentials.step(key, req)
+            step = self.conversation.asked(key, req)
             self.idle_changed()
             if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
                 if req.verb != Verb.PING:

@@ -205,7 +205,7 @@ class GovernorProtocol:
     # For the server ------------------------------------------------------------------------
 
     def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
-        self.session.abort_running(need_code, error_code, detail)
+        self.session.table.abort_running(need_code, error_code, detail)
 
     def close(self) -> None:
         """Close after the replies written so far: at once if the client does not read them,

@@ -509,24 +509,6 @@ class Scheduler:
             prefill = _prefill([min(late, key=lambda seq: seq.order)], PREFILL_FLOOR, knee)
         return prefill
 
-    def preemptible_above(self, entries: list[Entry]) -> int:
-        """Whether the step of ``entries`` may be preempted (see the worker), as the priority a
-        run arriving meanwhile must be more urgent than (lower) to preempt it; -1: it may not.
-        A step may be preempted when it feeds prompts (more than a token each: a bridge makes
-        no step worth preempting) and none is interactive or has been preempted
-        ``MAX_PASSED`` steps in a row already; the health probe, least urgent of all, preempts
-        nothing it may not."""
-        prefill = _feeding(entries)
-        if not prefill or any(s.priority == 0 or s.preempted >= MAX_PASSED for s in prefill):
-            return -1
-        return min(seq.priority for seq in prefill)
-
-    def stepped(self, entries: list[Entry], *, preempted: bool) -> None:
-        """The step of ``entries`` ran, or was preempted (nothing of it is in the cache: its
-        prompts are planned again, each one's preemptions in a row counted)."""
-        for seq in _feeding(entries):
-            seq.preempted = seq.preempted + 1 if preempted else 0
-
     def advance(self, entries: list[Entry]) -> None:
         """The step ran: its tokens are in the cache. (Sampling sets ``pending`` after.)"""
         for entry in entries:
@@ -538,9 +520,29 @@ class Scheduler:
                 seq.pending = -1
 
 
+def preemptible_above(entries: list[Entry]) -> int:
+    """Whether the step of ``entries`` may be preempted (see the worker), as the priority a
+    run arriving meanwhile must be more urgent than (lower) to preempt it; -1: it may not.
+    A step may be preempted when it feeds prompts (more than a token each: a bridge makes
+    no step worth preempting) and none is interactive or has been preempted
+    ``MAX_PASSED`` steps in a row already; the health probe, least urgent of all, preempts
+    nothing it may not."""
+    prefill = _feeding(entries)
+    if not prefill or any(s.priority == 0 or s.preempted >= MAX_PASSED for s in prefill):
+        return -1
+    return min(seq.priority for seq in prefill)
+
+
+def after_step(entries: list[Entry], *, preempted: bool) -> None:
+    """The step of ``entries`` ran, or was preempted (nothing of it is in the cache: its
+    prompts are planned again, each one's preemptions in a row counted)."""
+    for seq in _feeding(entries):
+        seq.preempted = seq.preempted + 1 if preempted else 0
+
+
 def preempts(priority: int, above: int) -> bool:
     """Whether a run of ``priority`` preempts the step running, preemptible above ``above``
-    (:meth:`Scheduler.preemptible_above`)."""
+    (:func:`preemptible_above`)."""
     return priority < above
 
 

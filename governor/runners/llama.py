@@ -598,14 +598,12 @@ class LlamaRunner:
                         yield token
                 elif isinstance(event, _Ended):
                     raise event.error
-                elif not isinstance(event, msg.Done):  # (an embedding's answer: not here)
-                    raise RunnerError(f"the worker answered a run with {event!r}")
-                elif event.error is not None:
-                    raise RunnerError(f"the worker failed the job: {event.error}")
-                else:
+                elif isinstance(event, msg.Done) and event.error is None:
                     for end in finish(job, spec, event, choices):
                         yield end
                     return
+                else:  # (its error; an embedding's answer is no run's)
+                    raise RunnerError(f"the worker failed the job: {getattr(event, 'error', '')}")
         finally:
             if job.pause is not None:
                 job.pause.listen(None)

@@ -123,7 +123,7 @@ callback, checked between the graph's operations on the CPU; llama.cpp takes the
 back out of the cache), and the next step starts with the chat's prompt. The rewrite loses
 that step's work, and is preempted at most ``MAX_PASSED`` times in a row. (The health probe,
 least urgent of all, preempts nothing.) Which steps may be preempted, and by what, the
-scheduler decides (:meth:`~.batching.Scheduler.preemptible_above`, pure); the worker carries it
+scheduler decides (:func:`~.batching.preemptible_above`, pure); the worker carries it
 out.
 """
 
@@ -150,7 +150,15 @@ import numpy.typing as npt
 from protocol.spec import MAX_N
 
 from . import llama_messages as msg
-from .batching import KNEE, Entry, Scheduler, Sequence, preempts
+from .batching import (
+    KNEE,
+    Entry,
+    Scheduler,
+    Sequence,
+    after_step,
+    preemptible_above,
+    preempts,
+)
 from .sampling import NO_PENALTIES, Draws, penalties, plain
 from .stepcost import StepCosts
 
@@ -750,14 +758,14 @@ class Worker:
             if self.acks:
                 self._emit([], [])
             return
-        above = scheduler.preemptible_above(entries)  # (the scheduler decides; this carries out)
+        above = preemptible_above(entries)  # (the scheduler decides; this carries it out)
         if above >= 0:
             self.model.preempt.clear()
             self.preemptible_above = above
         status, sampled = self.model.decode(entries, preemptible=above >= 0)
         self.preemptible_above = -1
         preempted = status == 2 and above >= 0
-        scheduler.stepped(entries, preempted=preempted)
+        after_step(entries, preempted=preempted)
         if preempted:
             return
         tokens = sum(len(e.tokens) for e in entries)

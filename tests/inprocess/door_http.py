@@ -435,7 +435,8 @@ class HttpDoor:
             spec, call = owner.spec, exchange.call
             assert call is not None
             assert (call.chat, call.stream) == (spec.what == "chat", spec.stream), owner
-            assert exchange.key == (spec.tenant, hashlib.sha256(spec.body()).digest()), owner
+            assert exchange.ask is not None
+            assert exchange.ask.key == (spec.tenant, hashlib.sha256(spec.body()).digest()), owner
             owner.outcome = ok
             self.m.log(f"runner {'finishes' if ok else 'fails'} {job} (#{owner.n} on {client})")
         if owner is None:

@@ -89,7 +89,7 @@ async def test_a_stalled_upload_is_dropped_however_often_its_client_pings(
     conn.send(share("J_s", 1, manifest=declaring(1000)))
     assert (await conn.recv())["status"] == "ok"
     (session,) = sessions(server)
-    assert session.table.keeper.buffers.used == 1000  # type: ignore[attr-defined]
+    assert session.table.retries.buffers.used == 1000  # type: ignore[attr-defined]
     pongs = 0
     while True:  # the pings keep the connection, not the upload
         conn.send(ping(seq=pongs + 2))
@@ -105,7 +105,7 @@ async def test_a_stalled_upload_is_dropped_however_often_its_client_pings(
     )
     assert reply["seq"] == 2  # its last frame's + 1
     assert pongs >= 3
-    assert session.table.keeper.buffers.used == 0  # type: ignore[attr-defined]
+    assert session.table.retries.buffers.used == 0  # type: ignore[attr-defined]
     assert session.jobs == {}  # type: ignore[attr-defined]
     conn.send(ping(seq=99))  # the connection itself is still served
     assert (await conn.recv())["status"] == "ok"
@@ -126,7 +126,7 @@ async def test_a_held_payload_is_dropped_when_its_client_does_not_come_back(
     assert (dropped["job"], dropped["need_code"]) == ("J_wait", "upload_timeout")
     assert "held payload" in dropped["detail"]
     for session in sessions(server):
-        assert (session.table.keeper.held, session.table.keeper.buffers.used) == (0, 0)  # type: ignore[attr-defined]
+        assert (session.table.retries.held, session.table.retries.buffers.used) == (0, 0)  # type: ignore[attr-defined]
     assert server.tenants.all()[0].waiting == 0
 
 

@@ -287,10 +287,10 @@ async def test_connection_buffer_budget(make_server: ServerFactory, raw: Opener)
     assert "limit" in reply["detail"]
     # Declared bytes count against the connection; the server's buffers hold what arrived.
     (session,) = (c.session for c in server.connections)  # type: ignore[attr-defined]
-    assert (session.table.keeper.buffers.used, server.buffered_bytes) == (100, 0)
+    assert (session.table.retries.buffers.used, server.buffered_bytes) == (100, 0)
     await conn.close()
     await wait_until(lambda: not server.connections)
-    assert session.table.keeper.buffers.used == 0
+    assert session.table.retries.buffers.used == 0
 
 
 # Admission -----------------------------------------------------------------------------

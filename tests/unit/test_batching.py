@@ -33,6 +33,8 @@ from governor.runners.batching import (
     Entry,
     Scheduler,
     Sequence,
+    after_step,
+    preemptible_above,
     preempts,
 )
 from governor.runners.stepcost import StepCosts, _bin, features
@@ -1111,14 +1113,14 @@ def test_a_step_feeding_a_rewrite_is_preemptible_by_a_more_urgent_run_only() -> 
     s, _ = scheduler(slots=4, step_tokens=32)
     s.submit(seq("rewrite", list(range(1000, 1200)), priority=2))
     entries = s.plan()
-    above = s.preemptible_above(entries)
+    above = preemptible_above(entries)
     assert above == 2
     assert preempts(0, above)  # a chat
     assert preempts(1, above)  # a heavy job
     assert not preempts(2, above)  # its own lane
     assert not preempts(9, above)  # the health probe, least urgent
     s.submit(seq("chat", list(range(10, 30))))
-    assert s.preemptible_above(s.plan()) == -1  # (a chat's prompt in the step)
+    assert preemptible_above(s.plan()) == -1  # (a chat's prompt in the step)
 
 
 def test_a_decode_step_is_not_preemptible() -> None:
@@ -1128,7 +1130,7 @@ def test_a_decode_step_is_not_preemptible() -> None:
     entries = s.plan()
     assert entries
     assert not any(e.seq.prefilling for e in entries)
-    assert s.preemptible_above(entries) == -1
+    assert preemptible_above(entries) == -1
 
 
 @settings(max_examples=60, deadline=None)
@@ -1143,9 +1145,9 @@ def test_a_prompt_is_preempted_at_most_max_passed_steps_in_a_row(preempted: list
     for wanted in preempted:
         entries = s.plan()
         fed = rewrite.fed
-        above = s.preemptible_above(entries)
+        above = preemptible_above(entries)
         lost = wanted and above >= 0 and preempts(0, above)
-        s.stepped(entries, preempted=lost)
+        after_step(entries, preempted=lost)
         if lost:
             in_a_row += 1
             assert rewrite.fed == fed

@@ -287,7 +287,7 @@ class Places(RuleBasedStateMachine):
     def keep(self, tenant: str, body: bytes, hint: int) -> None:
         self._expire_model()
         attempt = Attempt(self.tenants[tenant], None)
-        kept = self.places.keep((tenant, body), attempt, self.now, hint)
+        kept = self.places.keep((tenant, body), attempt, hint)
         assert kept == (len(self.model) < self.LIMIT)
         if kept:
             self.model.append(((tenant, body), attempt, self.now + hint / 1000 + 1.0))
@@ -300,8 +300,7 @@ class Places(RuleBasedStateMachine):
         if match is None:
             assert got is None
         else:
-            assert got is not None
-            assert got.attempt is match[1]
+            assert got is match[1]
             self.model.remove(match)
 
     @rule(seconds=st.floats(0.0, 2.5))

@@ -148,7 +148,7 @@ def test_an_admitted_job_is_an_event_and_the_lines_behind_it_wait_until_it_start
     assert client.session.jobs == {}
     assert (
         state.inflight,
-        client.session.table.keeper.buffers.used,
+        client.session.table.retries.buffers.used,
         state.connections.buffers.used,
     ) == (
         0,
@@ -177,7 +177,7 @@ def test_a_job_yields_when_every_slot_is_taken_and_its_held_payload_is_admitted_
     assert refused.retry_hint_ms > 0
     assert receipts(refused)[Receipt.PAYLOAD_HELD] == 1
     assert second.session.next_event() is None
-    assert second.session.table.keeper.held == 1
+    assert second.session.table.retries.held == 1
 
     admitted.ticket.release("done")
     first.session.table.replies.job_ended(started)
@@ -187,7 +187,7 @@ def test_a_job_yields_when_every_slot_is_taken_and_its_held_payload_is_admitted_
     assert retried is not None
     assert retried.job == "J_2"
     assert retried.waited_s == pytest.approx(refused.retry_hint_ms / 1000)
-    assert second.session.table.keeper.held == 0
+    assert second.session.table.retries.held == 0
 
 
 def test_a_draining_yield_says_so_and_sends_the_job_elsewhere_soon(clock: FakeClock) -> None:
@@ -208,7 +208,7 @@ def test_a_draining_yield_says_so_and_sends_the_job_elsewhere_soon(clock: FakeCl
     assert "another replica" in refused.detail
     assert "slot" not in refused.detail
     assert receipts(refused)[Receipt.PAYLOAD_HELD] == 0  # (never admitted here again)
-    assert client.session.table.keeper.held == 0
+    assert client.session.table.retries.held == 0
 
 
 @pytest.mark.parametrize("draining", [False, True])
@@ -271,7 +271,7 @@ def test_a_job_admitted_and_never_started_is_given_back_when_its_client_leaves(
     assert (
         state.inflight,
         state.connections.buffers.used,
-        client.session.table.keeper.buffers.used,
+        client.session.table.retries.buffers.used,
     ) == (
         0,
         0,
@@ -334,7 +334,7 @@ def test_a_stalled_upload_is_dropped_at_its_deadline_on_the_fake_clock(
     deadline = clock.now + state.config.upload_timeout
     assert client.session.next_deadline(clock.now) == deadline
     assert state.connections.buffers.used == 0
-    assert client.session.table.keeper.buffers.used == len(PAYLOAD)
+    assert client.session.table.retries.buffers.used == len(PAYLOAD)
 
     clock.now = deadline - 0.001
     client.session.expire(clock.now)
@@ -346,7 +346,7 @@ def test_a_stalled_upload_is_dropped_at_its_deadline_on_the_fake_clock(
     assert (dropped.verb, dropped.status, dropped.job) == (Verb.CONFIRM, Status.ABORT, "J_1")
     assert (dropped.need_code, dropped.error_code) == (NeedCode.UPLOAD_TIMEOUT, ErrorCode.TIMEOUT)
     assert client.session.jobs == {}
-    assert client.session.table.keeper.buffers.used == 0
+    assert client.session.table.retries.buffers.used == 0
     assert state.metrics.aborts[NeedCode.UPLOAD_TIMEOUT] == 1
     assert not client.closed
 
