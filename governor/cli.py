@@ -40,7 +40,7 @@ from .config import (
 )
 from .core.tenants import key_sha256
 from .runners import RunnerConfigError, RunnerStartError
-from .runners.llama import embedded_model_path
+from .runners.llama.runner import embedded_model_path
 from .server import Server
 from .telemetry import logs, memory
 

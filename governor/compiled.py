@@ -52,7 +52,7 @@ MODULES = (
     "governor.listeners.session",
     "governor.listeners.tcp",
     "governor.listeners.wire",
-    "governor.runners.framing",
+    "governor.runners.sidecar.framing",
     "governor.state",
 )
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,7 +37,7 @@ from .core.policy import LANES, Lane, LaneSettings
 from .core.slo import DEFAULT_GAP_MS, DEFAULT_OBJECTIVES, Objectives, SloPolicy
 from .core.sources import LOOPBACK, parse_networks
 from .core.tenants import TenantConfig
-from .runners.batching import KNEE
+from .runners.llama.batching import KNEE
 
 RUNNERS = ("llama", "http", "stub")
 KV_TYPES = ("f16", "q8_0")

@@ -65,7 +65,12 @@ def build_runner(config: Config) -> Runner:
             output_s=config.stub_output_ms / 1000,
         )
     if config.runner == "llama":
-        from .runners.llama import LlamaRunner, LlamaSettings, default_threads, embedded_model_path
+        from .runners.llama.runner import (
+            LlamaRunner,
+            LlamaSettings,
+            default_threads,
+            embedded_model_path,
+        )
 
         return LlamaRunner(
             LlamaSettings(
@@ -85,7 +90,7 @@ def build_runner(config: Config) -> Runner:
             )
         )
     if config.runner == "http":
-        from .runners.http import HttpRunner, HttpSettings
+        from .runners.sidecar.runner import HttpRunner, HttpSettings
 
         return HttpRunner(
             HttpSettings(

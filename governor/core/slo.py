@@ -11,7 +11,7 @@ never loosened: a chat that says it does not mind waiting would hide, from the a
 overload states read, an overload every other chat feels. The batched runner sizes each step to
 the time the generating sequences have banked against their TPOT objectives (and, for
 interactive ones, to at most ``interactive_gap_ms``, the longest pause of a running chat): see
-:mod:`governor.runners.batching`.
+:mod:`governor.runners.llama.batching`.
 
 **How a job is judged** (:func:`judge`), when it ends:
 
@@ -66,7 +66,9 @@ DEFAULT_GAP_MS = 500.0
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SloPolicy:
     lanes: Mapping[Lane, Objectives] = field(default_factory=lambda: dict(DEFAULT_OBJECTIVES))
-    interactive_gap_ms: float = DEFAULT_GAP_MS  # see :mod:`governor.runners.batching` (0: none)
+    interactive_gap_ms: float = (
+        DEFAULT_GAP_MS  # see :mod:`governor.runners.llama.batching` (0: none)
+    )
 
     def objectives(
         self,

@@ -76,7 +76,7 @@ class Job:
     # Set by admission: how urgent it is (its lane's rank, 0 the interactive lane), for a
     # runner with KV caches the one its cells are reserved in, and for a batched runner its
     # objectives (time to first token, time per output token; 0: none) and its longest pause
-    # between two tokens (:mod:`governor.runners.batching`; 0: its TTFT objective).
+    # between two tokens (:mod:`governor.runners.llama.batching`; 0: its TTFT objective).
     priority: int = 0
     kv_cache: int | None = None
     ttft_ms: float = 0.0

@@ -17,7 +17,7 @@ processes, no protocol), a unified KV cache shared by every sequence.
 * ``--sampling``: what drawing one token for each of 8 sequences costs, after a step that
   gave each its logits (prompts of random words: a model unsure of its next token, the
   governor's dearer case): llama.cpp's sampler chain against the governor's draws
-  (:mod:`governor.runners.sampling`), with OpenAI's defaults (temperature 1), with min_p, and
+  (:mod:`governor.runners.llama.sampling`), with OpenAI's defaults (temperature 1), with min_p, and
   greedy, and the chain alone with llama-server's defaults (top_k 40, top_p 0.95, min_p 0.05,
   temperature 0.8: the job spec's, which the draws leave to it); the median of ``--repeats``
   rounds of ``--steps`` draws each.
@@ -47,7 +47,7 @@ from ..support.options import positive_int, positive_ints, print_json
 from ..support.workload import synth_prompt
 
 if TYPE_CHECKING:
-    from governor.runners.llama_messages import Run
+    from governor.runners.llama.messages import Run
 
 NAME = "ceiling"
 STREAMS = (1, 4, 8, 16)
@@ -243,8 +243,8 @@ SAMPLINGS: tuple[tuple[str, dict[str, Any]], ...] = (
 def sampling_times(engine: Engine, steps: int, repeats: int) -> list[dict[str, Any]]:
     """Per sampling setting: the median time of RUNNING draws, by llama.cpp's chain and by
     the governor's draws, each from the logits of a step of RUNNING prompts."""
-    from governor.runners.llama_messages import Run
-    from governor.runners.sampling import Draws, plain
+    from governor.runners.llama.messages import Run
+    from governor.runners.llama.sampling import Draws, plain
 
     lib = engine.lib
     engine.clear()
@@ -291,7 +291,7 @@ def _by_draws(engine: Engine, draws: list[Any], n_vocab: int) -> None:
 
 def _chain(lib: Any, request: Run, seed: int) -> Any:
     """llama.cpp's chain as the governor's worker makes it for the ``request``'s settings."""
-    from governor.runners.llama_worker import add_draw
+    from governor.runners.llama.worker import add_draw
 
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
     add_draw(lib, chain, request, seed)
@@ -354,7 +354,7 @@ def add_parser(commands: Any) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from governor.runners.llama import embedded_model_path
+    from governor.runners.llama.runner import embedded_model_path
 
     model = args.model or embedded_model_path()
     chunks = args.chunks if args.prefill else ()

@@ -35,7 +35,7 @@ from typing import Any
 
 from clients.client import DEFAULT_MAX_WAIT_S, RetryPolicy
 from clients.helptext import RawDescriptionDefaultsHelpFormatter
-from governor.runners.llama import embedded_model_path
+from governor.runners.llama.runner import embedded_model_path
 
 from ..support import llama_server
 from ..support.arguments import add_llama_server, add_round_timeout

@@ -16,7 +16,7 @@ from typing import Any
 
 from clients import NO_RETRY, GovernorClient
 from governor.config import Config
-from governor.runners.llama import embedded_model_path
+from governor.runners.llama.runner import embedded_model_path
 from governor.server import Server
 from protocol.spec import JobSpec
 

@@ -28,7 +28,7 @@ import jsonschema  # type: ignore[import-untyped]  # ships no type information
 import openai
 import orjson
 
-from governor.runners.llama import embedded_model_path
+from governor.runners.llama.runner import embedded_model_path
 
 from ..support import baseline_server, llama_server
 from ..support.arguments import add_llama_server, add_threads

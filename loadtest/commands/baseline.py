@@ -33,7 +33,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from governor.runners.llama import embedded_model_path
+    from governor.runners.llama.runner import embedded_model_path
 
     model = args.model or embedded_model_path()
     try:

@@ -34,7 +34,7 @@ import orjson
 from clients.client import ClientError, GovernorClient, RetryBudget, RetryPolicy, UploadResult
 from clients.fleet import FleetClient, FleetResult, Replicas, resolve
 from governor.core.policy import LANES
-from governor.runners.http import sse_events
+from governor.runners.sidecar.runner import sse_events
 from protocol.codes import NeedCode, Status
 from protocol.frames import Reply
 from protocol.spec import JobSpec, Message

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from clients import NO_RETRY, GovernorClient
 from governor.config import Config
 from governor.listeners import openai_api as api
-from governor.runners import http as http_runner
 from governor.runners.base import PROBE_SPEC
-from governor.runners.http import HttpRunner, HttpSettings
+from governor.runners.sidecar import runner as http_runner
+from governor.runners.sidecar.runner import HttpRunner, HttpSettings
 from governor.server import Server
 from protocol.spec import GOVERNOR_FIELDS, JobSpec
 from tests.conftest import ServerFactory

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from governor.runners.upstream import Upstream, UpstreamError, UpstreamTimeout
+from governor.runners.sidecar.upstream import Upstream, UpstreamError, UpstreamTimeout
 
 Reply = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # False: close after it
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from governor.runners.batching import Entry, Sequence
-from governor.runners.llama import embedded_model_path
-from governor.runners.llama_worker import Model, arguments, greedy_request
+from governor.runners.llama.batching import Entry, Sequence
+from governor.runners.llama.runner import embedded_model_path
+from governor.runners.llama.worker import Model, arguments, greedy_request
 
 from .test_suspension import PROMPT, WorkerPipe
 

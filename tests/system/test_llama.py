@@ -27,8 +27,8 @@ from clients import NO_RETRY, GovernorClient
 from governor.core.overload import State
 from governor.core.service import JobSize
 from governor.runners import Finished, Token
-from governor.runners import llama as llama_runner
-from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_path
+from governor.runners.llama import runner as llama_runner
+from governor.runners.llama.runner import LlamaRunner, LlamaSettings, embedded_model_path
 from governor.server import Server
 from protocol.spec import SPEC_CONTENT_TYPE, JobSpec, Message
 from protocol.upload import split_payload

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from clients import NO_RETRY, GovernorClient
-from governor.runners.llama import LlamaRunner
-from governor.runners.llama_worker import greedy_request
+from governor.runners.llama.runner import LlamaRunner
+from governor.runners.llama.worker import greedy_request
 from governor.server import Server
 from loadtest.support.processes import parent_pids
 from protocol.spec import Message
@@ -304,7 +304,7 @@ def worker_children() -> list[int]:
     for pid, parent in parent_pids().items():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                is_worker = b"governor.runners.llama_worker" in cmdline.read()
+                is_worker = b"governor.runners.llama.worker" in cmdline.read()
         except OSError:
             continue  # (gone meanwhile)
         if parent == os.getpid() and is_worker:

@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from governor.runners import Finished, Token
-from governor.runners.llama import LlamaRunner, LlamaSettings, embedded_model_path
-from governor.runners.structured import calls_grammar, parse_tool_call, schema_grammar
+from governor.runners.llama.runner import LlamaRunner, LlamaSettings, embedded_model_path
+from governor.runners.llama.structured import calls_grammar, parse_tool_call, schema_grammar
 from protocol.spec import SpecInvalid, spec_from_object
 
 pytestmark = pytest.mark.real_model

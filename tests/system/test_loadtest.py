@@ -545,7 +545,7 @@ def test_idle_connections_cost_and_responsiveness(daemon: Callable[..., Daemon])
 @pytest.mark.slow
 def test_rate_against_the_queueing_baseline(tmp_path: Path) -> None:
     """The OpenAI target on llama-cpp-python's own server and the embedded model: it queues."""
-    from governor.runners.llama import embedded_model_path
+    from governor.runners.llama.runner import embedded_model_path
     from loadtest.support import baseline_server
     from loadtest.support.processes import stop
 

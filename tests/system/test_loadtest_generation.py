@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from governor.runners.llama_messages import Run
-from governor.runners.sampling import plain
+from governor.runners.llama.messages import Run
+from governor.runners.llama.sampling import plain
 from loadtest.bench import ceiling, generation
 from loadtest.bench.generation import options, rows, servers
 from loadtest.bench.generation import prompts as texts

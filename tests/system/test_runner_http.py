@@ -22,8 +22,8 @@ import pytest
 
 from clients import NO_RETRY, GovernorClient
 from governor.runners import Finished, RunnerStartError
-from governor.runners.http import HttpRunner, HttpSettings
-from governor.runners.llama import embedded_model_path
+from governor.runners.llama.runner import embedded_model_path
+from governor.runners.sidecar.runner import HttpRunner, HttpSettings
 from loadtest.support import baseline_server
 from loadtest.support.processes import free_port, stop
 from protocol.spec import JobSpec, Message

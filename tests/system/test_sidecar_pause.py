@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from clients import NO_RETRY, GovernorClient, RetryPolicy
-from governor.runners.http import HttpRunner
-from governor.runners.llama import embedded_model_path
+from governor.runners.llama.runner import embedded_model_path
+from governor.runners.sidecar.runner import HttpRunner
 from governor.server import Server
 from loadtest.support import llama_server
 from loadtest.support.processes import free_port, stop, wait_http_ready

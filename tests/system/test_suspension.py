@@ -19,9 +19,9 @@ import orjson
 import pytest
 
 from clients import NO_RETRY
-from governor.runners.llama import LlamaRunner, embedded_model_path
-from governor.runners.llama_messages import Request
-from governor.runners.llama_worker import greedy_request
+from governor.runners.llama.messages import Request
+from governor.runners.llama.runner import LlamaRunner, embedded_model_path
+from governor.runners.llama.worker import greedy_request
 from governor.server import Server
 from protocol.spec import JobSpec
 from tests.conftest import ServerFactory, wait_until
@@ -45,7 +45,7 @@ class WorkerPipe:
             [
                 sys.executable,
                 "-m",
-                "governor.runners.llama_worker",
+                "governor.runners.llama.worker",
                 "--model",
                 str(embedded_model_path()),
                 "--cells",

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from governor.runners.batching import (
+from governor.runners.llama.batching import (
     MARGIN,
     MAX_PASSED,
     MIN_PREFILL,
@@ -37,7 +37,7 @@ from governor.runners.batching import (
     preemptible_above,
     preempts,
 )
-from governor.runners.stepcost import StepCosts, _bin, features
+from governor.runners.llama.stepcost import StepCosts, _bin, features
 
 
 class FakeCache:
@@ -435,7 +435,7 @@ TestBatching.settings = settings(max_examples=300, stateful_step_count=60, deadl
 
 @given(st.lists(st.integers(0, 3), max_size=30), st.lists(st.integers(0, 3), max_size=30))
 def test_common_prefix(a: list[int], b: list[int]) -> None:
-    from governor.runners.batching import _common
+    from governor.runners.llama.batching import _common
 
     n = _common(a, tuple(b))
     assert a[:n] == b[:n]
@@ -460,7 +460,7 @@ def test_streamed_text_adds_up_and_never_shows_a_stop_string(
 ) -> None:
     """The worker's output text: the deltas add up to the final text, which ends before the
     first stop string; text is held back only while it could still begin one."""
-    from governor.runners.llama_worker import Text
+    from governor.runners.llama.worker import Text
 
     text, sent = Text(stops), []
     stopped = False

@@ -1,4 +1,4 @@
-"""The sidecar's continuation of a paused answer (``governor.runners.continuation``), pure.
+"""The sidecar's continuation of a paused answer (``governor.runners.sidecar.continuation``), pure.
 
 Against a model of llama-server's ``/completion`` stream: each generated token's event carries
 its id and the text released with it; a token whose text is held back (a possible stop string)
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.runners.continuation import (
+from governor.runners.sidecar.continuation import (
     CHAT_PATH,
     COMPLETION_PATH,
     Ask,
@@ -30,8 +30,8 @@ from governor.runners.continuation import (
     ask_of_body,
     upstream_of,
 )
-from governor.runners.http import HttpRunner, HttpSettings
-from governor.runners.upstream_prompts import UpstreamPrompts
+from governor.runners.sidecar.prompts import UpstreamPrompts
+from governor.runners.sidecar.runner import HttpRunner, HttpSettings
 from protocol.spec import JobSpec, Message
 
 PROMPT = [1, 2, 3]

@@ -320,12 +320,12 @@ class Talks(RuleBasedStateMachine):
         assert jobs >= gave_up + self.served_after_refusal
 
     def teardown(self) -> None:
-        for ask in self.waiting.values():
+        self.conversation.left()  # (no offer decided from now on)
+        for ask in list(self.waiting.values()):
             ask.give_up()
             intake.gave_up(self.state, ask.attempt)
-        for ticket in self.running.values():
+        for ticket in list(self.running.values()):
             ticket.release("done")
-        self.conversation.left()
         self.keeper.end()
         jobs, gave_up = unserved(self.state)
         assert jobs == gave_up + self.served_after_refusal  # (none lost, none twice)

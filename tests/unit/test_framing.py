@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.runners.framing import MAX_LINE, Chunks, SseEvents, UpstreamError
+from governor.runners.sidecar.framing import MAX_LINE, Chunks, SseEvents, UpstreamError
 
 
 def encode(pieces: list[bytes], *, extension: bool, trailers: list[bytes], upper: bool) -> bytes:

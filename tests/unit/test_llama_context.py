@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from governor.runners.llama_worker import _without_training_overflow_warning, context_refusal
+from governor.runners.llama.worker import _without_training_overflow_warning, context_refusal
 
 
 def test_an_n_ctx_up_to_the_training_context_is_served() -> None:

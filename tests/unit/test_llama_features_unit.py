@@ -15,10 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from governor.runners import Finished, Job, Token
-from governor.runners.batching import Scheduler, Sequence
-from governor.runners.llama_messages import Done, Ended
-from governor.runners.llama_worker import Text
-from governor.runners.structured import (
+from governor.runners.llama.batching import Scheduler, Sequence
+from governor.runners.llama.messages import Done, Ended
+from governor.runners.llama.structured import (
     MAX_REPEAT,
     Choice,
     calls_grammar,
@@ -31,6 +30,7 @@ from governor.runners.structured import (
     tools_message,
     with_system,
 )
+from governor.runners.llama.worker import Text
 from protocol.spec import JobSpec, SpecInvalid, spec_from_object
 
 # Text and its tokens -----------------------------------------------------------------------

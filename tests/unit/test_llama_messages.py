@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from governor.runners import llama_messages as msg
+from governor.runners.llama import messages as msg
 
 ids = st.text(min_size=1, max_size=12)
 tokens = st.lists(st.integers(0, 50_000), max_size=8)

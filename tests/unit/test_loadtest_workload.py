@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from governor.runners.llama import embedded_model_path
+from governor.runners.llama.runner import embedded_model_path
 from loadtest.support.driver import Run
 from loadtest.support.render import write_outputs
 from loadtest.support.report import Slo, parse_slo, stats, step

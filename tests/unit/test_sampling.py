@@ -1,4 +1,4 @@
-"""The draws of :mod:`governor.runners.sampling` against the distribution llama.cpp's chain
+"""The draws of :mod:`governor.runners.llama.sampling` against the distribution llama.cpp's chain
 samples from (min_p, temperature, a draw), computed here over every token.
 
 The uniforms are given, not random: a draw maps one uniform (two where the tail is weighed) to
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from governor.runners import sampling
-from governor.runners.llama_messages import Run
-from governor.runners.sampling import Draws, plain
+from governor.runners.llama import sampling
+from governor.runners.llama.messages import Run
+from governor.runners.llama.sampling import Draws, plain
 
 GRID = 48
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from clients.cli import summary
-from governor.runners.http import token_counts
+from governor.runners.sidecar.runner import token_counts
 
 
 def test_the_upstreams_usage_is_taken_when_it_reports_one() -> None:

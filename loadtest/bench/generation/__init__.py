@@ -356,7 +356,7 @@ async def measure_burst(
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from governor.runners.llama import embedded_model_path
+    from governor.runners.llama.runner import embedded_model_path
 
     model = (args.model or embedded_model_path()).resolve()
     settings = Settings(

@@ -121,7 +121,7 @@ def guidellm_version(exe: str) -> str | None:
 
 
 def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    from governor.runners.llama import embedded_model_path
+    from governor.runners.llama.runner import embedded_model_path
 
     model = (args.model or embedded_model_path()).resolve()
     report: dict[str, Any] = {

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from clients import ClientError, GovernorClient, RetryPolicy
-from governor.runners.llama import embedded_model_path
+from governor.runners.llama.runner import embedded_model_path
 from protocol.spec import JobSpec
 
 from ...support import llama_server

@@ -67,7 +67,7 @@ RUNNERS = ("llama", "stub")
 async def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     import openai
 
-    from governor.runners.llama import embedded_model_path
+    from governor.runners.llama.runner import embedded_model_path
 
     model = (args.model or embedded_model_path()).resolve()
     servers = ["governor"] if baseline(args) == "none" else list(SERVERS)

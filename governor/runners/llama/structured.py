@@ -5,7 +5,7 @@ job's tool choice.
 A job's output is held to a grammar (GBNF, made here from JSON schemas by llama-cpp-python's
 converter) when it asks for JSON (``json_schema``) or for a call of a tool ("required", or a
 function's name); :class:`Choice` reads each sequence's output for the job's tool choice.
-:mod:`governor.runners.llama` prepares and runs the jobs.
+:mod:`governor.runners.llama.runner` prepares and runs the jobs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import orjson
 from protocol.codes import NeedCode
 from protocol.spec import ANY_OBJECT, JobSpec, SpecInvalid
 
-from .base import Finished, Job, Token
-from .llama_messages import Done
+from ..base import Finished, Job, Token
+from .messages import Done
 
 MAX_REPEAT = 1000
 

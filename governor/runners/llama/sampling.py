@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .llama_messages import Run
+from .messages import Run
 
 HEAD = 16.0
 WIDE = 8  # a head of more than a WIDE-th of the vocabulary is weighed as a whole

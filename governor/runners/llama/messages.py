@@ -2,7 +2,7 @@
 codec, the one place either end reads or writes the pipe.
 
 The daemon writes requests to the worker's stdin and reads events from its stdout, one JSON
-object a line (the shapes in :mod:`governor.runners.llama_worker`'s docstring): a request's
+object a line (the shapes in :mod:`governor.runners.llama.worker`'s docstring): a request's
 ``op`` and an event's ``ev`` name its class. A line that is no message of the kind expected (an
 unknown ``op`` or ``ev``, a field missing or unknown) raises :class:`MessageInvalid`: the two
 ends are one version, so that is a bug, never input to carry on with.

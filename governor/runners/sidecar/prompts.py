@@ -17,9 +17,9 @@ from pathlib import Path
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, Message, SpecInvalid
 
-from .base import RunnerStartError
+from ..base import RunnerStartError
+from ..llama.prompts import LlamaPrompts
 from .continuation import Ask, Upstream
-from .llama_prompts import LlamaPrompts
 
 
 class UpstreamPrompts:

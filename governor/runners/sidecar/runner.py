@@ -36,7 +36,7 @@ import orjson
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, check_ceiling
 
-from .base import (
+from ..base import (
     Finished,
     Job,
     Pause,
@@ -53,8 +53,8 @@ from .base import (
 from .continuation import Ask, Continuation, Pace, ask_of_body, upstream_of
 from .continuation import Upstream as Native
 from .framing import SseEvents, UpstreamError, UpstreamTimeout
+from .prompts import UpstreamPrompts
 from .upstream import Answer, Upstream
-from .upstream_prompts import UpstreamPrompts
 
 log = logging.getLogger("governor.runners.http")
 FINISH_REASONS = {"stop": "stop", "length": "length", "eos": "stop"}

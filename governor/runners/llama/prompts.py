@@ -1,12 +1,12 @@
 """The daemon's side of a ``llama`` model: what turns a job spec into a prepared job.
 
-:class:`~governor.runners.llama.LlamaRunner` keeps a vocabulary-only copy of the model here
+:class:`~governor.runners.llama.runner.LlamaRunner` keeps a vocabulary-only copy of the model here
 (no weights, no context), so that a job spec is checked and its prompt tokenised before it can
 take a slot: its length against the context window, its logit biases against the vocabulary,
 its JSON schema or tools made a grammar (:func:`job_grammar`) and parsed by llama.cpp, so that
 no worker is given one that does not parse. Tools go into the prompt through the chat template
 where it lays them out itself, else in a system message of their own (:func:`tools_message`);
-with "none" they are left out. The workers (:mod:`governor.runners.llama_worker`) get token ids
+with "none" they are left out. The workers (:mod:`governor.runners.llama.worker`) get token ids
 and the grammar, and only generate.
 """
 
@@ -23,7 +23,7 @@ import orjson
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec, SpecInvalid
 
-from .base import Job, RunnerError, RunnerStartError, spec_or_prompt
+from ..base import Job, RunnerError, RunnerStartError, spec_or_prompt
 from .structured import (
     functions_of,
     job_grammar,

@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from .base import Resume
+from ..base import Resume
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"

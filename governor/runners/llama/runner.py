@@ -1,21 +1,21 @@
 """The ``llama`` runner: a local GGUF model in worker processes, each running many jobs batched.
 
 The daemon keeps its own vocabulary-only copy of the model
-(:class:`~governor.runners.llama_prompts.LlamaPrompts`), so that a job spec is checked and its
+(:class:`~governor.runners.llama.prompts.LlamaPrompts`), so that a job spec is checked and its
 prompt tokenised (its length against the context window) before it can take a slot; the workers
-(:mod:`governor.runners.llama_worker`) get token ids and only generate. Each worker holds the
+(:mod:`governor.runners.llama.worker`) get token ids and only generate. Each worker holds the
 model once, one context and one KV cache, and runs its share of the slots as sequences of one
-batch (continuous batching: :mod:`governor.runners.batching` decides each step). Admission
+batch (continuous batching: :mod:`governor.runners.llama.batching` decides each step). Admission
 reserves every job's cells in one worker's cache (:class:`~governor.core.kvbudget.KvBudget`,
 from :meth:`LlamaRunner.kv_caches`) and says which in :attr:`Job.kv_cache`, so a job never
 fails in the runner for want of cells.
 
 OpenAI's request features: a job's ``n`` sequences (choices) run in its one slot, in its
-worker, from one copy of the prompt (:mod:`governor.runners.llama_worker`), and so do its
+worker, from one copy of the prompt (:mod:`governor.runners.llama.worker`), and so do its
 penalties, logit biases and log probabilities. Before admission, :meth:`LlamaRunner.prepare`
 refuses what the model cannot do: a logit bias on a token it does not have, a schema or a tool
 whose grammar cannot be made. A job's output is held to a grammar
-(:func:`~governor.runners.structured.job_grammar`) when it asks for JSON or must call a tool;
+(:func:`~governor.runners.llama.structured.job_grammar`) when it asks for JSON or must call a tool;
 the grammar is made in the daemon, from JSON schemas by llama-cpp-python's converter, and
 parsed by llama.cpp there too, so that no worker is given one that does not parse. Tools go
 into the prompt through the chat template where it lays them out itself, else in a system
@@ -51,9 +51,8 @@ from typing import Any
 from protocol.codes import NeedCode
 from protocol.spec import JobSpec
 
-from ..telemetry.logs import event
-from . import llama_messages as msg
-from .base import (
+from ...telemetry.logs import event
+from ..base import (
     CacheShape,
     Fed,
     Finished,
@@ -67,8 +66,9 @@ from .base import (
     Token,
     probe_job,
 )
+from . import messages as msg
 from .batching import KNEE
-from .llama_prompts import LlamaPrompts
+from .prompts import LlamaPrompts
 from .structured import Choice, finish, functions_of, tool_mode
 
 log = logging.getLogger("governor.runners.llama")
@@ -190,7 +190,7 @@ class WorkerProcess:
             "kv-layout": s.kv_layout,
             "n-gpu-layers": s.n_gpu_layers,
         }
-        argv = [sys.executable, "-m", "governor.runners.llama_worker"]
+        argv = [sys.executable, "-m", "governor.runners.llama.worker"]
         return argv + [arg for key, value in options.items() for arg in (f"--{key}", str(value))]
 
     async def start(self) -> None:
@@ -677,7 +677,7 @@ class LlamaRunner:
 
 
 def run_request(key: str, job: Job, spec: JobSpec, grammar: str | None) -> msg.Run:
-    """The worker's run request for ``job`` (:mod:`governor.runners.llama_worker`)."""
+    """The worker's run request for ``job`` (:mod:`governor.runners.llama.worker`)."""
     return msg.Run(
         id=key,
         tokens=list(job.tokens),

@@ -1,7 +1,7 @@
 """A llama.cpp worker process: one model, one context, many sequences batched over one KV cache.
 
-Started by :class:`governor.runners.llama.LlamaRunner` as ``python -m
-governor.runners.llama_worker``. It speaks JSON lines: requests on stdin, events on stdout,
+Started by :class:`governor.runners.llama.runner.LlamaRunner` as ``python -m
+governor.runners.llama.worker``. It speaks JSON lines: requests on stdin, events on stdout,
 diagnostics on stderr; each message is a dataclass of :mod:`~.llama_messages`, which holds their
 codec, the one both ends use (a field shown optional below is null when absent). A crash here (a segfault in the native code, an out-of-memory kill) is
 seen by the daemon as the end of stdout and costs the jobs in hand, which abort.
@@ -149,7 +149,7 @@ import numpy.typing as npt
 
 from protocol.spec import MAX_N
 
-from . import llama_messages as msg
+from . import messages as msg
 from .batching import (
     KNEE,
     Entry,
@@ -892,7 +892,7 @@ class Worker:
 
 
 def arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m governor.runners.llama_worker")
+    parser = argparse.ArgumentParser(prog="python -m governor.runners.llama.worker")
     parser.add_argument("--model", required=True)
     parser.add_argument("--cells", type=int, required=True, help="KV cache cells")
     parser.add_argument("--slots", type=int, required=True, help="sequences at once")
