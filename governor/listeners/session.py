@@ -121,8 +121,7 @@ class Session:
     @property
     def deferred(self) -> Request | None:
         """A frame whose key waits for its turn; no line is handled meanwhile."""
-        waiting = self.credentials.waiting
-        return waiting if isinstance(waiting, Request) else None
+        return self.credentials.waiting
 
     @property
     def busy(self) -> int:

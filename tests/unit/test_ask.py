@@ -225,7 +225,7 @@ def test_a_key_goes_on_waits_for_its_turn_or_is_refused_for_now(clock: FakeClock
     state = ServerState(config, Admission(pool, tenants))
     steps = []
     for i in range(40):
-        credentials = Credentials(state, i)
+        credentials: Credentials[str] = Credentials(state, i)
         credentials.source = "10.0.0.1"
         request = f"request {i}"
         step = credentials.step(f"wrong-{i}", request)
