@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 from protocol.codes import ErrorCode, NeedCode
 from protocol.spec import JobSpec, SpecInvalid, is_json_content_type, parse_spec
@@ -69,8 +69,6 @@ log = logging.getLogger("governor.intake")
 
 # Authentication ------------------------------------------------------------------------------
 
-R = TypeVar("R")  # a door's request, held while it waits for its key's turn
-
 
 class KeyStep(Enum):
     """What a request's key lets it do now (:meth:`Credentials.step`)."""
@@ -80,10 +78,10 @@ class KeyStep(Enum):
     FAR = "far"  # that turn is beyond ``auth_grace``: refused for now, unchecked
 
 
-class Credentials(Generic[R]):
+class Credentials:
     """What one connection has shown of who it is: its source, a client certificate's tenant,
-    the keys found valid on it, and its failures; and the door's request (``R``) that waits
-    for its key's turn."""
+    the keys found valid on it, and its failures; and the key that waits for its turn (the door
+    holds the request that showed it)."""
 
     def __init__(self, state: ServerState, conn_id: int) -> None:
         self.state = state
@@ -94,8 +92,7 @@ class Credentials(Generic[R]):
         self.keys: dict[str, Tenant] = {}  # keys shown valid on this connection
         self.failures = 0  # jobs refused for want of a valid key
         self.turn = NOW  # reserved for a key that waits for it
-        # A door's request waiting for its key's turn (see :meth:`step`), until ``key_at``.
-        self.waiting: R | None = None
+        # A key waiting for its turn (see :meth:`step`), until ``key_at``.
         self.key_at = math.inf
         self._waiting_key = ""
 
@@ -106,30 +103,34 @@ class Credentials(Generic[R]):
         self.cert_tenant = cert_tenant
         self.authenticated = self.authenticated or cert_tenant is not None
 
-    def step(self, key: str, request: R) -> KeyStep:
-        """Whether ``request`` (a door's, showing ``key``) goes on now: :attr:`KeyStep.GO`
-        (checked, or needing no check), :attr:`KeyStep.LATER` (it waits, as :attr:`waiting`,
-        for its key's turn at :attr:`key_at`: see :meth:`turn_came`, or :meth:`turn_unused` if
-        its client leaves first) or :attr:`KeyStep.FAR` (refused for now, unchecked:
-        ``KEY_TURN_FAR``). The one rule both doors follow (:meth:`turn_for`)."""
+    def step(self, key: str) -> KeyStep:
+        """Whether a request showing ``key`` goes on now: :attr:`KeyStep.GO` (checked, or
+        needing no check), :attr:`KeyStep.LATER` (it waits for its key's turn at
+        :attr:`key_at`: see :meth:`turn_came`, or :meth:`turn_unused` if its client leaves
+        first) or :attr:`KeyStep.FAR` (refused for now, unchecked: ``KEY_TURN_FAR``). The one
+        rule both doors follow (:meth:`turn_for`)."""
         turn = self.turn_for(key)
         if turn is None:
             return KeyStep.FAR
         if turn.wait > 0:
             self.key_at = self.state.now() + turn.wait
-            self.waiting, self._waiting_key = request, key
+            self._waiting_key = key
             return KeyStep.LATER
         return KeyStep.GO
 
-    def turn_came(self, now: float) -> R | None:
-        """The request that waited for its key's turn, once the turn has come, its key checked
-        then; None: none waits, or its turn has not come."""
-        request = self.waiting
-        if request is None or now < self.key_at:
-            return None
+    @property
+    def waiting(self) -> bool:
+        """A key waits for its turn."""
+        return self.key_at != math.inf
+
+    def turn_came(self, now: float) -> bool:
+        """The key that waited has had its turn, checked then (the door's request goes on);
+        False: none waits, or its turn has not come."""
+        if now < self.key_at:
+            return False
         self._check(self._waiting_key, self.turn)
-        self.turn, self.waiting, self.key_at = NOW, None, math.inf
-        return request
+        self.turn, self.key_at = NOW, math.inf
+        return True
 
     def turn_for(self, key: str) -> Turn | None:
         """When ``key`` may be checked. :data:`~governor.core.sources.NOW`: it has been (just
@@ -152,7 +153,7 @@ class Credentials(Generic[R]):
     def turn_unused(self) -> None:
         """The request waiting for its key's turn is gone (or none waits): the turn is given
         back."""
-        self.waiting, self.key_at = None, math.inf
+        self.key_at = math.inf
         if self.turn is not NOW:
             self.state.connections.sources.turn_unused(self.source, self.turn)
             self.turn = NOW
@@ -552,13 +553,21 @@ class Unauthorized:
     failures: int
 
 
-class Conversation(Generic[R]):
+class Door(Protocol):
+    """What a conversation asks of its door's connection."""
+
+    def woken(self) -> None:
+        """Outcomes were decided between its reads (:meth:`Conversation.next_event`)."""
+        ...
+
+
+class Conversation:
     """One connection's conversation with the intake, the same on both doors and sans-IO: the
     door feeds it what happens and answers, in its own words, what comes back. It owns the
     order of the steps and every rule both doors share:
 
     1. :meth:`asked`: a job's key, checked at its turn (:class:`Credentials`); a request whose
-       key must wait is held here until :meth:`turn_came` gives it back.
+       key must wait is held by its door until :meth:`turn_came` says it goes on.
     2. :meth:`open`: whom the job runs for (:class:`Unauthorized` otherwise) and its attempt:
        the one the door's :class:`Keeper` kept for its retry (one another tenant left gave up),
        else a new one: the :class:`Ask`.
@@ -568,30 +577,33 @@ class Conversation(Generic[R]):
        (docs/PROTOCOL.md, "Places in line kept for a retry").
     4. Between the door's reads the line offers a waiting job a freed slot: it is decided
        here (:meth:`offered`, the line's call, never the door's), and the outcome waits in
-       :meth:`next_event`, the door's IO told by ``wake``.
+       :meth:`next_event`, its door told (:meth:`Door.woken`).
     5. :meth:`left`: the client left: its key's turn and its jobs in line are given up.
     """
 
-    def __init__(self, state: ServerState, conn_id: int, keeper: Keeper) -> None:
+    def __init__(
+        self, state: ServerState, credentials: Credentials, keeper: Keeper, door: Door
+    ) -> None:
         self.state = state
-        self.credentials: Credentials[R] = Credentials(state, conn_id)
+        self.credentials = credentials  # (the connection's, from its start)
         self.keeper = keeper
-        self.wake: Callable[[], None] = _nothing  # the door's IO: an event came between reads
-        # Decided between reads (a list: an idle connection's empty deque would cost 600 bytes).
-        self.events: list[tuple[Ask, Outcome]] = []
+        self.door = door
+        # Decided between reads (none until one is: an idle connection holds no list).
+        self.events: list[tuple[Ask, Outcome]] | None = None
         self.closed = False
 
     # 1. The key
 
-    def asked(self, key: str | None, request: R) -> KeyStep:
+    def asked(self, key: str | None) -> KeyStep:
         """A job asked with ``key`` (None: none shown): whether it goes on now, waits for its
-        key's turn (:meth:`turn_came` gives ``request`` back then) or is refused for now."""
+        key's turn (until :meth:`turn_came`) or is refused for now."""
         if key is None:
             return KeyStep.GO
-        return self.credentials.step(key, request)
+        return self.credentials.step(key)
 
-    def turn_came(self, now: float) -> R | None:
-        """The request that waited for its key's turn, once it has come (its key checked)."""
+    def turn_came(self, now: float) -> bool:
+        """The request that waited for its key's turn goes on: its turn has come, its key
+        checked (False: none waits, or not yet)."""
         return self.credentials.turn_came(now)
 
     # 2. Whom for, and which attempt
@@ -646,17 +658,21 @@ class Conversation(Generic[R]):
         a job it admitted is not yet taken by the door: its turn comes again), its outcome left
         for the door (:meth:`next_event`) unless it waits on. The need code of a refusal
         (None: admitted, or not decided)."""
-        if self.closed or any(isinstance(o, Admitted) for _, o in self.events):
+        events = self.events
+        if self.closed or (events and any(isinstance(o, Admitted) for _, o in events)):
             return None
         outcome = self.decide(ask)
         if not isinstance(outcome, Waiting):
-            self.events.append((ask, outcome))
-        self.wake()
+            if events is None:
+                events = self.events = []
+            events.append((ask, outcome))
+        self.door.woken()
         return None if isinstance(outcome, Admitted) else outcome.need_code
 
     def next_event(self) -> tuple[Ask, Outcome] | None:
         """An outcome decided between the door's reads, for it to answer; None: none."""
-        return self.events.pop(0) if self.events else None
+        events = self.events
+        return events.pop(0) if events else None
 
     # 5. The end
 
@@ -665,11 +681,7 @@ class Conversation(Generic[R]):
         gives its ticket back (the door gives up its asks in line, and what its keeper kept)."""
         self.closed = True
         self.credentials.turn_unused()
-        while self.events:
-            _, outcome = self.events.pop(0)
+        for _, outcome in self.events or ():
             if isinstance(outcome, Admitted):
                 outcome.ticket.release("client_gone")
-
-
-def _nothing() -> None:
-    pass
+        self.events = None

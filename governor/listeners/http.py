@@ -278,12 +278,9 @@ class HttpConnection(asyncio.Protocol):
         self.config = door.state.config
         self.id = connection_id()  # names the connection in logs (execution.Replies)
         # The intake's steps, in their order: the door keeps refused requests' places.
-        self.conversation: intake.Conversation[Deferred] = intake.Conversation(
-            self.state, self.id, door
-        )
-        self.conversation.wake = self._woken
-        self.credentials = self.conversation.credentials
-        self.out = Outbound(self.state, self.id, self.schedule)  # its writes, bounded, and close
+        self.credentials = intake.Credentials(self.state, self.id)
+        self.conversation = intake.Conversation(self.state, self.credentials, door, self)
+        self.out = Outbound(self.state, self.id)  # its writes, bounded, and its close
         self.transport: asyncio.Transport | None = None
         self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.served = False
@@ -376,13 +373,15 @@ class HttpConnection(asyncio.Protocol):
             self.state.connections.closed(self, self)
 
     def pause_writing(self) -> None:
-        self.out.pause()
+        if self.out.pause():
+            self.schedule()
 
     def resume_writing(self) -> None:
+        self.out.resume()
         if not self.closed:
-            self.out.resume()
+            self.schedule()
 
-    def _woken(self) -> None:
+    def woken(self) -> None:
         """The line offered the request in line a slot and the conversation decided it: it is
         answered on the next turn of the loop, not inside the release that freed the slot."""
         if not self.closed:
@@ -406,7 +405,8 @@ class HttpConnection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
-        self.out.close()
+        if self.out.close():
+            self.schedule()
 
     # Requests --------------------------------------------------------------------------
 
@@ -558,6 +558,7 @@ class Exchange:
         self.answers: api.Answers | None = None
         self.call: api.Call | None = None
         self.ask: intake.Ask | None = None  # a job's conversation with admission
+        self.deferred: Deferred | None = None  # a job's request whose key waits for its turn
         self.proxied: asyncio.Task[Relayed] | None = None  # the upstream answers it
         self.streaming = False  # the 200 and the stream's head are out
 
@@ -598,11 +599,12 @@ class Exchange:
         prepared and decided."""
         key = _bearer(header(request, b"authorization"))
         if key is not None:
-            step = self.conn.conversation.asked(key, (request, body, kind, key))
+            step = self.conn.conversation.asked(key)
             if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
                 self._abort(HTTPStatus.UNAUTHORIZED, NeedCode.UNAUTHORIZED, KEY_TURN_FAR)
                 return
             if step is KeyStep.LATER:
+                self.deferred = (request, body, kind, key)
                 self.conn.schedule()
                 return
         self._job(request, body, kind, key)
@@ -610,18 +612,17 @@ class Exchange:
     @property
     def due_at(self) -> float:
         """When :meth:`on_deadline` has something to do: its key's turn, or its next decision."""
-        credentials = self.conn.credentials
-        if credentials.waiting is not None:
-            return credentials.key_at
+        if self.deferred is not None:
+            return self.conn.credentials.key_at
         return math.inf if self.ask is None else self.ask.decide_at
 
     def on_deadline(self, now: float) -> None:
         """Time passed: its key's turn came, or its next decision at its hint."""
-        conversation = self.conn.conversation
-        if conversation.credentials.waiting is not None:
-            waiting = conversation.turn_came(now)
-            if waiting is not None:
-                self._job(*waiting)
+        deferred = self.deferred
+        if deferred is not None:
+            if self.conn.conversation.turn_came(now):
+                self.deferred = None
+                self._job(*deferred)
         elif self.ask is not None and self.ask.decide_at <= now:
             self.decide()
 
@@ -716,8 +717,7 @@ class Exchange:
 
     def left(self) -> None:
         """The client left while its request waited in line (:meth:`governor.intake.Ask.give_up`)
-        or for its key's turn (the turn is given back)."""
-        self.conn.credentials.turn_unused()
+        or for its key's turn (the conversation gave the turn back)."""
         if self.proxied is not None:
             self.proxied.cancel()
         if self.ask is not None:

@@ -124,7 +124,11 @@ class Owner(Protocol):
     """What the uploads need of their session."""
 
     wire: Wire
-    conversation: intake.Conversation[Request]  # (a new job's key, checked: its tenant)
+
+    @property
+    def conversation(self) -> intake.Conversation:
+        """The connection's intake (a new job's key, checked: its tenant)."""
+        ...
 
     def fatal(
         self,
@@ -265,10 +269,6 @@ class Uploads:
         self.owner.idle_changed()
         return state
 
-    def bytes_in(self, job: str) -> int:
-        state = self.jobs.get(job)
-        return 0 if state is None else state.upload.bytes_received
-
     # Frames --------------------------------------------------------------------------------
 
     def on_manifest(self, req: Request, state: JobState | None) -> None:
@@ -388,8 +388,9 @@ class JobTable:
         self.config = state.config
         self.id = conn_id  # names the connection in the executions' logs
         self.jobs: dict[str, JobState] = {}
-        self.retries = Retries(state)
-        self.uploads = Uploads(self)
+        # Made at the first job's frame (an idle connection holds neither: see docs/BENCHMARKS.md).
+        self._retries: Retries | None = None
+        self._uploads: Uploads | None = None
         # A job admitted and not yet started by the listener (Session.next_event).
         self.admitted: intake.JobAdmitted | None = None
         self._replies: JobReplies | None = None  # (made for the first job started)
@@ -419,6 +420,23 @@ class JobTable:
             state.reservation.release()
         self.owner.idle_changed()
 
+    @property
+    def retries(self) -> Retries:
+        if self._retries is None:
+            self._retries = Retries(self.state)
+        return self._retries
+
+    @property
+    def uploads(self) -> Uploads:
+        if self._uploads is None:
+            self._uploads = Uploads(self)
+        return self._uploads
+
+    def bytes_in(self, job: str) -> int:
+        """A job's payload bytes received so far (the replies' ``cdr.bytes_in``)."""
+        state = self.jobs.get(job)
+        return 0 if state is None else state.upload.bytes_received
+
     def client_gone(self) -> None:
         """The connection is gone: a job admitted and not started gives its ticket back here,
         the others not running are forgotten, and each execution stops and gives back its own."""
@@ -431,7 +449,8 @@ class JobTable:
                 self.forget(job)
             else:
                 state.execution.client_gone()
-        self.retries.client_gone()
+        if self._retries is not None:
+            self._retries.client_gone()
 
     def abort_running(self, need_code: NeedCode, error_code: ErrorCode, detail: str) -> None:
         """Send each running job its terminal abort now, then cancel it."""
@@ -466,7 +485,7 @@ class JobTable:
         if state is not None and state.phase is Phase.WAITING and self.admitted is None:
             self.decided(state, self.owner.conversation.decide(state.ask))
 
-    def answer_decided(self, conversation: intake.Conversation[Request]) -> None:
+    def answer_decided(self, conversation: intake.Conversation) -> None:
         """The outcomes the conversation decided between reads, answered in turn (an admitted
         one waits for the listener to start the one before it)."""
         while self.admitted is None and (event := conversation.next_event()) is not None:
@@ -480,7 +499,7 @@ class JobTable:
     def take(self, key: Hashable) -> Attempt | None:
         """The attempt of a job turned away without its payload, back for its retry."""
         assert isinstance(key, str)
-        return self.retries.turned_away.pop(key, None)
+        return None if self._retries is None else self._retries.turned_away.pop(key, None)
 
     def keep(self, key: Hashable, attempt: Attempt, refused: Yielded) -> bool:
         """Keep the refused job's payload for its retry, within the connection's bound; else

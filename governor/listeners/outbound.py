@@ -15,7 +15,6 @@ import asyncio
 import itertools
 import logging
 import math
-from collections.abc import Callable
 from typing import cast
 
 from ..core.sources import source_of
@@ -37,13 +36,13 @@ def connection_id() -> int:
 
 
 class Outbound:
-    """One connection's way out: ``schedule`` is the door's, called when :attr:`write_due`
-    (the client must read what was written by then) moves."""
+    """One connection's way out. :attr:`write_due` is when the client must have read what was
+    written (the door keeps it on its timer: :meth:`pause` and :meth:`close` say when it
+    moved)."""
 
-    def __init__(self, state: ServerState, conn_id: int, schedule: Callable[[], None]) -> None:
+    def __init__(self, state: ServerState, conn_id: int) -> None:
         self.state = state
         self.conn_id = conn_id
-        self._schedule = schedule
         self.transport: asyncio.Transport | None = None
         self.source = ""  # the client's address (its /64 for IPv6)
         self.paused = False  # the client is not reading: the transport's buffer is past its mark
@@ -70,27 +69,28 @@ class Outbound:
             return False
         return True
 
-    def pause(self) -> None:
-        """The client stopped reading: it must read again within ``write_timeout``."""
+    def pause(self) -> bool:
+        """The client stopped reading: it must read again within ``write_timeout``. True:
+        :attr:`write_due` moved."""
         self.paused = True
-        self._await_reading()
+        return self._await_reading()
 
     def resume(self) -> None:
+        """It reads again (:attr:`write_due` is gone)."""
         self.paused = False
         self.write_due = math.inf
-        self._schedule()
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Close after what was written: at once if the client does not read it, else once it
-        has (within ``write_timeout``)."""
+        has (within ``write_timeout``). True: :attr:`write_due` moved."""
         transport = self.transport
         if transport is None or transport.is_closing():
-            return
+            return False
         if self.paused:
             transport.abort()
-        else:
-            transport.close()
-            self._await_reading()
+            return False
+        transport.close()
+        return self._await_reading()
 
     def overdue(self, now: float) -> bool:
         """True when the client has not read for ``write_timeout``: it has been cut off."""
@@ -99,10 +99,11 @@ class Outbound:
         self.cut("write_timeout")
         return True
 
-    def _await_reading(self) -> None:
-        if self.write_due == math.inf:
-            self.write_due = self.state.now() + self.state.config.write_timeout
-            self._schedule()
+    def _await_reading(self) -> bool:
+        if self.write_due != math.inf:
+            return False
+        self.write_due = self.state.now() + self.state.config.write_timeout
+        return True
 
     def cut(self, reason: str) -> None:
         """Drop the connection now, with what it left unread (``reason`` ``slow_reader`` or

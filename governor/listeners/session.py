@@ -88,13 +88,11 @@ class Session:
         self._handling = False  # in receive_data or expire: an event admitted is seen there
         self.wire = Wire(state, conn)
         self.table = JobTable(self, state, conn_id)
-        self.wire.uploads = self.table.uploads  # (the table needs the wire first)
-        # The intake's steps, in their order: the table keeps refused jobs for their retries.
-        self.conversation: intake.Conversation[Request] = intake.Conversation(
-            state, conn_id, self.table
-        )
-        self.conversation.wake = self._decided_between_reads
-        self.credentials = self.conversation.credentials
+        self.wire.uploads = self.table  # (the table needs the wire first)
+        self.credentials = intake.Credentials(state, conn_id)
+        # The intake's steps in order (made when a frame asks: none on an idle connection).
+        self._conversation: intake.Conversation | None = None
+        self.deferred: Request | None = None  # a frame whose key waits for its turn
         self.jobs = self.table.jobs
         self.reader = LineReader(config.max_line_bytes)
         self.lines = 0  # lines received
@@ -119,9 +117,10 @@ class Session:
         return self.credentials.source
 
     @property
-    def deferred(self) -> Request | None:
-        """A frame whose key waits for its turn; no line is handled meanwhile."""
-        return self.credentials.waiting
+    def conversation(self) -> intake.Conversation:
+        if self._conversation is None:
+            self._conversation = intake.Conversation(self.state, self.credentials, self.table, self)
+        return self._conversation
 
     @property
     def busy(self) -> int:
@@ -202,7 +201,7 @@ class Session:
             deadline = now + config.idle_timeout
         if not self.credentials.authenticated:
             deadline = min(deadline, self.opened_at + config.auth_grace)
-        if self.credentials.waiting is not None:
+        if self.credentials.waiting:
             deadline = min(deadline, self.credentials.key_at)
         for state in self.jobs.values():
             deadline = min(deadline, state.deadline)
@@ -234,8 +233,9 @@ class Session:
             timeout = config.idle_timeout
             self.fatal(NeedCode.IDLE_TIMEOUT, ErrorCode.TIMEOUT, f"no frame for {timeout:g} s")
             return False
-        deferred = self.conversation.turn_came(now)
-        if deferred is not None:
+        deferred, went_on = self.deferred, False
+        if deferred is not None and self.conversation.turn_came(now):
+            self.deferred, went_on = None, True  # (no line was handled meanwhile)
             self.idle_changed()
             self._handle(deferred)
         for job, state in list(self.jobs.items()):
@@ -245,13 +245,11 @@ class Session:
                 self.table.decide_again(job)
             else:
                 self.table.expired(job, state)
-        went_on = deferred is not None and self.deferred is None
         return (went_on or self.table.admitted is not None) and not self.closed
 
-    def _decided_between_reads(self) -> None:
-        """The line offered a waiting job a slot (a job ended elsewhere, say) and the
-        conversation decided it: its outcome answered, and the listener woken to start it if
-        admitted (unless it is handling this session now: it takes the event when that ends)."""
+    def woken(self) -> None:
+        """The conversation decided a waiting job the line offered a slot: answered, and the
+        listener woken to start it if admitted (unless it is handling this session now)."""
         self.table.answer_decided(self.conversation)
         if not self._handling and (self.table.admitted is not None or self.sooner is not None):
             self._conn.wake()  # (a job to start, or its next decision's deadline to keep)
@@ -269,7 +267,10 @@ class Session:
     def connection_lost(self) -> None:
         """The client is gone: stop its work now; each execution gives back its own ticket."""
         self.closed = True
-        self.conversation.left()
+        self.deferred = None
+        self.credentials.turn_unused()
+        if self._conversation is not None:
+            self._conversation.left()
         self.table.client_gone()
 
     def displace(self, detail: str) -> None:
@@ -315,7 +316,7 @@ class Session:
         self.last_job, self.last_seq, self.last_ttl_ms = req.job, req.seq, req.ttl_ms
         key = req.api_key
         if key is not None and self._looks_up(req):
-            step = self.conversation.asked(key, req)
+            step = self.conversation.asked(key)
             self.idle_changed()
             if step is KeyStep.FAR:  # the guessers' turns are many: refused for now, unchecked
                 if req.verb != Verb.PING:
@@ -324,6 +325,7 @@ class Session:
                     )
                     return
             elif step is KeyStep.LATER:  # the source's failures are spent: it waits its turn
+                self.deferred = req
                 self.due(self.credentials.key_at)
                 return
         self._handle(req)

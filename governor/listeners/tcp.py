@@ -92,7 +92,7 @@ class GovernorProtocol:
         self.state = state
         self.transport: asyncio.Transport | None = None
         self.session = Session(state, self, conn_id := connection_id())
-        self.out = Outbound(state, conn_id, self._schedule)  # its writes, bounded, and close
+        self.out = Outbound(state, conn_id)  # its writes, bounded, and its close
         self._loop = asyncio.get_running_loop()
         self._served = False  # counted in the connections and against its source
         self._deadlines = deadlines
@@ -125,13 +125,15 @@ class GovernorProtocol:
         # The client is not reading its replies: stop reading and handling its requests.
         self.session.pause()
         self._reading()
-        self.out.pause()
+        if self.out.pause():
+            self._schedule()
 
     def resume_writing(self) -> None:
         session = self.session
         if session.closed:
             return
         self.out.resume()
+        self._schedule()
         session.resume()
         self._turn_ended(self._receive(b""))  # (the lines that waited may fill the buffer again)
         self._reading()
@@ -211,7 +213,8 @@ class GovernorProtocol:
         """Close after the replies written so far: at once if the client does not read them,
         else within ``write_timeout``."""
         self.session.closed = True
-        self.out.close()
+        if self.out.close():
+            self._schedule()
 
     # Deadlines -----------------------------------------------------------------------------
 
