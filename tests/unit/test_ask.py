@@ -46,6 +46,17 @@ def make_state(clock: FakeClock, cap: int = 1, **settings: Any) -> ServerState:
     return ServerState(config, Admission(pool, Tenants((), clock)))
 
 
+def keyed_state(clock: FakeClock, **settings: Any) -> ServerState:
+    """One slot, and one tenant declared (every key but its own fails)."""
+    from governor.core.tenants import TenantConfig
+
+    config = Config(**settings)
+    ledger = SlotLedger(1, clock=clock)
+    pool = Pool("primary", StubRunner(0.0), ledger, build_breaker(config, ledger, "primary"))
+    tenants = Tenants((TenantConfig(name="t", key_sha256="0" * 64),), clock)
+    return ServerState(config, Admission(pool, tenants))
+
+
 def anyone(state: ServerState) -> Tenant:
     """The tenant of every job when none is declared."""
     tenant = state.tenants.find(None)
@@ -216,13 +227,7 @@ def test_a_key_goes_on_waits_for_its_turn_or_is_refused_for_now(clock: FakeClock
     """With tenants declared, a source's budget of key failures spent: the next new key waits
     for its turn (:attr:`KeyStep.LATER`, at ``key_at``), and past ``auth_grace`` of turns
     it is refused, unchecked (:attr:`KeyStep.FAR`)."""
-    from governor.core.tenants import TenantConfig
-
-    config = Config(auth_grace=2.0)
-    ledger = SlotLedger(1, clock=clock)
-    pool = Pool("primary", StubRunner(0.0), ledger, build_breaker(config, ledger, "primary"))
-    tenants = Tenants((TenantConfig(name="t", key_sha256="0" * 64),), clock)
-    state = ServerState(config, Admission(pool, tenants))
+    state = keyed_state(clock, auth_grace=2.0)
     steps = []
     for i in range(40):
         credentials = Credentials(state, i)

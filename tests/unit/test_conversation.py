@@ -17,20 +17,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from governor import intake
-from governor.config import Config
-from governor.core.admission import Admission, Admitted, Attempt, Pool, Ticket, Yielded
-from governor.core.ledger import SlotLedger
-from governor.core.tenants import Tenant, TenantConfig, Tenants
+from governor.core.admission import Admitted, Attempt, Ticket, Yielded
+from governor.core.tenants import Tenant, TenantConfig
 from governor.intake import Ask, Conversation, Credentials, KeyStep, Unauthorized, Waiting
 from governor.listeners.jobs import Retries
 from governor.listeners.openai_api import KeptPlaces
-from governor.runners import StubRunner
-from governor.server import build_breaker
 from governor.state import ServerState
 from protocol.codes import NeedCode
 from tests.clock import FakeClock
 
-from .test_ask import HINT_S, anyone, make_state
+from .test_ask import HINT_S, anyone, keyed_state, make_state
 
 
 class Door:
@@ -175,11 +171,7 @@ def test_a_waiting_job_is_decided_when_a_slot_frees_and_waits_for_the_door(
 
 
 def test_a_key_waits_for_its_turn_and_a_spent_connection_closes(clock: FakeClock) -> None:
-    config = Config(auth_grace=2.0, max_auth_failures=2)
-    ledger = SlotLedger(1, clock=clock)
-    pool = Pool("primary", StubRunner(0.0), ledger, build_breaker(config, ledger, "primary"))
-    tenants = Tenants((TenantConfig(name="t", key_sha256="0" * 64),), clock)
-    state = ServerState(config, Admission(pool, tenants))
+    state = keyed_state(clock, auth_grace=2.0, max_auth_failures=2)
     steps = []
     for i in range(30):
         conversation = Conversation(state, Credentials(state, i), Kept(), Door())
