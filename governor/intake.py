@@ -1,8 +1,9 @@
 """One intake for every door: what the TCP session and the HTTP front door do alike with a job.
 
-A listener parses its own wire, keeps a refused job's place its own way (a held payload, a kept
-place in line) and maps what comes out of here to frames or HTTP statuses; the steps between
-are these, the same for every door:
+A listener parses its own wire, keeps a refused job for its retry its own way (a
+:class:`Keeper`: a held payload, a kept place in line) and maps what comes out of here to frames
+or HTTP statuses. Each connection has one :class:`Conversation`, which owns the order of the
+steps between, the same for every door:
 
 1. **Authenticate** (:class:`Credentials`): a key a connection shows for the first time is
    checked at once while its source's budget of failures lasts, else at its turn, the request
@@ -17,11 +18,11 @@ are these, the same for every door:
    within its budget waits in the one line both doors share (:class:`Wait`, in
    :attr:`ServerState.line`), decided again at its hint and whenever a slot may have freed; it
    leaves the line once, admitted, refused, or because its client left (:meth:`Ask.give_up`).
-   The door maps the :data:`Outcome` to its wire, and keeps a refused job for its retry its
-   own way (a held payload, a kept place).
-3. **Start** (:meth:`Ask.admitted`, :func:`governor.execution.start`): an admitted job's ticket takes its payload's
-   reservation and its wait since the first refusal is measured (no IO: a sans-IO session
-   hands the result out as an event); then its :class:`~governor.execution.Execution` starts.
+   The door maps the :data:`Outcome` to its wire; a refused job is kept for its retry by its
+   keeper, or gave up (:meth:`Conversation.refused`: one rule, whatever refused it).
+3. **Start** (:meth:`Ask.admitted`, :func:`governor.execution.start`): an admitted job's ticket
+   takes its payload's reservation and its wait since the first refusal is measured (no IO: a
+   sans-IO session hands the result out as an event); then its execution starts.
 4. **Take back** (:meth:`Ask.take_back`): the fleet refused a job this replica admitted; its
    ticket is given back and the payload's reservation returned to the door.
 
@@ -98,7 +99,7 @@ class Credentials:
 
     def connected(self, source: str, cert_tenant: Tenant | None) -> None:
         """The connection is open, from ``source``, its verified client certificate naming
-        ``cert_tenant`` if any (the door's transport says: :class:`~governor.listeners.outbound.Outbound`)."""
+        ``cert_tenant`` if any (its transport says: :class:`~.listeners.outbound.Outbound`)."""
         self.source = source
         self.cert_tenant = cert_tenant
         self.authenticated = self.authenticated or cert_tenant is not None
@@ -302,7 +303,8 @@ class Ask:
         self, decision: Admitted, *, job: str, ttl_ms: int, reservation: Reservation | None
     ) -> JobAdmitted:
         """The ticket takes the payload's reservation (released with it), and the job's wait
-        since its first refusal is measured: the job, for the door to start (:func:`~governor.execution.start`)."""
+        since its first refusal is measured: the job, for the door to start
+        (:func:`~governor.execution.start`)."""
         ticket = decision.ticket
         ticket.reservation = reservation
         waited = None if self.first_refusal is None else ticket.slot.started - self.first_refusal
@@ -517,8 +519,8 @@ def _wait_outcome(decision: Decision | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class JobAdmitted:
-    """An admitted job, for its listener to start (:func:`~governor.execution.start`); what a sans-IO session
-    hands out as an event."""
+    """An admitted job, for its listener to start (:func:`~governor.execution.start`); what a
+    sans-IO session hands out as an event."""
 
     job: str  # the client's name for it, for the logs
     ttl_ms: int  # its deadline from admission: 0, none
@@ -568,11 +570,12 @@ class Conversation:
 
     1. :meth:`asked`: a job's key, checked at its turn (:class:`Credentials`); a request whose
        key must wait is held by its door until :meth:`turn_came` says it goes on.
-    2. :meth:`open`: whom the job runs for (:class:`Unauthorized` otherwise) and its attempt:
-       the one the door's :class:`Keeper` kept for its retry (one another tenant left gave up),
-       else a new one: the :class:`Ask`.
-    3. :meth:`submit`: the runner prepares it, it lines up if it may wait, and admission
-       decides (:meth:`decide` again at its hint): an :data:`Outcome`. Every refusal is kept
+    2. :meth:`tenant`: whom the job runs for (:class:`Unauthorized` otherwise); :meth:`open`:
+       its attempt, the one the door's :class:`Keeper` kept for its retry (one another tenant
+       left gave up), else a new one: the :class:`Ask`, which the runner prepares from the
+       spec the door's codec read (:meth:`Ask.prepare`, :meth:`Ask.prepare_fields`).
+    3. :meth:`submit`: it lines up if it may wait, and admission decides (:meth:`decide`
+       again at its hint): an :data:`Outcome`. Every refusal is kept
        for its retry by the keeper, or counted as given up: one rule, whatever refused it
        (docs/PROTOCOL.md, "Places in line kept for a retry").
     4. Between the door's reads the line offers a waiting job a freed slot: it is decided
