@@ -685,6 +685,12 @@ class Conversation:
         self.closed = True
         self.credentials.turn_unused()
         for _, outcome in self.events or ():
-            if isinstance(outcome, Admitted):
-                outcome.ticket.release("client_gone")
+            unclaimed(outcome)
         self.events = None
+
+
+def unclaimed(outcome: Outcome) -> None:
+    """An outcome decided between reads whose job its door no longer has (its client left, or
+    replaced it): an admission gives its ticket back; any other needs no answer."""
+    if isinstance(outcome, Admitted):
+        outcome.ticket.release("client_gone")

@@ -393,8 +393,8 @@ class HttpConnection(asyncio.Protocol):
             exchange = self.exchange
             if not self.closed and exchange is not None and exchange.ask is ask:
                 exchange.answer(outcome)
-            elif isinstance(outcome, Admitted):  # (its client left meanwhile)
-                outcome.ticket.release("client_gone")
+            else:  # (its client left meanwhile)
+                intake.unclaimed(outcome)
 
     # For the server (state.Connection) -------------------------------------------------
 

@@ -493,8 +493,8 @@ class JobTable:
             state = self.jobs.get(ask.key) if isinstance(ask.key, str) else None
             if state is not None and state.ask is ask:
                 self.decided(state, outcome)
-            elif isinstance(outcome, Admitted):  # (its job is gone meanwhile)
-                outcome.ticket.release("client_gone")
+            else:  # (its job is gone meanwhile)
+                intake.unclaimed(outcome)
 
     # intake.Keeper: what this door keeps of a refused job for its retry, by its id ------------
 
