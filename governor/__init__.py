@@ -8,7 +8,8 @@ Find your way in, from the bottom layer up (``tests/unit/test_layout.py`` holds 
 * :mod:`governor.runners`: what executes admitted jobs, behind the ``Runner`` seam.
 * :mod:`governor.ops`: health, metrics, logs.
 * :mod:`governor.listeners`: the doors. :mod:`governor.listeners.session` is one TCP
-  connection's protocol, sans-IO; :mod:`governor.listeners.http` the OpenAI-compatible door.
+  connection's protocol, sans-IO, :mod:`governor.listeners.http_session` one HTTP connection's;
+  :mod:`governor.listeners.tcp` and :mod:`governor.listeners.http` move their bytes.
 * :mod:`governor.intake`: what both doors do alike with a job: authenticate, submit, start,
   take back a fleet refusal; :mod:`governor.execution`: one admitted job's run.
 * :mod:`governor.server`: the daemon's lifecycle (start, serve, drain, stop).

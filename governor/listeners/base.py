@@ -66,6 +66,18 @@ class Due(Protocol):
 GRAIN = 0.01
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+# Call a function after so many seconds (the running loop's ``call_later``, or a test's).
+CallLater = Callable[[float, Callable[[], None]], Timer]
+
+
+def loop_later(delay: float, callback: Callable[[], None]) -> Timer:
+    return asyncio.get_running_loop().call_later(delay, callback)
+
+
 class Deadlines:
     """One timer for every connection of a listener, instead of a timer each.
 
@@ -76,11 +88,12 @@ class Deadlines:
     timer fires at the earliest bucket. A deadline is late by at most a grain.
     """
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], call_later: CallLater = loop_later) -> None:
         self._clock = clock
+        self._call_later = call_later
         self._buckets: dict[int, set[Due]] = {}
         self._keys: list[int] = []  # a heap of the buckets' keys (some may be gone)
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Timer | None = None
         self._timer_key: int | None = None
 
     def __len__(self) -> int:
@@ -125,7 +138,7 @@ class Deadlines:
         if self._timer is not None:
             self._timer.cancel()
         delay = max(key * GRAIN - self._clock(), 0.0)
-        self._timer = asyncio.get_running_loop().call_later(delay, self._fire)
+        self._timer = self._call_later(delay, self._fire)
         self._timer_key = key
 
     def _fire(self) -> None:

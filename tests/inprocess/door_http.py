@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 from governor.core.ledger import DRAINING_HINT_MS
 from governor.core.policy import LANES
 from governor.listeners import openai_api as api
-from governor.listeners.http import Exchange, HttpConnection
+from governor.listeners.http import HttpConnection
+from governor.listeners.http_session import Exchange
 from governor.listeners.openai_api import KeptPlaces
 from governor.runners import Job, RunEvent, Token
 from protocol.spec import JobSpec
@@ -382,10 +383,10 @@ class HttpDoor:
         """The request the server is answering on ``client``'s connection, if it owes no answer
         yet: it runs (its job has not been ended), or it waits at the door."""
         conn = self.server_side(client)
-        if conn is None or conn.exchange is None or conn.incoming.request is None:
+        if conn is None or conn.session.exchange is None or conn.session.incoming.request is None:
             return None
-        n = int(dict(conn.incoming.request.headers)[b"x-test-request"])
-        exchange = conn.exchange
+        n = int(dict(conn.session.incoming.request.headers)[b"x-test-request"])
+        exchange = conn.session.exchange
         if _decided_later(exchange):
             return n, "at the door"
         execution = exchange.execution
@@ -420,18 +421,20 @@ class HttpDoor:
                 self.m.log(f"{client.name}   #{blocked[0]} {blocked[1]}")
 
     def pending(self) -> list[HttpConnection]:
-        return [c for c in self.http_connections() if c.exchange and c.exchange.at_door]
+        return [
+            c for c in self.http_connections() if c.session.exchange and c.session.exchange.at_door
+        ]
 
     def job_ending(self, job: str, ok: bool) -> None:
         """Its request (found by the head the server keeps) is told how its job ends."""
         owner = None
         for conn in self.http_connections():
-            exchange, client = conn.exchange, self.client_of(conn)
+            exchange, client = conn.session.exchange, self.client_of(conn)
             if exchange is None or exchange.execution is None or client is None:
                 continue
-            if exchange.execution.ticket.job.id != job or conn.incoming.request is None:
+            if exchange.execution.ticket.job.id != job or conn.session.incoming.request is None:
                 continue
-            owner = client.by_n[int(dict(conn.incoming.request.headers)[b"x-test-request"])]
+            owner = client.by_n[int(dict(conn.session.incoming.request.headers)[b"x-test-request"])]
             spec, call = owner.spec, exchange.call
             assert call is not None
             assert (call.chat, call.stream) == (spec.what == "chat", spec.stream), owner
@@ -505,7 +508,7 @@ class HttpDoor:
         running = set(self.m.runner.running())
         owners: dict[str, Client] = {}
         for conn in self.http_connections():
-            exchange, client = conn.exchange, self.client_of(conn)
+            exchange, client = conn.session.exchange, self.client_of(conn)
             if exchange is None or exchange.execution is None or client is None:
                 continue
             if (job := exchange.execution.ticket.job.id) in running:
@@ -593,10 +596,12 @@ class HttpDoor:
         """Request bodies counted against the payload buffers: those of the requests that run
         or wait at the door."""
         return sum(
-            len(conn.incoming.body)
+            len(conn.session.incoming.body)
             for conn in self.http_connections()
-            if conn.exchange is not None
-            and (conn.exchange.execution is not None or _decided_later(conn.exchange))
+            if conn.session.exchange is not None
+            and (
+                conn.session.exchange.execution is not None or _decided_later(conn.session.exchange)
+            )
         )
 
     def orphans(self) -> set[str]:
@@ -624,7 +629,7 @@ class HttpDoor:
         assert places.count == sum(kept.values()), f"{places.count} places, {kept}"
         assert places.count <= places.limit
         for conn in self.http_connections():
-            exchange = conn.exchange
+            exchange = conn.session.exchange
             if exchange is None:
                 continue
             assert _decided_later(exchange) == exchange.at_door, "at the door?"

@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from governor.core.tenants import TenantConfig
-from governor.listeners.http import MAX_READ_AHEAD, HttpConnection
+from governor.listeners.http import HttpConnection
+from governor.listeners.http_session import MAX_READ_AHEAD
 from governor.listeners.shell import MAX_HEAD_BYTES, MAX_HEADERS
 from governor.runners import Finished, Job, RunEvent, Runner, Token
 from governor.runners.stub import StubRunner
@@ -217,7 +218,7 @@ def http_connections(server: Server) -> list[HttpConnection]:
 
 def buffered(conn: HttpConnection) -> int:
     """Bytes received on ``conn`` that h11 holds, not yet handled."""
-    return len(conn.http.trailing_data[0])
+    return len(conn.session.http.trailing_data[0])
 
 
 def idle(server: Server) -> bool:
@@ -865,7 +866,7 @@ async def test_connections_over_the_limit_get_503_and_are_closed(
     held = [await dial(server) for _ in range(2)]
     for client in held:
         client.send(post()[:20])  # a request begun: not idle
-    await wait_until(lambda: sum(c.arriving for c in http_connections(server)) == 2)
+    await wait_until(lambda: sum(c.session.arriving for c in http_connections(server)) == 2)
     third = await dial(server)
     answer = await assert_refused(third, 503, "too_many_connections")
     assert answer.headers["retry-after"] == "1"
@@ -889,7 +890,7 @@ async def test_the_connection_limit_counts_both_listeners(
         await wait_until(lambda: server.inflight == 1)  # a job running: not idle
         http = await dial(server)
         http.send(post()[:20])
-        await wait_until(lambda: sum(c.arriving for c in http_connections(server)) == 1)
+        await wait_until(lambda: sum(c.session.arriving for c in http_connections(server)) == 1)
         await assert_refused(await dial(server), 503, "too_many_connections")
         other_tcp = await RawConn.open(server)
         try:

@@ -252,7 +252,7 @@ async def test_the_front_door_displaces_an_idle_connection_with_a_503(
     server = await front(make_server, tenants=TENANTS, max_connections=3)
     arriving, idle_one = await dial(server), await dial(server)
     arriving.send(post(BODY, f"Authorization: Bearer {KEY}")[:30])
-    await wait_until(lambda: sum(c.arriving for c in http_connections(server)) == 1)
+    await wait_until(lambda: sum(c.session.arriving for c in http_connections(server)) == 1)
     tcp = await RawConn.open(server)
     tcp.send({**ping(), "api_key": KEY})
     assert (await tcp.recv())["status"] == "ok"
@@ -540,7 +540,7 @@ async def test_an_sdk_whose_kept_alive_connection_was_displaced_is_served_on_a_n
         await wait_until(lambda: server.state.connections.displaced == 1)
         others[0].send(post()[:10])  # a request arriving: not idle
         others[1].send(post()[:10])
-        await wait_until(lambda: sum(c.arriving for c in http_connections(server)) == 2)
+        await wait_until(lambda: sum(c.session.arriving for c in http_connections(server)) == 2)
         for other in others:
             other.abort()  # room again
         await wait_until(lambda: not http_connections(server))

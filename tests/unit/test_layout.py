@@ -173,6 +173,26 @@ def test_the_intake_decides_without_io() -> None:
     assert "governor.intake" in all_imports("governor")
 
 
+# Each door's connection as h11 is, bytes in and answers out: the TCP session (its jobs, its
+# wire) and the front door's session (its codec, the OpenAI mapping); the transports, timers
+# and tasks are the listeners' (tcp, http, outbound).
+SESSIONS = tuple(
+    f"governor.listeners.{name}"
+    for name in ("session", "jobs", "wire", "http_session", "shell", "openai_api")
+)
+
+
+def test_the_doors_sessions_are_sans_io() -> None:
+    listeners = ("outbound", "tcp", "http", "base")
+    io = (*NOT_IN_CORE[:7], *(f"governor.listeners.{n}" for n in listeners), "governor.server")
+
+    def allowed(name: str, dep: str) -> bool:
+        return name not in SESSIONS or not within(dep, *io)
+
+    assert crossings("governor", allowed) == []
+    assert set(SESSIONS) <= set(all_imports("governor"))
+
+
 def test_telemetry_knows_nothing_of_the_governor() -> None:
     def allowed(name: str, dep: str) -> bool:
         return (
