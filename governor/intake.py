@@ -486,6 +486,7 @@ class Wait:
         """Out of the line (if in it) with the decision that ended its wait (None: its client
         left), the wait measured."""
         waiter, state, attempt = self.waiter, self.state, self.attempt
+        self.decide = _left  # (its door's decision holds the ask that holds this wait)
         if waiter is None:
             self.waited_ms = 0
             return
@@ -504,6 +505,10 @@ class Wait:
             self.leave(None)
             self.state.admission.forget(self.attempt)
             self.state.offer()
+
+
+def _left() -> str | None:
+    return None
 
 
 def _wait_outcome(decision: Decision | None) -> str:
@@ -561,6 +566,16 @@ class Door(Protocol):
     def woken(self) -> None:
         """Outcomes were decided between its reads (:meth:`Conversation.next_event`)."""
         ...
+
+
+class _Left:
+    """The door of a conversation whose client has left: nothing is decided for it any more."""
+
+    def woken(self) -> None:
+        pass
+
+
+LEFT = _Left()
 
 
 class Conversation:
@@ -687,6 +702,7 @@ class Conversation:
         for _, outcome in self.events or ():
             unclaimed(outcome)
         self.events = None
+        self.door = LEFT  # (the door and its conversation no longer hold each other)
 
 
 def unclaimed(outcome: Outcome) -> None:

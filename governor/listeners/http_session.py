@@ -99,6 +99,40 @@ class Link(Protocol):
         ...
 
 
+class _Gone:
+    """The link of a session whose client has gone: what its running job would still say goes
+    nowhere (as it would on the closed transport)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def last(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def reading(self, wanted: bool) -> None:
+        pass
+
+    def due(self, deadline: float) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def start(self, job: JobAdmitted, replies: Replies) -> Running:
+        raise AssertionError("the connection has gone: no job starts for it")
+
+    def relay(
+        self, method: str, path: str, body: bytes, done: Callable[[Relayed | BaseException], None]
+    ) -> Cancel:
+        raise AssertionError("the connection has gone: nothing is relayed for it")
+
+
+GONE = _Gone()
+
+
 class Door(intake.Keeper, Protocol):
     """What a session asks of its door: the route of a request, the model's name, the runner
     that forwards (a sidecar's), and (:class:`~governor.intake.Keeper`) the places kept."""
@@ -232,6 +266,10 @@ class HttpSession:
             exchange.left()
             if exchange.execution is not None:
                 exchange.execution.client_gone()
+        # Its links back go: its objects are freed by their reference counts once nothing runs
+        # for them, not by the cycle collector.
+        self.exchange = None
+        self.link = GONE
 
     def woken(self) -> None:
         """The line offered the request in line a slot and the conversation decided it: it is

@@ -32,7 +32,7 @@ from ..execution import Running
 from ..intake import KeyStep
 from ..state import ServerState
 from .jobs import JobState, JobTable, Phase
-from .wire import Wire
+from .wire import NO_UPLOADS, Wire
 
 # Lines one connection has handled before the others get a turn: a client pipelining thousands
 # of frames delays another's ping by one turn of each busy connection, not by all its frames.
@@ -59,6 +59,23 @@ class Connection(Protocol):
         ...
 
 
+class _Gone:
+    """The connection of a session whose client has gone: its running jobs' last replies go
+    nowhere (as they would on the closed transport)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+GONE = _Gone()
+
+
 class Session:
     """One connection's protocol state: its jobs (:attr:`table`) and its deadlines
     (:meth:`next_deadline`, :meth:`expire`): no frame for ``idle_timeout`` while nothing runs;
@@ -74,12 +91,7 @@ class Session:
     valid key.
     """
 
-    def __init__(
-        self,
-        state: ServerState,
-        conn: Connection,
-        conn_id: int,
-    ) -> None:
+    def __init__(self, state: ServerState, conn: Connection, conn_id: int) -> None:
         self.state = state
         self.config = config = state.config
         self.clock = state.admission.clock
@@ -87,7 +99,7 @@ class Session:
         self._conn = conn
         self._handling = False  # in receive_data or expire: an event admitted is seen there
         self.wire = Wire(state, conn)
-        self.table = JobTable(self, state, conn_id)
+        self.table = JobTable(self, self.wire, state, conn_id)
         self.wire.uploads = self.table  # (the table needs the wire first)
         self.credentials = intake.Credentials(state, conn_id)
         # The intake's steps in order (made when a frame asks: none on an idle connection).
@@ -271,7 +283,11 @@ class Session:
         self.credentials.turn_unused()
         if self._conversation is not None:
             self._conversation.left()
+            self._conversation = None
         self.table.client_gone()
+        # (the table lets go of the session, the session of its connection: see client_gone)
+        self._conn = self.wire.out = GONE
+        self.wire.uploads = NO_UPLOADS
 
     def displace(self, detail: str) -> None:
         """Make way for a new connection at a limit (only an idle one is asked to)."""
