@@ -482,8 +482,8 @@ class JobTable:
         if self._retries is not None:
             self._retries.client_gone()
         # Its links back up go with it: the connection's objects are then freed as soon as
-        # nothing runs for them, by their reference counts, not by the cycle collector (which
-        # took about 9 % of the daemon's CPU in a burst of new connections).
+        # nothing runs for them, by their reference counts, not by the cycle collector (see
+        # docs/BENCHMARKS.md, the yield path against heptaminid).
         self.owner = GONE
         self._uploads = None
         self._replies = None

@@ -1,7 +1,9 @@
 """A connection's objects are freed when it ends by their reference counts, not left for the
 cycle collector: on both doors, whether its job yielded, ran to its end, or still ran when its
-client left. (A burst of new connections spent about a tenth of the daemon's CPU collecting
-the cycles each left behind.) The connections here are the listeners' own protocols on a
+client left. (A burst of new connections spent a good share of the daemon's CPU collecting the
+cycles each left behind.) As Python, a job cancelled as its client leaves stays in a cycle of
+its coroutine's own (the interpreter's, not the governor's): that case runs on the compiled
+build alone. The connections here are the listeners' own protocols on a
 transport that records what is written, in a started server; no socket."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from governor.compiled import status
 from governor.listeners.http import HttpConnection
 from governor.listeners.tcp import GovernorProtocol
 from governor.server import Server
@@ -112,6 +115,8 @@ def http(server: Server) -> tuple[HttpConnection, Transport]:
 async def test_a_connection_leaves_nothing_for_the_cycle_collector(
     make_server: ServerFactory, no_collector: Callable[[], list[str]], door: str, end: str
 ) -> None:
+    if end == "left_running" and status()["governor.execution"] != "compiled":
+        pytest.skip("as Python, a cancelled job's coroutine keeps its execution in a cycle")
     stub_ms = 0 if end == "ran" else 60_000
     server = await make_server(http_listen="127.0.0.1:0", stub_ms=stub_ms, max_inflight=1)
     connect = tcp if door == "tcp" else http
@@ -120,6 +125,7 @@ async def test_a_connection_leaves_nothing_for_the_cycle_collector(
         holder, _ = connect(server)
         holder.data_received(request("J_hold"))
         await wait_until(lambda: server.inflight == 1)
+    gc.collect()  # (what earlier servers left: only this connection's objects are counted)
     conn, transport = connect(server)
     conn.data_received(request("J_1"))
     out = transport.out
@@ -135,4 +141,5 @@ async def test_a_connection_leaves_nothing_for_the_cycle_collector(
         await wait_until(lambda: server.inflight == 0)
     for _ in range(3):
         await asyncio.sleep(0)  # (the execution's done-callbacks)
-    assert no_collector() == []
+    left = no_collector()
+    assert left == [], "\n".join(left)
