@@ -113,12 +113,13 @@ async def test_a_connection_is_kept_and_reused(reply: Reply) -> None:
 async def test_a_kept_connection_the_server_closed_is_replaced() -> None:
     """The server answers one request a connection and closes it when the next comes, without
     an answer: each later request, sent on the kept connection, goes again on a new one."""
-    answered: set[int] = set()
+    # (the writers themselves, kept: a writer's id, once it is freed, may be a new one's)
+    answered: set[asyncio.StreamWriter] = set()
 
     async def once(head: bytes, writer: asyncio.StreamWriter) -> bool:
-        if id(writer) in answered:
+        if writer in answered:
             return False  # (closed with the request unanswered)
-        answered.add(id(writer))
+        answered.add(writer)
         return await stream(head, writer)
 
     async with scripted(once) as (server, url):
