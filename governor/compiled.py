@@ -5,7 +5,10 @@ mypyc turns a typed module into a C extension that Python imports instead of the
 beside it (an extension comes first in the import order). Only modules every job passes
 through are listed: the codec, the upload, the TCP listener's connection class and its one
 timer, the session and its job table, the intake, the execution, the admission with its ledger,
-breaker and sources, and the sidecar's decoders of its upstream's stream. Everything
+breaker, sources, service estimates, preemption and count of unserved jobs, and the sidecar's
+decoders of its upstream's stream. (Not the job spec's parser nor the tenants' table: their
+dataclasses take what a client or a config file gave, checked after, and a compiled
+dataclass's own type check would answer a wrong type before the check's clear error.) Everything
 works without them: with no C compiler, or after ``deploy/compile.py --clean``, the same modules
 run as Python.
 
@@ -42,8 +45,11 @@ MODULES = (
     "governor.core.hints",
     "governor.core.lanegate",
     "governor.core.ledger",
+    "governor.core.preemption",
     "governor.core.promises",
+    "governor.core.service",
     "governor.core.sources",
+    "governor.core.unserved",
     "governor.execution",
     "governor.intake",
     "governor.listeners.base",
